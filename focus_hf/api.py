@@ -1,0 +1,63 @@
+"""Run-time controls of a model carrying Focus adapters (a PeftModel or a transformers model)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .layer import FocusLayer
+
+
+def focus_layers(model: nn.Module) -> list[FocusLayer]:
+    """Every Focus-wrapped attention layer of `model`, in model order.
+
+    Raises:
+        ValueError: the model carries no Focus adapter.
+    """
+    layers = [module for module in model.modules() if isinstance(module, FocusLayer)]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} carries no Focus adapter: call get_peft_model(model, FocusConfig(...)) "
+            "or model.load_adapter(path) first (after `import focus_hf`)."
+        )
+    return layers
+
+
+def set_routing(model: nn.Module, mode: str = "hard", top_k: Optional[int] = None, backend: Optional[str] = None) -> None:
+    """Switch the routing of every Focus layer without reloading the adapter.
+
+    Args:
+        model: a PeftModel or a transformers model with a Focus adapter loaded.
+        mode: `"soft"` (differentiable gate, dense cost, used for training), `"hard"` (the sparse pattern) or
+            `"auto"` (soft in train mode, hard in eval mode, the default after loading).
+        top_k: groups each query probes in hard mode; None keeps each adapter's configured value.
+        backend: attention implementation of hard mode: `"reference"` (dense masked), or `None`/`"auto"` for
+            the best available.
+    """
+    for layer in focus_layers(model):
+        layer.set_routing(mode, top_k, backend)
+
+
+@torch.no_grad()
+def group_assignments(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+) -> dict[int, torch.LongTensor]:
+    """The groups each token keeps in hard mode, per routed layer.
+
+    Runs one forward pass of `model` (without cache). Padding positions get groups too; ignore them.
+
+    Returns:
+        layer index -> LongTensor [batch, seq, top_k], each token's groups, best first. The first entry is also
+        the token's own group as a key.
+    """
+    layers = focus_layers(model)
+    for layer in layers:
+        layer.recorded_groups = []
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return {layer.layer_index: torch.cat(layer.recorded_groups, dim=1) for layer in layers}
+    finally:
+        for layer in layers:
+            layer.recorded_groups = None

@@ -1,0 +1,145 @@
+"""The attention function Focus registers with transformers, and the routing it reads from its module.
+
+Routed attention modules are wrapped by `FocusLayer`, which computes the routing from the hidden states and
+leaves it on the wrapped module as `_focus_routing` for the duration of one forward call. Every attention module
+of a model with a Focus adapter calls `focus_attention_forward` (it is the model's attention implementation);
+modules without routing - unrouted layers, disabled adapters - get the base implementation unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .pattern import allowed_pairs, pair_distance, soft_gate
+from .reference import dense_attention
+from .routing import RoutingState, TokenRouting
+
+ATTENTION_NAME = "focus"
+BACKENDS = ("auto", "reference")
+
+
+class FocusRuntimeError(RuntimeError):
+    """Focus attention was asked to run in a situation it does not support."""
+
+
+@dataclass
+class LayerRouting:
+    """Routing of one attention layer for one forward call, handed from `FocusLayer` to the attention function."""
+
+    mode: str  # "soft" or "hard"
+    backend: str
+    window: int
+    num_groups: int
+    top_k: int
+    gate_floor: float
+    queries: TokenRouting  # the tokens of this call
+    keys: RoutingState  # every token so far, these included
+    consumed: bool = False
+
+    def restricts(self, kv_len: int) -> bool:
+        """Whether the pattern removes any causal pair among `kv_len` keys (otherwise attention is dense)."""
+        if kv_len - 1 <= self.window or self.num_groups == 1:
+            return False
+        return self.mode == "soft" or self.top_k < self.num_groups
+
+
+def as_bool_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The model's mask as booleans (True = may attend), whether it came boolean or additive."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
+
+
+def causal_positions(q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute positions of queries and keys when the keys are the last `kv_len` tokens, queries the last `q_len`."""
+    keys = torch.arange(kv_len, device=device)
+    return keys[kv_len - q_len :], keys
+
+
+def base_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Unrestricted attention, as the base model computes it (SDPA, or the dense path when SDPA cannot)."""
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    allowed = as_bool_mask(attention_mask)
+    if allowed is None:
+        query_positions, key_positions = causal_positions(query.shape[2], key.shape[2], query.device)
+        allowed = (pair_distance(query_positions, key_positions) >= 0)[None, None]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return dense_attention(query, key, value, allowed, scaling=scaling, softcap=softcap, dropout=dropout), None
+
+
+def focus_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention with the Focus pattern of `module._focus_routing` (transformers' attention-function signature).
+
+    Shapes follow transformers: query [batch, heads, q, dim], key/value [batch, kv_heads, kv, dim] (GQA not
+    repeated; during decoding the keys include the cache); returns [batch, q, heads, dim].
+    """
+    routing: Optional[LayerRouting] = getattr(module, "_focus_routing", None)
+    if routing is None:
+        return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    routing.consumed = True
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise FocusRuntimeError("Focus does not support models with learned attention-sink logits (s_aux) yet.")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    keys = routing.keys
+    if kv_len > keys.seen:
+        raise FocusRuntimeError(
+            f"The attention received {kv_len} keys but only {keys.seen} tokens were routed: static or "
+            "pre-allocated KV caches are not supported. Use the default DynamicCache."
+        )
+    if not routing.restricts(kv_len):
+        return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    # Keys are the most recent kv_len tokens (sliding-window caches keep only those).
+    start = keys.seen - kv_len
+    query_positions = torch.arange(keys.seen - q_len, keys.seen, device=query.device)
+    key_positions = torch.arange(start, keys.seen, device=query.device)
+    key_sink = keys.key_sink[:, start:]
+    base_allowed = as_bool_mask(attention_mask)
+    causal = (pair_distance(query_positions, key_positions) >= 0)[None, None]
+    allowed = causal if base_allowed is None else causal & base_allowed
+    bias = None
+    if routing.mode == "hard":
+        pattern = allowed_pairs(
+            routing.queries.top_groups, keys.key_groups[:, start:], key_sink, query_positions, key_positions, routing.window
+        )
+        allowed = allowed & pattern[:, None]
+    else:
+        bias = soft_gate(
+            routing.queries.log_probs.exp(),
+            keys.key_probs[:, start:],
+            key_sink,
+            query_positions,
+            key_positions,
+            routing.window,
+            routing.gate_floor,
+        )[:, None]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    output = dense_attention(
+        query, key, value, allowed, scaling=scaling, bias=bias, softcap=kwargs.get("softcap"), dropout=dropout
+    )
+    return output, None

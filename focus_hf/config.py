@@ -1,0 +1,112 @@
+"""Configuration of a Focus adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from peft.config import PeftConfig
+
+ROUTING_MODES = ("auto", "soft", "hard")
+
+
+class FocusConfigError(ValueError):
+    """A Focus adapter configuration is invalid or does not fit the model."""
+
+
+@dataclass
+class FocusConfig(PeftConfig):
+    """Configuration of a Focus adapter: a learned router in front of every attention layer.
+
+    Each routed attention layer gets a projection `W_g` (hidden_size x group_dim) and `num_groups` centroids
+    (num_groups x group_dim). Tokens are assigned to groups by causal Sinkhorn routing; attention between
+    tokens more than `window` positions apart is allowed only when the key's group is among the query's
+    `top_k` groups. The first `sink_tokens` tokens of every sequence stay visible to all later tokens.
+
+    Args:
+        num_groups: Number of groups K each layer sorts tokens into.
+        group_dim: Width d_g of the routing space.
+        window: Keys at most `window` positions behind a query are always attended (full local attention).
+        top_k: Groups each query probes in hard mode (1 <= top_k <= num_groups).
+        sink_tokens: Leading tokens every query may attend to (attention sinks); 0 disables them.
+        temperature: Softmax temperature tau of the routing scores (cosine similarity / tau).
+        sinkhorn_iterations: Causal Sinkhorn balancing iterations.
+        routing_mode: `"auto"` (soft while training, hard in eval mode), `"soft"` or `"hard"`.
+        gate_floor: Smallest same-group probability the soft gate uses, so the log-gate stays finite.
+        target_modules: Attention module names (or a regex) to route; `None` routes every supported
+            self-attention module.
+        hidden_size: Hidden size of the base model, recorded when the adapter is created so that a
+            mismatching base model is refused before any weight is loaded.
+        num_routed_layers: Number of attention layers routed, recorded likewise.
+        base_model_type: `config.model_type` of the base model, recorded likewise.
+    """
+
+    num_groups: int = field(default=8, metadata={"help": "Number of groups K per layer."})
+    group_dim: int = field(default=16, metadata={"help": "Width of the routing space d_g."})
+    window: int = field(default=128, metadata={"help": "Local window w of full attention."})
+    top_k: int = field(default=2, metadata={"help": "Groups each query probes in hard mode."})
+    sink_tokens: int = field(default=4, metadata={"help": "Leading tokens always visible; 0 disables."})
+    temperature: float = field(default=0.1, metadata={"help": "Routing temperature tau."})
+    sinkhorn_iterations: int = field(default=10, metadata={"help": "Causal Sinkhorn iterations."})
+    routing_mode: str = field(default="auto", metadata={"help": "'auto', 'soft' or 'hard'."})
+    gate_floor: float = field(default=1e-6, metadata={"help": "Floor of the soft gate's probability."})
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Attention modules to route; None routes all supported ones."}
+    )
+    hidden_size: Optional[int] = field(default=None, metadata={"help": "Recorded hidden size of the base."})
+    num_routed_layers: Optional[int] = field(default=None, metadata={"help": "Recorded routed layer count."})
+    base_model_type: Optional[str] = field(default=None, metadata={"help": "Recorded base model_type."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from .registration import FOCUS_PEFT_TYPE
+
+        self.peft_type = FOCUS_PEFT_TYPE
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `FocusConfigError` naming the bad field and the accepted range."""
+        positive = {"num_groups": self.num_groups, "group_dim": self.group_dim, "sinkhorn_iterations": self.sinkhorn_iterations}
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise FocusConfigError(f"FocusConfig.{name} must be a positive integer, got {value!r}.")
+        for name in ("window", "sink_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise FocusConfigError(f"FocusConfig.{name} must be an integer >= 0, got {value!r}.")
+        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_groups:
+            raise FocusConfigError(
+                f"FocusConfig.top_k must be between 1 and num_groups={self.num_groups}, got {self.top_k!r}."
+            )
+        if not self.temperature > 0:
+            raise FocusConfigError(f"FocusConfig.temperature must be > 0, got {self.temperature!r}.")
+        if not 0 < self.gate_floor < 1:
+            raise FocusConfigError(f"FocusConfig.gate_floor must be in (0, 1), got {self.gate_floor!r}.")
+        if self.routing_mode not in ROUTING_MODES:
+            raise FocusConfigError(
+                f"FocusConfig.routing_mode must be one of {ROUTING_MODES}, got {self.routing_mode!r}."
+            )
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(FocusConfig))
+_dataclass_init = FocusConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+
+
+def _strict_init(self: FocusConfig, *args, **kwargs) -> None:
+    # PEFT silently drops unknown config keys (a TypeError is caught and turned into a warning). An adapter
+    # whose config we do not understand may route differently than its author intended, so refuse it.
+    unknown = sorted(set(kwargs) - _FIELD_NAMES)
+    if unknown:
+        raise FocusConfigError(
+            f"Unknown FocusConfig option(s) {unknown}. Known options: {sorted(_FIELD_NAMES)}. "
+            "Remove them from adapter_config.json, or upgrade focus_hf if the adapter was made by a newer version."
+        )
+    _dataclass_init(self, *args, **kwargs)
+
+
+FocusConfig.__init__ = _strict_init  # type: ignore[method-assign]

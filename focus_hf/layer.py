@@ -1,0 +1,174 @@
+"""`FocusLayer`: the router that wraps one attention module."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .attention import BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
+from .config import ROUTING_MODES, FocusConfig, FocusConfigError
+from .routing import RoutingState, route_tokens, routing_scores
+
+_CACHE_ATTRIBUTE = "_focus_routing_states"
+
+
+@dataclass
+class RouterSettings:
+    """The per-adapter options a layer needs at run time (copied from the adapter's `FocusConfig`)."""
+
+    num_groups: int
+    group_dim: int
+    window: int
+    top_k: int
+    sink_tokens: int
+    temperature: float
+    sinkhorn_iterations: int
+    routing_mode: str
+    gate_floor: float
+
+    @classmethod
+    def from_config(cls, config: FocusConfig) -> "RouterSettings":
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+
+def query_validity(attention_mask: Optional[torch.Tensor], batch: int, q_len: int, device: torch.device) -> torch.Tensor:
+    """[batch, q] True for real tokens: a token is padding iff the model's mask hides it from itself."""
+    mask = as_bool_mask(attention_mask)
+    if mask is None:
+        return torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    kv_len = mask.shape[-1]
+    diagonal = torch.arange(q_len, device=device)
+    valid = mask[:, 0, diagonal, kv_len - q_len + diagonal]
+    return valid.expand(batch, q_len)
+
+
+class FocusLayer(nn.Module, BaseTunerLayer):
+    """Wraps a self-attention module: routes its input tokens and hands the routing to the attention function.
+
+    Parameters per adapter: `focus_proj[name]` (hidden_size x group_dim) and `focus_centroids[name]`
+    (num_groups x group_dim). Only these are trained; the wrapped module is untouched.
+    """
+
+    adapter_layer_names = ("focus_proj", "focus_centroids")
+    other_param_names = ("focus_settings",)
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: FocusConfig, layer_index: int) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.layer_index = layer_index
+        self.focus_proj = nn.ParameterDict()
+        self.focus_centroids = nn.ParameterDict()
+        self.focus_settings: dict[str, RouterSettings] = {}
+        # Run-time overrides set by `focus_hf.set_routing`; None means "use the adapter's config".
+        self.mode_override: Optional[str] = None
+        self.top_k_override: Optional[int] = None
+        self.backend = "auto"
+        self.recorded_groups: Optional[list[torch.Tensor]] = None
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config)
+
+    def update_layer(self, adapter_name: str, config: FocusConfig) -> None:
+        """Create the router parameters of `adapter_name` (random init; loading overwrites them)."""
+        hidden_size = config.hidden_size
+        base_weight = next(self.base_layer.parameters())
+        generator_scale = 1.0 / math.sqrt(hidden_size)
+        projection = torch.randn(hidden_size, config.group_dim, device=base_weight.device) * generator_scale
+        centroids = torch.nn.functional.normalize(torch.randn(config.num_groups, config.group_dim, device=base_weight.device), dim=-1)
+        self.focus_proj[adapter_name] = nn.Parameter(projection)
+        self.focus_centroids[adapter_name] = nn.Parameter(centroids)
+        self.focus_settings[adapter_name] = RouterSettings.from_config(config)
+        self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
+
+    def set_routing(self, mode: Optional[str], top_k: Optional[int], backend: Optional[str]) -> None:
+        """Override the routing mode / top-k / backend of every adapter of this layer (None: keep config)."""
+        if mode is not None and mode not in ROUTING_MODES:
+            raise FocusConfigError(f"Unknown routing mode {mode!r}; expected one of {ROUTING_MODES}.")
+        if backend is not None and backend not in BACKENDS:
+            raise FocusConfigError(f"Unknown attention backend {backend!r}; expected one of {BACKENDS}.")
+        for settings in self.focus_settings.values():
+            if top_k is not None and not 1 <= top_k <= settings.num_groups:
+                raise FocusConfigError(f"top_k must be between 1 and num_groups={settings.num_groups}, got {top_k}.")
+        self.mode_override = None if mode == "auto" else mode
+        self.top_k_override = top_k
+        self.backend = backend or "auto"
+
+    def _active_router(self) -> Optional[str]:
+        if self.disable_adapters:
+            return None
+        active = [name for name in self.active_adapters if name in self.focus_proj]
+        if len(active) > 1:
+            raise FocusRuntimeError(
+                f"{len(active)} Focus adapters are active at once ({active}); routing uses one adapter at a time. "
+                "Call set_adapter with a single name."
+            )
+        return active[0] if active else None
+
+    def _routing_state(self, cache: Any, adapter_name: str, batch: int, settings: RouterSettings, device: torch.device) -> RoutingState:
+        empty = RoutingState.empty(batch, settings.sinkhorn_iterations, settings.num_groups, device)
+        if cache is None:
+            return empty
+        cached_tokens = cache.get_seq_length(getattr(self.base_layer, "layer_idx", 0))
+        if cached_tokens == 0:
+            return empty
+        state = getattr(cache, _CACHE_ATTRIBUTE, {}).get((adapter_name, self.layer_index))
+        if state is None or state.seen != cached_tokens or state.valid_count.shape[0] != batch:
+            raise FocusRuntimeError(
+                f"The KV cache holds {cached_tokens} tokens but the Focus router of layer {self.layer_index} has "
+                f"routed {0 if state is None else state.seen}: the cache was filled without this adapter, or "
+                "cropped/reordered (beam search, assisted decoding), which Focus does not support yet."
+            )
+        return state
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        adapter_name = self._active_router()
+        if adapter_name is None:
+            return self.base_layer(*args, **kwargs)
+        settings = self.focus_settings[adapter_name]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        batch, q_len = hidden.shape[:2]
+        top_k = self.top_k_override or settings.top_k
+        cache = kwargs.get("past_key_values")
+        state = self._routing_state(cache, adapter_name, batch, settings, hidden.device)
+        valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device)
+        scores = routing_scores(hidden, self.focus_proj[adapter_name], self.focus_centroids[adapter_name], settings.temperature)
+        queries, keys = route_tokens(
+            scores, valid, state, iterations=settings.sinkhorn_iterations, top_k=top_k, sink_tokens=settings.sink_tokens
+        )
+        if cache is not None:
+            if not hasattr(cache, _CACHE_ATTRIBUTE):
+                setattr(cache, _CACHE_ATTRIBUTE, {})
+            getattr(cache, _CACHE_ATTRIBUTE)[(adapter_name, self.layer_index)] = keys
+        if self.recorded_groups is not None:
+            self.recorded_groups.append(queries.top_groups)
+        mode = self.mode_override or settings.routing_mode
+        if mode == "auto":
+            mode = "soft" if self.training else "hard"
+        routing = LayerRouting(
+            mode=mode,
+            backend=self.backend,
+            window=settings.window,
+            num_groups=settings.num_groups,
+            top_k=top_k,
+            gate_floor=settings.gate_floor,
+            queries=queries,
+            keys=keys,
+        )
+        self.base_layer._focus_routing = routing
+        try:
+            output = self.base_layer(*args, **kwargs)
+        finally:
+            self.base_layer._focus_routing = None
+        if not routing.consumed:
+            raise FocusRuntimeError(
+                f"{type(self.base_layer).__name__} did not call the model's attention function, so Focus routing "
+                "would be silently ignored. This architecture is not supported."
+            )
+        return output
+
+    def __repr__(self) -> str:
+        return "focus." + super().__repr__()

@@ -1,0 +1,65 @@
+"""The Focus attention pattern: which (query, key) pairs may attend, and the soft gate that tends to it.
+
+Rule (hard mode): key j is visible to query i iff j <= i and at least one of
+  - i - j <= window (full local attention),
+  - j is one of the first `sink_tokens` real tokens of its sequence (attention sinks),
+  - j's group (its top-1 group) is among i's top-k groups.
+With top_k = 1 this is "i and j share a group". Giving keys a single group while queries probe k groups keeps
+every allowed pair in exactly one group, which is what makes the fast two-call decomposition exact.
+
+Soft mode (training) adds log(p_i . p_j) to the logit of every distant, non-sink pair, where p are the soft group
+assignments: p_i . p_j is the probability that i and j land in the same group, so as routing sharpens the gate
+goes to 0 for same-group pairs and to -inf for the others, i.e. to the hard top-1 pattern.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pair_distance(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """[q, kv] signed distance i - j between absolute positions."""
+    return query_positions[:, None] - key_positions[None, :]
+
+
+def allowed_pairs(
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """Boolean [batch, q, kv] mask of the pairs the hard Focus pattern allows (causality included).
+
+    Args:
+        query_groups: [batch, q, top_k] groups each query probes.
+        key_groups: [batch, kv] the single group of each key.
+        key_sink: [batch, kv] True for sink tokens.
+        query_positions: [q] absolute positions of the queries.
+        key_positions: [kv] absolute positions of the keys.
+        window: local window w.
+    """
+    distance = pair_distance(query_positions, key_positions)
+    local = (distance >= 0) & (distance <= window)
+    shared = (query_groups[:, :, :, None] == key_groups[:, None, None, :]).any(dim=2)
+    return (distance >= 0) & (local | key_sink[:, None, :] | shared)
+
+
+def soft_gate(
+    query_probs: torch.Tensor,
+    key_probs: torch.Tensor,
+    key_sink: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int,
+    floor: float,
+) -> torch.Tensor:
+    """Additive float32 gate [batch, q, kv]: 0 for local and sink pairs, log(p_i . p_j) for the others.
+
+    Causality is not applied here: the caller's mask removes future keys.
+    """
+    same_group = torch.einsum("bqg,bkg->bqk", query_probs.float(), key_probs.float())
+    gate = same_group.clamp_min(floor).log()
+    free = (pair_distance(query_positions, key_positions) <= window)[None] | key_sink[:, None, :]
+    return gate.masked_fill(free, 0.0)

@@ -1,0 +1,51 @@
+"""Dense masked attention: the plain O(n^2) oracle every faster path is checked against."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def dense_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: Optional[torch.Tensor],
+    *,
+    scaling: float,
+    bias: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention over explicitly allowed pairs.
+
+    Args:
+        query: [batch, heads, q, head_dim].
+        key, value: [batch, kv_heads, kv, head_dim]; heads must be a multiple of kv_heads (GQA: query head h
+            reads kv head h // (heads // kv_heads), as in transformers' `repeat_kv`).
+        allowed: bool [batch, 1 or heads, q, kv], or None for "everything".
+        scaling: multiplier of q.k.
+        bias: optional additive float term on the logits, broadcastable to [batch, heads, q, kv].
+        softcap: optional logit soft-capping (Gemma 2): tanh(s / cap) * cap before the bias.
+        dropout: dropout probability on the attention weights.
+
+    Returns:
+        [batch, q, heads, head_dim]. A query with no allowed key gets a uniform average (finite, meaningless):
+        such rows only occur at padding positions.
+    """
+    repeats = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(repeats, dim=1)
+    value = value.repeat_interleave(repeats, dim=1)
+    scores = (query @ key.transpose(-1, -2)).float() * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)
+    if dropout > 0.0:
+        weights = F.dropout(weights, p=dropout, training=True)
+    return (weights @ value).transpose(1, 2).contiguous()

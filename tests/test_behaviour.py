@@ -1,0 +1,171 @@
+"""Behaviour of Focus adapters on tiny models of every supported architecture family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import get_peft_model
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import focus_hf
+from tiny_models import ARCHITECTURES, VOCAB, tiny_model
+
+SEQ = 64
+ATOL = 1e-5
+
+
+def focus_model(architecture, **options):
+    config = dict(num_groups=4, group_dim=8, window=8, top_k=1, sink_tokens=2)
+    config.update(options)
+    return get_peft_model(tiny_model(architecture), focus_hf.FocusConfig(**config)).eval()
+
+
+def tokens(batch=2, seq=SEQ, seed=1):
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize(
+    "options, mode",
+    [
+        (dict(window=SEQ), "hard"),
+        (dict(window=SEQ), "soft"),
+        (dict(top_k=4), "hard"),
+        (dict(num_groups=1), "hard"),
+        (dict(num_groups=1), "soft"),
+    ],
+    ids=["window>=seq-hard", "window>=seq-soft", "top_k=K", "K=1-hard", "K=1-soft"],
+)
+def test_no_restriction_equals_base(architecture, options, mode):
+    ids = tokens()
+    base = tiny_model(architecture)(ids).logits
+    model = focus_model(architecture, **options)
+    focus_hf.set_routing(model, mode)
+    torch.testing.assert_close(model(input_ids=ids).logits, base, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_sparse_pattern_changes_logits(architecture, mode):
+    # Guards the tests above: with a real restriction the output must differ from the base model.
+    ids = tokens()
+    base = tiny_model(architecture)(ids).logits
+    model = focus_model(architecture)
+    focus_hf.set_routing(model, mode)
+    assert (model(input_ids=ids).logits - base).abs().max() > 1e-3
+
+
+# --- an independent dense masked reference, wired through the model's own attention calls ---
+
+REFERENCE_NAME = "focus_test_reference"
+_reference_groups: dict = {}
+
+
+def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """Textbook masked attention: loops over query positions, builds each row's allowed keys from the groups."""
+    settings = _reference_groups["settings"]
+    groups = _reference_groups["groups"][module.layer_idx]  # [batch, seq, top_k]
+    batch, heads, seq, dim = query.shape
+    repeats = heads // key.shape[1]
+    output = torch.empty(batch, seq, heads, dim)
+    scaling = dim**-0.5 if scaling is None else scaling
+    for b in range(batch):
+        for i in range(seq):
+            allowed = torch.zeros(seq, dtype=torch.bool)
+            for j in range(i + 1):
+                allowed[j] = (
+                    i - j <= settings["window"] or j < settings["sink_tokens"] or bool((groups[b, i] == groups[b, j, 0]).any())
+                )
+            if attention_mask is not None:
+                allowed &= attention_mask[b, 0, i]
+            for h in range(heads):
+                logits = (key[b, h // repeats] @ query[b, h, i]) * scaling
+                if softcap is not None:
+                    logits = torch.tanh(logits / softcap) * softcap
+                weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=0)
+                output[b, i, h] = weights @ value[b, h // repeats]
+    return output, None
+
+
+AttentionInterface.register(REFERENCE_NAME, _reference_attention)
+AttentionMaskInterface.register(REFERENCE_NAME, sdpa_mask)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_hard_mode_equals_independent_reference(architecture, top_k):
+    ids = tokens(seq=40)
+    settings = dict(window=6, sink_tokens=2)
+    model = focus_model(architecture, top_k=top_k, **settings)
+    focus_hf.set_routing(model, "hard")
+    focus_logits = model(input_ids=ids).logits
+    _reference_groups.update(settings=settings, groups=focus_hf.group_assignments(model, ids))
+    base = tiny_model(architecture)
+    base.config._attn_implementation = REFERENCE_NAME
+    torch.testing.assert_close(focus_logits, base(ids).logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_causal(architecture, mode):
+    model = focus_model(architecture)
+    focus_hf.set_routing(model, mode)
+    ids = tokens(batch=1)
+    changed = ids.clone()
+    cut = 40
+    changed[:, cut + 1 :] = torch.randint(3, VOCAB, (1, SEQ - cut - 1), generator=torch.Generator().manual_seed(7))
+    first, second = model(input_ids=ids).logits, model(input_ids=changed).logits
+    torch.testing.assert_close(first[:, : cut + 1], second[:, : cut + 1], atol=ATOL, rtol=0)
+    assert (first[:, cut + 1 :] - second[:, cut + 1 :]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_samples_alone(architecture, mode, side):
+    model = focus_model(architecture)
+    focus_hf.set_routing(model, mode)
+    lengths = [SEQ, 37]
+    samples = [tokens(batch=1, seq=n, seed=n)[0] for n in lengths]
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    mask = torch.zeros(2, SEQ, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        span = slice(SEQ - len(sample), SEQ) if side == "left" else slice(0, len(sample))
+        ids[row, span], mask[row, span] = sample, 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # absolute position embeddings (gpt2) need real positions
+    batched = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    for row, sample in enumerate(samples):
+        alone = model(input_ids=sample[None]).logits[0]
+        real = mask[row].bool()
+        torch.testing.assert_close(batched[row, real], alone, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_generate_with_cache_equals_recomputation(architecture):
+    model = focus_model(architecture)
+    focus_hf.set_routing(model, "hard")
+    prompt = tokens(batch=1, seq=30)
+    new_tokens = 16
+    generated = model.generate(
+        input_ids=prompt, max_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None
+    )
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            next_token = model(input_ids=sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, next_token], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2", "mistral"])
+def test_padded_generate_matches_unpadded(architecture):
+    model = focus_model(architecture)
+    focus_hf.set_routing(model, "hard")
+    short, long = tokens(batch=1, seq=21, seed=3), tokens(batch=1, seq=30, seed=4)
+    ids = torch.cat([torch.cat([torch.zeros(1, 9, dtype=torch.long), short], 1), long])
+    mask = torch.cat([torch.cat([torch.zeros(1, 9), torch.ones(1, 21)], 1), torch.ones(1, 30)]).long()
+    options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    batched = model.generate(input_ids=ids, attention_mask=mask, **options)
+    assert torch.equal(batched[0, 9:], model.generate(input_ids=short, **options)[0])
+    assert torch.equal(batched[1], model.generate(input_ids=long, **options)[0])
