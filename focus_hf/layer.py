@@ -10,7 +10,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from .attention import BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
+from .attention import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
 from .config import ROUTING_MODES, FocusConfig, FocusConfigError
 from .routing import RoutingState, route_tokens, routing_scores
 
@@ -61,6 +61,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         super().__init__()
         self.base_layer = base_layer
         self.layer_index = layer_index
+        current = base_layer.config._attn_implementation
+        # Restored by unload(); "focus" here means an earlier adapter switched it already.
+        self.base_attn_implementation = current if current != ATTENTION_NAME else "sdpa"
         self.focus_proj = nn.ParameterDict()
         self.focus_centroids = nn.ParameterDict()
         self.focus_settings: dict[str, RouterSettings] = {}

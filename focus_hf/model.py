@@ -52,11 +52,16 @@ def expected_router_shapes(config: FocusConfig, targets: dict[str, nn.Module]) -
 
 def use_focus_attention(model: nn.Module) -> None:
     """Point every routed module's config (and the model's) at the Focus attention function."""
-    configs = {id(m.config): m.config for m in model.modules() if isinstance(m, FocusLayer) for m in [m.base_layer]}
+    for config in _attention_configs(model):
+        config._attn_implementation = ATTENTION_NAME
+
+
+def _attention_configs(model: nn.Module) -> list:
+    """The distinct config objects the routed attention modules (and the model's mask builder) read."""
+    configs = {id(layer.base_layer.config): layer.base_layer.config for layer in model.modules() if isinstance(layer, FocusLayer)}
     if getattr(model, "config", None) is not None:
         configs.setdefault(id(model.config), model.config)
-    for config in configs.values():
-        config._attn_implementation = ATTENTION_NAME
+    return list(configs.values())
 
 
 class FocusModel(BaseTuner):
@@ -126,10 +131,14 @@ class FocusModel(BaseTuner):
     def _unload_and_optionally_merge(self, merge: bool = True, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
         if merge:
             self.merge_and_unload()
-        for name, module in list(self.model.named_modules()):
-            if isinstance(module, FocusLayer):
-                parent = self.model.get_submodule(name.rpartition(".")[0]) if "." in name else self.model
-                setattr(parent, name.rpartition(".")[2], module.base_layer)
+        layers = [(name, module) for name, module in self.model.named_modules() if isinstance(module, FocusLayer)]
+        configs = _attention_configs(self.model)
+        for name, layer in layers:
+            parent_name, _, child_name = name.rpartition(".")
+            setattr(self.model.get_submodule(parent_name), child_name, layer.base_layer)
+        if layers:
+            for config in configs:
+                config._attn_implementation = layers[0][1].base_attn_implementation
         if hasattr(self.model, "peft_config"):
             del self.model.peft_config
         return self.model

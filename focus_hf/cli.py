@@ -1,0 +1,39 @@
+"""The `focus-hf` command line: one sub-command per module, each registering its own parser."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+# Sub-command modules; each exposes `register(subparsers)` that adds a parser with `func` set. Imported lazily
+# per command so that `focus-hf --help` stays fast.
+COMMAND_MODULES = {
+    "info": "focus_hf.commands.info",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="focus-hf",
+        description="Focus learned sparse attention for Hugging Face models: train, evaluate, inspect and share "
+        "centroid-only adapters.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES.values():
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

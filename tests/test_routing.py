@@ -1,0 +1,88 @@
+"""Router and pattern units: causal Sinkhorn, continuation state, balance, and the pair rule."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from focus_hf.pattern import allowed_pairs, soft_gate
+from focus_hf.routing import RoutingState, causal_sinkhorn, route_tokens
+
+
+def test_sinkhorn_rows_are_distributions():
+    log_probs, _ = causal_sinkhorn(torch.randn(2, 50, 8) * 5, torch.ones(2, 50, dtype=torch.bool), 10)
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(2, 50))
+
+
+def test_sinkhorn_is_causal():
+    scores = torch.randn(1, 60, 8) * 5
+    changed = scores.clone()
+    changed[:, 30:] = torch.randn(1, 30, 8) * 5
+    valid = torch.ones(1, 60, dtype=torch.bool)
+    first, _ = causal_sinkhorn(scores, valid, 10)
+    second, _ = causal_sinkhorn(changed, valid, 10)
+    torch.testing.assert_close(first[:, :30], second[:, :30], atol=0, rtol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(total=st.integers(2, 40), split=st.integers(1, 39), groups=st.integers(1, 8), iterations=st.integers(1, 12))
+def test_routing_continues_exactly_across_calls(total, split, groups, iterations):
+    split = min(split, total - 1)
+    scores = torch.randn(2, total, groups, generator=torch.Generator().manual_seed(total * 100 + split)) * 4
+    valid = torch.ones(2, total, dtype=torch.bool)
+    valid[1, :3] = False  # left padding in the second sample
+    options = dict(iterations=iterations, top_k=1, sink_tokens=2)
+    whole, whole_state = route_tokens(scores, valid, RoutingState.empty(2, iterations, groups, scores.device), **options)
+    head, state = route_tokens(scores[:, :split], valid[:, :split], RoutingState.empty(2, iterations, groups, scores.device), **options)
+    tail, state = route_tokens(scores[:, split:], valid[:, split:], state, **options)
+    torch.testing.assert_close(torch.cat([head.log_probs, tail.log_probs], 1), whole.log_probs, atol=1e-5, rtol=0)
+    assert torch.equal(state.key_sink, whole_state.key_sink) and state.seen == total
+    assert state.key_sink[1].nonzero().flatten().tolist() == [p for p in (3, 4) if p < total]
+
+
+def test_sinkhorn_balances_a_biased_router():
+    # Every token prefers group 0 by a wide margin: raw argmax puts all tokens there, balancing must not.
+    scores = torch.randn(1, 2000, 8)
+    scores[..., 0] += 4.0
+    valid = torch.ones(1, 2000, dtype=torch.bool)
+    raw_dominance = (scores.argmax(-1) == 0).float().mean()
+    log_probs, _ = causal_sinkhorn(scores, valid, 10)
+    balanced_share = torch.bincount(log_probs.argmax(-1).flatten(), minlength=8).max() / 2000
+    assert raw_dominance > 0.95
+    assert balanced_share < 0.25, balanced_share
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    q_len=st.integers(1, 12), extra=st.integers(0, 12), groups=st.integers(1, 5), top_k=st.integers(1, 5),
+    window=st.integers(0, 8), seed=st.integers(0, 10_000),
+)
+def test_allowed_pairs_matches_the_rule(q_len, extra, groups, top_k, window, seed):
+    top_k = min(top_k, groups)
+    kv_len = q_len + extra
+    generator = torch.Generator().manual_seed(seed)
+    query_groups = torch.stack([torch.randperm(groups, generator=generator)[:top_k] for _ in range(q_len)])[None]
+    key_groups = torch.randint(0, groups, (1, kv_len), generator=generator)
+    key_sink = torch.rand(1, kv_len, generator=generator) < 0.2
+    query_positions = torch.arange(extra, kv_len)
+    key_positions = torch.arange(kv_len)
+    mask = allowed_pairs(query_groups, key_groups, key_sink, query_positions, key_positions, window)
+    for qi in range(q_len):
+        i = extra + qi
+        for j in range(kv_len):
+            rule = j <= i and (i - j <= window or bool(key_sink[0, j]) or int(key_groups[0, j]) in query_groups[0, qi].tolist())
+            assert bool(mask[0, qi, j]) == rule
+
+
+def test_soft_gate_tends_to_the_hard_pattern():
+    # One-hot assignments: the gate is 0 for same-group and local/sink pairs and log(floor) for the others.
+    groups = torch.tensor([[0, 1, 0, 1, 2, 0]])
+    probs = torch.nn.functional.one_hot(groups, 3).float()
+    positions = torch.arange(6)
+    sink = torch.tensor([[True, False, False, False, False, False]])
+    gate = soft_gate(probs, probs, sink, positions, positions, window=1, floor=1e-6)
+    hard = allowed_pairs(groups[..., None], groups, sink, positions, positions, window=1)
+    causal = positions[:, None] >= positions[None, :]
+    assert torch.equal((gate == 0)[0] & causal, hard[0])
+    assert torch.allclose(gate[0][causal & ~hard[0]], torch.tensor(1e-6).log())
