@@ -1,0 +1,646 @@
+"""Share Focus adapters on the Hugging Face Hub.
+
+A Focus adapter is a small PEFT adapter folder: ``adapter_config.json`` (with ``"peft_type": "FOCUS"``) and
+``adapter_model.safetensors``, plus an optional ``README.md`` model card and interpretability files
+(``*.json``, ``*.png``, ``*.html``). [`push_adapter`] uploads such a folder in a single commit and
+[`pull_adapter`] downloads it back, verified, through the regular ``huggingface_hub`` cache (so it also works
+offline once downloaded).
+
+Safety rules, enforced on both sides:
+
+- only safetensors weights: pickle files (``*.bin``, ``*.pt``, ``*.pth``, ``*.pkl``, ``*.pickle``, ``*.ckpt``,
+  ``*.joblib``) are refused, whether in the folder to push or in the repo to pull;
+- only the adapter: base-model weight files (``model*.safetensors``, any other ``*.safetensors``, shard
+  indexes, ``*.gguf``...) are refused on push and never downloaded on pull;
+- downloads are verified: ``huggingface_hub`` itself only checks that a downloaded file has the size announced
+  by the server, so [`pull_adapter`] re-checks every file against the size and checksum of the Hub's tree
+  listing (git blob sha1 for regular files, sha256 for LFS files) and parses the safetensors header, and evicts
+  a corrupt file from the cache before raising [`AdapterIntegrityError`].
+
+The endpoint, cache and offline mode are those of ``huggingface_hub`` (``HF_ENDPOINT``, ``HF_HOME``/
+``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``), read when each function is called.
+
+This module only depends on ``huggingface_hub`` and ``safetensors`` (no torch / peft import).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, RepoFile, constants, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+from huggingface_hub.utils import filter_repo_objects
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "ADAPTER_FILE_PATTERNS",
+    "FOCUS_PEFT_TYPE",
+    "PICKLE_SUFFIXES",
+    "FocusHubError",
+    "InvalidRepoIdError",
+    "AdapterFolderError",
+    "NotAFocusAdapterError",
+    "AdapterIntegrityError",
+    "HubPushError",
+    "validate_repo_id",
+    "push_adapter",
+    "pull_adapter",
+]
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+README_NAME = "README.md"
+FOCUS_PEFT_TYPE = "FOCUS"
+# Files pushed and pulled (fnmatch patterns on top-level names, as `huggingface_hub` `allow_patterns`).
+ADAPTER_FILE_PATTERNS: tuple[str, ...] = (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    README_NAME,
+    "*.json",
+    "*.png",
+    "*.html",
+)
+PICKLE_SUFFIXES: tuple[str, ...] = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
+# Full-model weight formats; any *.safetensors other than the adapter's is treated as base-model weights.
+_BASE_WEIGHT_SUFFIXES: tuple[str, ...] = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".tflite")
+_BASE_WEIGHT_INDEX_SUFFIXES: tuple[str, ...] = (".safetensors.index.json", ".bin.index.json")
+
+_REPO_PART_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
+_COMMIT_SHA_RE = re.compile(r"[0-9a-f]{40}")
+_MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+# bits per element of the safetensors dtypes
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "C64": 64,
+    "I64": 64, "U64": 64, "F64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class FocusHubError(Exception):
+    """Base class of the errors raised by `focus_hf.hub`."""
+
+
+class InvalidRepoIdError(FocusHubError, ValueError):
+    """The repo id is not of the form ``namespace/name`` (or looks like a local path or URL)."""
+
+
+class AdapterFolderError(FocusHubError, ValueError):
+    """The local folder cannot be pushed: missing adapter files, pickles, base-model weights, bad config."""
+
+
+class NotAFocusAdapterError(FocusHubError, ValueError):
+    """The Hub repo is not a (safe) Focus adapter: no config, another ``peft_type``, or pickle files."""
+
+
+class AdapterIntegrityError(FocusHubError, OSError):
+    """A downloaded adapter file does not match the Hub's size / checksum, or is not valid safetensors."""
+
+
+class HubPushError(FocusHubError, RuntimeError):
+    """The Hub failed while pushing; the local folder is untouched and the push can be retried."""
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def validate_repo_id(repo_id: str) -> str:
+    """Check that ``repo_id`` is a Hub model id of the form ``namespace/name`` and return it unchanged.
+
+    Stricter than ``huggingface_hub.utils.validate_repo_id``: the namespace is required, and anything that
+    looks like a filesystem path or a URL is refused with an explicit message (a common mistake is to pass
+    the adapter folder where the repo id is expected).
+
+    Rules: exactly one ``/``; each part 1-96 ASCII letters, digits, ``-``, ``_`` or ``.``, starting and ending
+    with a letter or digit; no ``--`` or ``..``; the name does not end with ``.git``.
+
+    Args:
+        repo_id (`str`): e.g. ``"my-org/qwen3-0.6b-focus"``.
+
+    Returns:
+        `str`: ``repo_id``.
+
+    Raises:
+        [`InvalidRepoIdError`] (a `ValueError`): if ``repo_id`` is invalid.
+    """
+    if isinstance(repo_id, os.PathLike):
+        raise InvalidRepoIdError(
+            f"repo_id must be a Hub id like 'namespace/name', got a path object {os.fspath(repo_id)!r}."
+        )
+    if not isinstance(repo_id, str):
+        raise InvalidRepoIdError(f"repo_id must be a str like 'namespace/name', got {type(repo_id).__name__}.")
+    hint = "Expected a Hub id of the form 'namespace/name', e.g. 'my-org/my-focus-adapter'."
+    if not repo_id:
+        raise InvalidRepoIdError(f"repo_id is empty. {hint}")
+    if any(ch.isspace() or ord(ch) < 32 for ch in repo_id):
+        raise InvalidRepoIdError(f"Invalid repo_id {repo_id!r}: it contains whitespace or control characters. {hint}")
+    if "://" in repo_id:
+        raise InvalidRepoIdError(f"Invalid repo_id {repo_id!r}: it looks like a URL, not a repo id. {hint}")
+    if (
+        "\\" in repo_id
+        or repo_id.startswith(("/", "~", "./", "../"))
+        or re.match(r"[A-Za-z]:", repo_id)
+        or any(part in (".", "..") for part in repo_id.split("/"))
+    ):
+        raise InvalidRepoIdError(f"Invalid repo_id {repo_id!r}: it looks like a filesystem path, not a repo id. {hint}")
+    parts = repo_id.split("/")
+    if len(parts) != 2:
+        raise InvalidRepoIdError(f"Invalid repo_id {repo_id!r}: it must contain exactly one '/'. {hint}")
+    for part in parts:
+        if not _REPO_PART_RE.fullmatch(part):
+            raise InvalidRepoIdError(
+                f"Invalid repo_id {repo_id!r}: {part!r} must be 1-96 ASCII letters, digits, '-', '_' or '.', "
+                f"starting and ending with a letter or digit. {hint}"
+            )
+        if "--" in part or ".." in part:
+            raise InvalidRepoIdError(f"Invalid repo_id {repo_id!r}: '--' and '..' are not allowed. {hint}")
+    if repo_id.endswith(".git"):
+        raise InvalidRepoIdError(f"Invalid repo_id {repo_id!r}: it must not end with '.git'. {hint}")
+    return repo_id
+
+
+def _validate_revision(revision: str | None) -> str | None:
+    if revision is None:
+        return None
+    if not isinstance(revision, str) or not revision:
+        raise ValueError(f"revision must be a non-empty str (branch, tag or commit sha) or None, got {revision!r}.")
+    if (
+        any(ch.isspace() or ord(ch) < 32 for ch in revision)
+        or revision.startswith("/")
+        or revision.endswith("/")
+        or any(part in ("", ".", "..") for part in revision.split("/"))
+        or len(revision) > 256
+    ):
+        raise ValueError(f"Invalid revision {revision!r}.")
+    return revision
+
+
+def _is_pickle(name: str) -> bool:
+    return name.lower().endswith(PICKLE_SUFFIXES)
+
+
+def _is_base_weight(name: str) -> bool:
+    lowered = name.lower()
+    if lowered == ADAPTER_WEIGHTS_NAME:
+        return False
+    return lowered.endswith(_BASE_WEIGHT_SUFFIXES) or lowered.endswith(_BASE_WEIGHT_INDEX_SUFFIXES)
+
+
+def _matches_adapter_patterns(name: str) -> bool:
+    return bool(list(filter_repo_objects([name], allow_patterns=list(ADAPTER_FILE_PATTERNS))))
+
+
+class _FormatError(Exception):
+    pass
+
+
+def _check_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Parse a safetensors file strictly: header sane, every tensor's byte range matches its dtype and shape,
+    tensors tile the data section exactly up to the end of the file, and ``safetensors.safe_open`` agrees.
+
+    Returns tensor name -> (dtype, shape). Raises `_FormatError` with a human readable reason.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise _FormatError(f"file is {size} bytes, shorter than the 8-byte safetensors header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len == 0 or header_len > min(size - 8, _MAX_SAFETENSORS_HEADER):
+            raise _FormatError(f"header length {header_len} does not fit in a {size}-byte file (truncated?)")
+        raw_header = handle.read(header_len)
+    try:
+        header = json.loads(raw_header)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise _FormatError(f"header is not valid JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise _FormatError("header is not a JSON object")
+    data_len = size - 8 - header_len
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    ranges: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise _FormatError("__metadata__ must map strings to strings")
+            continue
+        try:
+            dtype = entry["dtype"]
+            shape = tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise _FormatError(f"bad header entry for tensor {name!r}") from None
+        if not all(isinstance(d, int) and d >= 0 for d in shape) or not (
+            isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
+        ):
+            raise _FormatError(f"bad shape or offsets for tensor {name!r}")
+        bits = _DTYPE_BITS.get(dtype)
+        if bits is not None and (math.prod(shape) * bits + 7) // 8 != end - begin:
+            raise _FormatError(
+                f"tensor {name!r} ({dtype}, shape {list(shape)}) needs {(math.prod(shape) * bits + 7) // 8} bytes "
+                f"but its offsets span {end - begin}"
+            )
+        tensors[name] = (dtype, shape)
+        ranges.append((begin, end, name))
+    if not tensors:
+        raise _FormatError("it contains no tensors")
+    position = 0
+    for begin, end, name in sorted(ranges):
+        if begin != position:
+            raise _FormatError(f"tensor {name!r} starts at byte {begin}, expected {position} (gap or overlap)")
+        position = end
+    if position != data_len:
+        raise _FormatError(
+            f"the header describes {position} data bytes but the file holds {data_len} (truncated or padded)"
+        )
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as reader:
+            keys = set(reader.keys())
+    except Exception as error:  # safetensors raises its own SafetensorError / OSError types
+        raise _FormatError(f"safetensors refused it ({error})") from None
+    if keys != set(tensors):
+        raise _FormatError("safetensors lists other tensors than the header")
+    return tensors
+
+
+def _read_focus_config(path: Path) -> dict[str, Any]:
+    """Parse an adapter_config.json; raise `_FormatError` unless it is a JSON object with peft_type FOCUS."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise _FormatError(f"{ADAPTER_CONFIG_NAME} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise _FormatError(f"{ADAPTER_CONFIG_NAME} is not a JSON object")
+    peft_type = config.get("peft_type")
+    if peft_type != FOCUS_PEFT_TYPE:
+        raise _FormatError(
+            f"{ADAPTER_CONFIG_NAME} has peft_type {peft_type!r}, expected {FOCUS_PEFT_TYPE!r} (not a Focus adapter)"
+        )
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- push
+def _collect_adapter_files(adapter_dir: str | os.PathLike[str]) -> dict[str, bytes]:
+    """Validate an adapter folder and read the files to upload (path in repo -> bytes)."""
+    folder = Path(adapter_dir)
+    if not folder.is_dir():
+        raise AdapterFolderError(f"Adapter folder {str(folder)!r} does not exist or is not a directory.")
+    for required in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
+        if not (folder / required).is_file():
+            raise AdapterFolderError(
+                f"{str(folder)!r} is not a Focus adapter folder: {required} is missing. "
+                "Save the adapter first with `peft_model.save_pretrained(folder)`."
+            )
+    pickles: list[str] = []
+    base_weights: list[str] = []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if any(part.startswith(".") for part in rel.split("/")) or not path.is_file():
+            continue  # hidden files/folders (.git, .cache) are never uploaded
+        if _is_pickle(path.name):
+            pickles.append(rel)
+        elif _is_base_weight(path.name):
+            base_weights.append(rel)
+    if pickles:
+        raise AdapterFolderError(
+            f"Refusing to push {str(folder)!r}: it contains pickle files {pickles}. Pickles can run arbitrary code "
+            "when loaded; Focus adapters are safetensors-only. Remove them (or push from a clean folder)."
+        )
+    if base_weights:
+        raise AdapterFolderError(
+            f"Refusing to push {str(folder)!r}: it contains base-model weight files {base_weights}. Only the "
+            f"adapter ({ADAPTER_WEIGHTS_NAME}) is pushed; push from a folder holding just the saved adapter."
+        )
+    try:
+        _read_focus_config(folder / ADAPTER_CONFIG_NAME)
+    except _FormatError as error:
+        raise AdapterFolderError(f"Refusing to push {str(folder)!r}: {error}.") from None
+    try:
+        _check_safetensors(folder / ADAPTER_WEIGHTS_NAME)
+    except _FormatError as error:
+        raise AdapterFolderError(
+            f"Refusing to push {str(folder)!r}: {ADAPTER_WEIGHTS_NAME} is not a valid safetensors file: {error}."
+        ) from None
+
+    files: dict[str, bytes] = {}
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or not path.is_file():
+            continue
+        if _matches_adapter_patterns(path.name):
+            files[path.name] = path.read_bytes()
+        else:
+            logger.info("Not pushing %s: only %s files are part of a Focus adapter.", path.name, ADAPTER_FILE_PATTERNS)
+    return files
+
+
+def push_adapter(
+    adapter_dir: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    commit_message: str | None = None,
+    token: str | bool | None = None,
+    create_pr: bool = False,
+) -> CommitInfo:
+    """Upload a saved Focus adapter folder to the Hub in a single commit.
+
+    Uploads the top-level ``adapter_config.json``, ``adapter_model.safetensors``, ``README.md`` and any
+    ``*.json`` / ``*.png`` / ``*.html`` (interpretability files) of ``adapter_dir``; other files are skipped.
+    The repo is created if needed (an existing repo keeps its visibility), and so is the branch ``revision``.
+    Files identical to the ones already on the branch are not re-uploaded; if nothing changed, no commit is
+    created and the current head is returned. The folder is only read, never modified.
+
+    Args:
+        adapter_dir (`str` or `os.PathLike`): folder written by ``peft_model.save_pretrained``.
+        repo_id (`str`): ``namespace/name`` (see [`validate_repo_id`]).
+        revision (`str`, *optional*): branch to commit to (created from ``main`` if missing). Defaults to ``main``.
+        private (`bool`, defaults to `False`): visibility of the repo if it is created.
+        commit_message (`str`, *optional*): defaults to ``"Upload Focus adapter"``.
+        token (`str` or `bool`, *optional*): Hub token; defaults to the locally saved one (``huggingface_hub``).
+        create_pr (`bool`, defaults to `False`): open a pull request against ``revision`` instead of committing.
+
+    Returns:
+        [`huggingface_hub.CommitInfo`]: a `str` (the commit URL) with ``.oid`` (commit sha) and, with
+        ``create_pr=True``, ``.pr_url`` / ``.pr_revision``.
+
+    Raises:
+        [`InvalidRepoIdError`]: bad ``repo_id``.
+        [`AdapterFolderError`]: missing adapter files, pickle or base-model weight files in the folder, config
+            whose ``peft_type`` is not ``FOCUS``, or invalid safetensors weights. Nothing is sent to the Hub.
+        [`HubPushError`]: the Hub failed (HTTP error, connection error); the original error is chained.
+        `ValueError`: invalid ``revision`` (e.g. a commit sha: commits go to branches).
+    """
+    repo_id = validate_repo_id(repo_id)
+    revision = _validate_revision(revision)
+    if revision is not None and _COMMIT_SHA_RE.fullmatch(revision):
+        raise ValueError(f"revision must be a branch name to commit to, not a commit sha ({revision!r}).")
+    files = _collect_adapter_files(adapter_dir)
+    target = revision or constants.DEFAULT_REVISION
+
+    api = HfApi(token=token)  # endpoint read from huggingface_hub.constants now, not at import
+    step = "creating the repo"
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        if target != constants.DEFAULT_REVISION and not target.startswith("refs/pr/"):
+            step = f"creating branch {target!r}"
+            api.create_branch(repo_id, branch=target, repo_type="model", exist_ok=True)
+        step = "committing"
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in files.items()]
+        commit = api.create_commit(
+            repo_id,
+            operations,
+            commit_message=commit_message or "Upload Focus adapter",
+            repo_type="model",
+            revision=revision,
+            create_pr=create_pr,
+        )
+    except (OSError, httpx2.HTTPError) as error:  # HfHubHTTPError is an OSError
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        answer = f"HTTP {status}" if status is not None else type(error).__name__
+        raise HubPushError(
+            f"Pushing {str(adapter_dir)!r} to {repo_id!r} (revision {target!r}) failed while {step}: the Hub "
+            f"answered {answer}. The local folder was not modified; the push can be retried.\nHub error: {error}"
+        ) from error
+    logger.info("Pushed Focus adapter %s to %s@%s: %s", adapter_dir, repo_id, target, commit.oid)
+    return commit
+
+
+# ---------------------------------------------------------------------------------------------- pull
+@dataclasses.dataclass(frozen=True)
+class _RemoteFile:
+    size: int
+    blob_id: str  # git blob sha1 (of the LFS pointer for LFS files)
+    sha256: str | None = None  # LFS files only: sha256 of the content
+
+
+def _load_remote_tree(
+    storage_folder: Path, commit_hash: str, api: HfApi | None, repo_id: str
+) -> dict[str, _RemoteFile] | None:
+    """The Hub's listing (size + checksums) of the repo at ``commit_hash``.
+
+    ``snapshot_download`` stores it in ``<repo cache>/trees/<commit>.json`` (``format_version`` 1, documented in
+    ``huggingface_hub._tree_cache``); read it from there so verification also works offline. Online, fall back to
+    ``HfApi.list_repo_tree``. Returns None if neither is available.
+    """
+    try:
+        data = json.loads((storage_folder / "trees" / f"{commit_hash}.json").read_text(encoding="utf-8"))
+        if data.get("format_version") == 1:
+            return {
+                path: _RemoteFile(
+                    size=int(info.get("lfs_size") or info["size"]),
+                    blob_id=str(info["blob_id"]),
+                    sha256=info.get("lfs_sha256"),
+                )
+                for path, info in data["files"].items()
+            }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    if api is None:
+        return None
+    try:
+        return {
+            entry.path: _RemoteFile(
+                size=int(entry.lfs.size if entry.lfs else entry.size),
+                blob_id=entry.blob_id,
+                sha256=entry.lfs.sha256 if entry.lfs else None,
+            )
+            for entry in api.list_repo_tree(repo_id, revision=commit_hash, recursive=True, repo_type="model")
+            if isinstance(entry, RepoFile)
+        }
+    except (OSError, httpx2.HTTPError):
+        return None
+
+
+def _file_mismatch(path: Path, expected: _RemoteFile) -> str | None:
+    """Why ``path`` does not match the Hub's listing, or None if it does."""
+    size = path.stat().st_size
+    if size != expected.size:
+        return f"size {size} bytes, the Hub lists {expected.size}"
+    if expected.sha256 is not None:
+        digest = hashlib.sha256()
+        algo, want = "sha256", expected.sha256
+    else:
+        digest = hashlib.sha1(b"blob %d\0" % size)
+        algo, want = "git-sha1", expected.blob_id
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != want:
+        return f"{algo} {digest.hexdigest()}, the Hub lists {want}"
+    return None
+
+
+def _evict_from_cache(snapshot: Path, rel_paths: list[str]) -> None:
+    """Remove corrupt files (snapshot entry and its blob) so that the next online pull downloads them again."""
+    blobs_dir = (snapshot.parent.parent / "blobs").resolve()
+    for rel in rel_paths:
+        entry = snapshot / rel
+        try:
+            if entry.is_symlink():
+                blob = entry.resolve()
+                entry.unlink()
+                if blob.parent == blobs_dir:
+                    blob.unlink(missing_ok=True)
+            elif entry.exists():
+                entry.unlink()
+        except OSError as error:  # pragma: no cover - best effort
+            logger.warning("Could not evict corrupt cached file %s: %s", entry, error)
+
+
+def _copy_files(snapshot: Path, rel_paths: list[str], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for rel in rel_paths:
+        destination = out_dir / rel
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            shutil.copyfile(snapshot / rel, tmp)  # follows the cache symlink
+            os.replace(tmp, destination)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def pull_adapter(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Download a Focus adapter from the Hub (or the local cache) and verify it.
+
+    Downloads only the adapter files (``adapter_config.json``, ``adapter_model.safetensors``, ``README.md``,
+    ``*.json``, ``*.png``, ``*.html``) with ``huggingface_hub.snapshot_download``, then checks that:
+
+    - the repo has an ``adapter_config.json`` whose ``peft_type`` is ``FOCUS`` and an ``adapter_model.safetensors``;
+    - the repo holds no pickle file;
+    - every downloaded file has the size and checksum listed by the Hub for that commit (``huggingface_hub`` only
+      checks sizes), and ``adapter_model.safetensors`` is a well-formed safetensors file. A corrupt file is
+      evicted from the cache, so retrying downloads it again.
+
+    Works offline from the cache with ``local_files_only=True`` or ``HF_HUB_OFFLINE=1`` (files already pulled
+    for that revision; a branch name resolves to the commit it pointed to when last pulled).
+
+    Args:
+        repo_id (`str`): ``namespace/name`` (see [`validate_repo_id`]).
+        revision (`str`, *optional*): branch, tag or commit sha. Defaults to ``main``.
+        out_dir (`str` or `os.PathLike`, *optional*): if given, the verified files are also copied there
+            (created if needed, same-named files overwritten) and this folder is returned.
+        token (`str` or `bool`, *optional*): Hub token; defaults to the locally saved one.
+        local_files_only (`bool`, defaults to `False`): never touch the network, use the cache only.
+        cache_dir (`str` or `os.PathLike`, *optional*): ``huggingface_hub`` cache folder; defaults to
+            ``HF_HUB_CACHE``.
+
+    Returns:
+        `pathlib.Path`: ``out_dir`` if given, else the snapshot folder in the cache (don't modify it).
+
+    Raises:
+        [`InvalidRepoIdError`]: bad ``repo_id``.
+        [`NotAFocusAdapterError`]: no ``adapter_config.json`` / ``adapter_model.safetensors``, ``peft_type`` not
+            ``FOCUS``, or pickle files in the repo.
+        [`AdapterIntegrityError`]: a download is truncated, tampered with, or not valid safetensors.
+        `huggingface_hub.errors.RepositoryNotFoundError` / `RevisionNotFoundError`: unknown (or private) repo or
+            revision. `huggingface_hub.errors.LocalEntryNotFoundError`: offline and not in the cache.
+    """
+    repo_id = validate_repo_id(repo_id)
+    revision = _validate_revision(revision)
+    label = f"{repo_id}@{revision or constants.DEFAULT_REVISION}"
+    offline = bool(local_files_only) or constants.is_offline_mode()
+    try:
+        snapshot = Path(
+            snapshot_download(
+                repo_id,
+                repo_type="model",
+                revision=revision,
+                cache_dir=cache_dir,
+                token=token,
+                local_files_only=offline,
+                allow_patterns=list(ADAPTER_FILE_PATTERNS),
+            )
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, ConnectionError):
+        raise
+    except OSError as error:
+        if error.errno is not None:  # a real filesystem error (disk full, permissions...)
+            raise
+        # `huggingface_hub` raises a bare OSError("Consistency check failed: file should be of size ...") when a
+        # download is shorter or longer than announced, and FileMetadataError (an OSError) on bad metadata.
+        raise AdapterIntegrityError(f"Download of Focus adapter {label} is incomplete or corrupt: {error}") from error
+
+    commit_hash = snapshot.name
+    storage_folder = snapshot.parent.parent
+    remote = _load_remote_tree(storage_folder, commit_hash, None if offline else HfApi(token=token), repo_id)
+    if remote is not None:
+        repo_files = sorted(remote)
+    else:
+        logger.warning("No file listing available for %s: checksums cannot be verified, only file formats.", label)
+        repo_files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+    wanted = sorted(filter_repo_objects(repo_files, allow_patterns=list(ADAPTER_FILE_PATTERNS)))
+
+    if ADAPTER_CONFIG_NAME not in repo_files:
+        raise NotAFocusAdapterError(
+            f"{label} is not a Focus adapter repo: it has no {ADAPTER_CONFIG_NAME} (files: {repo_files[:20]})."
+        )
+    pickles = [name for name in repo_files if _is_pickle(name)]
+    if pickles:
+        raise NotAFocusAdapterError(
+            f"Refusing {label}: it contains pickle files {pickles}, which can run arbitrary code when loaded. "
+            "Focus adapters are safetensors-only."
+        )
+    if ADAPTER_WEIGHTS_NAME not in repo_files:
+        raise NotAFocusAdapterError(f"{label} is not a Focus adapter repo: it has no {ADAPTER_WEIGHTS_NAME}.")
+    unsafe = [name for name in wanted if name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/"))]
+    if unsafe:
+        raise NotAFocusAdapterError(f"Refusing {label}: unsafe file paths {unsafe}.")
+
+    problems: dict[str, str] = {}
+    for rel in wanted:
+        local = snapshot / rel
+        if not local.is_file():
+            problems[rel] = "missing from the download"
+        elif remote is not None and (reason := _file_mismatch(local, remote[rel])) is not None:
+            problems[rel] = reason
+    if ADAPTER_WEIGHTS_NAME not in problems:
+        try:
+            _check_safetensors(snapshot / ADAPTER_WEIGHTS_NAME)
+        except _FormatError as error:
+            problems[ADAPTER_WEIGHTS_NAME] = f"not a valid safetensors file: {error}"
+    if problems:
+        _evict_from_cache(snapshot, sorted(problems))
+        details = "; ".join(f"{name}: {reason}" for name, reason in sorted(problems.items()))
+        raise AdapterIntegrityError(
+            f"Download of Focus adapter {label} (commit {commit_hash}) failed verification - {details}. "
+            "The corrupt files were removed from the cache; retry the download."
+        )
+
+    try:
+        _read_focus_config(snapshot / ADAPTER_CONFIG_NAME)
+    except _FormatError as error:
+        raise NotAFocusAdapterError(f"{label} is not a Focus adapter: {error}.") from None
+
+    if out_dir is None:
+        return snapshot
+    out_path = Path(out_dir)
+    _copy_files(snapshot, wanted, out_path)
+    return out_path
