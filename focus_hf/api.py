@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .backends import check_backend
 from .layer import FocusLayer
 
 
@@ -33,10 +34,18 @@ def set_routing(model: nn.Module, mode: str = "hard", top_k: Optional[int] = Non
         mode: `"soft"` (differentiable gate, dense cost, used for training), `"hard"` (the sparse pattern) or
             `"auto"` (soft in train mode, hard in eval mode, the default after loading).
         top_k: groups each query probes in hard mode; None keeps each adapter's configured value.
-        backend: attention implementation of hard mode: `"reference"` (dense masked), or `None`/`"auto"` for
-            the best available.
+        backend: attention implementation of hard mode (see `focus_hf.backends`): `"reference"` (dense masked
+            oracle), `"sdpa"` (two standard attention calls merged by log-sum-exp, CPU and CUDA), `"flash"`
+            (the same on flash-attn, CUDA only), or `None`/`"auto"`: the fastest available, dense masked on
+            short sequences.
+
+    Raises:
+        BackendUnavailableError: `backend="flash"` without CUDA or without flash-attn installed.
     """
-    for layer in focus_layers(model):
+    layers = focus_layers(model)
+    if backend is not None:
+        check_backend(backend, next(model.parameters()).device)
+    for layer in layers:
         layer.set_routing(mode, top_k, backend)
 
 

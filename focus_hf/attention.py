@@ -15,12 +15,14 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .fast import fast_hard_attention
 from .pattern import allowed_pairs, pair_distance, soft_gate
 from .reference import dense_attention
 from .routing import RoutingState, TokenRouting
 
 ATTENTION_NAME = "focus"
-BACKENDS = ("auto", "reference")
+# Hard-mode implementations; see `backends` for what each runs. Soft mode is always dense.
+BACKENDS = ("auto", "reference", "sdpa", "flash")
 
 
 class FocusRuntimeError(RuntimeError):
@@ -116,10 +118,31 @@ def focus_attention_forward(
 
     # Keys are the most recent kv_len tokens (sliding-window caches keep only those).
     start = keys.seen - kv_len
-    query_positions = torch.arange(keys.seen - q_len, keys.seen, device=query.device)
-    key_positions = torch.arange(start, keys.seen, device=query.device)
     key_sink = keys.key_sink[:, start:]
     base_allowed = as_bool_mask(attention_mask)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    # Soft-capped logits (Gemma 2), attention dropout and gradients exist only in the reference path: the fast
+    # path's kernels ignore the gradient of the log-sum-exp they return, which its merge depends on.
+    needs_grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value))
+    fast = routing.backend != "reference" and kwargs.get("softcap") is None and dropout == 0.0 and not needs_grad
+    if routing.mode == "hard" and fast:
+        output = fast_hard_attention(
+            query,
+            key,
+            value,
+            base_allowed,
+            query_groups=routing.queries.top_groups,
+            key_groups=keys.key_groups[:, start:],
+            key_sink=key_sink,
+            num_groups=routing.num_groups,
+            window=routing.window,
+            scaling=scaling,
+            backend=routing.backend,
+            mask_is_padding=kwargs.get("sliding_window") is None,
+        )
+        return output, None
+    query_positions = torch.arange(keys.seen - q_len, keys.seen, device=query.device)
+    key_positions = torch.arange(start, keys.seen, device=query.device)
     causal = (pair_distance(query_positions, key_positions) >= 0)[None, None]
     allowed = causal if base_allowed is None else causal & base_allowed
     bias = None
@@ -138,7 +161,6 @@ def focus_attention_forward(
             routing.window,
             routing.gate_floor,
         )[:, None]
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     output = dense_attention(
         query, key, value, allowed, scaling=scaling, bias=bias, softcap=kwargs.get("softcap"), dropout=dropout
     )

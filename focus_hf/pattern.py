@@ -18,8 +18,25 @@ import torch
 
 
 def pair_distance(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-    """[q, kv] signed distance i - j between absolute positions."""
-    return query_positions[:, None] - key_positions[None, :]
+    """[..., q, kv] signed distance i - j between absolute positions [..., q] and [..., kv] (leading dims broadcast).
+
+    int32: positions stay far below 2**31, and the q x kv result is half the memory traffic of int64.
+    """
+    return query_positions.to(torch.int32).unsqueeze(-1) - key_positions.to(torch.int32).unsqueeze(-2)
+
+
+def probes(query_groups: torch.Tensor, key_groups: torch.Tensor) -> torch.Tensor:
+    """Bool [..., q, kv]: whether key j's single group is among query i's probed groups.
+
+    Args:
+        query_groups: [..., q, top_k].
+        key_groups: [..., kv].
+    """
+    keys = key_groups.unsqueeze(-2)
+    shared = query_groups[..., 0, None] == keys
+    for rank in range(1, query_groups.shape[-1]):  # k passes: cheaper than a [q, k, kv] compare reduced over k
+        shared |= query_groups[..., rank, None] == keys
+    return shared
 
 
 def allowed_pairs(
@@ -36,14 +53,12 @@ def allowed_pairs(
         query_groups: [batch, q, top_k] groups each query probes.
         key_groups: [batch, kv] the single group of each key.
         key_sink: [batch, kv] True for sink tokens.
-        query_positions: [q] absolute positions of the queries.
-        key_positions: [kv] absolute positions of the keys.
+        query_positions: [q] or [batch, q] absolute positions of the queries.
+        key_positions: [kv] or [batch, kv] absolute positions of the keys.
         window: local window w.
     """
     distance = pair_distance(query_positions, key_positions)
-    local = (distance >= 0) & (distance <= window)
-    shared = (query_groups[:, :, :, None] == key_groups[:, None, None, :]).any(dim=2)
-    return (distance >= 0) & (local | key_sink[:, None, :] | shared)
+    return (distance >= 0) & ((distance <= window) | key_sink[:, None, :] | probes(query_groups, key_groups))
 
 
 def soft_gate(

@@ -1,0 +1,137 @@
+"""Attention kernels behind the fast hard-mode path: one call that returns the output and its log-sum-exp.
+
+A kernel is `kernel(query, key, value, causal=..., bias=..., scale=...) -> (output, lse)` with query
+[batch, heads, L, dim], key/value [batch, kv_heads, S, dim] (heads a multiple of kv_heads, GQA as in
+transformers), `bias` None or a float tensor of the query's dtype broadcastable to [batch, heads, L, S] (0 for
+visible keys, finfo.min for hidden ones), output [batch, heads, L, dim] and lse float32 [batch, heads, L].
+`causal` is top-left aligned (query slot r sees key slots <= r); the fast path only asks for it with L == S.
+
+Backends (`focus_hf.set_routing(model, "hard", backend=...)`):
+  - "reference": the dense masked oracle of `reference.py` (no kernel here);
+  - "sdpa": torch's own kernels - the CPU flash kernel on CPU, the memory-efficient kernel on CUDA;
+  - "flash": flash-attn 3 or 2 on CUDA for the unmasked calls (the memory-efficient kernel for masked ones);
+  - "auto": "flash" where it applies, else "sdpa", and below `dense_below(...)` keys the exact pattern is run
+    as one dense masked call, which is faster than the sparse path on short sequences (and, on CPU, still
+    slower than unmasked dense attention: the kernel reads the mask, and building it costs a few passes).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+FLASH_INSTALL_HINT = "pip install flash-attn"
+
+# Key counts below which "auto" runs the pattern as one dense masked call, per device type and top_k (other top_k:
+# PER_PROBE * top_k). CPU, measured with `focus-hf bench --threads 1` (K=8, w=128, 4 sinks, 9x64 heads, 3 kv heads,
+# fp32; benchmarks/results/attention_cpu.md): at top_k=1 the sparse path ties the masked call at 512 keys and wins
+# above; at top_k=2 it overtakes it between 1,536 and 2,048, at 3 near 3,000, at 4 near 4,000. CUDA: a guess.
+DENSE_BELOW = {"cpu": {1: 512, 2: 2048}, "cuda": {}}
+PER_PROBE = {"cpu": 1024, "cuda": 4096}
+
+class Kernel(Protocol):
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        causal: bool,
+        bias: Optional[torch.Tensor],
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested attention backend cannot run here (missing package or device)."""
+
+
+def cpu_kernel(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool, bias: Optional[torch.Tensor], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash kernel: takes GQA shapes and broadcast (stride-0) biases as they are."""
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, causal, attn_mask=bias, scale=scale
+    )
+    return output, lse
+
+
+def cuda_sdpa_kernel(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool, bias: Optional[torch.Tensor], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's memory-efficient CUDA kernel, the one that both takes a bias and returns the log-sum-exp."""
+    repeats = query.shape[1] // key.shape[1]
+    if repeats > 1:  # this kernel has no GQA; causal calls rule out folding query heads into the sequence
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    if bias is not None:
+        # The kernel wants the bias's last dimension 16-aligned in memory; broadcast dims may stay stride 0.
+        length = bias.shape[-1]
+        bias = F.pad(bias, (0, -length % 16))[..., :length]
+        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], length)
+    output, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, True, 0.0, causal, scale=scale
+    )
+    return output, lse[..., : query.shape[2]].float()  # lse comes padded to a multiple of 32 queries
+
+
+@functools.lru_cache(maxsize=1)
+def flash_attn_function() -> Optional[Callable]:
+    """flash-attn's `flash_attn_func` (version 3 preferred), or None when neither version is installed."""
+    for module_name in ("flash_attn_interface", "flash_attn"):
+        try:
+            return importlib.import_module(module_name).flash_attn_func
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def flash_kernel(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool, bias: Optional[torch.Tensor], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn for unmasked half-precision calls; it takes no bias, so masked calls go to `cuda_sdpa_kernel`."""
+    function = flash_attn_function()
+    if function is None or bias is not None or query.dtype not in (torch.float16, torch.bfloat16):
+        return cuda_sdpa_kernel(query, key, value, causal=causal, bias=bias, scale=scale)
+    result = function(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        softmax_scale=scale,
+        causal=causal,
+        return_attn_probs=True,
+    )
+    # flash-attn 2 returns (out, lse, probs), flash-attn 3 (out, lse); out is [batch, L, heads, dim].
+    return result[0].transpose(1, 2), result[1].float()
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Raise `BackendUnavailableError` if `backend` cannot run on `device`."""
+    if backend != "flash":
+        return
+    missing = [name for name, absent in (("a CUDA device", device.type != "cuda"), ("flash-attn", flash_attn_function() is None)) if absent]
+    if missing:
+        raise BackendUnavailableError(
+            f"The 'flash' backend needs {' and '.join(missing)} (`{FLASH_INSTALL_HINT}`, CUDA builds only); the model "
+            f"is on {device}. Use backend='sdpa' or 'auto' instead."
+        )
+
+
+def select_kernel(backend: str, device: torch.device) -> Kernel:
+    """The kernel of `backend` ("sdpa", "flash" or "auto") on `device`."""
+    check_backend(backend, device)
+    if device.type == "cpu":
+        return cpu_kernel
+    if device.type != "cuda":
+        raise BackendUnavailableError(f"Fast Focus attention runs on CPU and CUDA, not {device.type}; use backend='reference'.")
+    if backend == "flash" or (backend == "auto" and flash_attn_function() is not None):
+        return flash_kernel
+    return cuda_sdpa_kernel
+
+
+def dense_below(device: torch.device, top_k: int) -> int:
+    """Key count below which "auto" prefers one dense masked call to the sparse path."""
+    return DENSE_BELOW.get(device.type, {}).get(top_k, PER_PROBE.get(device.type, 0) * top_k)

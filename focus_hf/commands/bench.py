@@ -1,0 +1,298 @@
+"""`focus-hf bench`: time hard-mode Focus attention against dense causal attention, one attention layer.
+
+Inputs are random q/k/v; the routing comes from a random-init router (a FocusLayer-style projection and centroids
+on random hidden states, causal Sinkhorn via `routing.route_tokens`), so groups are balanced as in a real model.
+Dense (`scaled_dot_product_attention(is_causal=True, enable_gqa=True)`) and Focus are timed alternately in the
+same loop and the median is kept; `--peak-memory` instead runs one Focus call per length in a fresh process and
+reports its peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config import FocusConfig
+from ..fast import fast_hard_attention
+from ..pattern import allowed_pairs
+from ..reference import dense_attention
+from ..routing import RoutingState, TokenRouting, route_tokens, routing_scores
+
+# Dense attention beyond this many bytes of q/k/v/output is reported as skipped rather than run.
+DENSE_MEMORY_FRACTION = 0.5
+
+
+@dataclass
+class Case:
+    """One attention layer's inputs: q [1, heads, n, dim], k/v [1, kv_heads, n, dim], and routing per top_k."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    routing: dict[int, TokenRouting]
+
+
+def make_case(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> Case:
+    """Random q/k/v laid out as a model projects them ([1, n, heads, dim] transposed) and real routing."""
+    generator = torch.Generator().manual_seed(args.seed + seq_len)
+    defaults = FocusConfig()
+    hidden_size = args.heads * args.head_dim
+    hidden = torch.randn(1, seq_len, hidden_size, generator=generator)
+    projection = torch.randn(hidden_size, defaults.group_dim, generator=generator) / math.sqrt(hidden_size)
+    centroids = F.normalize(torch.randn(args.groups, defaults.group_dim, generator=generator), dim=-1)
+    scores = routing_scores(hidden, projection, centroids, defaults.temperature)
+    valid = torch.ones(1, seq_len, dtype=torch.bool)
+    routing = {}
+    for top_k in args.top_k:
+        state = RoutingState.empty(1, defaults.sinkhorn_iterations, args.groups, torch.device("cpu"))
+        tokens, _ = route_tokens(
+            scores, valid, state, iterations=defaults.sinkhorn_iterations, top_k=top_k, sink_tokens=args.sinks
+        )
+        routing[top_k] = TokenRouting(tokens.log_probs, tokens.top_groups.to(device), tokens.sink.to(device))
+
+    def states(heads: int) -> torch.Tensor:
+        return torch.randn(1, seq_len, heads, args.head_dim, generator=generator).to(device, dtype).transpose(1, 2)
+
+    return Case(states(args.heads), states(args.kv_heads), states(args.kv_heads), routing)
+
+
+def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> int:
+    """Allowed (query, key) pairs of one sample, counted in O(n K) memory instead of materialising n x n."""
+    groups, sink = routing.top_groups[0].cpu(), routing.sink[0].cpu()
+    seq_len = groups.shape[0]
+    positions = torch.arange(seq_len)
+    local = torch.clamp(positions, max=window) + 1
+    # Keys farther than the window: sinks, plus non-sink keys whose group the query probes.
+    farthest = positions - window - 1  # last distant key of each query (negative: none)
+    has_distant = farthest >= 0
+    distant_index = farthest.clamp(min=0)
+    sinks = torch.cumsum(sink.long(), 0)[distant_index] * has_distant
+    member = torch.zeros(seq_len, num_groups, dtype=torch.long)
+    member[positions[~sink], groups[~sink, 0]] = 1
+    per_group = member.cumsum(0)[distant_index]  # [n, K] non-sink keys of each group up to the farthest distant key
+    shared = per_group.gather(1, groups).sum(1) * has_distant
+    return int((local + sinks + shared).sum())
+
+
+def time_call(function: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds of one call. On a shared machine, CPU time is the steadier measure of
+    single-threaded runs (other processes take turns on the cores, which inflates wall time unevenly)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    function()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[], torch.Tensor]:
+    routing = case.routing[top_k]
+    scaling = args.head_dim**-0.5
+    key_groups = routing.top_groups[..., 0]
+    if args.backend == "reference":
+        positions = torch.arange(case.query.shape[2], device=case.query.device)
+        return lambda: dense_attention(
+            case.query,
+            case.key,
+            case.value,
+            allowed_pairs(routing.top_groups, key_groups, routing.sink, positions, positions, args.window)[:, None],
+            scaling=scaling,
+        )
+    return lambda: fast_hard_attention(
+        case.query,
+        case.key,
+        case.value,
+        None,
+        query_groups=routing.top_groups,
+        key_groups=key_groups,
+        key_sink=routing.sink,
+        num_groups=args.groups,
+        window=args.window,
+        scaling=scaling,
+        backend=args.backend,
+    )
+
+
+def dense_skip_reason(args: argparse.Namespace, seq_len: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why dense attention is not run at `seq_len`, or None."""
+    if args.dense_max_seq_len is not None and seq_len > args.dense_max_seq_len:
+        return f"skipped: above --dense-max-seq-len {args.dense_max_seq_len}"
+    element = torch.finfo(dtype).bits // 8
+    needed = seq_len * (2 * args.heads + 2 * args.kv_heads) * args.head_dim * element
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    if needed > DENSE_MEMORY_FRACTION * available:
+        return f"skipped: needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
+    return None
+
+
+def medians(times: list[tuple[float, float]]) -> tuple[Optional[float], Optional[float]]:
+    """Median wall and CPU seconds, or (None, None) when nothing was timed."""
+    if not times:
+        return None, None
+    return statistics.median(wall for wall, _ in times), statistics.median(cpu for _, cpu in times)
+
+
+def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
+    """Fewer repetitions on long sequences: halved per doubling above 16,384 tokens, never below 2."""
+    return max(2, min(args.repeats, args.repeats * 16384 // seq_len))
+
+
+def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    case = make_case(args, seq_len, device, dtype)
+    skip = dense_skip_reason(args, seq_len, dtype, device)
+    dense = lambda: F.scaled_dot_product_attention(case.query, case.key, case.value, is_causal=True, enable_gqa=True)
+    calls = {top_k: focus_call(args, case, top_k) for top_k in args.top_k}
+    dense_times: list[tuple[float, float]] = []
+    focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
+    if seq_len <= 16384:  # warm-up (allocator, kernels); too expensive to repeat at long lengths
+        if skip is None:
+            dense()
+        for call in calls.values():
+            call()
+    for _ in range(repeats_at(args, seq_len)):
+        if skip is None:
+            dense_times.append(time_call(dense))
+        for top_k, call in calls.items():
+            focus_times[top_k].append(time_call(call))
+    dense_s, dense_cpu_s = medians(dense_times)
+    rows = []
+    causal_pairs = seq_len * (seq_len + 1) // 2
+    for top_k in args.top_k:
+        focus_s, focus_cpu_s = medians(focus_times[top_k])
+        fraction = allowed_pair_count(case.routing[top_k], args.window, args.groups) / causal_pairs
+        rows.append(
+            {
+                "seq_len": seq_len,
+                "dense_s": dense_s,
+                "focus_s": focus_s,
+                "speedup": None if dense_s is None else dense_s / focus_s,
+                "dense_cpu_s": dense_cpu_s,
+                "focus_cpu_s": focus_cpu_s,
+                "cpu_speedup": None if dense_cpu_s is None else dense_cpu_s / focus_cpu_s,
+                "pairs_fraction": fraction,
+                "ideal_speedup": 1.0 / fraction,
+                "dense_note": skip,
+                "repeats": len(focus_times[top_k]),
+                "backend": args.backend,
+                "top_k": top_k,
+                "groups": args.groups,
+                "window": args.window,
+                "sinks": args.sinks,
+                "heads": args.heads,
+                "kv_heads": args.kv_heads,
+                "head_dim": args.head_dim,
+                "dtype": args.dtype,
+                "device": device_name(device),
+                "threads": torch.get_num_threads(),
+                "load_avg_1m": os.getloadavg()[0],  # other processes on the machine skew CPU timings
+                "torch": torch.__version__,
+            }
+        )
+    return rows
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def peak_memory_child(args: argparse.Namespace, seq_len: int, top_k: int, queue: multiprocessing.Queue) -> None:
+    """Runs in a fresh process: one Focus call; reports RSS before it and the process's peak RSS (MiB)."""
+    import psutil
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        case = make_case(args, seq_len, device, dtype)
+        call = focus_call(args, case, top_k)
+        before = psutil.Process().memory_info().rss
+        call()
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    queue.put({"seq_len": seq_len, "top_k": top_k, "rss_before_call_mib": before / 2**20, "peak_rss_mib": peak_kib / 2**10})
+
+
+def peak_memory_rows(args: argparse.Namespace) -> list[dict]:
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for seq_len in args.seq_lens:
+        for top_k in args.top_k:
+            queue = context.Queue()
+            process = context.Process(target=peak_memory_child, args=(args, seq_len, top_k, queue))
+            process.start()
+            process.join()
+            if process.exitcode != 0:
+                rows.append({"seq_len": seq_len, "top_k": top_k, "error": f"exit code {process.exitcode}"})
+                continue
+            row = queue.get()
+            row.update(backend=args.backend, groups=args.groups, window=args.window, sinks=args.sinks, dtype=args.dtype)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.peak_memory:
+        rows = peak_memory_rows(args)
+    else:
+        rows = []
+        print(f"{'seq_len':>8} {'top_k':>5} {'dense_s':>9} {'focus_s':>9} {'speedup':>8} {'cpu_x':>7} {'ideal':>7}", flush=True)
+        with torch.inference_mode():
+            for seq_len in args.seq_lens:
+                for row in bench_length(args, seq_len, device, dtype):
+                    rows.append(row)
+                    dense = "-" if row["dense_s"] is None else f"{row['dense_s']:.4f}"
+                    speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+                    cpu_speedup = "-" if row["cpu_speedup"] is None else f"{row['cpu_speedup']:.2f}x"
+                    print(
+                        f"{seq_len:>8} {row['top_k']:>5} {dense:>9} {row['focus_s']:>9.4f} {speedup:>8} "
+                        f"{cpu_speedup:>7} {row['ideal_speedup']:>6.2f}x",
+                        flush=True,
+                    )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="time hard-mode Focus attention against dense causal attention")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths")
+    parser.add_argument("--groups", type=int, default=8, help="number of groups K")
+    parser.add_argument("--top-k", type=int, nargs="+", default=[1], help="groups per query; several are timed in one loop")
+    parser.add_argument("--window", type=int, default=128, help="local window w")
+    parser.add_argument("--sinks", type=int, default=4, help="sink tokens")
+    parser.add_argument("--heads", type=int, default=9, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dimension")
+    parser.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flash", "reference"], help="Focus backend")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (fewer above 16,384 tokens)")
+    parser.add_argument("--dense-max-seq-len", type=int, default=None, help="do not time dense attention above this length")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="q/k/v dtype")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    parser.add_argument("--peak-memory", action="store_true", help="measure peak RSS of one Focus call per length instead")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.set_defaults(func=run)

@@ -1,0 +1,224 @@
+"""Hard-mode Focus attention from standard attention calls, with no n x n tensor.
+
+Every pair the hard pattern allows (`pattern.allowed_pairs`) lies in exactly one of two sets:
+
+  A  same-group pairs: j <= i and key_groups[j] is among query_groups[i] (local and sink pairs included);
+  B  every other allowed pair: j <= i, key_groups[j] not among query_groups[i], and i - j <= window or j a sink.
+
+A is plain causal attention inside each group. Tokens are laid out in one segment per (sample, group), in their
+original order - a query in the segments of its k probed groups, a key only in the segment of its own group -
+and padded to the longest segment: one causal call over [batch * K, heads, L, dim], since causal in segment order
+is causal in original order. No local pair has to be taken out of A (a causal call could not express "j < i - w")
+because B leaves the same-group pairs out instead. With top_k = 1 every slot holds a token that is both query and
+key, so the call needs no mask at all. With top_k > 1 the slots where a token only queries hold dead keys, hidden
+by a [.., 1, 1, L] bias; to keep that waste (a factor k) off the bulk of the work, queries go in chunks of
+GROUP_CHUNK: a chunk's own tokens get the causal call, the tokens before it are read as cached keys, laid out by
+group once, by a non-causal call from the same query slots (each chunk reads a prefix of every segment).
+Chunked prefill after a KV cache is the same computation.
+
+B is split in two: the local pairs - queries in blocks of `partials.LOCAL_BLOCK` read the `window` keys before
+their block and the block itself, as overlapping strided views of the keys, under a [block, window + block] mask - and the pairs
+with sinks farther than the window, a handful of keys done with two small matmuls.
+
+The partial results of a query (one per probed group, local, sinks) are merged exactly by log-sum-exp. Hidden keys
+carry finfo.min rather than -inf, so a partial without visible keys has a log-sum-exp near finfo.min, gets weight 0
+in the merge and never produces a NaN.
+
+Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those queries can reach - their groups' keys,
+their window and the sinks - and runs one small masked call. Below `backends.dense_below` keys, "auto" runs the
+pattern as one dense masked call; so does every backend when the model's mask is more than causal + padding
+(sliding-window layers), since the fast paths read only the key padding from it.
+
+Forward only: the attention kernels' backward ignores the gradient of the log-sum-exp they return, which the
+merge depends on, so `attention.focus_attention_forward` sends calls that need gradients to the reference path.
+
+Costs (n tokens, K groups, window w): A ~ k n^2 / 2K (+ (k^2 - k) n GROUP_CHUNK / 2K), B ~ n (w + partials.LOCAL_BLOCK);
+memory O(n (k + w)).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .backends import Kernel, dense_below, select_kernel
+from .partials import CachedKeys, gather_tokens, group_part, hidden_bias, local_part, merge_partials, sink_part
+from .pattern import allowed_pairs, probes
+
+# Queries per set-A chunk when top_k > 1 (see `sparse_attention`): more chunks waste less on dead keys, but each
+# chunk re-reads the keys before it and short segments run the kernel less efficiently.
+GROUP_CHUNK = 2048
+# Up to this many queries against a longer cache, gathering the reachable keys beats laying out all groups.
+DECODE_MAX_QUERIES = 16
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    num_groups: int,
+    window: int,
+    scaling: float,
+    kernel: Kernel,
+) -> torch.Tensor:
+    """Sets A and B merged: [batch, q, heads, dim].
+
+    With top_k > 1, set A runs in chunks of GROUP_CHUNK queries, each reading the tokens before it as cached keys:
+    only the causal call over a chunk's own tokens pays for dead keys, so A costs ~ (k + (k^2 - k) / chunks)
+    n^2 / 2K instead of k^2 n^2 / 2K. With top_k = 1 there are no dead keys and one chunk is best.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_len, device = key.shape[2], query.device
+    first_query = kv_len - q_len
+    valid = torch.ones(batch, kv_len, dtype=torch.bool, device=device) if key_valid is None else key_valid
+    chunk = q_len if query_groups.shape[-1] == 1 else GROUP_CHUNK
+    earlier = None
+    if first_query > 0 or chunk < q_len:
+        earlier = CachedKeys.build(key, value, key_groups, valid, num_groups)
+    group_outputs, group_lses = [], []
+    for start in range(0, q_len, chunk):
+        end = min(start + chunk, q_len) + first_query  # keys up to the chunk's last query
+        part = group_part(
+            query[:, :, start : start + chunk],
+            key[:, :, :end],
+            value[:, :, :end],
+            valid[:, :end],
+            query_groups[:, start : start + chunk],
+            num_groups,
+            scaling,
+            kernel,
+            None if earlier is None else earlier.before(first_query + start, query.dtype),
+        )
+        if part is None:  # only padding queries: an empty set
+            length = end - first_query - start
+            empty_output = query.new_zeros(batch, length, heads, dim, dtype=torch.float32)
+            part = (empty_output, empty_output.new_full((batch, length, heads), torch.finfo(torch.float32).min))
+        group_outputs.append(part[0])
+        group_lses.append(part[1])
+    # One chunk (top_k = 1) needs no concatenation copy.
+    outputs = [group_outputs[0] if len(group_outputs) == 1 else torch.cat(group_outputs, dim=1)]
+    lses = [group_lses[0] if len(group_lses) == 1 else torch.cat(group_lses, dim=1)]
+    sinks = sink_part(query, key, value, query_groups, key_groups, key_sink, window, scaling)
+    if sinks is not None:
+        outputs.append(sinks[0])
+        lses.append(sinks[1])
+    local = local_part(query, key, value, key_valid, query_groups, key_groups, window, scaling, kernel)
+    output, _ = merge_partials(outputs + [local[0]], lses + [local[1]])
+    return output.to(query.dtype)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+    kernel: Kernel,
+) -> torch.Tensor:
+    """Few queries against many keys: gather the keys they can reach, then one masked call. [batch, q, heads, dim]."""
+    batch, _, q_len, _ = query.shape
+    kv_len, device = key.shape[2], query.device
+    first_query = kv_len - q_len
+    positions = torch.arange(kv_len, device=device)
+    probed = probes(query_groups.flatten(1).unsqueeze(1), key_groups)[:, 0]  # by any of the queries
+    reachable = probed | (positions >= first_query - window) | key_sink
+    if key_valid is not None:
+        reachable &= key_valid
+    count = reachable.sum(dim=1)
+    length = int(count.max())
+    slot = torch.where(reachable, reachable.cumsum(dim=1) - 1, length)
+    index = torch.zeros(batch, length + 1, dtype=torch.long, device=device)
+    index = index.scatter_(1, slot, positions.expand(batch, -1))[:, :length]
+    visible = allowed_pairs(
+        query_groups, key_groups.gather(1, index), key_sink.gather(1, index), positions[first_query:], index, window
+    ) & (torch.arange(length, device=device) < count[:, None]).unsqueeze(1)
+    sample = torch.arange(batch, device=device)[:, None]
+    output, _ = kernel(
+        query,
+        gather_tokens(key, sample, index),
+        gather_tokens(value, sample, index),
+        causal=False,
+        bias=hidden_bias(visible.unsqueeze(1), query.dtype),
+        scale=scaling,
+    )
+    return output.transpose(1, 2).contiguous()
+
+
+def masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    model_mask: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+    kernel: Kernel,
+) -> torch.Tensor:
+    """The exact pattern (and the model's own mask) as one dense masked call: [batch, q, heads, dim]."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    positions = torch.arange(kv_len, device=query.device)
+    visible = allowed_pairs(query_groups, key_groups, key_sink, positions[kv_len - q_len :], positions, window)[:, None]
+    if model_mask is not None:
+        visible = visible & model_mask
+    # The pattern is causal, so with square shapes the kernel may also skip the blocks above the diagonal.
+    output, _ = kernel(query, key, value, causal=q_len == kv_len, bias=hidden_bias(visible, query.dtype), scale=scaling)
+    return output.transpose(1, 2).contiguous()
+
+
+def fast_hard_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    model_mask: Optional[torch.Tensor],
+    *,
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    num_groups: int,
+    window: int,
+    scaling: float,
+    backend: str,
+    mask_is_padding: bool = True,
+) -> torch.Tensor:
+    """Hard-mode Focus attention on backend "sdpa", "flash" or "auto" (see `backends`).
+
+    Args:
+        query: [batch, heads, q, dim], the last q of the kv tokens.
+        key, value: [batch, kv_heads, kv, dim].
+        model_mask: the model's boolean mask [batch or 1, 1, q, kv] (True = may attend), or None (causal, no padding).
+        query_groups: [batch, q, top_k] groups each query probes.
+        key_groups, key_sink: [batch, kv] each key's group and whether it is a sink.
+        num_groups: K.
+        window: local window w.
+        scaling: multiplier of q.k.
+        backend: "sdpa", "flash" or "auto".
+        mask_is_padding: False when the model's mask may hide more than future and padding keys (sliding-window
+            layers); the pattern then runs as one dense masked call that applies the model's mask in full.
+
+    Returns:
+        [batch, q, heads, dim]; rows of padding queries are finite and meaningless.
+    """
+    kernel = select_kernel(backend, query.device)
+    arguments = (query_groups, key_groups, key_sink, window, scaling, kernel)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    short = backend == "auto" and kv_len < dense_below(query.device, query_groups.shape[-1])
+    if short or (model_mask is not None and not mask_is_padding):
+        return masked_attention(query, key, value, model_mask, *arguments)
+    # The last query follows every key, so its row of a causal + padding mask hides exactly the padding keys.
+    key_valid = None if model_mask is None else model_mask[:, 0, -1, :].expand(query.shape[0], -1)
+    if q_len <= DECODE_MAX_QUERIES and q_len < kv_len:
+        return decode_attention(query, key, value, key_valid, *arguments)
+    return sparse_attention(
+        query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
+    )

@@ -1,0 +1,291 @@
+"""The partial attentions the fast hard-mode path is made of, each over one disjoint set of keys.
+
+Each returns an output and its log-sum-exp, so that `merge_partials` combines them exactly; `fast.py` describes the
+split. Hidden keys carry finfo.min rather than -inf: a partial without visible keys then has a log-sum-exp near
+finfo.min, gets weight 0 in the merge and never produces a NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .backends import Kernel
+from .pattern import pair_distance, probes
+
+# Queries per block of the local part. Each query reads LOCAL_BLOCK + window keys, so smaller blocks waste less,
+# but the kernel's per-block overhead grows; 32 was fastest at w=128 on CPU (16 to 128 tried).
+LOCAL_BLOCK = 32
+
+
+def hidden_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias: 0 where visible, finfo.min (finite, so empty rows stay NaN-free) where hidden. One pass."""
+    visible_value = torch.zeros((), dtype=dtype, device=visible.device)
+    return torch.where(visible, visible_value, torch.finfo(dtype).min)
+
+
+def merge_partials(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over the union of disjoint key sets from per-set results [..., dim] and log-sum-exps [...]:
+    o = sum_p o_p * exp(lse_p - lse), lse = logsumexp_p lse_p. Accumulates in float32, one pass per partial."""
+    total = lses[0].float()
+    for lse in lses[1:]:
+        total = torch.logaddexp(total, lse.float())
+    merged = outputs[0].float() * torch.exp(lses[0] - total).unsqueeze(-1)
+    for output, lse in zip(outputs[1:], lses[1:]):
+        merged.addcmul_(output, torch.exp(lse - total).unsqueeze(-1))
+    return merged, total
+
+
+@dataclass
+class GroupLayout:
+    """Tokens laid out in one segment per (sample, group), each segment in original token order.
+
+    Attributes:
+        segment: [batch, n, m] segment (sample * K + group) of each token's m entries.
+        slot: [batch, n, m] slot of each entry in its segment (meaningless for left-out tokens).
+        token: [batch * K, length] token index (within its sample) in each slot; 0 in empty slots.
+        first: [batch * K, length] True where the slot holds a token's first entry (its own key group).
+        length: slots per segment (the longest segment).
+    """
+
+    segment: torch.Tensor
+    slot: torch.Tensor
+    token: torch.Tensor
+    first: torch.Tensor
+    length: int
+
+
+def group_layout(groups: torch.Tensor, include: torch.Tensor, num_groups: int) -> GroupLayout:
+    """Lay out tokens by group: `groups` [batch, n, m] (distinct per token), `include` [batch, n] (False: left out)."""
+    batch, n, m = groups.shape
+    device = groups.device
+    member = torch.zeros(batch, n, num_groups, dtype=torch.int32, device=device)
+    member.scatter_(2, groups, include.unsqueeze(-1).expand(-1, -1, m).to(torch.int32))
+    # Slot = number of included tokens of the same group before this one: O(n K) counting, no sort.
+    count = member.cumsum(dim=1, dtype=torch.int32)
+    slot = count.gather(2, groups).long() - 1
+    length = int(count[:, -1].max()) if n else 0
+    segment = torch.arange(batch, device=device).view(batch, 1, 1) * num_groups + groups
+    # Scatter token indices into their slots; left-out entries go to one extra slot that is dropped.
+    slots = batch * num_groups * length
+    entry = include.unsqueeze(-1).expand(-1, -1, m)
+    flat = torch.where(entry, segment * length + slot, slots)
+    tokens = torch.arange(n, device=device).view(1, n, 1).expand(batch, n, m)
+    token = torch.zeros(slots + 1, dtype=torch.long, device=device).scatter_(0, flat.flatten(), tokens.flatten())
+    first = torch.zeros(slots + 1, dtype=torch.bool, device=device)
+    first[flat[..., 0].flatten()] = True
+    shape = (batch * num_groups, length)
+    return GroupLayout(segment, slot, token[:slots].view(shape), first[:slots].view(shape), length)
+
+
+def sink_slots(key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices [batch, S] of each sample's sink keys (S = most sinks in a sample) and which of them exist."""
+    batch, kv_len = key_sink.shape
+    count = key_sink.sum(dim=1)
+    sinks = int(count.max()) if kv_len else 0
+    rank = torch.where(key_sink, key_sink.cumsum(dim=1) - 1, sinks)
+    positions = torch.arange(kv_len, device=key_sink.device).expand(batch, -1)
+    index = torch.zeros(batch, sinks + 1, dtype=torch.long, device=key_sink.device).scatter_(1, rank, positions)
+    return index[:, :sinks], torch.arange(sinks, device=key_sink.device) < count[:, None]
+
+
+def gather_tokens(states: torch.Tensor, sample: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """States [batch, heads, n, dim] of tokens `token` [R, L] in samples `sample` [R, 1] -> [R, heads, L, dim].
+
+    One gather of contiguous rows: whole tokens when the states are token-major (fresh projections), per-head
+    rows otherwise (a KV cache).
+    """
+    heads, dim = states.shape[1], states.shape[3]
+    rows, length = token.shape
+    tokens = states.transpose(1, 2)
+    if tokens.stride(3) == 1 and tokens.stride(2) == dim and tokens.stride(1) == heads * dim:
+        picked = tokens.flatten(2)[sample, token]  # [R, L, heads * dim]
+        return picked.view(rows, length, heads, dim).transpose(1, 2)
+    return states.transpose(0, 1)[:, sample, token].transpose(0, 1)
+
+
+def token_span(states: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Token-major [batch, length, heads, dim] states of positions start .. start + length - 1, zeros outside.
+
+    A view when the span lies inside the states and they are token-major (fresh projections), else one copy.
+    """
+    tokens = states.transpose(1, 2)
+    n = tokens.shape[1]
+    if start >= 0 and start + length <= n and tokens.is_contiguous():
+        return tokens[:, start : start + length]
+    inside = tokens[:, max(start, 0) : start + length]
+    return F.pad(inside, (0, 0, 0, 0, max(-start, 0), max(start + length - n, 0)))
+
+
+def sliding_windows(tokens: torch.Tensor, size: int, step: int) -> torch.Tensor:
+    """[batch, length, ...] -> [batch * windows, size, ...]: windows of `size` every `step` positions.
+
+    A view when batch is 1 (overlapping windows share memory), else one copy.
+    """
+    windows = tokens.unfold(1, size, step)  # the window axis comes last
+    return windows.movedim(-1, 2).flatten(0, 1)
+
+
+def local_part(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    window: int,
+    scaling: float,
+    kernel: Kernel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Set B's local pairs: output [batch, q, heads, dim] and lse [batch, q, heads] over the keys at most `window`
+    before each query whose group the query does not probe.
+
+    Queries go in blocks of LOCAL_BLOCK; block t reads the keys from `window` before its first query to its last,
+    as overlapping strided views of the keys (no per-block copies).
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_len, device = key.shape[2], query.device
+    first_query = kv_len - q_len
+    blocks = -(-q_len // LOCAL_BLOCK)
+    span = blocks * LOCAL_BLOCK
+    size = LOCAL_BLOCK + window
+    queries = sliding_windows(token_span(query, 0, span), LOCAL_BLOCK, LOCAL_BLOCK)
+    keys = sliding_windows(token_span(key, first_query - window, span + window), size, LOCAL_BLOCK)
+    values = sliding_windows(token_span(value, first_query - window, span + window), size, LOCAL_BLOCK)
+
+    # Query c of a block and its key x (both counted from the block's start) are i - j = window + c - x apart.
+    offset = torch.arange(LOCAL_BLOCK, device=device)[:, None] - torch.arange(size, device=device) + window
+    local = (offset >= 0) & (offset <= window)
+    key_index = torch.arange(first_query - window, first_query + span, device=device)
+    key_ok = (key_index >= 0) & (key_index < kv_len)
+    key_index = key_index.clamp(0, kv_len - 1)
+    key_ok = key_ok.expand(batch, -1) if key_valid is None else key_ok & key_valid[:, key_index]
+    query_index = torch.arange(span, device=device).clamp(max=q_len - 1)  # the last block is padded with repeats
+    block_groups = query_groups[:, query_index].view(batch, blocks, LOCAL_BLOCK, -1)
+    window_groups = key_groups[:, key_index].unfold(1, size, LOCAL_BLOCK)  # [batch, blocks, size]
+    visible = local & key_ok.unfold(1, size, LOCAL_BLOCK).unsqueeze(2) & ~probes(block_groups, window_groups)
+    output, lse = kernel(
+        queries.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        causal=False,
+        bias=hidden_bias(visible.flatten(0, 1).unsqueeze(1), query.dtype),
+        scale=scaling,
+    )
+    output = output.transpose(1, 2).reshape(batch, span, heads, dim)[:, :q_len]
+    lse = lse.transpose(1, 2).reshape(batch, span, heads)[:, :q_len]
+    return output, lse
+
+
+def sink_part(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Set B's sink pairs: sinks farther than `window` whose group the query does not probe.
+
+    A handful of keys: two small matmuls instead of an attention kernel, whose per-row overhead would dominate.
+    Every query head is scored against the sinks of every kv head (a kv_heads-fold waste on a tiny product) so
+    that the token-major queries need no copy; the other kv heads' logits are hidden.
+
+    Returns output [batch, q, heads, dim] and lse [batch, q, heads], or None without sinks.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len, device = key.shape[1], key.shape[2], query.device
+    sink_index, sink_used = sink_slots(key_sink)
+    sinks = sink_index.shape[1]
+    if sinks == 0:
+        return None
+    distance = pair_distance(torch.arange(kv_len - q_len, kv_len, device=device), sink_index)  # [batch, q, sinks]
+    visible = (distance > window) & sink_used[:, None, :] & ~probes(query_groups, key_groups.gather(1, sink_index))
+    sample = torch.arange(batch, device=device)[:, None]
+    sink_keys = gather_tokens(key, sample, sink_index).float() * scaling  # [batch, kv_heads, sinks, dim]
+    sink_values = gather_tokens(value, sample, sink_index).float()
+    queries = query.float().transpose(1, 2).reshape(batch, q_len * heads, dim)
+    logits = queries @ sink_keys.flatten(1, 2).transpose(1, 2)  # [batch, q * heads, kv_heads * sinks]
+    shape = (batch, q_len, kv_heads, heads // kv_heads, kv_heads, sinks)
+    own = logits.view(shape).diagonal(dim1=2, dim2=4)  # [batch, q, heads per kv head, sinks, kv_heads]
+    own = own.masked_fill(~visible[:, :, None, :, None], torch.finfo(torch.float32).min)
+    lse = own.logsumexp(dim=3)  # [batch, q, heads per kv head, kv_heads]
+    weights = torch.zeros_like(logits)
+    weights.view(shape).diagonal(dim1=2, dim2=4).copy_(torch.exp(own - lse.unsqueeze(3)))
+    output = (weights @ sink_values.flatten(1, 2)).view(batch, q_len, heads, dim)
+    return output, lse.transpose(2, 3).reshape(batch, q_len, heads)
+
+
+@dataclass
+class CachedKeys:
+    """Keys laid out by group ([batch * K, kv_heads, L, dim], in position order), read by later chunks of set A."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    position: torch.Tensor  # [batch * K, L] kv index of each slot; kv_len in empty slots
+
+    @classmethod
+    def build(
+        cls, key: torch.Tensor, value: torch.Tensor, key_groups: torch.Tensor, valid: torch.Tensor, num_groups: int
+    ) -> "CachedKeys":
+        layout = group_layout(key_groups.unsqueeze(-1), valid, num_groups)
+        sample = (torch.arange(layout.token.shape[0], device=key.device) // num_groups)[:, None]
+        position = layout.token.masked_fill(~layout.first, key.shape[2])
+        return cls(gather_tokens(key, sample, layout.token), gather_tokens(value, sample, layout.token), position)
+
+    def before(self, position: int, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Keys, values and hiding bias of the tokens before `position`: a prefix of every segment, so views."""
+        visible = self.position < position
+        length = int(visible.sum(dim=1).max())
+        if length == 0:
+            return None
+        bias = hidden_bias(visible[:, None, None, :length], dtype)
+        return self.keys[:, :, :length], self.values[:, :, :length], bias
+
+
+def group_part(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    num_groups: int,
+    scaling: float,
+    kernel: Kernel,
+    cached: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Set A for a chunk of new tokens (query = the last q of key): float32 output [batch, q, heads, dim] and lse
+    [batch, q, heads], merged over the probed groups; None if every query is padding.
+
+    The chunk's tokens are laid out by group (queries in all their probed groups) for one causal call; `cached`
+    (keys, values, bias from `CachedKeys.before`) holds earlier tokens by group, read by one non-causal call from
+    the same query slots and merged slot by slot.
+    """
+    batch, _, q_len, _ = query.shape
+    kv_len, device = key.shape[2], query.device
+    first_query = kv_len - q_len
+    valid = key_valid[:, first_query:] if key_valid is not None else torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    layout = group_layout(query_groups, valid, num_groups)
+    if layout.length == 0:
+        return None
+    sample = (torch.arange(batch * num_groups, device=device) // num_groups)[:, None]
+    key_index = first_query + layout.token
+    # With top_k = 1 every slot is a live key and empty slots trail every real one, so plain causal suffices.
+    dead = None if query_groups.shape[-1] == 1 else hidden_bias(layout.first[:, None, None, :], query.dtype)
+    queries = gather_tokens(query, sample, layout.token)
+    keys, values = gather_tokens(key, sample, key_index), gather_tokens(value, sample, key_index)
+    output, lse = kernel(queries, keys, values, causal=True, bias=dead, scale=scaling)
+    output, lse = output.transpose(1, 2), lse.transpose(1, 2)  # [batch * K, L, heads, (dim)]
+    if cached is not None:
+        cached_output, cached_lse = kernel(queries, cached[0], cached[1], causal=False, bias=cached[2], scale=scaling)
+        output, lse = merge_partials([output, cached_output.transpose(1, 2)], [lse, cached_lse.transpose(1, 2)])
+    outputs = output[layout.segment, layout.slot]  # [batch, q, top_k, heads, dim]
+    lses = lse[layout.segment, layout.slot]
+    # Padding queries have no slot (their entries point at other tokens' slots): an empty set.
+    lses = lses.masked_fill(~valid[:, :, None, None], torch.finfo(lses.dtype).min)
+    return merge_partials(list(outputs.unbind(2)), list(lses.unbind(2)))

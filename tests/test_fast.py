@@ -1,0 +1,270 @@
+"""The fast hard-mode attention (`focus_hf.fast`) against the dense oracle, and the backends at model level."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from peft import get_peft_model
+
+import focus_hf
+import focus_hf.fast as fast
+import focus_hf.partials as partials
+from focus_hf.backends import BackendUnavailableError, flash_attn_function
+from focus_hf.cli import main as cli_main
+from focus_hf.commands.bench import allowed_pair_count
+from focus_hf.pattern import allowed_pairs
+from focus_hf.reference import dense_attention
+from focus_hf.routing import TokenRouting
+from tiny_models import VOCAB, tiny_model
+
+ATOL = 1e-4
+SCALING = 0.3
+
+
+def random_routing(generator, batch, seq, num_groups, top_k, skew):
+    """Query groups [batch, seq, top_k] (distinct, best first) and key groups [batch, seq] (= the best).
+
+    skew "one" puts every token's best group on group 0; "some" leaves groups without keys.
+    """
+    scores = torch.rand(batch, seq, num_groups, generator=generator)
+    if skew == "one":
+        scores[..., 0] += 2.0
+    elif skew == "some":
+        scores[..., : max(1, num_groups // 2)] += 1.0
+    query_groups = scores.argsort(dim=-1, descending=True)[..., :top_k]
+    return query_groups, query_groups[..., 0]
+
+
+def padding(batch, seq, side, pad):
+    valid = torch.ones(batch, seq, dtype=torch.bool)
+    if side == "left":
+        valid[0, :pad] = False
+    elif side == "right":
+        valid[0, seq - pad :] = False
+    return valid
+
+
+def states(generator, batch, heads, seq, dim, token_major):
+    """Random states [batch, heads, seq, dim], laid out as projections (token-major) or as a KV cache."""
+    if token_major:
+        return torch.randn(batch, seq, heads, dim, generator=generator).transpose(1, 2)
+    return torch.randn(batch, heads, seq, dim, generator=generator)
+
+
+@st.composite
+def cases(draw):
+    seq = draw(st.sampled_from([1, 2, 3, 5, 7, 13, 31, 37, 61, 64, 97, 101, 127, 131]))
+    num_groups = draw(st.integers(1, 6))
+    q_len = draw(st.sampled_from(["all", "one", "few", "many"]))
+    q_len = {"all": seq, "one": 1, "few": min(seq, 5), "many": min(seq, max(1, seq - 7))}[q_len]
+    side = draw(st.sampled_from(["none", "left", "right"]))
+    return dict(
+        seq=seq,
+        q_len=q_len,
+        batch=draw(st.integers(1, 3)),
+        kv_heads=draw(st.integers(1, 2)),
+        gqa=draw(st.sampled_from([1, 3, 4])),
+        dim=draw(st.sampled_from([4, 8])),
+        num_groups=num_groups,
+        top_k=draw(st.integers(1, num_groups)),
+        window=draw(st.integers(0, 40)),
+        sinks=draw(st.integers(0, 4)),
+        side=side,
+        pad=draw(st.integers(1, max(1, seq - 1))) if side != "none" else 0,
+        skew=draw(st.sampled_from(["none", "one", "some"])),
+        token_major=draw(st.booleans()),
+        local_block=draw(st.sampled_from([1, 4, 16, 64])),
+        group_chunk=draw(st.sampled_from([3, 16, 4096])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
+    """Fast attention and the dense oracle on one case; returns (fast, reference, rows to compare)."""
+    generator = torch.Generator().manual_seed(case["seed"])
+    batch, seq, q_len = case["batch"], case["seq"], case["q_len"]
+    heads = case["kv_heads"] * case["gqa"]
+    query = states(generator, batch, heads, q_len, case["dim"], case["token_major"])
+    key = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
+    value = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
+    query_groups, key_groups = random_routing(generator, batch, seq, case["num_groups"], case["top_k"], case["skew"])
+    valid = padding(batch, seq, case["side"], case["pad"])
+    sink = valid & (valid.cumsum(dim=1) - 1 < case["sinks"])
+    positions = torch.arange(seq)
+    query_positions = positions[seq - q_len :]
+    model_mask = None
+    if case["side"] != "none" or extra_mask is not None:
+        model_mask = (query_positions[:, None] >= positions[None, :])[None, None] & valid[:, None, None, :]
+        if extra_mask is not None:
+            model_mask = model_mask & extra_mask
+    allowed = allowed_pairs(query_groups[:, seq - q_len :], key_groups, sink, query_positions, positions, case["window"])
+    allowed = allowed[:, None] if model_mask is None else allowed[:, None] & model_mask
+    reference = dense_attention(query, key, value, allowed, scaling=SCALING)
+    output = fast.fast_hard_attention(
+        query,
+        key,
+        value,
+        model_mask,
+        query_groups=query_groups[:, seq - q_len :],
+        key_groups=key_groups,
+        key_sink=sink,
+        num_groups=case["num_groups"],
+        window=case["window"],
+        scaling=SCALING,
+        backend=backend,
+        mask_is_padding=mask_is_padding,
+    )
+    # Padding queries may output anything finite.
+    return output, reference, valid[:, seq - q_len :]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_fast_equals_dense_oracle(case):
+    saved = partials.LOCAL_BLOCK, fast.GROUP_CHUNK
+    partials.LOCAL_BLOCK, fast.GROUP_CHUNK = case["local_block"], case["group_chunk"]
+    try:
+        output, reference, rows = run_case(case)
+    finally:
+        partials.LOCAL_BLOCK, fast.GROUP_CHUNK = saved
+    assert output.shape == reference.shape
+    assert torch.isfinite(output).all()
+    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+
+
+BASE_CASE = dict(
+    seq=97, q_len=97, batch=2, kv_heads=2, gqa=3, dim=8, num_groups=5, top_k=2, window=9, sinks=3, side="left", pad=11,
+    skew="none", token_major=True, seed=3,
+)
+
+
+@pytest.mark.parametrize("q_len", [97, 40, 5, 1], ids=["prefill", "chunk-after-cache", "few-after-cache", "decode"])
+@pytest.mark.parametrize("side", ["none", "left", "right"])
+def test_prefill_and_cached_steps(q_len, side):
+    output, reference, rows = run_case(dict(BASE_CASE, q_len=q_len, side=side))
+    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+
+
+def test_general_mask_runs_dense_with_the_models_mask():
+    # A sliding-window layer's mask hides more than padding; the fast path must then apply it in full.
+    positions = torch.arange(BASE_CASE["seq"])
+    sliding = (positions[:, None] - positions[None, :] < 20)[None, None]
+    output, reference, rows = run_case(BASE_CASE, mask_is_padding=False, extra_mask=sliding)
+    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+
+
+def test_auto_below_crossover_runs_dense_masked():
+    output, reference, rows = run_case(BASE_CASE, backend="auto")
+    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+
+
+def test_merge_of_empty_partials_is_finite():
+    empty = torch.full((2, 3), torch.finfo(torch.float32).min)
+    outputs = [torch.randn(2, 3, 4), torch.randn(2, 3, 4)]
+    merged, _ = partials.merge_partials(outputs, [empty, torch.zeros(2, 3)])
+    torch.testing.assert_close(merged, outputs[1])
+    merged, _ = partials.merge_partials(outputs, [empty, empty])
+    assert torch.isfinite(merged).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seq=st.integers(1, 90), num_groups=st.integers(1, 5), window=st.integers(0, 30), sinks=st.integers(0, 4), seed=st.integers(0, 999)
+)
+def test_bench_pair_count_is_exact(seq, num_groups, window, sinks, seed):
+    generator = torch.Generator().manual_seed(seed)
+    top_k = 1 + seed % num_groups
+    query_groups, key_groups = random_routing(generator, 1, seq, num_groups, top_k, "none")
+    sink = torch.arange(seq)[None] < sinks
+    routing = TokenRouting(log_probs=torch.zeros(1, seq, num_groups), top_groups=query_groups, sink=sink)
+    positions = torch.arange(seq)
+    expected = allowed_pairs(query_groups, key_groups, sink, positions, positions, window).sum()
+    assert allowed_pair_count(routing, window, num_groups) == int(expected)
+
+
+# --- model level: every backend gives the reference's logits and greedy tokens ---
+
+BACKENDS = ["reference", "sdpa", "auto"]
+
+
+def focus_llama(top_k):
+    config = focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8, top_k=top_k, sink_tokens=2)
+    return get_peft_model(tiny_model("llama"), config).eval()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_model_backends_agree(top_k):
+    model = focus_llama(top_k)
+    ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0  # left padding in the second sample
+    logits, generated = {}, {}
+    for backend in BACKENDS:
+        focus_hf.set_routing(model, "hard", backend=backend)
+        with torch.no_grad():
+            logits[backend] = model(input_ids=ids, attention_mask=mask).logits
+        generated[backend] = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    real = mask.bool()
+    for backend in BACKENDS[1:]:
+        torch.testing.assert_close(logits[backend][real], logits["reference"][real], atol=ATOL, rtol=0)
+        assert torch.equal(generated[backend], generated["reference"])
+
+
+def test_gradients_in_hard_mode_match_the_reference():
+    # The fast path is forward-only; calls that need gradients must take the reference path.
+    model = focus_llama(2)
+    embeddings = model.get_input_embeddings().weight.requires_grad_(True)
+    ids = torch.randint(3, VOCAB, (1, 60), generator=torch.Generator().manual_seed(2))
+    gradients = {}
+    for backend in ["reference", "sdpa"]:
+        focus_hf.set_routing(model, "hard", backend=backend)
+        embeddings.grad = None
+        model(input_ids=ids).logits.square().mean().backward()
+        gradients[backend] = embeddings.grad.clone()
+    torch.testing.assert_close(gradients["sdpa"], gradients["reference"], atol=1e-6, rtol=1e-4)
+
+
+def test_flash_backend_without_flash_attn_says_how_to_install():
+    if torch.cuda.is_available() and flash_attn_function() is not None:
+        pytest.skip("flash-attn is installed")
+    with pytest.raises(BackendUnavailableError, match="pip install flash-attn"):
+        focus_hf.set_routing(focus_llama(1), "hard", backend="flash")
+
+
+def test_bench_command_writes_rows(tmp_path):
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--seq-lens", "300", "--top-k", "1", "2", "--window", "16", "--repeats", "1", "--backend", "sdpa"]
+    assert cli_main(argv + ["--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [row["top_k"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["speedup"] == pytest.approx(row["dense_s"] / row["focus_s"])
+        assert 0 < row["pairs_fraction"] <= 1 and row["ideal_speedup"] == pytest.approx(1 / row["pairs_fraction"])
+
+
+# --- CUDA only ---
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_backends_match_reference(backend, dtype):
+    if backend == "flash" and flash_attn_function() is None:
+        pytest.skip("flash-attn is not installed")
+    model = focus_llama(2).to("cuda", dtype)
+    ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5)).cuda()
+    with torch.no_grad():
+        focus_hf.set_routing(model, "hard", backend="reference")
+        expected = model(input_ids=ids).logits.float()
+        focus_hf.set_routing(model, "hard", backend=backend)
+        actual = model(input_ids=ids).logits.float()
+    tolerance = ATOL if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=0)
