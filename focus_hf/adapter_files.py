@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -16,9 +17,17 @@ from typing import Optional
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
 ROUTER_LEAVES = ("focus_proj", "focus_centroids")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+# bits per element of the safetensors dtypes
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "C64": 64,
+    "I64": 64, "U64": 64, "F64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}  # fmt: skip
 
 
 class AdapterFileError(ValueError):
@@ -26,13 +35,19 @@ class AdapterFileError(ValueError):
 
 
 def read_safetensors_header(path: os.PathLike | str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Parse a safetensors header and check the file holds exactly the bytes it declares.
+    """Parse a safetensors file strictly and check it holds exactly the bytes its header declares.
+
+    Checks: the header length fits the file; the header is a JSON object; `__metadata__` maps strings to
+    strings; every tensor's byte range matches its dtype and shape; the tensors tile the data section exactly,
+    without gap or overlap, up to the end of the file; and `safetensors.safe_open` agrees on the tensor names.
+    Only the header is read (plus safetensors' own memory map), so this is cheap even for large files.
 
     Returns:
         tensor name -> (dtype, shape).
 
     Raises:
-        AdapterFileError: the file is truncated, padded, or its header is not valid safetensors.
+        AdapterFileError: the file is truncated, padded, or its header is not valid safetensors. The message
+            names the file and says "corrupt" and/or "truncated".
     """
     path = Path(path)
     size = path.stat().st_size
@@ -41,31 +56,64 @@ def read_safetensors_header(path: os.PathLike | str) -> dict[str, tuple[str, tup
         if len(prefix) < 8:
             raise AdapterFileError(f"{path} is not a safetensors file: {size} bytes, shorter than its 8-byte header length.")
         (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(size - 8, _MAX_HEADER_BYTES):
+        if header_len == 0 or header_len > min(size - 8, _MAX_HEADER_BYTES):
             raise AdapterFileError(f"{path} is corrupt or truncated: header claims {header_len} bytes, file has {size}.")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise AdapterFileError(f"{path} is corrupt: its safetensors header is not valid JSON ({error}).") from None
+        raw_header = handle.read(header_len)
+    try:
+        header = json.loads(raw_header)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise AdapterFileError(f"{path} is corrupt: its safetensors header is not valid JSON ({error}).") from None
     if not isinstance(header, dict):
         raise AdapterFileError(f"{path} is corrupt: its safetensors header is not a JSON object.")
-    tensors = {}
-    data_end = 0
+    data_len = size - 8 - header_len
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    ranges: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise AdapterFileError(f"{path} is corrupt: its __metadata__ must map strings to strings.")
             continue
         try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            dtype = entry["dtype"]
+            shape = tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise AdapterFileError(f"{path} is corrupt: bad header entry for tensor {name!r}.") from None
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape) or not (
+            isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
+        ):
+            raise AdapterFileError(f"{path} is corrupt: bad shape or offsets for tensor {name!r}.")
+        bits = _DTYPE_BITS.get(dtype)
+        if bits is not None and (math.prod(shape) * bits + 7) // 8 != end - begin:
+            raise AdapterFileError(
+                f"{path} is corrupt: tensor {name!r} ({dtype}, shape {list(shape)}) needs "
+                f"{(math.prod(shape) * bits + 7) // 8} bytes but its offsets span {end - begin}."
+            )
         tensors[name] = (dtype, shape)
-        data_end = max(data_end, int(end))
-    expected = 8 + header_len + data_end
-    if size != expected:
+        ranges.append((begin, end, name))
+    if not tensors:
+        raise AdapterFileError(f"{path} is corrupt: it contains no tensors.")
+    position = 0
+    for begin, end, name in sorted(ranges):
+        if begin != position:
+            raise AdapterFileError(
+                f"{path} is corrupt: tensor {name!r} starts at byte {begin}, expected {position} (gap or overlap)."
+            )
+        position = end
+    if position != data_len:
         raise AdapterFileError(
-            f"{path} is corrupt or truncated: its header describes {expected} bytes, the file has {size}. "
-            "Download or save the adapter again."
+            f"{path} is corrupt or truncated: its header describes {position} data bytes but the file holds "
+            f"{data_len} (truncated or padded). Download or save the adapter again."
         )
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as reader:
+            keys = set(reader.keys())
+    except Exception as error:  # safetensors raises its own SafetensorError / OSError types
+        raise AdapterFileError(f"{path} is corrupt: safetensors refused it ({error}).") from None
+    if keys != set(tensors):
+        raise AdapterFileError(f"{path} is corrupt: safetensors lists other tensors than its header.")
     return tensors
 
 
@@ -118,23 +166,64 @@ def validate_adapter_folder(folder: os.PathLike | str, expected: dict[str, dict[
                 )
 
 
-_LOADERS = {("peft.peft_model", "from_pretrained"): "model_id", ("peft.peft_model", "load_adapter"): "model_id",
-            ("transformers.integrations.peft", "load_adapter"): "peft_model_id"}
+# (module, function) of the loaders that inject an adapter -> how to read the adapter source from their frame.
+_LOADERS = {("peft.peft_model", "from_pretrained"): "peft", ("peft.peft_model", "load_adapter"): "peft",
+            ("transformers.integrations.peft", "load_adapter"): "transformers"}
+
+
+def _loader_source(frame, kind: str) -> tuple[object, dict]:
+    """(adapter source, download kwargs) held by a loader's frame."""
+    local = frame.f_locals
+    if kind == "peft":
+        # PeftModel.from_pretrained / load_adapter(model_id, ..., **kwargs): kwargs hold revision, subfolder,
+        # cache_dir, token... and go to hf_hub_download as they are.
+        return local.get("model_id"), dict(local.get("kwargs") or {})
+    # transformers' load_adapter(peft_model_id, ..., adapter_kwargs=..., **kwargs) merges everything into
+    # load_config.download_kwargs and pins download_kwargs["revision"] to a commit before loading the config.
+    if local.get("adapter_state_dict") is not None:
+        return None, {}
+    load_config = local.get("load_config")
+    download_kwargs = dict(getattr(load_config, "download_kwargs", None) or {})
+    if not download_kwargs:
+        download_kwargs = {**(local.get("kwargs") or {}), **(local.get("adapter_kwargs") or {})}
+    return local.get("peft_model_id"), download_kwargs
 
 
 def calling_adapter_folder() -> Optional[Path]:
-    """The local adapter folder that PEFT or transformers is loading right now, if any.
+    """The folder of the adapter that PEFT or transformers is loading right now, if any.
 
-    Neither library hands the path to the tuner before it injects the layers; the loader's frame holds it.
+    Neither library hands the adapter's location to the tuner before it injects the layers; the loader's frame
+    holds it. A local folder is returned as is. For a Hub repo id, the same revision's `adapter_model.safetensors`
+    is fetched through `huggingface_hub` with the loader's revision / subfolder / cache / token arguments,
+    verified against the Hub's checksum and the safetensors format (`focus_hf.hub.resolve_adapter_weights`),
+    and its folder in the cache is returned; a bad download raises `AdapterFileError` here, before injection.
     """
     frame = inspect.currentframe()
-    while frame is not None:
-        argument = _LOADERS.get((frame.f_globals.get("__name__"), frame.f_code.co_name))
-        if argument is not None:
-            source = frame.f_locals.get(argument)
-            subfolder = (frame.f_locals.get("kwargs") or {}).get("subfolder") or ""
-            if source is not None and os.path.isdir(os.path.join(os.fspath(source), subfolder)):
-                return Path(os.fspath(source), subfolder)
+    try:
+        while frame is not None:
+            kind = _LOADERS.get((frame.f_globals.get("__name__"), frame.f_code.co_name))
+            if kind is not None:
+                source, download_kwargs = _loader_source(frame, kind)
+                break
+            frame = frame.f_back
+        else:
             return None
-        frame = frame.f_back
-    return None
+    finally:
+        del frame
+    if source is None:
+        return None
+    subfolder = download_kwargs.get("subfolder") or ""
+    if os.path.isdir(os.path.join(os.fspath(source), subfolder)):
+        return Path(os.fspath(source), subfolder)
+    if not isinstance(source, str) or os.path.exists(source):
+        return None
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return None  # neither a folder nor a Hub id: the loader reports it
+    from .hub import resolve_adapter_weights
+
+    return resolve_adapter_weights(source, **download_kwargs).parent

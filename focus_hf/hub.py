@@ -20,7 +20,15 @@ Safety rules, enforced on both sides:
 The endpoint, cache and offline mode are those of ``huggingface_hub`` (``HF_ENDPOINT``, ``HF_HOME``/
 ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``), read when each function is called.
 
-This module only depends on ``huggingface_hub`` and ``safetensors`` (no torch / peft import).
+Safetensors files are checked by `focus_hf.adapter_files.read_safetensors_header`, the same strict check the
+core runs before a Focus adapter is injected into a model.
+
+Loading straight from the Hub needs none of this module's functions: ``model.load_adapter("org/name")``
+(transformers; a revision goes in ``adapter_kwargs={"revision": ...}``) and
+``PeftModel.from_pretrained(base, "org/name", revision=...)`` work after ``import focus_hf``. Before injecting,
+the Focus tuner runs [`resolve_adapter_weights`] with the loader's own revision / cache / token arguments: the
+same revision's ``adapter_model.safetensors`` is checked against the checksum the Hub announced and the
+safetensors format, so a truncated or tampered download is refused with the model left untouched.
 """
 
 from __future__ import annotations
@@ -29,11 +37,9 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -42,6 +48,10 @@ import httpx2
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, RepoFile, constants, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from huggingface_hub.utils import filter_repo_objects
+
+from .adapter_files import CONFIG_NAME as ADAPTER_CONFIG_NAME
+from .adapter_files import PICKLE_SUFFIXES, AdapterFileError, read_safetensors_header
+from .adapter_files import WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",
@@ -58,12 +68,11 @@ __all__ = [
     "validate_repo_id",
     "push_adapter",
     "pull_adapter",
+    "resolve_adapter_weights",
 ]
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 README_NAME = "README.md"
 FOCUS_PEFT_TYPE = "FOCUS"
 # Files pushed and pulled (fnmatch patterns on top-level names, as `huggingface_hub` `allow_patterns`).
@@ -75,22 +84,12 @@ ADAPTER_FILE_PATTERNS: tuple[str, ...] = (
     "*.png",
     "*.html",
 )
-PICKLE_SUFFIXES: tuple[str, ...] = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
 # Full-model weight formats; any *.safetensors other than the adapter's is treated as base-model weights.
 _BASE_WEIGHT_SUFFIXES: tuple[str, ...] = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".tflite")
 _BASE_WEIGHT_INDEX_SUFFIXES: tuple[str, ...] = (".safetensors.index.json", ".bin.index.json")
 
 _REPO_PART_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
 _COMMIT_SHA_RE = re.compile(r"[0-9a-f]{40}")
-_MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
-# bits per element of the safetensors dtypes
-_DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "C64": 64,
-    "I64": 64, "U64": 64, "F64": 64,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -209,76 +208,6 @@ class _FormatError(Exception):
     pass
 
 
-def _check_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Parse a safetensors file strictly: header sane, every tensor's byte range matches its dtype and shape,
-    tensors tile the data section exactly up to the end of the file, and ``safetensors.safe_open`` agrees.
-
-    Returns tensor name -> (dtype, shape). Raises `_FormatError` with a human readable reason.
-    """
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise _FormatError(f"file is {size} bytes, shorter than the 8-byte safetensors header length")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len == 0 or header_len > min(size - 8, _MAX_SAFETENSORS_HEADER):
-            raise _FormatError(f"header length {header_len} does not fit in a {size}-byte file (truncated?)")
-        raw_header = handle.read(header_len)
-    try:
-        header = json.loads(raw_header)
-    except (UnicodeDecodeError, ValueError) as error:
-        raise _FormatError(f"header is not valid JSON ({error})") from None
-    if not isinstance(header, dict):
-        raise _FormatError("header is not a JSON object")
-    data_len = size - 8 - header_len
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    ranges: list[tuple[int, int, str]] = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
-                raise _FormatError("__metadata__ must map strings to strings")
-            continue
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(entry["shape"])
-            begin, end = entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise _FormatError(f"bad header entry for tensor {name!r}") from None
-        if not all(isinstance(d, int) and d >= 0 for d in shape) or not (
-            isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
-        ):
-            raise _FormatError(f"bad shape or offsets for tensor {name!r}")
-        bits = _DTYPE_BITS.get(dtype)
-        if bits is not None and (math.prod(shape) * bits + 7) // 8 != end - begin:
-            raise _FormatError(
-                f"tensor {name!r} ({dtype}, shape {list(shape)}) needs {(math.prod(shape) * bits + 7) // 8} bytes "
-                f"but its offsets span {end - begin}"
-            )
-        tensors[name] = (dtype, shape)
-        ranges.append((begin, end, name))
-    if not tensors:
-        raise _FormatError("it contains no tensors")
-    position = 0
-    for begin, end, name in sorted(ranges):
-        if begin != position:
-            raise _FormatError(f"tensor {name!r} starts at byte {begin}, expected {position} (gap or overlap)")
-        position = end
-    if position != data_len:
-        raise _FormatError(
-            f"the header describes {position} data bytes but the file holds {data_len} (truncated or padded)"
-        )
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="numpy") as reader:
-            keys = set(reader.keys())
-    except Exception as error:  # safetensors raises its own SafetensorError / OSError types
-        raise _FormatError(f"safetensors refused it ({error})") from None
-    if keys != set(tensors):
-        raise _FormatError("safetensors lists other tensors than the header")
-    return tensors
-
-
 def _read_focus_config(path: Path) -> dict[str, Any]:
     """Parse an adapter_config.json; raise `_FormatError` unless it is a JSON object with peft_type FOCUS."""
     try:
@@ -332,10 +261,10 @@ def _collect_adapter_files(adapter_dir: str | os.PathLike[str]) -> dict[str, byt
     except _FormatError as error:
         raise AdapterFolderError(f"Refusing to push {str(folder)!r}: {error}.") from None
     try:
-        _check_safetensors(folder / ADAPTER_WEIGHTS_NAME)
-    except _FormatError as error:
+        read_safetensors_header(folder / ADAPTER_WEIGHTS_NAME)
+    except AdapterFileError as error:
         raise AdapterFolderError(
-            f"Refusing to push {str(folder)!r}: {ADAPTER_WEIGHTS_NAME} is not a valid safetensors file: {error}."
+            f"Refusing to push {str(folder)!r}: {ADAPTER_WEIGHTS_NAME} is not a valid safetensors file: {error}"
         ) from None
 
     files: dict[str, bytes] = {}
@@ -623,8 +552,8 @@ def pull_adapter(
             problems[rel] = reason
     if ADAPTER_WEIGHTS_NAME not in problems:
         try:
-            _check_safetensors(snapshot / ADAPTER_WEIGHTS_NAME)
-        except _FormatError as error:
+            read_safetensors_header(snapshot / ADAPTER_WEIGHTS_NAME)
+        except AdapterFileError as error:
             problems[ADAPTER_WEIGHTS_NAME] = f"not a valid safetensors file: {error}"
     if problems:
         _evict_from_cache(snapshot, sorted(problems))
@@ -644,3 +573,111 @@ def pull_adapter(
     out_path = Path(out_dir)
     _copy_files(snapshot, wanted, out_path)
     return out_path
+
+
+# ---------------------------------------------------------------------------------------------- load hook
+# Loader keyword arguments that select or fetch the file (what PEFT and transformers hand to hf_hub_download).
+_HF_HUB_DOWNLOAD_KWARGS = ("subfolder", "repo_type", "revision", "cache_dir", "force_download", "etag_timeout",
+                           "token", "local_files_only", "headers", "endpoint")  # fmt: skip
+_SHA1_RE = re.compile(r"[0-9a-f]{40}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def _cached_blob_mismatch(path: Path) -> str | None:
+    """Why a file returned by ``hf_hub_download`` does not match the checksum it was cached under, or None.
+
+    The cache stores each download as ``blobs/<etag>``, and the Hub's ETag of a file is its git blob sha1
+    (regular files) or its sha256 (LFS files), so the blob name is the checksum the Hub announced for that
+    revision; ``huggingface_hub`` itself only checks the size. Caches without symlinks (or other ETag forms)
+    cannot be checked this way: None.
+    """
+    if not path.is_symlink():
+        return None
+    blob = path.resolve()
+    want = blob.name
+    if _SHA256_RE.fullmatch(want):
+        digest, algo = hashlib.sha256(), "sha256"
+    elif _SHA1_RE.fullmatch(want):
+        digest, algo = hashlib.sha1(b"blob %d\0" % blob.stat().st_size), "git-sha1"
+    else:
+        return None
+    with blob.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != want:
+        return f"its {algo} is {digest.hexdigest()}, the Hub announced {want}"
+    return None
+
+
+def resolve_adapter_weights(repo_id: str, **download_kwargs: Any) -> Path:
+    """Download (or find in the cache) a Hub adapter's ``adapter_model.safetensors`` and verify it.
+
+    This is what the Focus tuner runs before injecting an adapter loaded from the Hub by
+    ``PeftModel.from_pretrained(model, repo_id, ...)``, ``PeftModel.load_adapter`` or transformers'
+    ``model.load_adapter(repo_id, ...)``: the same revision / subfolder / cache / token arguments the loader got
+    are used, so the file checked is the file the loader then reads (from the same cache entry).
+
+    Checks: the repo has an ``adapter_model.safetensors`` (pickle-only adapters are refused), the downloaded
+    bytes match the checksum the Hub announced (see `_cached_blob_mismatch`), and the file is well-formed
+    safetensors (`focus_hf.adapter_files.read_safetensors_header`). A corrupt file is evicted from the cache.
+
+    Args:
+        repo_id (`str`): Hub repo id (any id ``huggingface_hub`` accepts).
+        **download_kwargs: loader keyword arguments; those of ``hf_hub_download`` (``revision``, ``subfolder``,
+            ``cache_dir``, ``token``, ``local_files_only``...) are used, ``use_auth_token`` is read as ``token``,
+            the rest are ignored.
+
+    Returns:
+        `pathlib.Path`: the verified file in the cache.
+
+    Raises:
+        [`focus_hf.adapter_files.AdapterFileError`] (a `ValueError`): no safetensors weights, or a corrupt,
+            truncated or tampered download.
+        `huggingface_hub` errors (`RepositoryNotFoundError`, `RevisionNotFoundError`, `LocalEntryNotFoundError`...)
+            as raised by ``hf_hub_download``.
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    kwargs = {k: v for k, v in download_kwargs.items() if k in _HF_HUB_DOWNLOAD_KWARGS and v is not None}
+    if kwargs.get("token") is None and download_kwargs.get("use_auth_token") is not None:
+        kwargs["token"] = download_kwargs["use_auth_token"]
+    if not kwargs.get("subfolder"):
+        kwargs.pop("subfolder", None)
+    label = f"{repo_id}@{kwargs.get('revision') or constants.DEFAULT_REVISION}"
+    if kwargs.get("subfolder"):
+        label += f" (subfolder {kwargs['subfolder']!r})"
+    try:
+        path = Path(hf_hub_download(repo_id, ADAPTER_WEIGHTS_NAME, **kwargs))
+    except LocalEntryNotFoundError:
+        raise
+    except EntryNotFoundError:
+        raise AdapterFileError(
+            f"The Hub adapter {label} has no {ADAPTER_WEIGHTS_NAME}. Focus loads safetensors only and refuses "
+            "pickle files (adapter_model.bin), which can run arbitrary code."
+        ) from None
+    except OSError as error:
+        if isinstance(error, HfHubHTTPError) or error.errno is not None:
+            raise
+        # huggingface_hub raises a bare OSError("Consistency check failed ...") on a short download.
+        raise AdapterFileError(f"Download of {ADAPTER_WEIGHTS_NAME} from {label} is incomplete or corrupt: {error}") from error
+
+    problem = _cached_blob_mismatch(path)
+    if problem is None:
+        try:
+            read_safetensors_header(path)
+        except AdapterFileError as error:
+            problem = str(error)
+    if problem is not None:
+        blob = path.resolve()
+        try:
+            path.unlink(missing_ok=True)
+            if blob != path and blob.parent.name == "blobs":
+                blob.unlink(missing_ok=True)
+        except OSError as error:  # pragma: no cover - best effort
+            logger.warning("Could not evict corrupt cached file %s: %s", path, error)
+        raise AdapterFileError(
+            f"{ADAPTER_WEIGHTS_NAME} of the Hub adapter {label} is corrupt, truncated or tampered with: {problem}. "
+            "The model was not modified and the file was removed from the cache; retry the download."
+        )
+    return path

@@ -1,5 +1,10 @@
+import os
 import sys
 from pathlib import Path
+
+# No test may reach the real Hub: offline unless a test's local Hub server (tests/hub_server.py) says otherwise.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import pytest
 import torch

@@ -685,7 +685,9 @@ def patch_hub_constants(endpoint: str, hf_home: str | os.PathLike[str]) -> Itera
     - ``ENDPOINT``: default endpoint of every ``HfApi()`` created afterwards (``HfApi.endpoint``), hence of
       create_repo / repo_info / tree / preupload / commit / validate-yaml. NB: the module-level functions
       (``huggingface_hub.create_repo``...) are bound to an ``HfApi`` built at import time and keep the old
-      endpoint: use ``HfApi()`` (as ``focus_hf.hub`` does) or pass ``endpoint=``.
+      endpoint: use ``HfApi()`` (as ``focus_hf.hub`` does) or pass ``endpoint=``. Libraries do call them
+      (PEFT's ``load_peft_weights`` calls ``huggingface_hub.file_exists``), so the endpoint of that shared
+      ``huggingface_hub.hf_api.api`` object is patched too.
     - ``HUGGINGFACE_CO_URL_TEMPLATE``: ``hf_hub_url`` builds download URLs from it (not from ``ENDPOINT``),
       so ``hf_hub_download``/``snapshot_download`` would still go to huggingface.co without it.
     - ``HF_HUB_OFFLINE``: read by ``constants.is_offline_mode()``, which blocks every request; forced False.
@@ -715,13 +717,18 @@ def patch_hub_constants(endpoint: str, hf_home: str | os.PathLike[str]) -> Itera
         "HF_STORED_TOKENS_PATH": os.path.join(hf_home, "stored_tokens"),
         "AGENT_HARNESSES_PATH": os.path.join(hf_home, ".agent_harnesses.json"),
     }
+    from huggingface_hub import hf_api
+
     missing = object()
     old_values = {name: getattr(constants, name, missing) for name in new_values}
+    old_api_endpoint = hf_api.api.endpoint
     for name, value in new_values.items():
         setattr(constants, name, value)
+    hf_api.api.endpoint = endpoint
     try:
         yield
     finally:
+        hf_api.api.endpoint = old_api_endpoint
         for name, value in old_values.items():
             if value is missing:
                 delattr(constants, name)

@@ -38,6 +38,15 @@ ADAPTER_FILES = ["README.md", "adapter_config.json", "adapter_model.safetensors"
                  "heads.png", "routing_stats.json"]  # fmt: skip
 
 
+def child_env() -> dict[str, str]:
+    """os.environ with the repository root on PYTHONPATH, so that a child process imports this focus_hf."""
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 def make_adapter(folder: Path, *, seed: int = 0, peft_type: str = "FOCUS") -> Path:
     """A fake Focus adapter folder: config, a couple of tensors, a model card and interpretability files."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -238,14 +247,11 @@ def test_private_repo_needs_a_token(hub_server, adapter, tmp_path):
 
 _OFFLINE_CHILD = textwrap.dedent(
     """
-    import hashlib, importlib.util, json, sys
+    import hashlib, json, sys
     from huggingface_hub import constants
-    assert constants.HF_HUB_OFFLINE and constants.ENDPOINT == sys.argv[2]  # env was read at import
-    # Load focus_hf/hub.py on its own: importing the focus_hf package pulls in torch/peft (~10 s), irrelevant here.
-    spec = importlib.util.spec_from_file_location("focus_hub_standalone", sys.argv[1])
-    hub = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hub)
-    path = hub.pull_adapter(sys.argv[3], revision=sys.argv[4] if len(sys.argv) > 4 else None)
+    assert constants.HF_HUB_OFFLINE and constants.ENDPOINT == sys.argv[1]  # env was read at import
+    from focus_hf.hub import pull_adapter
+    path = pull_adapter(sys.argv[2], revision=sys.argv[3] if len(sys.argv) > 3 else None)
     print(json.dumps({"path": str(path), "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
                                                    for p in path.iterdir()}}))
     """
@@ -261,11 +267,11 @@ def test_offline_pull_from_cache(hub_server, tmp_path):
     n_requests = len(hub_server.requests)
 
     child = subprocess.run(
-        [sys.executable, "-c", _OFFLINE_CHILD, str(REPO_ROOT / "focus_hf" / "hub.py"), hub_server.endpoint, REPO],
-        env=hub_server.subprocess_env(offline=True),
+        [sys.executable, "-c", _OFFLINE_CHILD, hub_server.endpoint, REPO],
+        env=hub_server.subprocess_env(offline=True, base=child_env()),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,
         cwd=tmp_path,
     )
     assert child.returncode == 0, child.stderr

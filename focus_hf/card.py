@@ -1,0 +1,293 @@
+"""Model cards (README.md) for Focus adapters, rendered from `hub_templates/model_card.md.j2`.
+
+The card's YAML front matter is what the Hub indexes: `library_name: peft`, the base model and the adapter
+relation, tags, `pipeline_tag`, the license and, when the folder holds an `eval_results.json`, a `model-index`
+with the measured perplexities (base model with full attention vs. the adapter's soft and hard routing).
+The body is built from files in the adapter folder: `adapter_config.json` and the safetensors header (via
+`focus-hf info`'s `adapter_summary`), `training_log.json` (written by `focus_hf.training`), `eval_results.json`
+and an interpretability summary; every part is optional except the adapter config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+# The repository's hub_templates/ folder ships inside the package as `focus_hf.hub_templates` (see pyproject).
+TEMPLATE_PATH = Path(str(resources.files("focus_hf.hub_templates") / "model_card.md.j2"))
+CARD_NAME = "README.md"
+EVAL_RESULTS_NAME = "eval_results.json"
+TRAINING_LOG_NAME = "training_log.json"
+INTERPRETABILITY_NAME = "interpretability.json"
+MAX_INTERPRETABILITY_ROWS = 12  # the purest groups shown in the card
+TAGS = ["focus", "sparse-attention", "peft", "focus-hf"]
+DEFAULT_LICENSE = "apache-2.0"
+# eval_results.json keys -> row label, in table order
+_MODES = {"full": "full attention (base model)", "soft": "Focus, soft routing", "hard": "Focus, hard routing (sparse)"}
+_METRIC_NAMES = {"full": "Perplexity, full attention", "soft": "Perplexity, Focus soft routing",
+                 "hard": "Perplexity, Focus hard routing"}  # fmt: skip
+
+
+def _read_json(path: Path) -> Optional[Any]:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fix or remove it before writing the model card.") from None
+
+
+def _number(value: Any, digits: int = 4) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _size(num_bytes: Optional[int]) -> str:
+    if not num_bytes:
+        return "missing"
+    for unit, scale in (("MB", 1 << 20), ("kB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit} ({num_bytes:,} bytes)"
+    return f"{num_bytes:,} bytes"
+
+
+def hub_base_model(base: Optional[str]) -> Optional[str]:
+    """The Hub id of an adapter's recorded base model, or None when it is not one (a local folder...).
+
+    An alias of an embedded model (`smollm2-135m-instruct`) or its converted folder in focus_hf's cache maps to
+    the original Hub id, so that the card links the real base model.
+    """
+    if not base:
+        return None
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    from .models import MODEL_ALIASES, resolve_model_id
+
+    base = resolve_model_id(base)
+    local = os.path.isabs(base) or base.startswith((".", "~")) or os.path.exists(base)
+    if local:
+        alias = MODEL_ALIASES.get(Path(base).name.lower())
+        return alias.hub_id if alias is not None else None
+    try:
+        validate_repo_id(base)
+    except HFValidationError:
+        return None
+    return base
+
+
+def _ppl(entry: Any) -> Optional[float]:
+    if isinstance(entry, dict) and isinstance(entry.get("ppl"), (int, float)) and not isinstance(entry["ppl"], bool):
+        return float(entry["ppl"])
+    return None
+
+
+def _evaluation_rows(eval_results: dict) -> list[dict[str, str]]:
+    full = _ppl(eval_results.get("full"))
+    rows = []
+    for mode, label in _MODES.items():
+        ppl = _ppl(eval_results.get(mode))
+        if ppl is None:
+            continue
+        entry = eval_results[mode]
+        if mode != "full" and entry.get("top_k"):
+            label += f", top-{entry['top_k']}"
+        ratio = "1.00x" if mode == "full" else (f"{ppl / full:.3f}x" if full else "n/a")
+        rows.append({"label": label, "ppl": f"{ppl:.3f}", "ratio": ratio, "tokens": _number(entry.get("tokens", "n/a"))})
+    return rows
+
+
+def _eval_dataset(eval_results: dict) -> Optional[str]:
+    for mode in _MODES:
+        entry = eval_results.get(mode)
+        if isinstance(entry, dict) and entry.get("data"):
+            return str(entry["data"])
+    data = eval_results.get("data")
+    return str(data) if data else None
+
+
+def _eval_results_metadata(eval_results: dict, dataset: Optional[str]) -> list:
+    """huggingface_hub `EvalResult`s (-> `model-index`) for the measured perplexities."""
+    from huggingface_hub import EvalResult
+
+    modes = [mode for mode in _MODES if _ppl(eval_results.get(mode)) is not None]
+    split = next((eval_results[m]["split"] for m in modes if eval_results[m].get("split")), None)
+    return [
+        EvalResult(
+            task_type="text-generation",
+            task_name="Language modeling",
+            dataset_type=dataset or "custom",
+            dataset_name=dataset or "held-out text",
+            dataset_split=str(split) if split else None,
+            metric_type="perplexity",
+            metric_name=_METRIC_NAMES[mode],
+            metric_value=round(_ppl(eval_results[mode]), 4),
+        )
+        for mode in modes
+    ]
+
+
+def _training_rows(log: dict) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    metadata = log.get("metadata") if isinstance(log.get("metadata"), dict) else {}
+    data = metadata.get("data") or metadata.get("dataset") or log.get("data")
+    if data:
+        rows.append(("training data", f"`{data}`"))
+    fields = [
+        ("steps", "steps"), ("tokens_seen", "tokens seen"), ("seq_len", "sequence length"), ("batch_size", "batch size"),
+        ("gradient_accumulation_steps", "gradient accumulation"), ("lr", "learning rate"),
+        ("lr_scheduler_type", "schedule"), ("train_loss", "mean training loss"), ("final_loss", "final loss"),
+        ("wall_time_s", "training time (s)"), ("seed", "seed"),
+    ]  # fmt: skip
+    for key, label in fields:
+        if log.get(key) is not None:
+            rows.append((label, _number(log[key])))
+    heldout = log.get("heldout_dominance")
+    if isinstance(heldout, dict) and heldout.get("max") is not None:
+        rows.append(("largest group share (held-out)", _number(heldout["max"], 3)))
+    versions = log.get("versions")
+    if isinstance(versions, dict) and versions:
+        rows.append(("versions", ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))))
+    return rows
+
+
+def _token_label(token: Any) -> str:
+    """A token as a Markdown code span: spaces shown as ␣, newlines and tabs escaped, pipes escaped for tables."""
+    text = str(token).replace(" ", "\u2423").replace("\n", "\\n").replace("\t", "\\t").replace("`", "'")
+    return f"`{text}`".replace("|", "\\|")
+
+
+def _interpretability_context(data: Any) -> Optional[dict]:
+    """{"summary": str, "rows": [...]} from an interpretability dict (as `focus-hf inspect --json` writes:
+    {"summary": ..., "layers": [{"layer": i, "groups": [{"group", "share", "dominant_category", "purity",
+    "top_tokens"}]}]}); unknown shapes give the summary only."""
+    if not isinstance(data, dict):
+        return None
+    rows = []
+    for layer in data.get("layers") or []:
+        if not isinstance(layer, dict):
+            continue
+        for group in layer.get("groups") or []:
+            if not isinstance(group, dict):
+                continue
+            tokens = group.get("top_tokens") or []
+            words = [t[0] if isinstance(t, (list, tuple)) and t else t for t in tokens[:5]]
+            rows.append({
+                "layer": layer.get("layer", "?"),
+                "group": group.get("group", "?"),
+                "share": f"{group['share']:.1%}" if isinstance(group.get("share"), (int, float)) else "n/a",
+                "category": group.get("dominant_category") or "n/a",
+                "purity": f"{group['purity']:.0%}" if isinstance(group.get("purity"), (int, float)) else "n/a",
+                "tokens": " ".join(_token_label(w) for w in words),
+                "_purity": group["purity"] if isinstance(group.get("purity"), (int, float)) else -1.0,
+            })  # fmt: skip
+    summary = data.get("summary")
+    if not rows and not summary:
+        return None
+    total = len(rows)
+    rows = sorted(rows, key=lambda row: -row["_purity"])[:MAX_INTERPRETABILITY_ROWS]
+    for row in rows:
+        del row["_purity"]
+    return {"summary": str(summary) if summary else "", "rows": rows, "total": total}
+
+
+def render_model_card(
+    adapter_dir: str | os.PathLike,
+    *,
+    eval_results: Optional[dict] = None,
+    interpretability: Optional[dict] = None,
+    repo_id: Optional[str] = None,
+    license: Optional[str] = None,  # noqa: A002
+):
+    """The model card of an adapter folder as a `huggingface_hub.ModelCard` (not written anywhere).
+
+    See `write_model_card` for the arguments.
+    """
+    import jinja2
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from .commands.info import adapter_summary
+
+    folder = Path(adapter_dir)
+    summary = adapter_summary(folder)
+    if eval_results is None:
+        eval_results = _read_json(folder / EVAL_RESULTS_NAME)
+    if interpretability is None:
+        interpretability = _read_json(folder / INTERPRETABILITY_NAME)
+    training_log = _read_json(folder / TRAINING_LOG_NAME)
+    eval_results = eval_results if isinstance(eval_results, dict) else {}
+    base_model = hub_base_model(summary["base_model"])
+    name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
+    dataset = _eval_dataset(eval_results)
+    results = _eval_results_metadata(eval_results, dataset)
+
+    card_data = ModelCardData(
+        base_model=base_model,
+        library_name="peft",
+        license=license or DEFAULT_LICENSE,
+        pipeline_tag="text-generation",
+        tags=list(TAGS),
+        model_name=name if results else None,
+        eval_results=results or None,
+        base_model_relation="adapter" if base_model else None,
+    )
+    speed = eval_results.get("speed")
+    context = {
+        "card_data": card_data.to_yaml(),
+        "title": f"{name}: Focus sparse-attention adapter" + (f" for {base_model}" if base_model else ""),
+        "base_model": base_model,
+        "base_model_label": base_model or summary["base_model"],
+        "repo_id": repo_id or f"your-namespace/{name}",
+        "summary": summary,
+        "size_text": _size(summary["weights_bytes"]),
+        "training": _training_rows(training_log) if isinstance(training_log, dict) else [],
+        "evaluation": _evaluation_rows(eval_results),
+        "eval_data": dataset,
+        "speed": [(str(k), _number(v)) for k, v in speed.items()] if isinstance(speed, dict) else [],
+        "interpretability": _interpretability_context(interpretability),
+    }
+    environment = jinja2.Environment(keep_trailing_newline=True, undefined=jinja2.ChainableUndefined)
+    content = environment.from_string(TEMPLATE_PATH.read_text(encoding="utf-8")).render(**context)
+    while "\n\n\n" in content:
+        content = content.replace("\n\n\n", "\n\n")
+    return ModelCard(content)
+
+
+def write_model_card(
+    adapter_dir: str | os.PathLike,
+    *,
+    eval_results: Optional[dict] = None,
+    interpretability: Optional[dict] = None,
+    repo_id: Optional[str] = None,
+    license: Optional[str] = None,  # noqa: A002
+) -> Path:
+    """Write `README.md`, the Hub model card, into a Focus adapter folder (overwriting it) and return its path.
+
+    Args:
+        adapter_dir: a saved Focus adapter folder (`adapter_config.json` + `adapter_model.safetensors`).
+        eval_results: {"full": {"ppl", "tokens", ...}, "soft": {...}, "hard": {...}, "speed": {...}} as
+            `focus_hf.evaluation.perplexity` returns per mode; defaults to the folder's `eval_results.json`.
+            Any part may be missing; the perplexities go into the card's `model-index`.
+        interpretability: a summary of what the groups learned (see `_interpretability_context`); defaults to
+            the folder's `interpretability.json`.
+        repo_id: the Hub id shown in the loading snippet; defaults to a placeholder.
+        license: the card's license (default apache-2.0; the base model's license may restrict it).
+
+    Raises:
+        focus_hf.adapter_files.AdapterFileError: not a Focus adapter folder.
+        ValueError: a JSON file of the folder is invalid.
+    """
+    card = render_model_card(
+        adapter_dir, eval_results=eval_results, interpretability=interpretability, repo_id=repo_id, license=license
+    )
+    path = Path(adapter_dir) / CARD_NAME
+    path.write_text(str(card), encoding="utf-8")
+    return path

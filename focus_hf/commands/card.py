@@ -1,0 +1,76 @@
+"""`focus-hf card ADAPTER_DIR`: write the adapter's Hub model card (README.md) from the files in the folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Perplexity of the base model (full attention) and of the adapter (soft, hard) on held-out `--eval-data`,
+    merged into ADAPTER_DIR/eval_results.json (other keys there, e.g. "speed", are kept)."""
+    from peft import PeftModel
+
+    import focus_hf  # noqa: F401  registers the FOCUS adapter type
+
+    from ..card import EVAL_RESULTS_NAME
+    from ..data import load_texts, split_texts
+    from ..evaluation import perplexity
+    from ..models import DEFAULT_MODEL, load_model_and_tokenizer
+    from .common import model_for_adapter
+
+    folder = Path(args.adapter)
+    _, heldout = split_texts(load_texts(args.eval_data), heldout_fraction=args.heldout_fraction, seed=args.split_seed)
+    if not heldout:
+        raise ValueError(f"--eval-data {args.eval_data} leaves no held-out document at --heldout-fraction {args.heldout_fraction}.")
+    model_name = args.model or model_for_adapter(folder) or DEFAULT_MODEL
+    model, tokenizer = load_model_and_tokenizer(model_name)
+    model = PeftModel.from_pretrained(model, folder).eval()
+    path = folder / EVAL_RESULTS_NAME
+    results = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    for mode in ("full", "soft", "hard"):
+        result = perplexity(model, tokenizer, heldout, seq_len=args.seq_len, mode=mode, max_blocks=args.max_blocks)
+        result.update({"data": str(args.eval_data), "split": "heldout", "model": model_name})
+        results[mode] = result
+        print(f"{mode}: perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens", file=sys.stderr)
+    path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..adapter_files import AdapterFileError
+    from ..card import write_model_card
+
+    try:
+        if args.eval_data:
+            measure(args)
+        path = write_model_card(args.adapter, repo_id=args.repo_id, license=args.license)
+    except (AdapterFileError, ValueError) as error:
+        print(f"focus-hf card: error: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "card",
+        help="write the model card (README.md) of a Focus adapter folder",
+        description="Render README.md (YAML metadata for the Hub + a description) from adapter_config.json, the "
+        "weights, and when present training_log.json, eval_results.json ({'full': {'ppl': ..}, 'soft': .., "
+        "'hard': .., 'speed': ..}) and interpretability.json (`focus-hf inspect --json`). Overwrites an existing "
+        "README.md. With --eval-data, first measures the perplexities on held-out documents of that corpus.",
+    )
+    parser.add_argument("adapter", metavar="ADAPTER_DIR", help="saved Focus adapter folder")
+    parser.add_argument("--repo-id", help="Hub id shown in the loading snippet (default: a placeholder)")
+    parser.add_argument("--license", help="license of the card (default: apache-2.0)")
+    evaluation = parser.add_argument_group("measuring (--eval-data)")
+    evaluation.add_argument("--eval-data", metavar="D", help="corpus to measure perplexity on (built-in name, file or folder)")
+    evaluation.add_argument("--model", help="base model (default: the adapter's base)")
+    evaluation.add_argument("--seq-len", type=int, default=512, help="tokens per window (default: 512)")
+    evaluation.add_argument("--max-blocks", type=int, default=8, help="windows scored per mode (default: 8)")
+    evaluation.add_argument("--heldout-fraction", type=float, default=0.1, help="held-out share of documents (default: 0.1)")
+    evaluation.add_argument("--split-seed", type=int, default=0, help="seed of the train/held-out split (default: 0)")
+    parser.set_defaults(func=run)

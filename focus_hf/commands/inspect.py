@@ -1,0 +1,63 @@
+"""`focus-hf inspect`: what each Focus group routes, per layer (token share, confidence, token categories)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def run(args: argparse.Namespace) -> int:
+    from peft import PeftModel
+
+    import focus_hf  # noqa: F401  registers the FOCUS adapter type
+
+    from ..data import load_texts, token_blocks
+    from ..interpret import inspect_groups, render_html, report_json
+    from ..models import DEFAULT_MODEL, load_model_and_tokenizer
+    from .common import model_for_adapter
+
+    model_name = args.model or model_for_adapter(args.adapter) or DEFAULT_MODEL
+    model, tokenizer = load_model_and_tokenizer(model_name)
+    model = PeftModel.from_pretrained(model, args.adapter).eval()
+    blocks = token_blocks(tokenizer, load_texts(args.data), args.seq_len, max_blocks=args.max_blocks)
+    report = inspect_groups(model, tokenizer, blocks, top_tokens=args.top_tokens)
+    if args.html:
+        Path(args.html).write_text(render_html(report, title=f"Focus groups of {args.adapter}"), encoding="utf-8")
+        print(f"wrote {args.html}", file=sys.stderr)
+    if args.json:
+        print(report_json(report))
+        return 0
+    print(report["summary"])
+    for layer in report["layers"]:
+        print(f"layer {layer['layer']} (mean confidence {layer['mean_confidence']:.2f})")
+        for group in layer["groups"]:
+            if not group["tokens"]:
+                print(f"  group {group['group']:>2}: empty")
+                continue
+            tokens = " ".join(repr(text) for text, _ in group["top_tokens"][:6])
+            print(f"  group {group['group']:>2}: {group['share']:6.1%} of tokens, confidence {group['mean_confidence']:.2f}, "
+                  f"{group['purity']:.0%} {group['dominant_category']}; {tokens}")  # fmt: skip
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from .common import add_model_option
+
+    parser = subparsers.add_parser(
+        "inspect",
+        help="show what each Focus group routes, per layer",
+        description="Run the adapter in hard mode over text and report, per layer and group: token share, mean "
+        "assignment confidence, most frequent tokens, token-category mix (closed word lists), dominant category "
+        "and purity. --json prints the report (save it as ADAPTER/interpretability.json for `focus-hf card`); "
+        "--html writes a page with the tokens coloured by group and a layer switcher.",
+    )
+    add_model_option(parser, default=None)
+    parser.add_argument("--adapter", required=True, help="Focus adapter folder or Hub id")
+    parser.add_argument("--data", default="python-docs", help="corpus: built-in name, text/.jsonl file or folder")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per block (default: 512)")
+    parser.add_argument("--max-blocks", type=int, default=4, help="blocks to route (default: 4)")
+    parser.add_argument("--top-tokens", type=int, default=10, help="frequent tokens listed per group (default: 10)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--html", metavar="PAGE", help="write an HTML page with tokens coloured by group")
+    parser.set_defaults(func=run)

