@@ -11,6 +11,14 @@ from typing import Optional, Sequence
 # per command so that `focus-hf --help` stays fast.
 COMMAND_MODULES = {
     "info": "focus_hf.commands.info",
+    "push": "focus_hf.commands.push",
+    "pull": "focus_hf.commands.pull",
+    "card": "focus_hf.commands.card",
+    "inspect": "focus_hf.commands.inspect",
+    "train": "focus_hf.commands.train",
+    "eval": "focus_hf.commands.eval",
+    "demo": "focus_hf.commands.demo",
+    "bench": "focus_hf.commands.bench",
 }
 
 

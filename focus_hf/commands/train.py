@@ -1,0 +1,145 @@
+"""`focus-hf train`: train the routers of a Focus adapter on a corpus and save the adapter folder."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from .common import add_data_options, add_model_option, load_base, split_corpus
+
+logger = logging.getLogger(__name__)
+
+
+def build_config(args: argparse.Namespace):
+    import focus_hf
+
+    return focus_hf.FocusConfig(
+        num_groups=args.groups,
+        group_dim=args.group_dim,
+        window=args.window,
+        top_k=args.top_k,
+        sink_tokens=args.sink_tokens,
+        temperature=args.temperature,
+        sinkhorn_iterations=args.sinkhorn_iterations,
+    )
+
+
+def resume_config(out: Path, config):
+    """The config of the checkpoint a resumed run continues from (the command-line one when there is none)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    import focus_hf
+    from ..training import CHECKPOINTS_DIR
+
+    folder = out / CHECKPOINTS_DIR
+    last = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    if last is None:
+        return config
+    saved = focus_hf.FocusConfig.from_pretrained(last)
+    fields = ("num_groups", "group_dim", "window", "top_k", "sink_tokens", "temperature", "sinkhorn_iterations")
+    changed = [f"{name}={getattr(config, name)} (checkpoint: {getattr(saved, name)})" for name in fields if getattr(config, name) != getattr(saved, name)]
+    if changed:
+        logger.warning("Resuming from %s with its adapter config; ignoring the options %s.", last, ", ".join(changed))
+    saved.inference_mode = False
+    return saved
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Run the training the parsed `args` describe; returns the training log."""
+    import torch
+    from peft import get_peft_model
+
+    from ..data import token_blocks
+    from ..training import remove_checkpoints, train_adapter
+
+    out = Path(args.out)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_base(args.model)
+    config = build_config(args)
+    if args.resume:
+        config = resume_config(out, config)
+    model = get_peft_model(model, config)
+    train_texts, heldout_texts = split_corpus(args)
+    blocks = token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.max_train_blocks)
+    balance = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=1) if args.balance_check else None
+    log = train_adapter(
+        model,
+        blocks,
+        out,
+        steps=args.steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        save_steps=args.save_steps,
+        logging_steps=args.logging_steps,
+        resume=args.resume,
+        dominance_threshold=args.dominance_threshold,
+        balance_blocks=balance,
+        base_model_name_or_path=args.model,
+        progress_bar=not args.no_progress,
+        extra_metadata={
+            "data": str(args.data),
+            "heldout_fraction": args.heldout_fraction,
+            "split_seed": args.split_seed,
+            "train_documents": len(train_texts),
+            "heldout_documents": len(heldout_texts),
+            "command": "focus-hf train",
+        },
+    )
+    if args.clean_checkpoints:
+        remove_checkpoints(out)
+    return log
+
+
+def run(args: argparse.Namespace) -> int:
+    log = train(args)
+    out = Path(args.out)
+    dominance = log["dominance"][-1]["max"] if log.get("dominance") else float("nan")
+    print(f"\nFocus adapter saved to {out}/ (adapter_config.json, adapter_model.safetensors, training_log.json)")
+    print(
+        f"  steps {log['steps']}, tokens {log['tokens_seen']:,}, wall time {log['wall_time_s']:.0f} s, "
+        f"final loss {log['final_loss']:.4f}, max group dominance {dominance:.2f}"
+    )
+    if (out / "checkpoints").is_dir():
+        print(f"  checkpoints (for --resume) in {out}/checkpoints; remove them before sharing the folder")
+    return 0
+
+
+def add_training_options(parser: argparse.ArgumentParser, *, steps: int, seq_len: int, lr: float) -> None:
+    group = parser.add_argument_group("adapter")
+    group.add_argument("--groups", type=int, default=8, help="groups K per layer (default: 8)")
+    group.add_argument("--group-dim", type=int, default=16, help="routing dimension d_g (default: 16)")
+    group.add_argument("--window", type=int, default=128, help="local window w of full attention (default: 128)")
+    group.add_argument("--top-k", type=int, default=2, help="groups each query probes in hard mode (default: 2)")
+    group.add_argument("--sink-tokens", type=int, default=4, help="leading tokens always visible (default: 4)")
+    group.add_argument("--temperature", type=float, default=0.1, help="routing temperature tau (default: 0.1)")
+    group.add_argument("--sinkhorn-iterations", type=int, default=10, help="Sinkhorn iterations (default: 10)")
+    group = parser.add_argument_group("training")
+    group.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per training block (default: {seq_len})")
+    group.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default: {steps})")
+    group.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default: {lr})")
+    group.add_argument("--batch-size", type=int, default=1, help="blocks per step (default: 1)")
+    group.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    group.add_argument("--logging-steps", type=int, default=1, help="loss logging interval (default: 1)")
+    group.add_argument("--dominance-threshold", type=float, default=0.5, help="warn when a layer's largest group holds more than this share of tokens (default: 0.5)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a Focus adapter's routers on a corpus",
+        description="Train the routers of a Focus adapter (all model weights frozen) with transformers' Trainer "
+        "and save a ready-to-load adapter folder plus training_log.json.",
+    )
+    add_model_option(parser)
+    add_data_options(parser)
+    parser.add_argument("--out", required=True, help="adapter folder to write (checkpoints go to OUT/checkpoints)")
+    add_training_options(parser, steps=200, seq_len=512, lr=5e-3)
+    parser.add_argument("--save-steps", type=int, default=None, help="checkpoint interval (default: steps / 4)")
+    parser.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
+    parser.add_argument("--clean-checkpoints", action="store_true", help="delete OUT/checkpoints after training")
+    parser.add_argument("--no-balance-check", dest="balance_check", action="store_false", help="skip the final group-dominance check on one held-out block")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
