@@ -72,7 +72,10 @@ def dominance(groups: torch.Tensor, num_groups: int, valid: Optional[torch.Tenso
         num_groups: K.
         valid: optional bool mask of shape `groups.shape[:-1]` of the tokens to count.
     """
-    counts = group_counts(groups, num_groups, valid)
+    return _largest_share(group_counts(groups, num_groups, valid))
+
+
+def _largest_share(counts: torch.Tensor) -> float:
     total = counts.sum()
     return float(counts.max() / total) if total > 0 else 0.0
 
@@ -160,10 +163,7 @@ class GroupBalanceCallback(TrainerCallback, ExportableState):
         if not self._counts:
             return None
         layers = sorted(self._counts)
-        values = []
-        for index in layers:
-            counts = self._counts[index]
-            values.append(round(float(counts.max() / counts.sum()), 4) if counts.sum() > 0 else 0.0)
+        values = [round(_largest_share(self._counts[index]), 4) for index in layers]
         worst = max(range(len(layers)), key=values.__getitem__)
         record = {
             "step": step,
