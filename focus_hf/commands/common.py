@@ -3,17 +3,83 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+from ..config import FocusConfig
 from ..models import DEFAULT_MODEL, MODEL_ALIASES
 
 DEFAULT_DATA = "python-docs"
 
+_ArgumentContainer = Union[argparse.ArgumentParser, argparse._ArgumentGroup]
+
+
+@dataclasses.dataclass(frozen=True)
+class FocusOption:
+    """A `FocusConfig` field exposed as a command-line option."""
+
+    flag: str
+    field: str
+    type: type
+    help: str
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse stores the option under."""
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def default(self) -> Any:
+        """The `FocusConfig` default, so that the CLI and the Python API start from the same adapter."""
+        return _FOCUS_CONFIG_DEFAULTS[self.field]
+
+
+_FOCUS_CONFIG_DEFAULTS = {field.name: field.default for field in dataclasses.fields(FocusConfig)}
+
+# In the order the options are listed in --help.
+FOCUS_OPTIONS = (
+    FocusOption("--groups", "num_groups", int, "groups K per layer"),
+    FocusOption("--group-dim", "group_dim", int, "routing dimension d_g"),
+    FocusOption("--window", "window", int, "local window w of full attention"),
+    FocusOption("--top-k", "top_k", int, "groups each query probes in hard mode"),
+    FocusOption("--sink-tokens", "sink_tokens", int, "leading tokens always visible"),
+    FocusOption("--temperature", "temperature", float, "routing temperature tau"),
+    FocusOption("--sinkhorn-iterations", "sinkhorn_iterations", int, "Sinkhorn iterations"),
+)
+FOCUS_CONFIG_FIELDS = tuple(option.field for option in FOCUS_OPTIONS)
+
+
+def add_focus_options(
+    parser: _ArgumentContainer,
+    fields: Optional[Sequence[str]] = None,
+    help_texts: Optional[Mapping[str, str]] = None,
+) -> None:
+    """Add the adapter-shape options (`--groups`, `--window`, `--top-k`, ...) to `parser` (or an argument group).
+
+    Args:
+        parser: the parser or argument group to add to.
+        fields: the `FocusConfig` fields to expose (default: all of `FOCUS_OPTIONS`), listed in that order.
+        help_texts: help text per field, replacing the standard one; " (default: ...)" is appended either way.
+    """
+    help_texts = help_texts or {}
+    for option in FOCUS_OPTIONS:
+        if fields is not None and option.field not in fields:
+            continue
+        text = help_texts.get(option.field, option.help)
+        parser.add_argument(option.flag, type=option.type, default=option.default, help=f"{text} (default: {option.default})")
+
+
+def focus_config_from_args(args: argparse.Namespace) -> FocusConfig:
+    """The `FocusConfig` the parsed options describe; fields without an option keep the `FocusConfig` default."""
+    return FocusConfig(**{option.field: getattr(args, option.dest) for option in FOCUS_OPTIONS if hasattr(args, option.dest)})
+
 
 def add_model_option(parser: argparse.ArgumentParser, default: Optional[str] = DEFAULT_MODEL) -> None:
+    """Add `--model`; `default=None` means "the base model the adapter records"."""
     aliases = ", ".join(sorted(MODEL_ALIASES))
     parser.add_argument(
         "--model",
@@ -23,6 +89,7 @@ def add_model_option(parser: argparse.ArgumentParser, default: Optional[str] = D
 
 
 def add_data_options(parser: argparse.ArgumentParser) -> None:
+    """Add `--data` and the options of its train/held-out split (read back by `split_corpus`)."""
     parser.add_argument(
         "--data",
         default=DEFAULT_DATA,
@@ -56,12 +123,14 @@ def model_for_adapter(adapter: str | os.PathLike) -> Optional[str]:
 
 
 def load_base(name: str) -> tuple[Any, Any]:
+    """(model, tokenizer) of the base model `name` (a Hub id, a local folder or an alias)."""
     from ..models import load_model_and_tokenizer
 
     return load_model_and_tokenizer(name)
 
 
 def print_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
+    """Print `rows` under `header` in left-aligned columns."""
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     print(line.format(*header))

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .common import DEFAULT_DATA, print_table
+from .common import DEFAULT_DATA, add_focus_options, focus_config_from_args, print_table
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,6 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from peft import get_peft_model
 
-    import focus_hf
     from ..data import load_texts, split_texts, token_blocks
     from ..evaluation import perplexity
     from ..models import DEFAULT_MODEL, load_model_and_tokenizer, resolve_model_id
@@ -109,9 +108,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     train_texts, heldout_texts = split_texts(load_texts(DEFAULT_DATA), heldout_fraction=0.1, seed=0)
     train_blocks = token_blocks(tokenizer, train_texts, args.seq_len)
     eval_windows = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.eval_blocks)
-    config = focus_hf.FocusConfig(
-        num_groups=args.groups, group_dim=16, window=args.window, top_k=args.top_k, sink_tokens=4
-    )
+    config = focus_config_from_args(args)
     model = get_peft_model(model, config)
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -232,9 +229,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=DEMO_STEPS, help=f"training steps (default: {DEMO_STEPS})")
     parser.add_argument("--seq-len", type=int, default=DEMO_SEQ_LEN, help=f"tokens per training/eval window (default: {DEMO_SEQ_LEN})")
     parser.add_argument("--lr", type=float, default=DEMO_LR, help=f"peak learning rate (default: {DEMO_LR})")
-    parser.add_argument("--groups", type=int, default=8, help="groups K (default: 8)")
-    parser.add_argument("--window", type=int, default=128, help="local window (default: 128)")
-    parser.add_argument("--top-k", type=int, default=2, help="groups per query in hard mode (default: 2)")
+    # The demo exposes only the shape options worth trying; the others keep the FocusConfig defaults.
+    add_focus_options(
+        parser,
+        fields=("num_groups", "window", "top_k"),
+        help_texts={"num_groups": "groups K", "window": "local window", "top_k": "groups per query in hard mode"},
+    )
     parser.add_argument("--eval-blocks", type=int, default=DEMO_EVAL_BLOCKS, help=f"held-out windows per perplexity (default: {DEMO_EVAL_BLOCKS})")
     parser.add_argument("--speed-len", type=int, default=DEMO_SPEED_LEN, help=f"prefill length timed; 0 skips (default: {DEMO_SPEED_LEN})")
     parser.add_argument("--speed-repeats", type=int, default=1, help="timed prefills per variant, best kept (default: 1)")

@@ -6,39 +6,36 @@ import argparse
 import logging
 from pathlib import Path
 
-from .common import add_data_options, add_model_option, load_base, split_corpus
+from ..config import FocusConfig
+from .common import (
+    FOCUS_CONFIG_FIELDS,
+    add_data_options,
+    add_focus_options,
+    add_model_option,
+    focus_config_from_args,
+    load_base,
+    split_corpus,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def build_config(args: argparse.Namespace):
-    import focus_hf
-
-    return focus_hf.FocusConfig(
-        num_groups=args.groups,
-        group_dim=args.group_dim,
-        window=args.window,
-        top_k=args.top_k,
-        sink_tokens=args.sink_tokens,
-        temperature=args.temperature,
-        sinkhorn_iterations=args.sinkhorn_iterations,
-    )
-
-
-def resume_config(out: Path, config):
+def resume_config(out: Path, config: FocusConfig) -> FocusConfig:
     """The config of the checkpoint a resumed run continues from (the command-line one when there is none)."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    import focus_hf
     from ..training import CHECKPOINTS_DIR
 
     folder = out / CHECKPOINTS_DIR
     last = get_last_checkpoint(str(folder)) if folder.is_dir() else None
     if last is None:
         return config
-    saved = focus_hf.FocusConfig.from_pretrained(last)
-    fields = ("num_groups", "group_dim", "window", "top_k", "sink_tokens", "temperature", "sinkhorn_iterations")
-    changed = [f"{name}={getattr(config, name)} (checkpoint: {getattr(saved, name)})" for name in fields if getattr(config, name) != getattr(saved, name)]
+    saved = FocusConfig.from_pretrained(last)
+    changed = [
+        f"{name}={getattr(config, name)} (checkpoint: {getattr(saved, name)})"
+        for name in FOCUS_CONFIG_FIELDS
+        if getattr(config, name) != getattr(saved, name)
+    ]
     if changed:
         logger.warning("Resuming from %s with its adapter config; ignoring the options %s.", last, ", ".join(changed))
     saved.inference_mode = False
@@ -56,7 +53,7 @@ def train(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     torch.manual_seed(args.seed)
     model, tokenizer = load_base(args.model)
-    config = build_config(args)
+    config = focus_config_from_args(args)
     if args.resume:
         config = resume_config(out, config)
     model = get_peft_model(model, config)
@@ -93,6 +90,9 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`focus-hf train`: train, then print where the adapter went and how the run ended."""
+    from ..training import CHECKPOINTS_DIR
+
     log = train(args)
     out = Path(args.out)
     dominance = log["dominance"][-1]["max"] if log.get("dominance") else float("nan")
@@ -101,20 +101,14 @@ def run(args: argparse.Namespace) -> int:
         f"  steps {log['steps']}, tokens {log['tokens_seen']:,}, wall time {log['wall_time_s']:.0f} s, "
         f"final loss {log['final_loss']:.4f}, max group dominance {dominance:.2f}"
     )
-    if (out / "checkpoints").is_dir():
-        print(f"  checkpoints (for --resume) in {out}/checkpoints; remove them before sharing the folder")
+    if (out / CHECKPOINTS_DIR).is_dir():
+        print(f"  checkpoints (for --resume) in {out}/{CHECKPOINTS_DIR}; remove them before sharing the folder")
     return 0
 
 
 def add_training_options(parser: argparse.ArgumentParser, *, steps: int, seq_len: int, lr: float) -> None:
-    group = parser.add_argument_group("adapter")
-    group.add_argument("--groups", type=int, default=8, help="groups K per layer (default: 8)")
-    group.add_argument("--group-dim", type=int, default=16, help="routing dimension d_g (default: 16)")
-    group.add_argument("--window", type=int, default=128, help="local window w of full attention (default: 128)")
-    group.add_argument("--top-k", type=int, default=2, help="groups each query probes in hard mode (default: 2)")
-    group.add_argument("--sink-tokens", type=int, default=4, help="leading tokens always visible (default: 4)")
-    group.add_argument("--temperature", type=float, default=0.1, help="routing temperature tau (default: 0.1)")
-    group.add_argument("--sinkhorn-iterations", type=int, default=10, help="Sinkhorn iterations (default: 10)")
+    """Add the "adapter" (every `FocusConfig` option) and "training" option groups with these defaults."""
+    add_focus_options(parser.add_argument_group("adapter"))
     group = parser.add_argument_group("training")
     group.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per training block (default: {seq_len})")
     group.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default: {steps})")
@@ -126,6 +120,7 @@ def add_training_options(parser: argparse.ArgumentParser, *, steps: int, seq_len
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `train` sub-command."""
     parser = subparsers.add_parser(
         "train",
         help="train a Focus adapter's routers on a corpus",
