@@ -5,7 +5,9 @@ relation, tags, `pipeline_tag`, the license and, when the folder holds an `eval_
 with the measured perplexities (base model with full attention vs. the adapter's soft and hard routing).
 The body is built from files in the adapter folder: `adapter_config.json` and the safetensors header (via
 `focus-hf info`'s `adapter_summary`), `training_log.json` (written by `focus_hf.training`), `eval_results.json`
-and an interpretability summary; every part is optional except the adapter config.
+and an interpretability summary; every part is optional except the adapter config. With interpretability data and
+matplotlib installed, `write_model_card` also draws `group_balance.png` (see `focus_hf.balance_chart`) into the
+folder and the card embeds it with a relative link, so the Hub shows it once the folder is pushed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
+
+from .adapter_files import CONFIG_NAME
+from .balance_chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, matplotlib_available, write_balance_chart
 
 # The repository's hub_templates/ folder ships inside the package as `focus_hf.hub_templates` (see pyproject).
 TEMPLATE_PATH = Path(str(resources.files("focus_hf.hub_templates") / "model_card.md.j2"))
@@ -206,10 +211,13 @@ def render_model_card(
     interpretability: Optional[dict] = None,
     repo_id: Optional[str] = None,
     license: Optional[str] = None,  # noqa: A002
+    balance_chart: Optional[str] = None,
 ):
     """The model card of an adapter folder as a `huggingface_hub.ModelCard` (not written anywhere).
 
-    See `write_model_card` for the arguments.
+    See `write_model_card` for the other arguments. `balance_chart` is the path, relative to the card, of a
+    group-balance image to embed (`write_model_card` draws it); without one and without matplotlib, the card says
+    in one line how to get the chart.
     """
     import jinja2
     from huggingface_hub import ModelCard, ModelCardData
@@ -253,7 +261,12 @@ def render_model_card(
         "eval_data": dataset,
         "speed": [(str(k), _number(v)) for k, v in speed.items()] if isinstance(speed, dict) else [],
         "interpretability": _interpretability_context(interpretability),
+        "balance_chart": balance_chart,
+        "balance_chart_note": None,
     }
+    if context["interpretability"] and balance_chart is None and not matplotlib_available():
+        context["balance_chart_note"] = (f"The group-balance chart (`{BALANCE_CHART_NAME}`) is left out: matplotlib "
+                                         f"is not installed (`{MATPLOTLIB_HINT}`, then rerun `focus-hf card`).")  # fmt: skip
     environment = jinja2.Environment(keep_trailing_newline=True, undefined=jinja2.ChainableUndefined)
     content = environment.from_string(TEMPLATE_PATH.read_text(encoding="utf-8")).render(**context)
     while "\n\n\n" in content:
@@ -271,13 +284,16 @@ def write_model_card(
 ) -> Path:
     """Write `README.md`, the Hub model card, into a Focus adapter folder (overwriting it) and return its path.
 
+    With interpretability data, also draws the group-balance chart into the folder as `group_balance.png`
+    (overwriting it) and embeds it; without matplotlib the card leaves the chart out with a one-line note.
+
     Args:
         adapter_dir: a saved Focus adapter folder (`adapter_config.json` + `adapter_model.safetensors`).
         eval_results: {"full": {"ppl", "tokens", ...}, "soft": {...}, "hard": {...}, "speed": {...}} as
             `focus_hf.evaluation.perplexity` returns per mode; defaults to the folder's `eval_results.json`.
             Any part may be missing; the perplexities go into the card's `model-index`.
-        interpretability: a summary of what the groups learned (see `_interpretability_context`); defaults to
-            the folder's `interpretability.json`.
+        interpretability: a summary of what the groups learned (see `_interpretability_context`; a
+            `focus-hf inspect` report); defaults to the folder's `interpretability.json`.
         repo_id: the Hub id shown in the loading snippet; defaults to a placeholder.
         license: the card's license (default apache-2.0; the base model's license may restrict it).
 
@@ -285,9 +301,16 @@ def write_model_card(
         focus_hf.adapter_files.AdapterFileError: not a Focus adapter folder.
         ValueError: a JSON file of the folder is invalid.
     """
+    folder = Path(adapter_dir)
+    if interpretability is None:
+        interpretability = _read_json(folder / INTERPRETABILITY_NAME)
+    chart = None
+    if (folder / CONFIG_NAME).is_file():  # not an adapter folder: render_model_card raises, nothing is written
+        chart = write_balance_chart(interpretability, folder / BALANCE_CHART_NAME, title="Focus group balance")
     card = render_model_card(
-        adapter_dir, eval_results=eval_results, interpretability=interpretability, repo_id=repo_id, license=license
-    )
-    path = Path(adapter_dir) / CARD_NAME
+        folder, eval_results=eval_results, interpretability=interpretability, repo_id=repo_id, license=license,
+        balance_chart=chart.name if chart is not None else None,
+    )  # fmt: skip
+    path = folder / CARD_NAME
     path.write_text(str(card), encoding="utf-8")
     return path

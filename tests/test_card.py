@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import focus_hf
 from focus_hf.card import write_model_card
 from focus_hf.cli import main as cli_main
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
+from png_checks import assert_png
 from tiny_models import tiny_model
 
 BASE = "HuggingFaceTB/SmolLM2-135M"
@@ -28,6 +30,15 @@ INTERPRETABILITY = {
     "layers": [{"layer": 0, "groups": [{"group": 1, "share": 0.25, "dominant_category": "punctuation", "purity": 0.75,
                                          "top_tokens": [[".", 9], ["|", 4]]}]}],
 }  # fmt: skip
+# What `focus-hf inspect --out` writes: every group of every layer, with its share of the tokens.
+REPORT = {
+    "summary": "Routing of 4,096 tokens over 3 layers.",
+    "layers": [{"layer": layer, "num_groups": 4, "groups": [
+        {"group": g, "share": share, "dominant_category": "word", "purity": 0.5, "top_tokens": [["x", 3]]}
+        for g, share in enumerate(shares)]}
+        for layer, shares in enumerate([[0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1], [0.4, 0.3, 0.3, 0.0]])],
+}  # fmt: skip
+CHART_LINK = "![Group balance: share of tokens per layer and group](group_balance.png)"
 
 
 @pytest.fixture(scope="module")
@@ -107,18 +118,54 @@ def test_partial_eval_results(adapter_dir, tmp_path, partial):
         assert "| 9.000 | n/a |" in card.text  # no baseline to compare with
 
 
+def test_card_embeds_the_group_balance_chart(adapter_dir, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib (the 'card' / 'test' extra) draws the balance chart")
+    folder = fresh(adapter_dir, tmp_path)
+    (folder / "interpretability.json").write_text(json.dumps(REPORT))
+    card = ModelCard.load(write_model_card(folder))
+    assert_png(folder / "group_balance.png")
+    assert card.text.count(CHART_LINK) == 1 and "dashed 1/K line" in card.text
+    # The link is relative, so the Hub resolves it inside the repo; the chart sits above the group table.
+    assert card.text.index(CHART_LINK) < card.text.index("| layer | group |")
+    assert card.data.library_name == "peft" and card.data.base_model == BASE
+    ModelCardData(**card.data.to_dict())  # the metadata still round-trips
+
+
+def test_card_without_matplotlib_leaves_the_chart_out(adapter_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, find_spec finds nothing
+    folder = fresh(adapter_dir, tmp_path)
+    card = ModelCard.load(write_model_card(folder, interpretability=REPORT))
+    assert not (folder / "group_balance.png").exists() and "![" not in card.text
+    notes = [line for line in card.text.splitlines() if "matplotlib is not installed" in line]
+    assert len(notes) == 1 and "focus-hf[card]" in notes[0]
+    ModelCardData(**card.data.to_dict())
+
+
+def test_card_without_interpretability_has_no_chart(adapter_dir, tmp_path):
+    folder = fresh(adapter_dir, tmp_path)
+    card = ModelCard.load(write_model_card(folder))
+    assert not (folder / "group_balance.png").exists()
+    assert "group_balance" not in card.text and "matplotlib" not in card.text
+
+
 def test_card_validates_on_the_hub_and_round_trips(hub_server, adapter_dir, tmp_path):
     from focus_hf.hub import pull_adapter, push_adapter
 
     folder = fresh(adapter_dir, tmp_path)
     (folder / "eval_results.json").write_text(json.dumps(EVAL))
+    (folder / "interpretability.json").write_text(json.dumps(REPORT))
     card = ModelCard.load(write_model_card(folder, repo_id="focus-test/card"))
     card.validate()  # POST /api/validate-yaml
     assert hub_server.requests_to("validate_yaml")
     push_adapter(folder, "focus-test/card")
+    chart = folder / "group_balance.png"
+    assert ("group_balance.png" in hub_server.list_files("focus-test/card")) == chart.is_file()
     pulled = pull_adapter("focus-test/card", cache_dir=tmp_path / "cache")
     assert (pulled / "README.md").read_text() == (folder / "README.md").read_text()
     assert (pulled / "eval_results.json").is_file()
+    if chart.is_file():  # drawn when matplotlib is installed; the card links it relatively, the repo holds it
+        assert CHART_LINK in (pulled / "README.md").read_text()
+        assert (pulled / "group_balance.png").read_bytes() == chart.read_bytes()
 
 
 def test_card_command(adapter_dir, tmp_path, capsys):
