@@ -34,6 +34,13 @@ logger = logging.getLogger(__name__)
 
 EVAL_RESULTS_NAME = "eval_results.json"
 
+# Defaults sized to finish in about five minutes on a 2-core CPU (model conversion included); see the README.
+DEMO_STEPS = 60
+DEMO_SEQ_LEN = 512
+DEMO_LR = 5e-3
+DEMO_EVAL_BLOCKS = 8
+DEMO_SPEED_LEN = 4096
+
 
 def _prefill_seconds(model, input_ids, repeats: int) -> float:
     import torch
@@ -51,6 +58,7 @@ def measure_speed(model, tokenizer, texts: list[str], seq_len: int, repeats: int
     """Time one prefill of `seq_len` tokens with full attention (adapter disabled) and with hard Focus routing."""
     import torch
 
+    from ..api import focus_layers
     from ..data import token_blocks
     from ..evaluation import routing_mode
 
@@ -62,7 +70,7 @@ def measure_speed(model, tokenizer, texts: list[str], seq_len: int, repeats: int
         full = _prefill_seconds(model, input_ids, repeats)
     with routing_mode(model, "hard", top_k):
         hard = _prefill_seconds(model, input_ids, repeats)
-    backend = {layer.backend for layer in _layers(model)}
+    backend = {layer.backend for layer in focus_layers(model)}
     return {
         "seq_len": seq_len,
         "repeats": repeats,
@@ -73,12 +81,6 @@ def measure_speed(model, tokenizer, texts: list[str], seq_len: int, repeats: int
         "backend": backend.pop() if len(backend) == 1 else sorted(backend),
         "threads": torch.get_num_threads(),
     }
-
-
-def _layers(model):
-    from ..api import focus_layers
-
-    return focus_layers(model)
 
 
 def write_card(adapter_dir: Path) -> Optional[str]:
@@ -95,6 +97,7 @@ def write_card(adapter_dir: Path) -> Optional[str]:
 
 
 def demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Train, evaluate and time the demo adapter the parsed `args` describe; returns what eval_results.json holds."""
     import torch
     from peft import get_peft_model
 
@@ -200,6 +203,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any], out: Path) -> None:
+    """Print the perplexity table, the training summary, the timing and the files of the adapter folder."""
     ppl = {mode: results[mode] for mode in ("full", "soft", "hard") if results.get(mode)}
     full = ppl["full"]["ppl"]
     rows = []
@@ -231,12 +235,14 @@ def report(results: dict[str, Any], out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`focus-hf demo`: run the demo, then report it."""
     results = demo(args)
     report(results, Path(args.out))
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `demo` sub-command."""
     parser = subparsers.add_parser(
         "demo",
         help="train and measure a Focus adapter on the default model in a few minutes on a CPU",
@@ -260,11 +266,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep OUT/checkpoints (optimizer state)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
-
-
-# Defaults sized to finish in about five minutes on a 2-core CPU (model conversion included); see the README.
-DEMO_STEPS = 60
-DEMO_SEQ_LEN = 512
-DEMO_LR = 5e-3
-DEMO_EVAL_BLOCKS = 8
-DEMO_SPEED_LEN = 4096
