@@ -1,5 +1,6 @@
 """What the Focus groups learned: per layer and group, token share, routing confidence, frequent tokens and the
-mix of token categories (closed word lists), plus an HTML page with the tokens coloured by group.
+mix of token categories (closed word lists). `focus_hf.inspect_page` renders the report as an HTML page and
+`focus_hf.balance_chart` draws its group balance.
 
 Used by `focus-hf inspect`; `inspect_groups(...)` returns the JSON report that `focus_hf.card` summarises when an
 adapter folder holds it as `interpretability.json`.
@@ -8,7 +9,6 @@ adapter folder holds it as `interpretability.json`.
 from __future__ import annotations
 
 import builtins
-import html
 import json
 import keyword
 import string
@@ -181,54 +181,5 @@ def _summary(layers: list[dict], tokens: int) -> str:
 
 
 def report_json(report: dict) -> str:
+    """The report of `inspect_groups` as indented JSON, without its private ("_"-prefixed) entries."""
     return json.dumps({k: v for k, v in report.items() if not k.startswith("_")}, indent=2, ensure_ascii=False)
-
-
-def render_html(report: dict, title: str = "Focus groups") -> str:
-    """A standalone HTML page: the first block's tokens coloured by group, one view per layer (a layer switcher),
-    and each layer's group table."""
-    first = report["_first_block"]
-    layers = report["layers"]
-    max_groups = max((layer["num_groups"] for layer in layers), default=1)
-    colours = [f"hsl({round(360 * g / max(max_groups, 1))}, 70%, 82%)" for g in range(max_groups)]
-    views = []
-    for layer in layers:
-        groups = first["groups"][layer["layer"]]
-        spans = "".join(
-            f'<span class="t" style="background:{colours[g % len(colours)]}" title="group {g}">{html.escape(text)}</span>'
-            for text, g in zip(first["tokens"], groups)
-        )
-        rows = "".join(
-            f"<tr><td style=\"background:{colours[g['group'] % len(colours)]}\">{g['group']}</td><td>{g['share']:.1%}</td>"
-            f"<td>{'' if g['mean_confidence'] is None else format(g['mean_confidence'], '.2f')}</td>"
-            f"<td>{html.escape(str(g['dominant_category'] or ''))}</td>"
-            f"<td>{'' if g['purity'] is None else format(g['purity'], '.0%')}</td>"
-            f"<td>{html.escape(' '.join(repr(t) for t, _ in g['top_tokens'][:8]))}</td></tr>"
-            for g in layer["groups"]
-        )
-        views.append(
-            f'<div class="layer" id="layer-{layer["layer"]}" style="display:none">'
-            f'<pre class="text">{spans}</pre><table><tr><th>group</th><th>share</th><th>confidence</th>'
-            f"<th>dominant category</th><th>purity</th><th>frequent tokens</th></tr>{rows}</table></div>"
-        )
-    options = "".join(f'<option value="{layer["layer"]}">layer {layer["layer"]}</option>' for layer in layers)
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>
-body {{ font-family: sans-serif; margin: 2em; }} pre.text {{ white-space: pre-wrap; line-height: 1.6; font-size: 14px; }}
-span.t {{ border-radius: 3px; }} table {{ border-collapse: collapse; margin-top: 1em; }}
-td, th {{ border: 1px solid #ccc; padding: 2px 8px; font-size: 13px; text-align: left; }}
-</style></head><body>
-<h1>{html.escape(title)}</h1>
-<p>{html.escape(report["summary"])}</p>
-<label>Layer: <select id="layer-switch" onchange="show(this.value)">{options}</select></label>
-{"".join(views)}
-<script>
-function show(layer) {{
-  document.querySelectorAll("div.layer").forEach(function (d) {{ d.style.display = "none"; }});
-  var view = document.getElementById("layer-" + layer); if (view) view.style.display = "block";
-}}
-show(document.getElementById("layer-switch").value);
-</script>
-</body></html>
-"""

@@ -7,13 +7,35 @@ import sys
 from pathlib import Path
 
 
+def save_report(report: dict, folder: Path, *, title: str) -> list[Path]:
+    """Write `report` as `folder/interpretability.json` and its chart as `folder/group_balance.png` (when
+    matplotlib is installed; otherwise a note on stderr says how to get it). Returns the files written."""
+    from ..balance_chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, write_balance_chart
+    from ..card import INTERPRETABILITY_NAME
+    from ..interpret import report_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    report_path = folder / INTERPRETABILITY_NAME
+    report_path.write_text(report_json(report) + "\n", encoding="utf-8")
+    written = [report_path]
+    chart = write_balance_chart(report, folder / BALANCE_CHART_NAME, title=title)
+    if chart is not None:
+        written.append(chart)
+    else:
+        print(f"no {BALANCE_CHART_NAME}: matplotlib is not installed ({MATPLOTLIB_HINT})", file=sys.stderr)
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
+    return written
+
+
 def run(args: argparse.Namespace) -> int:
     from peft import PeftModel
 
     import focus_hf  # noqa: F401  registers the FOCUS adapter type
 
     from ..data import load_texts, token_blocks
-    from ..interpret import inspect_groups, render_html, report_json
+    from ..inspect_page import render_html
+    from ..interpret import inspect_groups, report_json
     from ..models import DEFAULT_MODEL, load_model_and_tokenizer
     from .common import model_for_adapter
 
@@ -25,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         Path(args.html).write_text(render_html(report, title=f"Focus groups of {args.adapter}"), encoding="utf-8")
         print(f"wrote {args.html}", file=sys.stderr)
+    if args.out:
+        save_report(report, Path(args.out), title=f"Focus group balance of {args.adapter}")
     if args.json:
         print(report_json(report))
         return 0
@@ -49,8 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="show what each Focus group routes, per layer",
         description="Run the adapter in hard mode over text and report, per layer and group: token share, mean "
         "assignment confidence, most frequent tokens, token-category mix (closed word lists), dominant category "
-        "and purity. --json prints the report (save it as ADAPTER/interpretability.json for `focus-hf card`); "
-        "--html writes a page with the tokens coloured by group and a layer switcher.",
+        "and purity. --json prints the report; --out DIR saves it as DIR/interpretability.json with the group-balance "
+        "chart DIR/group_balance.png (matplotlib), which `focus-hf card` puts in the model card when DIR is the "
+        "adapter folder; --html writes a page with the tokens coloured by group and a layer switcher.",
     )
     add_model_option(parser, default=None)
     parser.add_argument("--adapter", required=True, help="Focus adapter folder or Hub id")
@@ -60,4 +85,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-tokens", type=int, default=10, help="frequent tokens listed per group (default: 10)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--html", metavar="PAGE", help="write an HTML page with tokens coloured by group")
+    parser.add_argument("--out", metavar="DIR", help="write DIR/interpretability.json and DIR/group_balance.png "
+                        "(e.g. the adapter folder, for `focus-hf card`)")  # fmt: skip
     parser.set_defaults(func=run)
