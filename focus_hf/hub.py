@@ -11,7 +11,8 @@ Safety rules, enforced on both sides:
 - only safetensors weights: pickle files (``*.bin``, ``*.pt``, ``*.pth``, ``*.pkl``, ``*.pickle``, ``*.ckpt``,
   ``*.joblib``) are refused, whether in the folder to push or in the repo to pull;
 - only the adapter: base-model weight files (``model*.safetensors``, any other ``*.safetensors``, shard
-  indexes, ``*.gguf``...) are refused on push and never downloaded on pull;
+  indexes, ``*.gguf``...) are refused on push and never downloaded on pull; the ``checkpoints/`` folder that
+  ``focus-hf train`` keeps for resuming is skipped on push (with a logged warning), pickles and all;
 - downloads are verified: ``huggingface_hub`` itself only checks that a downloaded file has the size announced
   by the server, so [`pull_adapter`] re-checks every file against the size and checksum of the Hub's tree
   listing (git blob sha1 for regular files, sha256 for LFS files) and parses the safetensors header, and evicts
@@ -52,6 +53,7 @@ from huggingface_hub.utils import filter_repo_objects
 from .adapter_files import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from .adapter_files import PICKLE_SUFFIXES, AdapterFileError, read_safetensors_header
 from .adapter_files import WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
+from .training import CHECKPOINTS_DIR
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",
@@ -236,12 +238,23 @@ def _collect_adapter_files(adapter_dir: str | os.PathLike[str]) -> dict[str, byt
                 f"{str(folder)!r} is not a Focus adapter folder: {required} is missing. "
                 "Save the adapter first with `peft_model.save_pretrained(folder)`."
             )
+    # `focus-hf train` keeps resumable Trainer checkpoints (optimizer and RNG state: pickles) in
+    # <adapter>/checkpoints. They are never part of the adapter, so they are skipped rather than refused.
+    checkpoints = folder / CHECKPOINTS_DIR
+    if checkpoints.is_dir():
+        logger.warning(
+            "Not pushing %s/: training checkpoints are not part of the adapter (delete the folder once training "
+            "is finished, or train with `focus-hf train --clean-checkpoints`).", checkpoints,
+        )  # fmt: skip
     pickles: list[str] = []
     base_weights: list[str] = []
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()
-        if any(part.startswith(".") for part in rel.split("/")) or not path.is_file():
+        parts = rel.split("/")
+        if any(part.startswith(".") for part in parts) or not path.is_file():
             continue  # hidden files/folders (.git, .cache) are never uploaded
+        if len(parts) > 1 and parts[0] == CHECKPOINTS_DIR:
+            continue
         if _is_pickle(path.name):
             pickles.append(rel)
         elif _is_base_weight(path.name):
@@ -291,7 +304,8 @@ def push_adapter(
     """Upload a saved Focus adapter folder to the Hub in a single commit.
 
     Uploads the top-level ``adapter_config.json``, ``adapter_model.safetensors``, ``README.md`` and any
-    ``*.json`` / ``*.png`` / ``*.html`` (interpretability files) of ``adapter_dir``; other files are skipped.
+    ``*.json`` / ``*.png`` / ``*.html`` (interpretability files such as ``group_balance.png``) of ``adapter_dir``;
+    other files are skipped, and so is the training ``checkpoints/`` folder (with a logged warning).
     The repo is created if needed (an existing repo keeps its visibility), and so is the branch ``revision``.
     Files identical to the ones already on the branch are not re-uploaded; if nothing changed, no commit is
     created and the current head is returned. The folder is only read, never modified.

@@ -392,6 +392,28 @@ def test_push_refuses_pickles_and_base_weights(hub_server, adapter, bad_file):
     assert hub_server.requests == []
 
 
+def test_push_skips_training_checkpoints(hub_server, adapter, caplog):
+    # What `focus-hf train` leaves in <out>/checkpoints: Trainer checkpoints with pickled optimizer/RNG state.
+    checkpoint = adapter / "checkpoints" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):
+        (checkpoint / name).write_bytes(b"\x80\x04 pickle")
+    for name in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json"):
+        (checkpoint / name).write_bytes((adapter / name).read_bytes() if (adapter / name).exists() else b"{}")
+    before = folder_state(adapter)
+    with caplog.at_level("WARNING", logger="focus_hf.hub"):
+        push_adapter(adapter, REPO)
+    assert hub_server.list_files(REPO) == sorted([".gitattributes", *ADAPTER_FILES])
+    notes = [r.getMessage() for r in caplog.records if "checkpoints" in r.getMessage()]
+    assert len(notes) == 1 and "not part of the adapter" in notes[0]
+    assert folder_state(adapter) == before
+    # Only the training folder is exempt: a pickle anywhere else is still refused.
+    (adapter / "other").mkdir()
+    (adapter / "other" / "optimizer.pt").write_bytes(b"\x80\x04 pickle")
+    with pytest.raises(AdapterFolderError, match="pickle"):
+        push_adapter(adapter, REPO)
+
+
 @pytest.mark.parametrize("missing", ["adapter_config.json", "adapter_model.safetensors"])
 def test_push_refuses_incomplete_folder(hub_server, adapter, missing):
     (adapter / missing).unlink()
