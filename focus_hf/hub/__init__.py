@@ -1,0 +1,74 @@
+"""Share Focus adapters on the Hugging Face Hub.
+
+A Focus adapter is a small PEFT adapter folder: ``adapter_config.json`` (with ``"peft_type": "FOCUS"``) and
+``adapter_model.safetensors``, plus an optional ``README.md`` model card and interpretability files
+(``*.json``, ``*.png``, ``*.html``). [`push_adapter`] uploads such a folder in a single commit and
+[`pull_adapter`] downloads it back, verified, through the regular ``huggingface_hub`` cache (so it also works
+offline once downloaded).
+
+Safety rules, enforced on both sides:
+
+- only safetensors weights: pickle files (``*.bin``, ``*.pt``, ``*.pth``, ``*.pkl``, ``*.pickle``, ``*.ckpt``,
+  ``*.joblib``) are refused, whether in the folder to push or in the repo to pull;
+- only the adapter: base-model weight files (``model*.safetensors``, any other ``*.safetensors``, shard
+  indexes, ``*.gguf``...) are refused on push and never downloaded on pull; the ``checkpoints/`` folder that
+  ``focus-hf train`` keeps for resuming is skipped on push (with a logged warning), pickles and all;
+- downloads are verified: ``huggingface_hub`` itself only checks that a downloaded file has the size announced
+  by the server, so [`pull_adapter`] re-checks every file against the size and checksum of the Hub's tree
+  listing (git blob sha1 for regular files, sha256 for LFS files) and parses the safetensors header, and evicts
+  a corrupt file from the cache before raising [`AdapterIntegrityError`].
+
+The endpoint, cache and offline mode are those of ``huggingface_hub`` (``HF_ENDPOINT``, ``HF_HOME``/
+``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``), read when each function is called.
+
+Safetensors files are checked by `focus_hf.adapter_files.read_safetensors_header`, the same strict check the
+core runs before a Focus adapter is injected into a model.
+
+Loading straight from the Hub needs none of this package's functions: ``model.load_adapter("org/name")``
+(transformers; a revision goes in ``adapter_kwargs={"revision": ...}``) and
+``PeftModel.from_pretrained(base, "org/name", revision=...)`` work after ``import focus_hf``. Before injecting,
+the Focus tuner runs [`resolve_adapter_weights`] with the loader's own revision / cache / token arguments: the
+same revision's ``adapter_model.safetensors`` is checked against the checksum the Hub announced and the
+safetensors format, so a truncated or tampered download is refused with the model left untouched.
+
+Modules: `focus_hf.hub.push` and `focus_hf.hub.pull` (the two operations), `focus_hf.hub.loading` (the check
+run by the loaders), `focus_hf.hub.adapter_repo` (which files an adapter repo may hold), `focus_hf.hub.integrity`
+(checksums and cache eviction), `focus_hf.hub.repo_ids` (repo id / revision validation) and
+`focus_hf.hub.errors`. Import the public names from `focus_hf.hub` itself.
+"""
+
+from __future__ import annotations
+
+from ..adapter_files import PICKLE_SUFFIXES
+from .adapter_repo import ADAPTER_CONFIG_NAME, ADAPTER_FILE_PATTERNS, ADAPTER_WEIGHTS_NAME, FOCUS_PEFT_TYPE
+from .errors import (
+    AdapterFolderError,
+    AdapterIntegrityError,
+    FocusHubError,
+    HubPushError,
+    InvalidRepoIdError,
+    NotAFocusAdapterError,
+)
+from .loading import resolve_adapter_weights
+from .pull import pull_adapter
+from .push import push_adapter
+from .repo_ids import validate_repo_id
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "ADAPTER_FILE_PATTERNS",
+    "FOCUS_PEFT_TYPE",
+    "PICKLE_SUFFIXES",
+    "FocusHubError",
+    "InvalidRepoIdError",
+    "AdapterFolderError",
+    "NotAFocusAdapterError",
+    "AdapterIntegrityError",
+    "HubPushError",
+    "validate_repo_id",
+    "push_adapter",
+    "pull_adapter",
+    "resolve_adapter_weights",
+]
+
