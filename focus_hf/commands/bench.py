@@ -17,6 +17,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
                         f"{cpu_speedup:>7} {row['ideal_speedup']:>6.2f}x",
                         flush=True,
                     )
+    command = "focus-hf " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("focus-hf") else None
+    for row in rows:
+        row["command"] = command  # so committed results say how they were produced
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

@@ -1,0 +1,139 @@
+"""Model-level prefill benchmark: SmolLM2-135M-Instruct, full attention vs Focus hard mode, same text (issue 3).
+
+For each length, one sequence of held-out Python standard-library source (`python-source`, held-out split) is run
+through the decoder once with the adapter disabled (full causal attention, transformers' SDPA) and once per top_k
+with the trained Focus adapter in hard mode. Only the decoder forward (embeddings, 30 layers, final norm) is
+timed; the language-model head then scores every next token of the same hidden states, in chunks (a 32K x 49K
+logits tensor would take 6 GiB), so both variants report perplexity on exactly the same tokens.
+
+    python benchmarks/model_prefill.py --seq-lens 8192 --top-k 1 2 --json benchmarks/results/model_prefill_8k.json
+    python benchmarks/model_prefill.py --seq-lens 32768 --top-k 1 --json benchmarks/results/model_prefill_32k.json
+
+Rows: seq_len, variant, top_k, seconds (best of --repeats), ppl, speedup (full seconds / this variant's seconds),
+backend, threads, load average. Wall-clock on a shared CPU varies; the load average is recorded for that reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from peft import PeftModel
+
+import focus_hf
+from focus_hf.data import load_texts, split_texts, token_blocks
+from focus_hf.evaluation import routing_mode
+from focus_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_ADAPTER = HERE / "quality" / "adapters" / "smollm2-python-docs-k8"
+SCORE_CHUNK = 2048  # positions per language-model-head call
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def held_out_sequence(tokenizer, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of the held-out standard-library source, [1, seq_len]."""
+    _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
+    return token_blocks(tokenizer, heldout, seq_len, max_blocks=1)
+
+
+@torch.no_grad()
+def timed_prefill(model: PeftModel, input_ids: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
+    """Best wall time of the decoder forward and its last hidden states."""
+    decoder = model.get_base_model().model
+    best, hidden = math.inf, None
+    for _ in range(repeats):
+        hidden = None  # free the previous run's activations before the next one
+        started = time.perf_counter()
+        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        best = min(best, time.perf_counter() - started)
+    return best, hidden
+
+
+@torch.no_grad()
+def perplexity_of(model: PeftModel, hidden: torch.Tensor, input_ids: torch.Tensor) -> float:
+    head = model.get_base_model().lm_head
+    targets = input_ids[0, 1:]
+    nll = 0.0
+    for start in range(0, targets.numel(), SCORE_CHUNK):
+        logits = head(hidden[0, start : start + SCORE_CHUNK][: targets.numel() - start]).float()
+        nll += F.cross_entropy(logits, targets[start : start + SCORE_CHUNK], reduction="sum").item()
+    return math.exp(nll / targets.numel())
+
+
+def measure(model: PeftModel, input_ids: torch.Tensor, top_k: Optional[int], repeats: int, backend: str) -> dict:
+    if top_k is None:
+        with model.disable_adapter():
+            seconds, hidden = timed_prefill(model, input_ids, repeats)
+    else:
+        with routing_mode(model, "hard", top_k, backend):
+            seconds, hidden = timed_prefill(model, input_ids, repeats)
+    return {"seconds": seconds, "ppl": perplexity_of(model, hidden, input_ids)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2], help="Focus hard-mode top_k values timed")
+    parser.add_argument("--adapter", type=Path, default=DEFAULT_ADAPTER, help="Focus adapter folder")
+    parser.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flash"])
+    parser.add_argument("--repeats", type=int, default=1, help="timed prefills per variant, best kept")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL)
+    model = PeftModel.from_pretrained(model, args.adapter).eval()
+    warm_up = held_out_sequence(tokenizer, 512)
+    timed_prefill(model, warm_up, 1)  # first-call allocations are not what we measure
+    rows = []
+    for seq_len in args.seq_lens:
+        input_ids = held_out_sequence(tokenizer, seq_len)
+        full = None
+        for top_k in [None, *args.top_k]:
+            variant = "full attention (adapter disabled)" if top_k is None else f"Focus hard top-{top_k}"
+            log(f"{seq_len:,} tokens: {variant} ...")
+            result = measure(model, input_ids, top_k, args.repeats, args.backend)
+            full = full or result
+            row = {
+                "seq_len": seq_len,
+                "variant": variant,
+                "top_k": top_k,
+                "seconds": round(result["seconds"], 3),
+                "ppl": round(result["ppl"], 4),
+                "speedup": round(full["seconds"] / result["seconds"], 3),
+                "ppl_vs_full": round(result["ppl"] / full["ppl"], 4),
+                "backend": "sdpa (transformers)" if top_k is None else args.backend,
+                "repeats": args.repeats,
+                "adapter": os.path.relpath(args.adapter, HERE.parent),
+                "text": "python-source held-out split (seed 0), first tokens",
+                "threads": torch.get_num_threads(),
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                "peak_rss_mib_so_far": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                "device": f"cpu ({platform.processor() or platform.machine()})",
+                "torch": torch.__version__,
+                "command": "python benchmarks/model_prefill.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "focus_hf": focus_hf.__version__,
+            }
+            rows.append(row)
+            log(f"  {row['seconds']:.1f} s, PPL {row['ppl']:.3f}, speedup {row['speedup']:.2f}x")
+            if args.json:  # after every row, so an interrupted run keeps what it measured
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Turn the committed speed measurements into benchmarks/results/speed.md and a speedup-vs-length PNG.
+
+    python benchmarks/speed_report.py
+
+Reads (whichever exist) under benchmarks/results/:
+  attention_cpu.json              `focus-hf bench --json` rows (attention level, dense vs Focus, same run)
+  attention_cpu_peak_memory.json  `focus-hf bench --peak-memory --json` rows
+  model_prefill_*.json            `python benchmarks/model_prefill.py --json` rows (SmolLM2 end to end)
+and writes speed.md (tables + the commands recorded in the rows) and attention_speedup.png (needs matplotlib:
+`pip install 'focus-hf[bench]'`). Nothing here is measured or typed in by hand: every figure comes from the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PLOT = "attention_speedup.png"
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def commands(rows: list[dict[str, Any]]) -> list[str]:
+    seen = []
+    for row in rows:
+        if row.get("command") and row["command"] not in seen:
+            seen.append(row["command"])
+    return seen
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Optional[Path]:
+    """Measured speedup (solid) and ideal speedup (dashed, causal pairs / allowed pairs) per top_k."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'focus-hf[bench]')")
+        return None
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for top_k in sorted({row["top_k"] for row in rows}):
+        mine = sorted((row for row in rows if row["top_k"] == top_k), key=lambda row: row["seq_len"])
+        timed = [row for row in mine if row["speedup"] is not None]
+        line = axis.plot([r["seq_len"] for r in timed], [r["speedup"] for r in timed], marker="o", label=f"top-{top_k} measured")
+        axis.plot([r["seq_len"] for r in mine], [r["ideal_speedup"] for r in mine], linestyle="--", color=line[0].get_color(),
+                  alpha=0.5, label=f"top-{top_k} ideal")
+        for row in timed:
+            axis.annotate(f"{row['speedup']:.2f}x", (row["seq_len"], row["speedup"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    axis.axhline(1.0, color="gray", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log", base=2)
+    axis.set_xlabel("sequence length (tokens)")
+    axis.set_ylabel("speedup over dense causal SDPA")
+    first = rows[0]
+    axis.set_title(
+        f"Focus hard attention (one layer), K={first['groups']}, w={first['window']}, {first['sinks']} sinks, "
+        f"{first['heads']}x{first['head_dim']} heads / {first['kv_heads']} kv, {first['dtype']}\n"
+        f"{first['device']}, backend {first['backend']}, torch {first['torch']}",
+        fontsize=8,
+    )
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3, which="both")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Attention level (one layer, random q/k/v, routing from a random router, balanced groups)", ""]
+    if (RESULTS / PLOT).is_file():
+        lines += [f"![speedup vs length]({PLOT})", ""]
+    lines += ["| tokens | top_k | dense s | Focus s | speedup | ideal | allowed pairs | CPU-time speedup | load avg |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for row in sorted(rows, key=lambda row: (row["top_k"], row["seq_len"])):
+        dense = "-" if row["dense_s"] is None else f"{row['dense_s']:.4f}"
+        speedup = "-" if row["speedup"] is None else f"**{row['speedup']:.2f}x**"
+        cpu = "-" if row["cpu_speedup"] is None else f"{row['cpu_speedup']:.2f}x"
+        lines.append(f"| {row['seq_len']:,} | {row['top_k']} | {dense} | {row['focus_s']:.4f} | {speedup} | {row['ideal_speedup']:.2f}x | "
+                     f"{row['pairs_fraction']:.1%} | {cpu} | {row['load_avg_1m']:.2f} |")
+    lines += ["", "Median of the repetitions in the row's JSON (`repeats`); dense and Focus are timed alternately in the same loop."]
+    if memory:
+        lines += ["", "Peak resident memory of one Focus forward (fresh process, q/k/v included):", "",
+                  "| tokens | top_k | RSS before the call | peak RSS |", "|---|---|---|---|"]
+        for row in memory:
+            lines.append(f"| {row['seq_len']:,} | {row['top_k']} | {row['rss_before_call_mib']:.0f} MiB | {row['peak_rss_mib']:.0f} MiB |")
+    return lines
+
+
+def model_section(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Model level: SmolLM2-135M-Instruct prefill, same text for every variant", "",
+             "| tokens | variant | decoder forward s | speedup vs full | PPL | PPL vs full | load avg |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['seq_len']:,} | {row['variant']} | {row['seconds']:.1f} | **{row['speedup']:.2f}x** | {row['ppl']:.3f} | "
+                     f"{(row['ppl_vs_full'] - 1) * 100:+.2f}% | {row['load_avg_1m']:.2f} |")
+    first = rows[0]
+    lines += ["", f"Adapter `{first['adapter']}`, backend {first['backend'] if first['top_k'] else rows[-1]['backend']}, text: {first['text']}; "
+              f"{first['threads']} threads, {first['device']}, torch {first['torch']}. One timed run per variant (`repeats`)."]
+    return lines
+
+
+def main() -> int:
+    attention = read(RESULTS / "attention_cpu.json")
+    memory = read(RESULTS / "attention_cpu_peak_memory.json")
+    model = [row for path in sorted(RESULTS.glob("model_prefill_*.json")) for row in read(path)]
+    lines = ["# Speed of Focus hard mode on this CPU", "",
+             "Generated by `python benchmarks/speed_report.py` from the JSON files next to this page; every figure is "
+             "a measurement from one run of the commands below (dense and Focus in the same process).", ""]
+    if attention:
+        plot(attention, RESULTS / PLOT)
+        lines += attention_section(attention, memory) + [""]
+    if model:
+        lines += model_section(model) + [""]
+    lines += ["## Commands", "", "```"] + commands(attention + memory + model) + ["```", ""]
+    (RESULTS / "speed.md").write_text("\n".join(lines), encoding="utf-8")
+    print(f"wrote {RESULTS / 'speed.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
