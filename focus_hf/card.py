@@ -155,6 +155,8 @@ def _training_rows(log: dict) -> list[tuple[str, str]]:
     for key, label in fields:
         if log.get(key) is not None:
             rows.append((label, _number(log[key])))
+    if log.get("base_weights"):
+        rows.append(("base weights used in training", f"`{log['base_weights']}`"))
     heldout = log.get("heldout_dominance")
     if isinstance(heldout, dict) and heldout.get("max") is not None:
         rows.append(("largest group share (held-out)", _number(heldout["max"], 3)))
@@ -263,6 +265,7 @@ def render_model_card(
         "interpretability": _interpretability_context(interpretability),
         "balance_chart": balance_chart,
         "balance_chart_note": None,
+        "base_weights": training_log.get("base_weights") if isinstance(training_log, dict) else None,
     }
     if context["interpretability"] and balance_chart is None and not matplotlib_available():
         context["balance_chart_note"] = (f"The group-balance chart (`{BALANCE_CHART_NAME}`) is left out: matplotlib "

@@ -84,6 +84,14 @@ class MissingModelPackageError(ImportError):
     """Raised when an alias needs a package (or a file in it) that is not installed."""
 
 
+def weights_source(model: torch.nn.Module) -> str | None:
+    """Where the weights of a model loaded from an alias came from ("package:file.gguf", dequantized), read from
+    the `focus_source` its converted config records; None for ordinary checkpoints. Works on PeftModels too."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    source = getattr(getattr(base, "config", None), "focus_source", None)
+    return f"{source} (GGUF, dequantized)" if source else None
+
+
 def _alias(name_or_path: str | os.PathLike) -> EmbeddedModel | None:
     name = os.fspath(name_or_path)
     # An existing local folder wins over an alias of the same name, as in `from_pretrained`.

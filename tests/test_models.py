@@ -56,6 +56,7 @@ def test_default_model_loads_and_caches(tmp_path_factory):
         assert not m.training
         assert getattr(m.config, "quantization_config", None) is None
     assert cached_model.config.focus_source == models.MODEL_ALIASES[DEFAULT_MODEL].source
+    assert models.weights_source(cached_model) == f"{models.MODEL_ALIASES[DEFAULT_MODEL].source} (GGUF, dequantized)"
 
     text = "Focus attention, 2 heads: ok?\n"
     for tok in (tokenizer, cached_tokenizer):

@@ -290,6 +290,7 @@ def test_cli_train_then_eval(tiny_dir, text_file, tmp_path, capsys):
     log = json.loads((out / "training_log.json").read_text())
     assert log["steps"] == 3 and log["metadata"]["data"] == str(text_file)
     assert log["config"]["num_groups"] == 4 and log["base_model"] == str(tiny_dir)
+    assert log["base_weights"] is None  # an ordinary checkpoint, not a converted GGUF
     loaded = PeftModel.from_pretrained(load_tiny(tiny_dir), out)
     assert focus_layers(loaded)[0].focus_centroids["default"].shape == (4, 8)
 
