@@ -119,6 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "repeats": args.repeats,
                 "adapter": os.path.relpath(args.adapter, HERE.parent),
                 "text": "python-source held-out split (seed 0), first tokens",
+                "model_max_positions": model.config.max_position_embeddings,
                 "threads": torch.get_num_threads(),
                 "load_avg_1m": round(os.getloadavg()[0], 2),
                 "peak_rss_mib_so_far": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 FLASH_INSTALL_HINT = "pip install flash-attn"
 
 # Key counts below which "auto" runs the pattern as one dense masked call, per device type and top_k (other top_k:
-# PER_PROBE * top_k). CPU, measured with `focus-hf bench --threads 1` (K=8, w=128, 4 sinks, 9x64 heads, 3 kv heads,
-# fp32; benchmarks/results/attention_cpu.md): at top_k=1 the sparse path ties the masked call at 512 keys and wins
-# above; at top_k=2 it overtakes it between 1,536 and 2,048, at 3 near 3,000, at 4 near 4,000. CUDA: a guess.
+# PER_PROBE * top_k). CPU, measured with `focus-hf bench --threads 1` (K=8, w=128, 4 sinks, 9x64 heads, 3 kv
+# heads, fp32; benchmarks/results/attention_cpu_crossover_*.json): at top_k=1 the sparse path ties the masked call
+# at 512 keys and wins above; at top_k=2 it overtakes it between 1,536 and 2,048, at 3 near 3,000, at 4 near
+# 4,000. CUDA: a guess.
 DENSE_BELOW = {"cpu": {1: 512, 2: 2048}, "cuda": {}}
 PER_PROBE = {"cpu": 1024, "cuda": 4096}
 
