@@ -359,6 +359,11 @@ class _HubHandler(BaseHTTPRequestHandler):
     def _send(
         self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *, length: int | None = None
     ) -> None:
+        # Logged before the response leaves: a client that checks `requests_to(...)` right after its call returns
+        # must find it (logging after the write raced with the client's next line).
+        self.hub.requests.append(
+            HubRequest(self.command, urlsplit(self.path).path, self._route, status, authorized=self._token() is not None)
+        )
         self.send_response(status)
         headers = dict(headers or {})
         headers.setdefault("Content-Type", "application/json")
@@ -368,13 +373,11 @@ class _HubHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD" and body:
             self.wfile.write(body)
-        self._status = status
 
     def _send_json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps(payload).encode(), headers)
 
     def _dispatch(self, method: str) -> None:
-        self._status = 0
         self._route: str | None = None
         raw_path = urlsplit(self.path).path
         try:
@@ -387,10 +390,6 @@ class _HubHandler(BaseHTTPRequestHandler):
             self._send_json(err.status, {"error": err.message}, headers)
         except Exception as err:  # pragma: no cover - a bug in the test server
             self._send_json(500, {"error": f"LocalHub internal error: {err!r}"})
-        finally:
-            self.hub.requests.append(
-                HubRequest(method, raw_path, self._route, self._status, authorized=self._token() is not None)
-            )
 
     # ------------------------------------------------------------------ routing
     def _handle(self, method: str, raw_path: str, query: dict[str, list[str]]) -> None:
