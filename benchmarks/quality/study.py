@@ -21,6 +21,12 @@ The committed results come from (40 steps is what this 2-core CPU allows; more s
     python benchmarks/quality/study.py ppl --seq-len 2048 --eval-blocks 4
     python benchmarks/quality/study.py passkey kl report
 
+and a longer run of the K=4 adapter alone (150 steps, in its own folders), to see how the gap to base moves:
+
+    python benchmarks/quality/study.py train --steps 150 --only smollm2-python-docs-k4 --adapters benchmarks/quality/adapters-150-steps --results benchmarks/results/quality-150-steps
+    python benchmarks/quality/study.py ppl --seq-len 2048 --eval-blocks 4 --adapters benchmarks/quality/adapters-150-steps --results benchmarks/results/quality-150-steps
+    python benchmarks/quality/study.py report --adapters benchmarks/quality/adapters-150-steps --results benchmarks/results/quality-150-steps
+
 Every number in the report is measured by these scripts on the machine that ran them; nothing is copied from the
 paper (its figures are quoted side by side, labelled as such).
 """
@@ -50,7 +56,8 @@ from focus_hf.training import train_adapter
 
 HERE = Path(__file__).resolve().parent
 ADAPTERS = HERE / "adapters"  # replaced by --adapters
-RESULTS = HERE.parent / "results" / "quality"
+RESULTS_DEFAULT = HERE.parent / "results" / "quality"
+RESULTS = RESULTS_DEFAULT  # replaced by --results
 HEADLINE = "smollm2-python-docs-k8"
 FOCUS_ADAPTERS = {"smollm2-python-docs-k4": 4, HEADLINE: 8}
 # LoRA baselines (q_proj + v_proj) trained for comparison, saved beside the Focus adapters: name -> rank.
@@ -459,7 +466,10 @@ def stage_report(args) -> None:
         for row in passkey["rows"]:
             lines.append(f"| {row['variant']} | " + " | ".join(f"{row['accuracy'].get(n, float('nan')):.0%}" for n in lengths) + " |")
     lines += claims_section(args)
+    # The docstring lists the commands behind each committed result folder; keep those that wrote this one.
+    results_option = None if args.results.resolve() == RESULTS_DEFAULT.resolve() else f"--results {os.path.relpath(args.results.resolve(), HERE.parent.parent)}"
     commands = [line.strip() for line in __doc__.splitlines() if line.strip().startswith("python benchmarks/quality/study.py")]
+    commands = [line for line in commands if (results_option in line if results_option else "--results" not in line)]
     lines += ["", "## Commands", "", "```", *commands, "```"]
     path = args.results / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
