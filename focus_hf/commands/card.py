@@ -11,23 +11,18 @@ from pathlib import Path
 def measure(args: argparse.Namespace) -> dict:
     """Perplexity of the base model (full attention) and of the adapter (soft, hard) on held-out `--eval-data`,
     merged into ADAPTER_DIR/eval_results.json (other keys there, e.g. "speed", are kept)."""
-    from peft import PeftModel
-
-    import focus_hf  # noqa: F401  registers the FOCUS adapter type
-
     from ..card import EVAL_RESULTS_NAME
     from ..data import load_texts, split_texts
     from ..evaluation import perplexity
-    from ..models import DEFAULT_MODEL, load_model_and_tokenizer
-    from .common import model_for_adapter
+    from .common import base_model_name, load_with_adapter
 
     folder = Path(args.adapter)
     _, heldout = split_texts(load_texts(args.eval_data), heldout_fraction=args.heldout_fraction, seed=args.split_seed)
     if not heldout:
         raise ValueError(f"--eval-data {args.eval_data} leaves no held-out document at --heldout-fraction {args.heldout_fraction}.")
-    model_name = args.model or model_for_adapter(folder) or DEFAULT_MODEL
-    model, tokenizer = load_model_and_tokenizer(model_name)
-    model = PeftModel.from_pretrained(model, folder).eval()
+    model_name = base_model_name(args.model, folder)
+    model, tokenizer = load_with_adapter(model_name, folder)
+    model.eval()
     path = folder / EVAL_RESULTS_NAME
     results = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     for mode in ("full", "soft", "hard"):

@@ -29,19 +29,13 @@ def save_report(report: dict, folder: Path, *, title: str) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from peft import PeftModel
-
-    import focus_hf  # noqa: F401  registers the FOCUS adapter type
-
     from ..data import load_texts, token_blocks
     from ..inspect_page import render_html
     from ..interpret import inspect_groups, report_json
-    from ..models import DEFAULT_MODEL, load_model_and_tokenizer
-    from .common import model_for_adapter
+    from .common import base_model_name, load_with_adapter
 
-    model_name = args.model or model_for_adapter(args.adapter) or DEFAULT_MODEL
-    model, tokenizer = load_model_and_tokenizer(model_name)
-    model = PeftModel.from_pretrained(model, args.adapter).eval()
+    model, tokenizer = load_with_adapter(base_model_name(args.model, args.adapter), args.adapter)
+    model.eval()
     blocks = token_blocks(tokenizer, load_texts(args.data), args.seq_len, max_blocks=args.max_blocks)
     report = inspect_groups(model, tokenizer, blocks, top_tokens=args.top_tokens)
     if args.html:
