@@ -13,6 +13,7 @@ folder and the card embeds it with a relative link, so the Hub shows it once the
 from __future__ import annotations
 
 import json
+import logging
 import os
 from importlib import resources
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Any, Optional
 
 from .adapter_files import CONFIG_NAME
 from .balance_chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, matplotlib_available, write_balance_chart
+
+logger = logging.getLogger(__name__)
 
 # The repository's hub_templates/ folder ships inside the package as `focus_hf.hub_templates` (see pyproject).
 TEMPLATE_PATH = Path(str(resources.files("focus_hf.hub_templates") / "model_card.md.j2"))
@@ -310,6 +313,11 @@ def write_model_card(
     chart = None
     if (folder / CONFIG_NAME).is_file():  # not an adapter folder: render_model_card raises, nothing is written
         chart = write_balance_chart(interpretability, folder / BALANCE_CHART_NAME, title="Focus group balance")
+        stale = folder / BALANCE_CHART_NAME
+        if chart is None and stale.is_file():
+            # An earlier chart no longer matches this card, and push would upload it beside the card.
+            logger.warning("Removing %s: it cannot be redrawn for this card (no matplotlib or no data).", stale)
+            stale.unlink()
     card = render_model_card(
         folder, eval_results=eval_results, interpretability=interpretability, repo_id=repo_id, license=license,
         balance_chart=chart.name if chart is not None else None,

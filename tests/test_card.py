@@ -137,6 +137,7 @@ def test_card_embeds_the_group_balance_chart(adapter_dir, tmp_path):
 def test_card_without_matplotlib_leaves_the_chart_out(adapter_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, find_spec finds nothing
     folder = fresh(adapter_dir, tmp_path)
+    (folder / "group_balance.png").write_bytes(b"an earlier chart")  # would be pushed beside a card that omits it
     card = ModelCard.load(write_model_card(folder, interpretability=REPORT))
     assert not (folder / "group_balance.png").exists() and "![" not in card.text
     notes = [line for line in card.text.splitlines() if "matplotlib is not installed" in line]
