@@ -16,6 +16,7 @@ backend, threads, load average. Wall-clock on a shared CPU varies; the load aver
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -44,10 +45,16 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+@functools.lru_cache(maxsize=1)
+def held_out_texts() -> tuple[str, ...]:
+    """The held-out split of the standard-library source (read once: it is the whole stdlib)."""
+    _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
+    return tuple(heldout)
+
+
 def held_out_sequence(tokenizer, seq_len: int) -> torch.Tensor:
     """The first `seq_len` tokens of the held-out standard-library source, [1, seq_len]."""
-    _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
-    return token_blocks(tokenizer, heldout, seq_len, max_blocks=1)
+    return token_blocks(tokenizer, held_out_texts(), seq_len, max_blocks=1)
 
 
 @torch.no_grad()
@@ -69,7 +76,7 @@ def perplexity_of(model: PeftModel, hidden: torch.Tensor, input_ids: torch.Tenso
     targets = input_ids[0, 1:]
     nll = 0.0
     for start in range(0, targets.numel(), SCORE_CHUNK):
-        logits = head(hidden[0, start : start + SCORE_CHUNK][: targets.numel() - start]).float()
+        logits = head(hidden[0, start : min(start + SCORE_CHUNK, targets.numel())]).float()  # the last position predicts nothing
         nll += F.cross_entropy(logits, targets[start : start + SCORE_CHUNK], reduction="sum").item()
     return math.exp(nll / targets.numel())
 

@@ -392,10 +392,15 @@ def plot_training_curves(logs: dict[str, dict], path: Path) -> Optional[Path]:
     return path
 
 
+def ppl_files(results: Path) -> list[Path]:
+    """The ppl_<seq-len>.json files of a results folder, shortest sequence length first."""
+    return sorted(results.glob("ppl_*.json"), key=lambda path: int(path.stem.split("_")[1]))
+
+
 def claims_section(args) -> list[str]:
     """The paper's claims, each checked against the measured JSON: holds / does not hold, with the figures."""
     checks = []
-    for ppl_file in sorted(args.results.glob("ppl_*.json"), key=lambda path: int(path.stem.split("_")[1])):
+    for ppl_file in ppl_files(args.results):
         ppl = _read(ppl_file)
         rows = {row["variant"]: row["ppl"] for row in ppl["rows"]}
         base = next(value for variant, value in rows.items() if variant.startswith("base"))
@@ -437,7 +442,7 @@ def stage_report(args) -> None:
         for name, row in train.items():
             dom = row.get("max_dominance")
             lines.append(f"| {name} | {row['trainable_parameters']:,} | {row['steps']} x {row['seq_len']} | {row['lr']} | {row['wall_time_s']:.0f} s | {row['final_loss']:.3f} | {'' if dom is None else f'{dom:.2f}'} |")
-    for ppl_file in sorted(args.results.glob("ppl_*.json"), key=lambda path: int(path.stem.split("_")[1])):
+    for ppl_file in ppl_files(args.results):
         ppl = _read(ppl_file)
         full = next(r["ppl"] for r in ppl["rows"] if r["variant"].startswith("base"))
         lines += ["", f"## Held-out perplexity ({ppl['windows']} windows of {ppl['seq_len']} tokens, window w={WINDOW}, {SINKS} sinks)", "",
