@@ -34,7 +34,8 @@ from peft import PeftModel
 import focus_hf
 from focus_hf.data import load_texts, split_texts, token_blocks
 from focus_hf.evaluation import routing_mode
-from focus_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
+from focus_hf import load_model_and_tokenizer
+from focus_hf.aliases import DEFAULT_MODEL
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_ADAPTER = HERE / "quality" / "adapters" / "smollm2-python-docs-k8"

@@ -33,9 +33,9 @@ def main() -> None:
     from peft import PeftModel
 
     import focus_hf  # registers the FOCUS adapter type with PEFT and transformers
-    from focus_hf.commands.common import model_for_adapter
+    from focus_hf.files import model_for_adapter
     from focus_hf.hub import pull_adapter
-    from focus_hf.models import load_model_and_tokenizer
+    from focus_hf import load_model_and_tokenizer
 
     # Only to read the adapter's config (base model) before loading: pull_adapter verifies the files it caches.
     folder = pull_adapter(args.repo_id, revision=args.revision)

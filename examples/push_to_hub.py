@@ -27,7 +27,8 @@ def make_demo_adapter(model_name: str, folder: Path) -> None:
     from peft import get_peft_model
 
     import focus_hf
-    from focus_hf.models import load_model_and_tokenizer, resolve_model_id
+    from focus_hf import load_model_and_tokenizer
+    from focus_hf.aliases import resolve_model_id
 
     model, _ = load_model_and_tokenizer(model_name)
     config = focus_hf.FocusConfig(num_groups=8, group_dim=16, window=128, top_k=2)

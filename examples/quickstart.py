@@ -13,7 +13,8 @@ import torch
 from peft import PeftModel, get_peft_model
 
 import focus_hf
-from focus_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
+from focus_hf import load_model_and_tokenizer
+from focus_hf.aliases import DEFAULT_MODEL
 
 
 def main() -> None:

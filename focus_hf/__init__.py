@@ -2,16 +2,150 @@
 
 Importing the package registers the FOCUS adapter type with PEFT and the `focus` attention function with
 transformers, so `get_peft_model`, `PeftModel.from_pretrained` and `model.load_adapter` accept Focus adapters.
+
+The registration needs peft (and so torch and transformers). To keep `import focus_hf` (and `focus-hf --help`)
+light, it runs at once when peft or transformers is already imported, otherwise right after peft's own import
+finishes (every path that loads an adapter imports peft), or on the first use of a public name below.
 """
 
-from .registration import register
+from __future__ import annotations
 
-register()
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import TYPE_CHECKING, Any
 
-from .api import group_assignments, set_routing  # noqa: E402
-from .config import FocusConfig, FocusConfigError  # noqa: E402
-from .model import FocusModel  # noqa: E402
+from focus_hf.errors import (
+    AdapterFileError,
+    AdapterFolderError,
+    AdapterIntegrityError,
+    BackendUnavailableError,
+    ConfigFormatError,
+    FocusConfigError,
+    FocusError,
+    FocusHubError,
+    FocusRuntimeError,
+    HubPushError,
+    InvalidRepoIdError,
+    MissingModelPackageError,
+    NotAFocusAdapterError,
+    UnsupportedModelError,
+)
+
+if TYPE_CHECKING:
+    from focus_hf.base_models import load_model_and_tokenizer
+    from focus_hf.interpret.groups import group_assignments, record_routing
+    from focus_hf.tuner.config import FocusConfig
+    from focus_hf.tuner.controls import focus_layers, set_routing
+    from focus_hf.tuner.model import FocusModel
 
 __version__ = "0.1.0"
 
-__all__ = ["FocusConfig", "FocusConfigError", "FocusModel", "group_assignments", "set_routing", "__version__"]
+# Public names that need torch / transformers / peft: imported on first use (PEP 562).
+_LAZY = {
+    "FocusConfig": "focus_hf.tuner.config",
+    "FocusModel": "focus_hf.tuner.model",
+    "set_routing": "focus_hf.tuner.controls",
+    "focus_layers": "focus_hf.tuner.controls",
+    "group_assignments": "focus_hf.interpret.groups",
+    "record_routing": "focus_hf.interpret.groups",
+    "load_model_and_tokenizer": "focus_hf.base_models",
+}
+
+__all__ = [
+    "FocusConfig",
+    "FocusModel",
+    "set_routing",
+    "focus_layers",
+    "group_assignments",
+    "record_routing",
+    "load_model_and_tokenizer",
+    "FocusError",
+    "FocusConfigError",
+    "UnsupportedModelError",
+    "AdapterFileError",
+    "ConfigFormatError",
+    "FocusRuntimeError",
+    "BackendUnavailableError",
+    "MissingModelPackageError",
+    "FocusHubError",
+    "InvalidRepoIdError",
+    "AdapterFolderError",
+    "NotAFocusAdapterError",
+    "AdapterIntegrityError",
+    "HubPushError",
+    "__version__",
+]
+
+_registered = False
+
+
+def _ensure_registered() -> None:
+    """Register Focus with PEFT and transformers once (`focus_hf.tuner.registration.register`)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True  # first: the imports below must not re-enter through the peft hook
+    _remove_peft_hook()
+    try:
+        from focus_hf.tuner.registration import register
+
+        register()
+    except BaseException:
+        _registered = False
+        raise
+
+
+class _RegisterAfterPeft(importlib.abc.MetaPathFinder):
+    """Makes the loader of `peft` run `_ensure_registered` right after peft's own module code (until registered)."""
+
+    def __init__(self) -> None:
+        self._searching = False
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "peft" or self._searching:
+            return None
+        self._searching = True
+        try:
+            spec = importlib.util.find_spec(fullname)  # the other finders; a fresh loader per spec
+        finally:
+            self._searching = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            _ensure_registered()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+_PEFT_HOOK = _RegisterAfterPeft()
+
+
+def _remove_peft_hook() -> None:
+    if _PEFT_HOOK in sys.meta_path:
+        sys.meta_path.remove(_PEFT_HOOK)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'focus_hf' has no attribute {name!r}")
+    _ensure_registered()
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if "peft" in sys.modules or "transformers" in sys.modules:
+    _ensure_registered()
+else:
+    sys.meta_path.insert(0, _PEFT_HOOK)

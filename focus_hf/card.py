@@ -4,9 +4,9 @@ The card's YAML front matter is what the Hub indexes: `library_name: peft`, the 
 relation, tags, `pipeline_tag`, the license and, when the folder holds an `eval_results.json`, a `model-index`
 with the measured perplexities (base model with full attention vs. the adapter's soft and hard routing).
 The body is built from files in the adapter folder: `adapter_config.json` and the safetensors header (via
-`focus-hf info`'s `adapter_summary`), `training_log.json` (written by `focus_hf.training`), `eval_results.json`
+`focus_hf.files.adapter_summary`), `training_log.json` (written by `focus_hf.training`), `eval_results.json`
 and an interpretability summary; every part is optional except the adapter config. With interpretability data and
-matplotlib installed, `write_model_card` also draws `group_balance.png` (see `focus_hf.balance_chart`) into the
+matplotlib installed, `write_model_card` also draws `group_balance.png` (see `focus_hf.interpret.chart`) into the
 folder and the card embeds it with a relative link, so the Hub shows it once the folder is pushed.
 """
 
@@ -19,8 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
-from .adapter_files import CONFIG_NAME
-from .balance_chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, matplotlib_available, write_balance_chart
+from focus_hf.files import CONFIG_NAME
+from focus_hf.interpret.chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, matplotlib_available, write_balance_chart
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def hub_base_model(base: Optional[str]) -> Optional[str]:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    from .models import MODEL_ALIASES, resolve_model_id
+    from focus_hf.aliases import MODEL_ALIASES, resolve_model_id
 
     base = resolve_model_id(base)
     local = os.path.isabs(base) or base.startswith((".", "~")) or os.path.exists(base)
@@ -227,7 +227,7 @@ def render_model_card(
     import jinja2
     from huggingface_hub import ModelCard, ModelCardData
 
-    from .commands.info import adapter_summary
+    from focus_hf.files import adapter_summary
 
     folder = Path(adapter_dir)
     summary = adapter_summary(folder)
@@ -304,7 +304,7 @@ def write_model_card(
         license: the card's license (default apache-2.0; the base model's license may restrict it).
 
     Raises:
-        focus_hf.adapter_files.AdapterFileError: not a Focus adapter folder.
+        focus_hf.files.AdapterFileError: not a Focus adapter folder.
         ValueError: a JSON file of the folder is invalid.
     """
     folder = Path(adapter_dir)

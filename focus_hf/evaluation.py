@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .api import focus_layers, set_routing
-from .data import token_blocks
+from focus_hf.tuner.controls import focus_layers, set_routing
+from focus_hf.data import token_blocks
 
 __all__ = ["MODES", "perplexity", "routing_mode", "strided_windows"]
 

@@ -29,8 +29,11 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
-from .api import focus_layers, group_assignments
-from .models import MODEL_ALIASES, default_cache_dir, resolve_model_id, weights_source
+from focus_hf.files import CHECKPOINTS_DIR
+from focus_hf.interpret.groups import RoutingRecorder, group_assignments
+from focus_hf.tuner.controls import focus_layers
+from focus_hf.aliases import MODEL_ALIASES, default_cache_dir, resolve_model_id
+from focus_hf.base_models import weights_source
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -43,7 +46,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS_DIR = "checkpoints"
 TRAINING_LOG_NAME = "training_log.json"
 DEFAULT_DOMINANCE_THRESHOLD = 0.5
 
@@ -102,7 +104,7 @@ def _num_groups(layer: nn.Module) -> int:
 class GroupBalanceCallback(TrainerCallback, ExportableState):
     """Tracks each routed layer's group dominance during training and warns when groups collapse.
 
-    The routing each training forward pass computes is recorded (the `recorded_groups` hook of `FocusLayer`),
+    The routing each training forward pass computes is recorded (through `focus_hf.interpret.groups.RoutingRecorder`),
     counted per layer, and every `every` optimizer steps the dominance over those steps is appended to `history`
     and checked against `threshold`. The history is saved with each checkpoint and restored on resume.
 
@@ -128,6 +130,7 @@ class GroupBalanceCallback(TrainerCallback, ExportableState):
         self.train_seconds = float(train_seconds)
         self.warnings: list[str] = []
         self._layers: list[nn.Module] = []
+        self._recorder: Optional[RoutingRecorder] = None
         self._counts: dict[int, torch.Tensor] = {}
         self._run_started: Optional[float] = None
 
@@ -145,18 +148,24 @@ class GroupBalanceCallback(TrainerCallback, ExportableState):
 
     # --- recording -----------------------------------------------------------------------------------------------
     def _start_recording(self) -> None:
-        for layer in self._layers:
-            if layer.recorded_groups is None:
-                layer.recorded_groups = []
+        self._stop_recording()
+        self._recorder = RoutingRecorder(self._layers).attach()
+
+    def _stop_recording(self) -> None:
+        if self._recorder is not None:
+            self._recorder.detach()
+            self._recorder = None
 
     def _collect(self) -> None:
+        if self._recorder is None:
+            return
+        recorded = self._recorder.take()
         for layer in self._layers:
-            recorded = layer.recorded_groups or []
-            if recorded:
-                counts = sum(group_counts(groups, _num_groups(layer)) for groups in recorded)
+            calls = recorded.get(layer.layer_index) or []
+            if calls:
+                counts = sum(group_counts(routing.top_groups, _num_groups(layer)) for routing in calls)
                 previous = self._counts.get(layer.layer_index)
                 self._counts[layer.layer_index] = counts if previous is None else previous + counts
-            layer.recorded_groups = []
 
     def check(self, step: int) -> Optional[dict[str, Any]]:
         """Turn the counts gathered since the last check into a history record; warn about collapsing layers."""
@@ -197,10 +206,6 @@ class GroupBalanceCallback(TrainerCallback, ExportableState):
         self._run_started = time.perf_counter()
         self._start_recording()
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        # Something else (e.g. `group_assignments` in an evaluation hook) may have switched recording off.
-        self._start_recording()
-
     def on_step_end(self, args, state, control, **kwargs):
         self._collect()
         if state.global_step % self.every == 0 and state.is_world_process_zero:
@@ -212,8 +217,7 @@ class GroupBalanceCallback(TrainerCallback, ExportableState):
             self.check(state.global_step)
         self.train_seconds = self.elapsed()
         self._run_started = None
-        for layer in self._layers:
-            layer.recorded_groups = None
+        self._stop_recording()
 
 
 class _ResumedScheduleSync(TrainerCallback):
@@ -494,7 +498,7 @@ def _versions() -> dict[str, str]:
     import peft
     import transformers
 
-    from . import __version__
+    from focus_hf import __version__
 
     return {
         "focus_hf": __version__,

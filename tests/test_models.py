@@ -1,4 +1,4 @@
-"""Tests for focus_hf.models: the embedded default model and its cache."""
+"""Tests for focus_hf.base_models: the embedded default model and its cache."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from focus_hf import models
-from focus_hf.models import DEFAULT_MODEL, MissingModelPackageError, load_model_and_tokenizer, resolve_model_id
+from focus_hf import base_models as models
+from focus_hf.base_models import DEFAULT_MODEL, MissingModelPackageError, load_model_and_tokenizer, resolve_model_id
 
 
 def test_resolve_model_id():

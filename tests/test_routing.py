@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from focus_hf.pattern import allowed_pairs, soft_gate
-from focus_hf.routing import RoutingState, causal_sinkhorn, route_tokens
+from focus_hf.attention.pattern import allowed_pairs, soft_gate
+from focus_hf.attention.routing import RoutingState, causal_sinkhorn, route_tokens
 
 
 def test_sinkhorn_rows_are_distributions():

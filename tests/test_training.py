@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
 import focus_hf
-from focus_hf.api import focus_layers
+from focus_hf.tuner.controls import focus_layers
 from focus_hf.cli import main
 from focus_hf.evaluation import perplexity
 from focus_hf.training import GroupBalanceCallback, dominance, train_adapter

@@ -18,7 +18,7 @@ from peft import get_peft_model
 
 import focus_hf
 from focus_hf.data import load_texts, split_texts, token_blocks
-from focus_hf.models import load_model_and_tokenizer
+from focus_hf import load_model_and_tokenizer
 
 
 @torch.no_grad()

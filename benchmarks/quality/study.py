@@ -51,7 +51,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import focus_hf
 from focus_hf.data import load_texts, split_texts, token_blocks
 from focus_hf.evaluation import perplexity, routing_mode
-from focus_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
+from focus_hf import load_model_and_tokenizer
+from focus_hf.aliases import DEFAULT_MODEL
 from focus_hf.training import train_adapter
 
 HERE = Path(__file__).resolve().parent

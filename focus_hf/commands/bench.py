@@ -23,14 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
-from ..config import FocusConfig
-from ..fast import fast_hard_attention
-from ..pattern import allowed_pairs
-from ..reference import dense_attention
-from ..routing import RoutingState, TokenRouting, route_tokens, routing_scores
+if TYPE_CHECKING:
+    import torch
+
+    from focus_hf.attention.routing import TokenRouting
 
 # Dense attention beyond this many bytes of q/k/v/output is reported as skipped rather than run.
 DENSE_MEMORY_FRACTION = 0.5
@@ -48,6 +46,12 @@ class Case:
 
 def make_case(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> Case:
     """Random q/k/v laid out as a model projects them ([1, n, heads, dim] transposed) and real routing."""
+    import torch
+    import torch.nn.functional as F
+
+    from focus_hf.tuner.config import FocusConfig
+    from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
+
     generator = torch.Generator().manual_seed(args.seed + seq_len)
     defaults = FocusConfig()
     hidden_size = args.heads * args.head_dim
@@ -72,6 +76,10 @@ def make_case(args: argparse.Namespace, seq_len: int, device: torch.device, dtyp
 
 def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> int:
     """Allowed (query, key) pairs of one sample, counted in O(n K) memory instead of materialising n x n."""
+    import torch
+
+    from focus_hf.attention.routing import TokenRouting
+
     groups, sink = routing.top_groups[0].cpu(), routing.sink[0].cpu()
     seq_len = groups.shape[0]
     positions = torch.arange(seq_len)
@@ -91,6 +99,8 @@ def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> i
 def time_call(function: Callable[[], torch.Tensor]) -> tuple[float, float]:
     """Wall-clock and process CPU seconds of one call. On a shared machine, CPU time is the steadier measure of
     single-threaded runs (other processes take turns on the cores, which inflates wall time unevenly)."""
+    import torch
+
     wall, cpu = time.perf_counter(), time.process_time()
     function()
     if torch.cuda.is_available():
@@ -99,6 +109,12 @@ def time_call(function: Callable[[], torch.Tensor]) -> tuple[float, float]:
 
 
 def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[], torch.Tensor]:
+    import torch
+
+    from focus_hf.attention.fast import fast_hard_attention
+    from focus_hf.attention.pattern import allowed_pairs
+    from focus_hf.attention.reference import dense_attention
+
     routing = case.routing[top_k]
     scaling = args.head_dim**-0.5
     key_groups = routing.top_groups[..., 0]
@@ -128,6 +144,8 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
 
 def dense_skip_reason(args: argparse.Namespace, seq_len: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
     """Why dense attention is not run at `seq_len`, or None."""
+    import torch
+
     if args.dense_max_seq_len is not None and seq_len > args.dense_max_seq_len:
         return f"skipped: above --dense-max-seq-len {args.dense_max_seq_len}"
     element = torch.finfo(dtype).bits // 8
@@ -156,6 +174,9 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
     case = make_case(args, seq_len, device, dtype)
     skip = dense_skip_reason(args, seq_len, dtype, device)
     dense = lambda: F.scaled_dot_product_attention(case.query, case.key, case.value, is_causal=True, enable_gqa=True)
@@ -210,6 +231,8 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
 
 
 def device_name(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
@@ -217,6 +240,8 @@ def device_name(device: torch.device) -> str:
 
 def peak_memory_child(args: argparse.Namespace, seq_len: int, top_k: int, queue: multiprocessing.Queue) -> None:
     """Runs in a fresh process: one Focus call; reports RSS before it and the process's peak RSS (MiB)."""
+    import torch
+
     import psutil
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -251,6 +276,10 @@ def peak_memory_rows(args: argparse.Namespace) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -294,7 +323,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (fewer above 16,384 tokens)")
     parser.add_argument("--dense-max-seq-len", type=int, default=None, help="do not time dense attention above this length")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="q/k/v dtype")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     parser.add_argument("--peak-memory", action="store_true", help="measure peak RSS of one Focus call per length instead")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")

@@ -11,10 +11,10 @@ from pathlib import Path
 def measure(args: argparse.Namespace) -> dict:
     """Perplexity of the base model (full attention) and of the adapter (soft, hard) on held-out `--eval-data`,
     merged into ADAPTER_DIR/eval_results.json (other keys there, e.g. "speed", are kept)."""
-    from ..card import EVAL_RESULTS_NAME
-    from ..data import load_texts, split_texts
-    from ..evaluation import perplexity
-    from .common import base_model_name, load_with_adapter
+    from focus_hf.card import EVAL_RESULTS_NAME
+    from focus_hf.data import load_texts, split_texts
+    from focus_hf.evaluation import perplexity
+    from focus_hf.commands.common import base_model_name, load_with_adapter
 
     folder = Path(args.adapter)
     _, heldout = split_texts(load_texts(args.eval_data), heldout_fraction=args.heldout_fraction, seed=args.split_seed)
@@ -35,8 +35,8 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..adapter_files import AdapterFileError
-    from ..card import write_model_card
+    from focus_hf.files import AdapterFileError
+    from focus_hf.card import write_model_card
 
     try:
         if args.eval_data:

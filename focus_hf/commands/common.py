@@ -8,10 +8,14 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-from ..config import FocusConfig
-from ..models import DEFAULT_MODEL, MODEL_ALIASES
+from focus_hf.tuner.defaults import FOCUS_DEFAULTS
+
+if TYPE_CHECKING:
+    from focus_hf.tuner.config import FocusConfig
+from focus_hf.aliases import DEFAULT_MODEL, MODEL_ALIASES
+from focus_hf.files import model_for_adapter
 
 DEFAULT_DATA = "python-docs"
 DEFAULT_HELDOUT_FRACTION = 0.1
@@ -40,7 +44,7 @@ class FocusOption:
         return _FOCUS_CONFIG_DEFAULTS[self.field]
 
 
-_FOCUS_CONFIG_DEFAULTS = {field.name: field.default for field in dataclasses.fields(FocusConfig)}
+_FOCUS_CONFIG_DEFAULTS = FOCUS_DEFAULTS
 
 # In the order the options are listed in --help.
 FOCUS_OPTIONS = (
@@ -77,6 +81,8 @@ def add_focus_options(
 
 def focus_config_from_args(args: argparse.Namespace) -> FocusConfig:
     """The `FocusConfig` the parsed options describe; fields without an option keep the `FocusConfig` default."""
+    from focus_hf.tuner.config import FocusConfig
+
     return FocusConfig(**{option.field: getattr(args, option.dest) for option in FOCUS_OPTIONS if hasattr(args, option.dest)})
 
 
@@ -113,7 +119,7 @@ def split_documents(
     data: str | os.PathLike, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, seed: int = DEFAULT_SPLIT_SEED
 ) -> tuple[list[str], list[str]]:
     """(train, held-out) documents of the corpus `data`, split as every command splits them."""
-    from ..data import load_texts, split_texts
+    from focus_hf.data import load_texts, split_texts
 
     return split_texts(load_texts(data), heldout_fraction=heldout_fraction, seed=seed)
 
@@ -128,19 +134,6 @@ def split_metadata(data: str | os.PathLike, heldout_fraction: float, seed: int) 
     return {"data": str(data), "heldout_fraction": heldout_fraction, "split_seed": seed}
 
 
-def model_for_adapter(adapter: str | os.PathLike) -> Optional[str]:
-    """The base model recorded in an adapter folder, mapped back to an alias when it is an embedded model's
-    Hub id (so that the adapter loads on the very weights it was trained on, without network)."""
-    config_path = Path(adapter) / "adapter_config.json"
-    if not config_path.is_file():
-        return None
-    base = json.loads(config_path.read_text(encoding="utf-8")).get("base_model_name_or_path")
-    for alias in MODEL_ALIASES.values():
-        if base == alias.hub_id:
-            return alias.name
-    return base
-
-
 def base_model_name(model: Optional[str], adapter: Optional[str | os.PathLike]) -> str:
     """The base model to load: `model` when given, else the one `adapter` records, else the default model."""
     return model or (model_for_adapter(adapter) if adapter else None) or DEFAULT_MODEL
@@ -148,7 +141,7 @@ def base_model_name(model: Optional[str], adapter: Optional[str | os.PathLike]) 
 
 def load_base(name: str) -> tuple[Any, Any]:
     """(model, tokenizer) of the base model `name` (a Hub id, a local folder or an alias)."""
-    from ..models import load_model_and_tokenizer
+    from focus_hf.base_models import load_model_and_tokenizer
 
     return load_model_and_tokenizer(name)
 
@@ -159,7 +152,9 @@ def load_with_adapter(name: str, adapter: Optional[str | os.PathLike]) -> tuple[
     if adapter:
         from peft import PeftModel
 
-        import focus_hf  # noqa: F401  registers the FOCUS adapter type
+        from focus_hf.tuner.registration import register
+
+        register()
 
         model = PeftModel.from_pretrained(model, adapter)
     return model, tokenizer

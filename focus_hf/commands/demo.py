@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .common import (
+from focus_hf.commands.common import (
     DEFAULT_DATA,
     DEFAULT_HELDOUT_FRACTION,
     DEFAULT_SPLIT_SEED,
@@ -58,9 +58,9 @@ def measure_speed(model, tokenizer, texts: list[str], seq_len: int, repeats: int
     """Time one prefill of `seq_len` tokens with full attention (adapter disabled) and with hard Focus routing."""
     import torch
 
-    from ..api import focus_layers
-    from ..data import token_blocks
-    from ..evaluation import routing_mode
+    from focus_hf.tuner.controls import focus_layers
+    from focus_hf.data import token_blocks
+    from focus_hf.evaluation import routing_mode
 
     input_ids = token_blocks(tokenizer, texts, seq_len, max_blocks=1)
     model.eval()
@@ -101,10 +101,10 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from peft import get_peft_model
 
-    from ..data import token_blocks
-    from ..evaluation import perplexity
-    from ..models import DEFAULT_MODEL, resolve_model_id
-    from ..training import remove_checkpoints, train_adapter
+    from focus_hf.data import token_blocks
+    from focus_hf.evaluation import perplexity
+    from focus_hf.aliases import DEFAULT_MODEL, resolve_model_id
+    from focus_hf.training import remove_checkpoints, train_adapter
 
     out = Path(args.out)
     if args.seq_len - 1 <= args.window:

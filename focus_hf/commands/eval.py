@@ -7,12 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_data_options, add_model_option, base_model_name, load_with_adapter, split_corpus
+from focus_hf.commands.common import add_data_options, add_model_option, base_model_name, load_with_adapter, split_corpus
 
 
 def evaluate(args: argparse.Namespace) -> dict:
     """Load the model (and adapter) the parsed `args` name and return `evaluation.perplexity`'s dict."""
-    from ..evaluation import perplexity
+    from focus_hf.evaluation import perplexity
 
     if args.mode != "full" and not args.adapter:
         raise SystemExit(f"focus-hf eval: --mode {args.mode} needs --adapter (only --mode full runs without one)")

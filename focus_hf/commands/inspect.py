@@ -10,9 +10,9 @@ from pathlib import Path
 def save_report(report: dict, folder: Path, *, title: str) -> list[Path]:
     """Write `report` as `folder/interpretability.json` and its chart as `folder/group_balance.png` (when
     matplotlib is installed; otherwise a note on stderr says how to get it). Returns the files written."""
-    from ..balance_chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, write_balance_chart
-    from ..card import INTERPRETABILITY_NAME
-    from ..interpret import report_json
+    from focus_hf.interpret.chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, write_balance_chart
+    from focus_hf.card import INTERPRETABILITY_NAME
+    from focus_hf.interpret.report import report_json
 
     folder.mkdir(parents=True, exist_ok=True)
     report_path = folder / INTERPRETABILITY_NAME
@@ -29,10 +29,10 @@ def save_report(report: dict, folder: Path, *, title: str) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import load_texts, token_blocks
-    from ..inspect_page import render_html
-    from ..interpret import inspect_groups, report_json
-    from .common import base_model_name, load_with_adapter
+    from focus_hf.data import load_texts, token_blocks
+    from focus_hf.interpret.page import render_html
+    from focus_hf.interpret.report import inspect_groups, report_json
+    from focus_hf.commands.common import base_model_name, load_with_adapter
 
     model, tokenizer = load_with_adapter(base_model_name(args.model, args.adapter), args.adapter)
     model.eval()
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from .common import add_model_option
+    from focus_hf.commands.common import add_model_option
 
     parser = subparsers.add_parser(
         "inspect",

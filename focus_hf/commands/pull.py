@@ -9,7 +9,7 @@ import sys
 def run(args: argparse.Namespace) -> int:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    from ..hub import FocusHubError, pull_adapter
+    from focus_hf.hub import FocusHubError, pull_adapter
 
     try:
         path = pull_adapter(args.repo_id, revision=args.revision, out_dir=args.out, local_files_only=args.offline)

@@ -7,7 +7,7 @@ import sys
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..hub import FocusHubError, push_adapter
+    from focus_hf.hub import FocusHubError, push_adapter
 
     try:
         commit = push_adapter(

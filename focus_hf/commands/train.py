@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..config import FocusConfig
-from .common import (
+from focus_hf.commands.common import (
     FOCUS_CONFIG_FIELDS,
     add_data_options,
     add_focus_options,
@@ -20,12 +20,17 @@ from .common import (
 
 logger = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from focus_hf.tuner.config import FocusConfig
+
 
 def resume_config(out: Path, config: FocusConfig) -> FocusConfig:
     """The config of the checkpoint a resumed run continues from (the command-line one when there is none)."""
+    from focus_hf.tuner.config import FocusConfig
+
     from transformers.trainer_utils import get_last_checkpoint
 
-    from ..training import CHECKPOINTS_DIR
+    from focus_hf.files import CHECKPOINTS_DIR
 
     folder = out / CHECKPOINTS_DIR
     last = get_last_checkpoint(str(folder)) if folder.is_dir() else None
@@ -48,8 +53,8 @@ def train(args: argparse.Namespace) -> dict:
     import torch
     from peft import get_peft_model
 
-    from ..data import token_blocks
-    from ..training import remove_checkpoints, train_adapter
+    from focus_hf.data import token_blocks
+    from focus_hf.training import remove_checkpoints, train_adapter
 
     out = Path(args.out)
     torch.manual_seed(args.seed)
@@ -90,7 +95,7 @@ def train(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """`focus-hf train`: train, then print where the adapter went and how the run ended."""
-    from ..training import CHECKPOINTS_DIR
+    from focus_hf.files import CHECKPOINTS_DIR
 
     log = train(args)
     out = Path(args.out)

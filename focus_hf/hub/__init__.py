@@ -21,7 +21,7 @@ Safety rules, enforced on both sides:
 The endpoint, cache and offline mode are those of ``huggingface_hub`` (``HF_ENDPOINT``, ``HF_HOME``/
 ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``), read when each function is called.
 
-Safetensors files are checked by `focus_hf.adapter_files.read_safetensors_header`, the same strict check the
+Safetensors files are checked by `focus_hf.files.read_safetensors_header`, the same strict check the
 core runs before a Focus adapter is injected into a model.
 
 Loading straight from the Hub needs none of this package's functions: ``model.load_adapter("org/name")``
@@ -32,16 +32,18 @@ same revision's ``adapter_model.safetensors`` is checked against the checksum th
 safetensors format, so a truncated or tampered download is refused with the model left untouched.
 
 Modules: `focus_hf.hub.push` and `focus_hf.hub.pull` (the two operations), `focus_hf.hub.loading` (the check
-run by the loaders), `focus_hf.hub.adapter_repo` (which files an adapter repo may hold), `focus_hf.hub.integrity`
-(checksums and cache eviction), `focus_hf.hub.repo_ids` (repo id / revision validation) and
-`focus_hf.hub.errors`. Import the public names from `focus_hf.hub` itself.
+run by the loaders), `focus_hf.hub.integrity` (checksums and cache eviction) and `focus_hf.hub.repo_ids` (repo id /
+revision validation). What an adapter folder may hold lives in `focus_hf.files`, the errors in `focus_hf.errors`.
+Import the public names from `focus_hf.hub` itself.
 """
 
 from __future__ import annotations
 
-from ..adapter_files import PICKLE_SUFFIXES
-from .adapter_repo import ADAPTER_CONFIG_NAME, ADAPTER_FILE_PATTERNS, ADAPTER_WEIGHTS_NAME, FOCUS_PEFT_TYPE
-from .errors import (
+from focus_hf.files import ADAPTER_FILE_PATTERNS, PICKLE_SUFFIXES
+from focus_hf.files import CONFIG_NAME as ADAPTER_CONFIG_NAME
+from focus_hf.files import PEFT_TYPE_NAME as FOCUS_PEFT_TYPE
+from focus_hf.files import WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
+from focus_hf.errors import (
     AdapterFolderError,
     AdapterIntegrityError,
     FocusHubError,
@@ -49,10 +51,10 @@ from .errors import (
     InvalidRepoIdError,
     NotAFocusAdapterError,
 )
-from .loading import resolve_adapter_weights
-from .pull import pull_adapter
-from .push import push_adapter
-from .repo_ids import validate_repo_id
+from focus_hf.hub.loading import resolve_adapter_weights
+from focus_hf.hub.pull import pull_adapter
+from focus_hf.hub.push import push_adapter
+from focus_hf.hub.repo_ids import validate_repo_id
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",

@@ -14,9 +14,8 @@ from typing import Any
 from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-from ..adapter_files import WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
-from ..adapter_files import AdapterFileError, read_safetensors_header
-from .integrity import cached_blob_mismatch, evict_cached_file
+from focus_hf.files import WEIGHTS_NAME, AdapterFileError, read_safetensors_header
+from focus_hf.hub.integrity import cached_blob_mismatch, evict_cached_file
 
 # Loader keyword arguments that select or fetch the file (what PEFT and transformers hand to hf_hub_download).
 _HF_HUB_DOWNLOAD_KWARGS = ("subfolder", "repo_type", "revision", "cache_dir", "force_download", "etag_timeout",
@@ -33,7 +32,7 @@ def resolve_adapter_weights(repo_id: str, **download_kwargs: Any) -> Path:
 
     Checks: the repo has an ``adapter_model.safetensors`` (pickle-only adapters are refused), the downloaded
     bytes match the checksum the Hub announced (see `focus_hf.hub.integrity.cached_blob_mismatch`), and the file is well-formed
-    safetensors (`focus_hf.adapter_files.read_safetensors_header`). A corrupt file is evicted from the cache.
+    safetensors (`focus_hf.files.read_safetensors_header`). A corrupt file is evicted from the cache.
 
     Args:
         repo_id (`str`): Hub repo id (any id ``huggingface_hub`` accepts).
@@ -45,7 +44,7 @@ def resolve_adapter_weights(repo_id: str, **download_kwargs: Any) -> Path:
         `pathlib.Path`: the verified file in the cache.
 
     Raises:
-        [`focus_hf.adapter_files.AdapterFileError`] (a `ValueError`): no safetensors weights, or a corrupt,
+        [`focus_hf.files.AdapterFileError`] (a `ValueError`): no safetensors weights, or a corrupt,
             truncated or tampered download.
         `huggingface_hub` errors (`RepositoryNotFoundError`, `RevisionNotFoundError`, `LocalEntryNotFoundError`...)
             as raised by ``hf_hub_download``.
@@ -62,19 +61,19 @@ def resolve_adapter_weights(repo_id: str, **download_kwargs: Any) -> Path:
     if kwargs.get("subfolder"):
         label += f" (subfolder {kwargs['subfolder']!r})"
     try:
-        path = Path(hf_hub_download(repo_id, ADAPTER_WEIGHTS_NAME, **kwargs))
+        path = Path(hf_hub_download(repo_id, WEIGHTS_NAME, **kwargs))
     except LocalEntryNotFoundError:
         raise
     except EntryNotFoundError:
         raise AdapterFileError(
-            f"The Hub adapter {label} has no {ADAPTER_WEIGHTS_NAME}. Focus loads safetensors only and refuses "
+            f"The Hub adapter {label} has no {WEIGHTS_NAME}. Focus loads safetensors only and refuses "
             "pickle files (adapter_model.bin), which can run arbitrary code."
         ) from None
     except OSError as error:
         if isinstance(error, HfHubHTTPError) or error.errno is not None:
             raise
         # huggingface_hub raises a bare OSError("Consistency check failed ...") on a short download.
-        raise AdapterFileError(f"Download of {ADAPTER_WEIGHTS_NAME} from {label} is incomplete or corrupt: {error}") from error
+        raise AdapterFileError(f"Download of {WEIGHTS_NAME} from {label} is incomplete or corrupt: {error}") from error
 
     problem = cached_blob_mismatch(path)
     if problem is None:
@@ -85,7 +84,7 @@ def resolve_adapter_weights(repo_id: str, **download_kwargs: Any) -> Path:
     if problem is not None:
         evict_cached_file(path)
         raise AdapterFileError(
-            f"{ADAPTER_WEIGHTS_NAME} of the Hub adapter {label} is corrupt, truncated or tampered with: {problem}. "
+            f"{WEIGHTS_NAME} of the Hub adapter {label} is corrupt, truncated or tampered with: {problem}. "
             "The model was not modified and the file was removed from the cache; retry the download."
         )
     return path

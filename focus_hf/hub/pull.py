@@ -17,18 +17,18 @@ from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from huggingface_hub.utils import filter_repo_objects
 
-from ..adapter_files import AdapterFileError, read_safetensors_header
-from .adapter_repo import (
-    ADAPTER_CONFIG_NAME,
+from focus_hf.files import AdapterFileError, read_safetensors_header
+from focus_hf.files import (
+    CONFIG_NAME,
     ADAPTER_FILE_PATTERNS,
-    ADAPTER_WEIGHTS_NAME,
+    WEIGHTS_NAME,
     ConfigFormatError,
     is_pickle,
     read_focus_config,
 )
-from .errors import AdapterIntegrityError, NotAFocusAdapterError
-from .integrity import evict_cached_file, file_mismatch, load_remote_tree
-from .repo_ids import validate_repo_id, validate_revision
+from focus_hf.errors import AdapterIntegrityError, NotAFocusAdapterError
+from focus_hf.hub.integrity import evict_cached_file, file_mismatch, load_remote_tree
+from focus_hf.hub.repo_ids import validate_repo_id, validate_revision
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +128,9 @@ def pull_adapter(
         repo_files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
     wanted = sorted(filter_repo_objects(repo_files, allow_patterns=list(ADAPTER_FILE_PATTERNS)))
 
-    if ADAPTER_CONFIG_NAME not in repo_files:
+    if CONFIG_NAME not in repo_files:
         raise NotAFocusAdapterError(
-            f"{label} is not a Focus adapter repo: it has no {ADAPTER_CONFIG_NAME} (files: {repo_files[:20]})."
+            f"{label} is not a Focus adapter repo: it has no {CONFIG_NAME} (files: {repo_files[:20]})."
         )
     pickles = [name for name in repo_files if is_pickle(name)]
     if pickles:
@@ -138,8 +138,8 @@ def pull_adapter(
             f"Refusing {label}: it contains pickle files {pickles}, which can run arbitrary code when loaded. "
             "Focus adapters are safetensors-only."
         )
-    if ADAPTER_WEIGHTS_NAME not in repo_files:
-        raise NotAFocusAdapterError(f"{label} is not a Focus adapter repo: it has no {ADAPTER_WEIGHTS_NAME}.")
+    if WEIGHTS_NAME not in repo_files:
+        raise NotAFocusAdapterError(f"{label} is not a Focus adapter repo: it has no {WEIGHTS_NAME}.")
     unsafe = [name for name in wanted if name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/"))]
     if unsafe:
         raise NotAFocusAdapterError(f"Refusing {label}: unsafe file paths {unsafe}.")
@@ -151,11 +151,11 @@ def pull_adapter(
             problems[rel] = "missing from the download"
         elif remote is not None and (reason := file_mismatch(local, remote[rel])) is not None:
             problems[rel] = reason
-    if ADAPTER_WEIGHTS_NAME not in problems:
+    if WEIGHTS_NAME not in problems:
         try:
-            read_safetensors_header(snapshot / ADAPTER_WEIGHTS_NAME)
+            read_safetensors_header(snapshot / WEIGHTS_NAME)
         except AdapterFileError as error:
-            problems[ADAPTER_WEIGHTS_NAME] = f"not a valid safetensors file: {error}"
+            problems[WEIGHTS_NAME] = f"not a valid safetensors file: {error}"
     if problems:
         for rel in sorted(problems):
             evict_cached_file(snapshot / rel)
@@ -166,7 +166,7 @@ def pull_adapter(
         )
 
     try:
-        read_focus_config(snapshot / ADAPTER_CONFIG_NAME)
+        read_focus_config(snapshot / CONFIG_NAME)
     except ConfigFormatError as error:
         raise NotAFocusAdapterError(f"{label} is not a Focus adapter: {error}.") from None
 

@@ -13,20 +13,20 @@ from pathlib import Path
 import httpx2
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, constants
 
-from ..adapter_files import AdapterFileError, read_safetensors_header
-from ..training import CHECKPOINTS_DIR
-from .adapter_repo import (
-    ADAPTER_CONFIG_NAME,
+from focus_hf.files import AdapterFileError, read_safetensors_header
+from focus_hf.files import (
+    CHECKPOINTS_DIR,
+    CONFIG_NAME,
     ADAPTER_FILE_PATTERNS,
-    ADAPTER_WEIGHTS_NAME,
+    WEIGHTS_NAME,
     ConfigFormatError,
     is_base_weight,
     is_pickle,
     matches_adapter_patterns,
     read_focus_config,
 )
-from .errors import AdapterFolderError, HubPushError
-from .repo_ids import COMMIT_SHA_RE, validate_repo_id, validate_revision
+from focus_hf.errors import AdapterFolderError, HubPushError
+from focus_hf.hub.repo_ids import COMMIT_SHA_RE, validate_repo_id, validate_revision
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def _collect_adapter_files(adapter_dir: str | os.PathLike[str]) -> dict[str, byt
     folder = Path(adapter_dir)
     if not folder.is_dir():
         raise AdapterFolderError(f"Adapter folder {str(folder)!r} does not exist or is not a directory.")
-    for required in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
+    for required in (CONFIG_NAME, WEIGHTS_NAME):
         if not (folder / required).is_file():
             raise AdapterFolderError(
                 f"{str(folder)!r} is not a Focus adapter folder: {required} is missing. "
@@ -71,17 +71,17 @@ def _collect_adapter_files(adapter_dir: str | os.PathLike[str]) -> dict[str, byt
     if base_weights:
         raise AdapterFolderError(
             f"Refusing to push {str(folder)!r}: it contains base-model weight files {base_weights}. Only the "
-            f"adapter ({ADAPTER_WEIGHTS_NAME}) is pushed; push from a folder holding just the saved adapter."
+            f"adapter ({WEIGHTS_NAME}) is pushed; push from a folder holding just the saved adapter."
         )
     try:
-        read_focus_config(folder / ADAPTER_CONFIG_NAME)
+        read_focus_config(folder / CONFIG_NAME)
     except ConfigFormatError as error:
         raise AdapterFolderError(f"Refusing to push {str(folder)!r}: {error}.") from None
     try:
-        read_safetensors_header(folder / ADAPTER_WEIGHTS_NAME)
+        read_safetensors_header(folder / WEIGHTS_NAME)
     except AdapterFileError as error:
         raise AdapterFolderError(
-            f"Refusing to push {str(folder)!r}: {ADAPTER_WEIGHTS_NAME} is not a valid safetensors file: {error}"
+            f"Refusing to push {str(folder)!r}: {WEIGHTS_NAME} is not a valid safetensors file: {error}"
         ) from None
 
     files: dict[str, bytes] = {}

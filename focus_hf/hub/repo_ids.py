@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import InvalidRepoIdError
+from focus_hf.errors import InvalidRepoIdError
 
 _REPO_PART_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
 COMMIT_SHA_RE = re.compile(r"[0-9a-f]{40}")

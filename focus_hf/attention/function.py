@@ -15,18 +15,15 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .fast import fast_hard_attention
-from .pattern import allowed_pairs, pair_distance, soft_gate
-from .reference import dense_attention
-from .routing import RoutingState, TokenRouting
+from focus_hf.attention.fast import fast_hard_attention
+from focus_hf.attention.pattern import allowed_pairs, pair_distance, soft_gate
+from focus_hf.attention.reference import dense_attention
+from focus_hf.attention.routing import RoutingState, TokenRouting
+from focus_hf.errors import FocusRuntimeError
 
 ATTENTION_NAME = "focus"
 # Hard-mode implementations; see `backends` for what each runs. Soft mode is always dense.
 BACKENDS = ("auto", "reference", "sdpa", "flash")
-
-
-class FocusRuntimeError(RuntimeError):
-    """Focus attention was asked to run in a situation it does not support."""
 
 
 @dataclass

@@ -1,4 +1,10 @@
-"""Checks on adapter folders before any of their weights touch a model.
+"""What a Focus adapter folder is: its file names, its format, and the checks run before any weights touch a model.
+
+The one home of this knowledge: the core (loading), the Hub push / pull, the card and `focus-hf info` read it here.
+
+An adapter folder holds `adapter_config.json` (with `"peft_type": "FOCUS"`) and `adapter_model.safetensors`
+(router tensors only), plus an optional `README.md` model card and interpretability files (`*.json`, `*.png`,
+`*.html`); `focus-hf train` keeps a `checkpoints/` folder beside them for resuming.
 
 PEFT falls back to `adapter_model.bin` (a pickle) when no safetensors file is present, and transformers injects
 the adapter layers before it reads the weights, so a corrupt or mismatching file would leave a half-modified model.
@@ -13,10 +19,16 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+from focus_hf.errors import AdapterFileError, ConfigFormatError
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
+README_NAME = "README.md"
+# `peft_type` of a Focus adapter config, also the name of the member added to peft's `PeftType` enum.
+PEFT_TYPE_NAME = "FOCUS"
+# Training checkpoints `focus-hf train` keeps inside the output folder (never pushed).
+CHECKPOINTS_DIR = "checkpoints"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
 ROUTER_LEAVES = ("focus_proj", "focus_centroids")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -28,10 +40,6 @@ _DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64,
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }  # fmt: skip
-
-
-class AdapterFileError(ValueError):
-    """An adapter folder or file is missing, corrupt, a pickle, or does not fit the model."""
 
 
 def read_safetensors_header(path: os.PathLike | str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -224,6 +232,96 @@ def calling_adapter_folder() -> Optional[Path]:
         validate_repo_id(source)
     except HFValidationError:
         return None  # neither a folder nor a Hub id: the loader reports it
-    from .hub import resolve_adapter_weights
+    from focus_hf.hub import resolve_adapter_weights
 
     return resolve_adapter_weights(source, **download_kwargs).parent
+
+
+# Files pushed and pulled (fnmatch patterns on top-level names, as `huggingface_hub` `allow_patterns`); the
+# interpretability files of `focus-hf inspect` / `focus-hf card` (interpretability.json, group_balance.png, an
+# HTML page) are among them.
+ADAPTER_FILE_PATTERNS: tuple[str, ...] = (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    README_NAME,
+    "*.json",
+    "*.png",
+    "*.html",
+)
+# Full-model weight formats; any *.safetensors other than the adapter's is treated as base-model weights.
+_BASE_WEIGHT_SUFFIXES: tuple[str, ...] = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".tflite")
+_BASE_WEIGHT_INDEX_SUFFIXES: tuple[str, ...] = (".safetensors.index.json", ".bin.index.json")
+
+
+def is_pickle(name: str) -> bool:
+    """Whether a file name has a pickle suffix (``.bin``, ``.pt``, ``.pkl``...): such files can run code on load."""
+    return name.lower().endswith(PICKLE_SUFFIXES)
+
+
+def is_base_weight(name: str) -> bool:
+    """Whether a file name is a model weight file or shard index other than the adapter's own weights."""
+    lowered = name.lower()
+    if lowered == WEIGHTS_NAME:
+        return False
+    return lowered.endswith(_BASE_WEIGHT_SUFFIXES) or lowered.endswith(_BASE_WEIGHT_INDEX_SUFFIXES)
+
+
+def matches_adapter_patterns(name: str) -> bool:
+    """Whether a top-level file name is one of `ADAPTER_FILE_PATTERNS` (so it is pushed and pulled)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    return bool(list(filter_repo_objects([name], allow_patterns=list(ADAPTER_FILE_PATTERNS))))
+
+
+def read_focus_config(path: Path) -> dict[str, Any]:
+    """Parse an adapter_config.json; raise `ConfigFormatError` unless it is a JSON object with peft_type FOCUS."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ConfigFormatError(f"{CONFIG_NAME} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ConfigFormatError(f"{CONFIG_NAME} is not a JSON object")
+    peft_type = config.get("peft_type")
+    if peft_type != PEFT_TYPE_NAME:
+        raise ConfigFormatError(
+            f"{CONFIG_NAME} has peft_type {peft_type!r}, expected {PEFT_TYPE_NAME!r} (not a Focus adapter)"
+        )
+    return config
+
+
+def adapter_summary(folder: Path) -> dict:
+    """Config, parameter count, file size and base model of a local adapter folder."""
+    config_path = folder / CONFIG_NAME
+    if not config_path.is_file():
+        raise AdapterFileError(f"{folder} has no {CONFIG_NAME}: not an adapter folder.")
+    config = json.loads(config_path.read_text())
+    if config.get("peft_type") != PEFT_TYPE_NAME:
+        raise AdapterFileError(f"{folder} holds a {config.get('peft_type')!r} adapter, not a Focus adapter.")
+    weights = folder / WEIGHTS_NAME
+    tensors = read_safetensors_header(weights) if weights.is_file() else {}
+    parameters = 0
+    for _, shape in tensors.values():
+        count = 1
+        for dim in shape:
+            count *= dim
+        parameters += count
+    return {
+        "base_model": config.get("base_model_name_or_path"),
+        "base_model_type": config.get("base_model_type"),
+        "parameters": parameters,
+        "routed_layers": config.get("num_routed_layers"),
+        "weights_bytes": weights.stat().st_size if weights.is_file() else None,
+        "config": {k: config[k] for k in ("num_groups", "group_dim", "window", "top_k", "sink_tokens", "temperature", "sinkhorn_iterations", "routing_mode") if k in config},
+    }
+
+
+def model_for_adapter(adapter: str | os.PathLike) -> Optional[str]:
+    """The base model recorded in an adapter folder, mapped back to an alias when it is an embedded model's
+    Hub id (so that the adapter loads on the very weights it was trained on, without network)."""
+    config_path = Path(adapter) / CONFIG_NAME
+    if not config_path.is_file():
+        return None
+    base = json.loads(config_path.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    from focus_hf.aliases import alias_of_hub_id
+
+    return alias_of_hub_id(base) or base

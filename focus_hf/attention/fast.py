@@ -42,9 +42,9 @@ from typing import Optional
 
 import torch
 
-from .backends import Kernel, dense_below, select_kernel
-from .partials import CachedKeys, gather_tokens, group_part, hidden_bias, local_part, merge_partials, sink_part
-from .pattern import allowed_pairs, probes
+from focus_hf.attention.backends import Kernel, dense_below, select_kernel
+from focus_hf.attention.partials import CachedKeys, gather_tokens, group_part, hidden_bias, local_part, merge_partials, sink_part
+from focus_hf.attention.pattern import allowed_pairs, probes
 
 # Queries per set-A chunk when top_k > 1 (see `sparse_attention`): more chunks waste less on dead keys, but each
 # chunk re-reads the keys before it and short segments run the kernel less efficiently.

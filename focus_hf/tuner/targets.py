@@ -7,14 +7,11 @@ import sys
 from typing import Optional, Union
 
 from torch import nn
+from focus_hf.errors import UnsupportedModelError
 
 # Model families whose attention does not go through transformers' attention-function registry: routing them
 # would silently run dense attention, so they are refused by name before anything is touched.
 UNSUPPORTED_MODEL_TYPES = frozenset({"falcon", "gptj", "bloom", "mpt"})
-
-
-class UnsupportedModelError(ValueError):
-    """The model's attention cannot be routed by Focus."""
 
 
 def uses_attention_registry(module: nn.Module) -> bool:

@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .backends import Kernel
-from .pattern import pair_distance, probes
+from focus_hf.attention.backends import Kernel
+from focus_hf.attention.pattern import pair_distance, probes
 
 # Queries per block of the local part. Each query reads LOCAL_BLOCK + window keys, so smaller blocks waste less,
 # but the kernel's per-block overhead grows; 32 was fastest at w=128 on CPU (16 to 128 tried).

@@ -8,11 +8,11 @@ import torch
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
-from .adapter_files import calling_adapter_folder, validate_adapter_folder
-from .architectures import find_attention_modules
-from .attention import ATTENTION_NAME
-from .config import FocusConfig, FocusConfigError
-from .layer import FocusLayer
+from focus_hf.files import calling_adapter_folder, validate_adapter_folder
+from focus_hf.tuner.targets import find_attention_modules
+from focus_hf.attention.function import ATTENTION_NAME
+from focus_hf.tuner.config import FocusConfig, FocusConfigError
+from focus_hf.tuner.layer import FocusLayer
 
 _RECORDED_FIELDS = ("hidden_size", "num_routed_layers", "base_model_type")
 

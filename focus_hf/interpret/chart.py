@@ -30,7 +30,7 @@ def matplotlib_available() -> bool:
 def balance_matrix(report: Any) -> tuple[list[Any], list[list[Optional[float]]]]:
     """Layer labels and, per layer, the token share of each of its K groups (None where a share is missing).
 
-    Reads the `layers[].groups[].share` entries of a `focus_hf.interpret.inspect_groups` report (or its JSON); K is
+    Reads the `layers[].groups[].share` entries of a `focus_hf.interpret.report.inspect_groups` report (or its JSON); K is
     the layer's `num_groups` when given, else one more than its highest group number. Layers without any numeric
     share are skipped, so a partial or hand-written report gives a partial chart. Returns ([], []) when there is
     nothing to draw. Rows keep their own length (layers may differ in K).

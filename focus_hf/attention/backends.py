@@ -23,6 +23,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
+from focus_hf.errors import BackendUnavailableError
 
 FLASH_INSTALL_HINT = "pip install flash-attn"
 
@@ -45,10 +46,6 @@ class Kernel(Protocol):
         bias: Optional[torch.Tensor],
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class BackendUnavailableError(RuntimeError):
-    """The requested attention backend cannot run here (missing package or device)."""
 
 
 def cpu_kernel(

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import nn
 
-from .backends import check_backend
-from .layer import FocusLayer
+from focus_hf.attention.backends import check_backend
+from focus_hf.tuner.layer import FocusLayer
 
 
 def focus_layers(model: nn.Module) -> list[FocusLayer]:
@@ -34,7 +33,7 @@ def set_routing(model: nn.Module, mode: str = "hard", top_k: Optional[int] = Non
         mode: `"soft"` (differentiable gate, dense cost, used for training), `"hard"` (the sparse pattern) or
             `"auto"` (soft in train mode, hard in eval mode, the default after loading).
         top_k: groups each query probes in hard mode; None keeps each adapter's configured value.
-        backend: attention implementation of hard mode (see `focus_hf.backends`): `"reference"` (dense masked
+        backend: attention implementation of hard mode (see `focus_hf.attention.backends`): `"reference"` (dense masked
             oracle), `"sdpa"` (two standard attention calls merged by log-sum-exp, CPU and CUDA), `"flash"`
             (the same on flash-attn, CUDA only), or `None`/`"auto"`: the fastest available, dense masked on
             short sequences.
@@ -47,26 +46,3 @@ def set_routing(model: nn.Module, mode: str = "hard", top_k: Optional[int] = Non
         check_backend(backend, next(model.parameters()).device)
     for layer in layers:
         layer.set_routing(mode, top_k, backend)
-
-
-@torch.no_grad()
-def group_assignments(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
-) -> dict[int, torch.LongTensor]:
-    """The groups each token keeps in hard mode, per routed layer.
-
-    Runs one forward pass of `model` (without cache). Padding positions get groups too; ignore them.
-
-    Returns:
-        layer index -> LongTensor [batch, seq, top_k], each token's groups, best first. The first entry is also
-        the token's own group as a key.
-    """
-    layers = focus_layers(model)
-    for layer in layers:
-        layer.recorded_groups = []
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return {layer.layer_index: torch.cat(layer.recorded_groups, dim=1) for layer in layers}
-    finally:
-        for layer in layers:
-            layer.recorded_groups = None

@@ -1,6 +1,6 @@
 """What the Focus groups learned: per layer and group, token share, routing confidence, frequent tokens and the
-mix of token categories (closed word lists). `focus_hf.inspect_page` renders the report as an HTML page and
-`focus_hf.balance_chart` draws its group balance.
+mix of token categories (closed word lists). `focus_hf.interpret.page` renders the report as an HTML page and
+`focus_hf.interpret.chart` draws its group balance.
 
 Used by `focus-hf inspect`; `inspect_groups(...)` returns the JSON report that `focus_hf.card` summarises when an
 adapter folder holds it as `interpretability.json`.
@@ -18,9 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .api import focus_layers
-from .layer import query_validity
-from .routing import RoutingState, route_tokens, routing_scores
+from focus_hf.tuner.controls import focus_layers
+from focus_hf.interpret.groups import routing_records
 
 CATEGORIES = ("whitespace", "punctuation", "number", "python keyword", "function word", "python builtin",
               "word piece", "word", "other")  # fmt: skip
@@ -57,46 +56,6 @@ def token_category(text: str) -> str:
     if word.isalpha():
         return "word" if text[:1].isspace() or text[:1].isupper() else "word piece"
     return "other"
-
-
-@torch.no_grad()
-def routing_records(model: nn.Module, input_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Each routed layer's group and routing confidence for every token of one forward pass.
-
-    Returns:
-        layer index -> (groups LongTensor [batch, seq]: the token's own group (its best one, as
-        `focus_hf.group_assignments` gives first), confidence FloatTensor [batch, seq]: that group's Sinkhorn
-        probability).
-    """
-    records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    handles = []
-
-    def hook(layer, args, kwargs):
-        adapter_name = layer._active_router()
-        if adapter_name is None:
-            return
-        settings = layer.focus_settings[adapter_name]
-        hidden = args[0] if args else kwargs["hidden_states"]
-        batch, q_len = hidden.shape[:2]
-        valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device)
-        scores = routing_scores(hidden, layer.focus_proj[adapter_name], layer.focus_centroids[adapter_name], settings.temperature)
-        state = RoutingState.empty(batch, settings.sinkhorn_iterations, settings.num_groups, hidden.device)
-        tokens, _ = route_tokens(scores, valid, state, iterations=settings.sinkhorn_iterations, top_k=1, sink_tokens=settings.sink_tokens)
-        groups = tokens.top_groups[..., 0]
-        confidence = tokens.log_probs.gather(-1, groups[..., None])[..., 0].exp()
-        records[layer.layer_index] = (groups.cpu(), confidence.float().cpu())
-
-    for layer in focus_layers(model):
-        handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        was_training = model.training
-        model.eval()
-        model(input_ids=input_ids, use_cache=False)
-        model.train(was_training)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return records
 
 
 def _decoder(tokenizer: Any) -> Callable[[int], str]:

@@ -8,12 +8,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from peft.config import PeftConfig
+from focus_hf.errors import FocusConfigError
+from focus_hf.tuner.defaults import FOCUS_DEFAULTS, ROUTING_MODES
+from focus_hf.tuner.peft_type import FOCUS_PEFT_TYPE
 
-ROUTING_MODES = ("auto", "soft", "hard")
-
-
-class FocusConfigError(ValueError):
-    """A Focus adapter configuration is invalid or does not fit the model."""
 
 
 @dataclass
@@ -43,15 +41,15 @@ class FocusConfig(PeftConfig):
         base_model_type: `config.model_type` of the base model, recorded likewise.
     """
 
-    num_groups: int = field(default=8, metadata={"help": "Number of groups K per layer."})
-    group_dim: int = field(default=16, metadata={"help": "Width of the routing space d_g."})
-    window: int = field(default=128, metadata={"help": "Local window w of full attention."})
-    top_k: int = field(default=2, metadata={"help": "Groups each query probes in hard mode."})
-    sink_tokens: int = field(default=4, metadata={"help": "Leading tokens always visible; 0 disables."})
-    temperature: float = field(default=0.1, metadata={"help": "Routing temperature tau."})
-    sinkhorn_iterations: int = field(default=10, metadata={"help": "Causal Sinkhorn iterations."})
-    routing_mode: str = field(default="auto", metadata={"help": "'auto', 'soft' or 'hard'."})
-    gate_floor: float = field(default=1e-6, metadata={"help": "Floor of the soft gate's probability."})
+    num_groups: int = field(default=FOCUS_DEFAULTS["num_groups"], metadata={"help": "Number of groups K per layer."})
+    group_dim: int = field(default=FOCUS_DEFAULTS["group_dim"], metadata={"help": "Width of the routing space d_g."})
+    window: int = field(default=FOCUS_DEFAULTS["window"], metadata={"help": "Local window w of full attention."})
+    top_k: int = field(default=FOCUS_DEFAULTS["top_k"], metadata={"help": "Groups each query probes in hard mode."})
+    sink_tokens: int = field(default=FOCUS_DEFAULTS["sink_tokens"], metadata={"help": "Leading tokens always visible; 0 disables."})
+    temperature: float = field(default=FOCUS_DEFAULTS["temperature"], metadata={"help": "Routing temperature tau."})
+    sinkhorn_iterations: int = field(default=FOCUS_DEFAULTS["sinkhorn_iterations"], metadata={"help": "Causal Sinkhorn iterations."})
+    routing_mode: str = field(default=FOCUS_DEFAULTS["routing_mode"], metadata={"help": "'auto', 'soft' or 'hard'."})
+    gate_floor: float = field(default=FOCUS_DEFAULTS["gate_floor"], metadata={"help": "Floor of the soft gate's probability."})
     target_modules: Optional[Union[list[str], str]] = field(
         default=None, metadata={"help": "Attention modules to route; None routes all supported ones."}
     )
@@ -61,8 +59,6 @@ class FocusConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from .registration import FOCUS_PEFT_TYPE
-
         self.peft_type = FOCUS_PEFT_TYPE
         self.validate()
 

@@ -1,0 +1,84 @@
+"""Every error `focus_hf` raises: one base class, `FocusError`, and one subclass per way something fails.
+
+Each also derives from the builtin error callers would naturally catch (`ValueError` for bad input, `OSError` for
+a bad download, `RuntimeError` for a failing run or Hub, `ImportError` for a missing package), so code that does
+not know `focus_hf` still handles them. This module imports nothing, so any module may import it.
+"""
+
+from __future__ import annotations
+
+
+class FocusError(Exception):
+    """Base class of every error raised by `focus_hf`."""
+
+
+# --- adapter core ----------------------------------------------------------------------------------------------
+class FocusConfigError(FocusError, ValueError):
+    """A Focus adapter configuration is invalid or does not fit the model."""
+
+
+class UnsupportedModelError(FocusError, ValueError):
+    """The model's attention cannot be routed by Focus."""
+
+
+class AdapterFileError(FocusError, ValueError):
+    """An adapter folder or file is missing, corrupt, a pickle, or does not fit the model."""
+
+
+class ConfigFormatError(FocusError, ValueError):
+    """``adapter_config.json`` is not a Focus config; push and pull turn it into their own error type."""
+
+
+class FocusRuntimeError(FocusError, RuntimeError):
+    """Focus attention was asked to run in a situation it does not support."""
+
+
+class BackendUnavailableError(FocusError, RuntimeError):
+    """The requested attention backend cannot run here (missing package or device)."""
+
+
+class MissingModelPackageError(FocusError, ImportError):
+    """Raised when an alias needs a package (or a file in it) that is not installed."""
+
+
+# --- Hub -------------------------------------------------------------------------------------------------------
+class FocusHubError(FocusError):
+    """Base class of the errors raised by `focus_hf.hub`."""
+
+
+class InvalidRepoIdError(FocusHubError, ValueError):
+    """The repo id is not of the form ``namespace/name`` (or looks like a local path or URL)."""
+
+
+class AdapterFolderError(FocusHubError, ValueError):
+    """The local folder cannot be pushed: missing adapter files, pickles, base-model weights, bad config."""
+
+
+class NotAFocusAdapterError(FocusHubError, ValueError):
+    """The Hub repo is not a (safe) Focus adapter: no config, another ``peft_type``, or pickle files."""
+
+
+class AdapterIntegrityError(FocusHubError, OSError):
+    """A downloaded adapter file does not match the Hub's size / checksum, or is not valid safetensors."""
+
+
+class HubPushError(FocusHubError, RuntimeError):
+    """The Hub failed while pushing; the local folder is untouched and the push can be retried."""
+
+
+__all__ = [
+    "FocusError",
+    "FocusConfigError",
+    "UnsupportedModelError",
+    "AdapterFileError",
+    "ConfigFormatError",
+    "FocusRuntimeError",
+    "BackendUnavailableError",
+    "MissingModelPackageError",
+    "FocusHubError",
+    "InvalidRepoIdError",
+    "AdapterFolderError",
+    "NotAFocusAdapterError",
+    "AdapterIntegrityError",
+    "HubPushError",
+]
