@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from peft import PeftModel
 
 import focus_hf
-from focus_hf.data import load_texts, split_texts, token_blocks
-from focus_hf.evaluation import routing_mode
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
+from focus_hf.data import load_texts, split_texts, token_blocks
+from focus_hf.evaluation import routing_mode
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_ADAPTER = HERE / "quality" / "adapters" / "smollm2-python-docs-k8"
@@ -77,7 +77,9 @@ def perplexity_of(model: PeftModel, hidden: torch.Tensor, input_ids: torch.Tenso
     targets = input_ids[0, 1:]
     nll = 0.0
     for start in range(0, targets.numel(), SCORE_CHUNK):
-        logits = head(hidden[0, start : min(start + SCORE_CHUNK, targets.numel())]).float()  # the last position predicts nothing
+        logits = head(
+            hidden[0, start : min(start + SCORE_CHUNK, targets.numel())]
+        ).float()  # the last position predicts nothing
         nll += F.cross_entropy(logits, targets[start : start + SCORE_CHUNK], reduction="sum").item()
     return math.exp(nll / targets.numel())
 

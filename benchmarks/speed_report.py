@@ -48,14 +48,35 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Optional[Path]:
     for top_k in sorted({row["top_k"] for row in rows}):
         mine = sorted((row for row in rows if row["top_k"] == top_k), key=lambda row: row["seq_len"])
         timed = [row for row in mine if row["speedup"] is not None]
-        line = axis.plot([r["seq_len"] for r in timed], [r["speedup"] for r in timed], marker="o", label=f"top-{top_k} measured")
-        axis.plot([r["seq_len"] for r in mine], [r["ideal_speedup"] for r in mine], linestyle="--", color=line[0].get_color(),
-                  alpha=0.5, label=f"top-{top_k} ideal")
+        line = axis.plot(
+            [r["seq_len"] for r in timed], [r["speedup"] for r in timed], marker="o", label=f"top-{top_k} measured"
+        )
+        axis.plot(
+            [r["seq_len"] for r in mine],
+            [r["ideal_speedup"] for r in mine],
+            linestyle="--",
+            color=line[0].get_color(),
+            alpha=0.5,
+            label=f"top-{top_k} ideal",
+        )
         for row in timed:
-            axis.annotate(f"{row['speedup']:.2f}x", (row["seq_len"], row["speedup"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            axis.annotate(
+                f"{row['speedup']:.2f}x",
+                (row["seq_len"], row["speedup"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+            )
     longest = max(row["seq_len"] for row in rows)
     paper = sorted((n, x) for n, x in PAPER_H100_TOP1.items() if n <= longest)
-    axis.plot([n for n, _ in paper], [x for _, x in paper], marker="x", linestyle=":", color="gray", label="paper, H100, top-1 (quoted)")
+    axis.plot(
+        [n for n, _ in paper],
+        [x for _, x in paper],
+        marker="x",
+        linestyle=":",
+        color="gray",
+        label="paper, H100, top-1 (quoted)",
+    )
     axis.axhline(1.0, color="gray", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.set_yscale("log", base=2)
@@ -80,47 +101,79 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
     lines = ["## Attention level (one layer, random q/k/v, routing from a random router, balanced groups)", ""]
     if (RESULTS / PLOT).is_file():
         lines += [f"![speedup vs length]({PLOT})", ""]
-    lines += ["| tokens | top_k | dense s | Focus s | speedup | ideal | allowed pairs | CPU-time speedup | load avg |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| tokens | top_k | dense s | Focus s | speedup | ideal | allowed pairs | CPU-time speedup | load avg |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in sorted(rows, key=lambda row: (row["top_k"], row["seq_len"])):
         dense = "-" if row["dense_s"] is None else f"{row['dense_s']:.4f}"
         speedup = "-" if row["speedup"] is None else f"**{row['speedup']:.2f}x**"
         cpu = "-" if row["cpu_speedup"] is None else f"{row['cpu_speedup']:.2f}x"
-        lines.append(f"| {row['seq_len']:,} | {row['top_k']} | {dense} | {row['focus_s']:.4f} | {speedup} | {row['ideal_speedup']:.2f}x | "
-                     f"{row['pairs_fraction']:.1%} | {cpu} | {row['load_avg_1m']:.2f} |")
-    lines += ["", "Median of the repetitions in the row's JSON (`repeats`); dense and Focus are timed alternately in the same loop."]
+        lines.append(
+            f"| {row['seq_len']:,} | {row['top_k']} | {dense} | {row['focus_s']:.4f} | {speedup} | {row['ideal_speedup']:.2f}x | "
+            f"{row['pairs_fraction']:.1%} | {cpu} | {row['load_avg_1m']:.2f} |"
+        )
+    lines += [
+        "",
+        "Median of the repetitions in the row's JSON (`repeats`); dense and Focus are timed alternately in the same loop.",
+    ]
     if memory:
-        lines += ["", "Peak resident memory of one Focus forward (fresh process, q/k/v included):", "",
-                  "| tokens | top_k | RSS before the call | peak RSS |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "Peak resident memory of one Focus forward (fresh process, q/k/v included):",
+            "",
+            "| tokens | top_k | RSS before the call | peak RSS |",
+            "|---|---|---|---|",
+        ]
         for row in memory:
-            lines.append(f"| {row['seq_len']:,} | {row['top_k']} | {row['rss_before_call_mib']:.0f} MiB | {row['peak_rss_mib']:.0f} MiB |")
+            lines.append(
+                f"| {row['seq_len']:,} | {row['top_k']} | {row['rss_before_call_mib']:.0f} MiB | {row['peak_rss_mib']:.0f} MiB |"
+            )
     return lines
 
 
 def model_section(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["## Model level: SmolLM2-135M-Instruct prefill, same text for every variant", "",
-             "| tokens | variant | decoder forward s | speedup vs full | PPL | PPL vs full | load avg |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Model level: SmolLM2-135M-Instruct prefill, same text for every variant",
+        "",
+        "| tokens | variant | decoder forward s | speedup vs full | PPL | PPL vs full | load avg |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        lines.append(f"| {row['seq_len']:,} | {row['variant']} | {row['seconds']:.1f} | **{row['speedup']:.2f}x** | {row['ppl']:.3f} | "
-                     f"{(row['ppl_vs_full'] - 1) * 100:+.2f}% | {row['load_avg_1m']:.2f} |")
+        lines.append(
+            f"| {row['seq_len']:,} | {row['variant']} | {row['seconds']:.1f} | **{row['speedup']:.2f}x** | {row['ppl']:.3f} | "
+            f"{(row['ppl_vs_full'] - 1) * 100:+.2f}% | {row['load_avg_1m']:.2f} |"
+        )
     first = rows[0]
     beyond = sorted({row["seq_len"] for row in rows if row["seq_len"] > row.get("model_max_positions", row["seq_len"])})
     if beyond:
-        lines += ["", f"At {', '.join(f'{n:,}' for n in beyond)} tokens the text is longer than the model's "
-                  f"{first['model_max_positions']:,} trained positions: the perplexity of every variant there (full "
-                  "attention included) says the model is out of its depth, and only the timing is meaningful."]
-    lines += ["", f"Adapter `{first['adapter']}`, backend {first['backend'] if first['top_k'] else rows[-1]['backend']}, text: {first['text']}; "
-              f"{first['threads']} threads, {first['device']}, torch {first['torch']}. One timed run per variant (`repeats`)."]
+        lines += [
+            "",
+            f"At {', '.join(f'{n:,}' for n in beyond)} tokens the text is longer than the model's "
+            f"{first['model_max_positions']:,} trained positions: the perplexity of every variant there (full "
+            "attention included) says the model is out of its depth, and only the timing is meaningful.",
+        ]
+    lines += [
+        "",
+        f"Adapter `{first['adapter']}`, backend {first['backend'] if first['top_k'] else rows[-1]['backend']}, text: {first['text']}; "
+        f"{first['threads']} threads, {first['device']}, torch {first['torch']}. One timed run per variant (`repeats`).",
+    ]
     return lines
 
 
 def main() -> int:
     attention = read(RESULTS / "attention_cpu.json")
     memory = read(RESULTS / "attention_cpu_peak_memory.json")
-    model = sorted((row for path in RESULTS.glob("model_prefill_*.json") for row in read(path)), key=lambda row: row["seq_len"])
-    lines = ["# Speed of Focus hard mode on this CPU", "",
-             "Generated by `python benchmarks/speed_report.py` from the JSON files next to this page; every figure is "
-             "a measurement from one run of the commands below (dense and Focus in the same process).", ""]
+    model = sorted(
+        (row for path in RESULTS.glob("model_prefill_*.json") for row in read(path)), key=lambda row: row["seq_len"]
+    )
+    lines = [
+        "# Speed of Focus hard mode on this CPU",
+        "",
+        "Generated by `python benchmarks/speed_report.py` from the JSON files next to this page; every figure is "
+        "a measurement from one run of the commands below (dense and Focus in the same process).",
+        "",
+    ]
     if attention:
         plot(attention, RESULTS / PLOT)
         lines += attention_section(attention, memory) + [""]

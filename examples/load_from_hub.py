@@ -33,9 +33,9 @@ def main() -> None:
     from peft import PeftModel
 
     import focus_hf  # registers the FOCUS adapter type with PEFT and transformers
+    from focus_hf import load_model_and_tokenizer
     from focus_hf.files import model_for_adapter
     from focus_hf.hub import pull_adapter
-    from focus_hf import load_model_and_tokenizer
 
     # Only to read the adapter's config (base model) before loading: pull_adapter verifies the files it caches.
     folder = pull_adapter(args.repo_id, revision=args.revision)
@@ -48,7 +48,9 @@ def main() -> None:
     model, tokenizer = load_model_and_tokenizer(base)
     model.load_adapter(args.repo_id, adapter_kwargs={"revision": args.revision} if args.revision else None)
     # ... and the PEFT path give the same model.
-    peft_model = PeftModel.from_pretrained(load_model_and_tokenizer(base)[0], args.repo_id, revision=args.revision).eval()
+    peft_model = PeftModel.from_pretrained(
+        load_model_and_tokenizer(base)[0], args.repo_id, revision=args.revision
+    ).eval()
 
     messages = [{"role": "user", "content": args.prompt}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

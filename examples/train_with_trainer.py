@@ -22,9 +22,9 @@ from peft import PeftModel, get_peft_model
 from transformers import Trainer, TrainingArguments
 
 import focus_hf  # registers the FOCUS adapter type with PEFT: import it before get_peft_model / from_pretrained
-from focus_hf.data import load_texts, split_texts, token_blocks
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import resolve_model_id
+from focus_hf.data import load_texts, split_texts, token_blocks
 
 
 class Blocks(torch.utils.data.Dataset):

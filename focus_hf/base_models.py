@@ -17,7 +17,15 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from focus_hf.aliases import DEFAULT_MODEL, MODEL_ALIASES, EmbeddedModel, embedded_model, default_cache_dir, resolve_model_id
+
+from focus_hf.aliases import (
+    DEFAULT_MODEL,
+    MODEL_ALIASES,
+    EmbeddedModel,
+    default_cache_dir,
+    embedded_model,
+    resolve_model_id,
+)
 from focus_hf.errors import MissingModelPackageError
 
 __all__ = [

@@ -45,7 +45,9 @@ def _read_json(path: Path) -> Optional[Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
-        raise ValueError(f"{path} is not valid JSON ({error}); fix or remove it before writing the model card.") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({error}); fix or remove it before writing the model card."
+        ) from None
 
 
 def _number(value: Any, digits: int = 4) -> str:
@@ -109,7 +111,9 @@ def _evaluation_rows(eval_results: dict) -> list[dict[str, str]]:
         if mode != "full" and entry.get("top_k"):
             label += f", top-{entry['top_k']}"
         ratio = "1.00x" if mode == "full" else (f"{ppl / full:.3f}x" if full else "n/a")
-        rows.append({"label": label, "ppl": f"{ppl:.3f}", "ratio": ratio, "tokens": _number(entry.get("tokens", "n/a"))})
+        rows.append(
+            {"label": label, "ppl": f"{ppl:.3f}", "ratio": ratio, "tokens": _number(entry.get("tokens", "n/a"))}
+        )
     return rows
 
 
@@ -150,7 +154,8 @@ def _training_rows(log: dict) -> list[tuple[str, str]]:
     if data:
         rows.append(("training data", f"`{data}`"))
     fields = [
-        ("steps", "steps"), ("tokens_seen", "tokens seen"), ("seq_len", "sequence length"), ("batch_size", "batch size"),
+        ("steps", "steps"), ("tokens_seen", "tokens seen"), ("seq_len", "sequence length"),
+        ("batch_size", "batch size"),
         ("gradient_accumulation_steps", "gradient accumulation"), ("lr", "learning rate"),
         ("lr_scheduler_type", "schedule"), ("train_loss", "mean training loss"), ("final_loss", "final loss"),
         ("wall_time_s", "training time (s)"), ("seed", "seed"),
@@ -272,7 +277,7 @@ def render_model_card(
     }
     if context["interpretability"] and balance_chart is None and not matplotlib_available():
         context["balance_chart_note"] = (f"The group-balance chart (`{BALANCE_CHART_NAME}`) is left out: matplotlib "
-                                         f"is not installed (`{MATPLOTLIB_HINT}`, then rerun `focus-hf card`).")  # fmt: skip
+                                         f"is not installed (`{MATPLOTLIB_HINT}`, then rerun `focus-hf card`).")  # fmt: skip  # noqa: E501
     environment = jinja2.Environment(keep_trailing_newline=True, undefined=jinja2.ChainableUndefined)
     content = environment.from_string(TEMPLATE_PATH.read_text(encoding="utf-8")).render(**context)
     while "\n\n\n" in content:

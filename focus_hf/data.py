@@ -28,7 +28,11 @@ def _python_docs() -> list[str]:
 def _python_source() -> list[str]:
     root = Path(os.__file__).parent
     files = sorted(
-        (path for path in root.rglob("*.py") if not _EXCLUDED_STDLIB_DIRS.intersection(path.relative_to(root).parts[:-1])),
+        (
+            path
+            for path in root.rglob("*.py")
+            if not _EXCLUDED_STDLIB_DIRS.intersection(path.relative_to(root).parts[:-1])
+        ),
         key=lambda path: path.relative_to(root).as_posix(),
     )
     # A few stdlib files (e.g. encoding test data) are not valid utf-8; their stray bytes do not matter here.
@@ -129,9 +133,7 @@ def _unit_hash(text: str, seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def split_texts(
-    texts: Sequence[str], heldout_fraction: float = 0.1, seed: int = 0
-) -> tuple[list[str], list[str]]:
+def split_texts(texts: Sequence[str], heldout_fraction: float = 0.1, seed: int = 0) -> tuple[list[str], list[str]]:
     """Splits documents into a training part and a held-out part, deterministically.
 
     Each document's fate depends only on its content and `seed`: it is held out when a
@@ -253,9 +255,7 @@ def token_blocks(
             break
 
     if n_tokens < seq_len:
-        raise ValueError(
-            f"the texts give {n_tokens} tokens, fewer than seq_len={seq_len} needed for a single block"
-        )
+        raise ValueError(f"the texts give {n_tokens} tokens, fewer than seq_len={seq_len} needed for a single block")
     tokens = torch.cat(pieces)
     if needed is not None:
         tokens = tokens[:needed]

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from focus_hf.tuner.controls import focus_layers, set_routing
 from focus_hf.data import token_blocks
+from focus_hf.tuner.controls import focus_layers, set_routing
 
 __all__ = ["MODES", "perplexity", "routing_mode", "strided_windows"]
 
@@ -70,7 +70,9 @@ def _adapter_off(model: nn.Module) -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def routing_mode(model: nn.Module, mode: str, top_k: Optional[int] = None, backend: Optional[str] = None) -> Iterator[None]:
+def routing_mode(
+    model: nn.Module, mode: str, top_k: Optional[int] = None, backend: Optional[str] = None
+) -> Iterator[None]:
     """Run `model` with routing `mode` ("soft"/"hard"/"auto") and `top_k`, restoring each layer's overrides after."""
     layers = focus_layers(model)
     saved = [(layer.mode_override, layer.top_k_override, layer.backend) for layer in layers]
@@ -179,6 +181,9 @@ def perplexity(
 
 
 def _configured_top_k(model: nn.Module) -> Optional[int]:
-    values = {layer.top_k_override or settings.top_k for layer in focus_layers(model) for settings in layer.focus_settings.values()}
+    values = {
+        layer.top_k_override or settings.top_k
+        for layer in focus_layers(model)
+        for settings in layer.focus_settings.values()
+    }
     return values.pop() if len(values) == 1 else None
-

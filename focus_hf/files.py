@@ -20,6 +20,7 @@ import os
 import struct
 from pathlib import Path
 from typing import Any, Optional
+
 from focus_hf.errors import AdapterFileError, ConfigFormatError
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -62,10 +63,14 @@ def read_safetensors_header(path: os.PathLike | str) -> dict[str, tuple[str, tup
     with path.open("rb") as handle:
         prefix = handle.read(8)
         if len(prefix) < 8:
-            raise AdapterFileError(f"{path} is not a safetensors file: {size} bytes, shorter than its 8-byte header length.")
+            raise AdapterFileError(
+                f"{path} is not a safetensors file: {size} bytes, shorter than its 8-byte header length."
+            )
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len == 0 or header_len > min(size - 8, _MAX_HEADER_BYTES):
-            raise AdapterFileError(f"{path} is corrupt or truncated: header claims {header_len} bytes, file has {size}.")
+            raise AdapterFileError(
+                f"{path} is corrupt or truncated: header claims {header_len} bytes, file has {size}."
+            )
         raw_header = handle.read(header_len)
     try:
         header = json.loads(raw_header)
@@ -161,7 +166,8 @@ def validate_adapter_folder(folder: os.PathLike | str, expected: dict[str, dict[
     if missing or unexpected:
         raise AdapterFileError(
             f"{weights} routes {len(found)} attention layers, this model has {len(expected)} routable ones"
-            f"{'; missing: ' + str(missing[:3]) if missing else ''}{'; unknown: ' + str(unexpected[:3]) if unexpected else ''}. "
+            f"{'; missing: ' + str(missing[:3]) if missing else ''}"
+            f"{'; unknown: ' + str(unexpected[:3]) if unexpected else ''}. "
             "The adapter was made for another base model."
         )
     for module, shapes in expected.items():
@@ -175,8 +181,11 @@ def validate_adapter_folder(folder: os.PathLike | str, expected: dict[str, dict[
 
 
 # (module, function) of the loaders that inject an adapter -> how to read the adapter source from their frame.
-_LOADERS = {("peft.peft_model", "from_pretrained"): "peft", ("peft.peft_model", "load_adapter"): "peft",
-            ("transformers.integrations.peft", "load_adapter"): "transformers"}
+_LOADERS = {
+    ("peft.peft_model", "from_pretrained"): "peft",
+    ("peft.peft_model", "load_adapter"): "peft",
+    ("transformers.integrations.peft", "load_adapter"): "transformers",
+}
 
 
 def _loader_source(frame, kind: str) -> tuple[object, dict]:
@@ -311,7 +320,20 @@ def adapter_summary(folder: Path) -> dict:
         "parameters": parameters,
         "routed_layers": config.get("num_routed_layers"),
         "weights_bytes": weights.stat().st_size if weights.is_file() else None,
-        "config": {k: config[k] for k in ("num_groups", "group_dim", "window", "top_k", "sink_tokens", "temperature", "sinkhorn_iterations", "routing_mode") if k in config},
+        "config": {
+            k: config[k]
+            for k in (
+                "num_groups",
+                "group_dim",
+                "window",
+                "top_k",
+                "sink_tokens",
+                "temperature",
+                "sinkhorn_iterations",
+                "routing_mode",
+            )
+            if k in config
+        },
     }
 
 

@@ -29,11 +29,11 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
+from focus_hf.aliases import MODEL_ALIASES, default_cache_dir, resolve_model_id
+from focus_hf.base_models import weights_source
 from focus_hf.files import CHECKPOINTS_DIR
 from focus_hf.interpret.groups import RoutingRecorder, group_assignments
 from focus_hf.tuner.controls import focus_layers
-from focus_hf.aliases import MODEL_ALIASES, default_cache_dir, resolve_model_id
-from focus_hf.base_models import weights_source
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -231,7 +231,10 @@ class _ResumedScheduleSync(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if optimizer is None or not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
             return
-        rates = [base * schedule(lr_scheduler.last_epoch) for base, schedule in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)]
+        rates = [
+            base * schedule(lr_scheduler.last_epoch)
+            for base, schedule in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)
+        ]
         for group, rate in zip(optimizer.param_groups, rates):
             group["lr"] = rate
         lr_scheduler._last_lr = rates
@@ -453,7 +456,9 @@ def train_adapter(
     ]
     summary = next((entry for entry in reversed(state.log_history) if "train_runtime" in entry), {})
     world = max(args.world_size, 1)
-    tokens_seen = int(state.num_input_tokens_seen or state.global_step * batch_size * gradient_accumulation_steps * world * seq_len)
+    tokens_seen = int(
+        state.num_input_tokens_seen or state.global_step * batch_size * gradient_accumulation_steps * world * seq_len
+    )
     log = {
         "steps": state.global_step,
         "max_steps": steps,

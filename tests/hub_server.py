@@ -362,7 +362,9 @@ class _HubHandler(BaseHTTPRequestHandler):
         # Logged before the response leaves: a client that checks `requests_to(...)` right after its call returns
         # must find it (logging after the write raced with the client's next line).
         self.hub.requests.append(
-            HubRequest(self.command, urlsplit(self.path).path, self._route, status, authorized=self._token() is not None)
+            HubRequest(
+                self.command, urlsplit(self.path).path, self._route, status, authorized=self._token() is not None
+            )
         )
         self.send_response(status)
         headers = dict(headers or {})
@@ -755,8 +757,15 @@ class HubFixture:
     def subprocess_env(self, *, offline: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
         """Environment for a child Python process that must talk to this server (env is read at import)."""
         env = dict(os.environ if base is None else base)
-        for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_CO_STAGING", "HF_HUB_CACHE",
-                     "HUGGINGFACE_HUB_CACHE", "HF_TOKEN_PATH", "TRANSFORMERS_OFFLINE"):
+        for name in (
+            "HF_TOKEN",
+            "HUGGING_FACE_HUB_TOKEN",
+            "HUGGINGFACE_CO_STAGING",
+            "HF_HUB_CACHE",
+            "HUGGINGFACE_HUB_CACHE",
+            "HF_TOKEN_PATH",
+            "TRANSFORMERS_OFFLINE",
+        ):
             env.pop(name, None)
         env.update(
             HF_ENDPOINT=self.endpoint,

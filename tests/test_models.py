@@ -64,7 +64,9 @@ def test_default_model_loads_and_caches(tmp_path_factory):
         assert tok.decode(ids) == text
         assert tok.chat_template
         assert tok.pad_token_id is not None
-        prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
         assert "hi" in prompt
 
     inputs = cached_tokenizer(text, return_tensors="pt")

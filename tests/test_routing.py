@@ -33,8 +33,12 @@ def test_routing_continues_exactly_across_calls(total, split, groups, iterations
     valid = torch.ones(2, total, dtype=torch.bool)
     valid[1, :3] = False  # left padding in the second sample
     options = dict(iterations=iterations, top_k=1, sink_tokens=2)
-    whole, whole_state = route_tokens(scores, valid, RoutingState.empty(2, iterations, groups, scores.device), **options)
-    head, state = route_tokens(scores[:, :split], valid[:, :split], RoutingState.empty(2, iterations, groups, scores.device), **options)
+    whole, whole_state = route_tokens(
+        scores, valid, RoutingState.empty(2, iterations, groups, scores.device), **options
+    )
+    head, state = route_tokens(
+        scores[:, :split], valid[:, :split], RoutingState.empty(2, iterations, groups, scores.device), **options
+    )
     tail, state = route_tokens(scores[:, split:], valid[:, split:], state, **options)
     torch.testing.assert_close(torch.cat([head.log_probs, tail.log_probs], 1), whole.log_probs, atol=1e-5, rtol=0)
     assert torch.equal(state.key_sink, whole_state.key_sink) and state.seen == total
@@ -55,8 +59,12 @@ def test_sinkhorn_balances_a_biased_router():
 
 @settings(max_examples=40, deadline=None)
 @given(
-    q_len=st.integers(1, 12), extra=st.integers(0, 12), groups=st.integers(1, 5), top_k=st.integers(1, 5),
-    window=st.integers(0, 8), seed=st.integers(0, 10_000),
+    q_len=st.integers(1, 12),
+    extra=st.integers(0, 12),
+    groups=st.integers(1, 5),
+    top_k=st.integers(1, 5),
+    window=st.integers(0, 8),
+    seed=st.integers(0, 10_000),
 )
 def test_allowed_pairs_matches_the_rule(q_len, extra, groups, top_k, window, seed):
     top_k = min(top_k, groups)
@@ -71,7 +79,9 @@ def test_allowed_pairs_matches_the_rule(q_len, extra, groups, top_k, window, see
     for qi in range(q_len):
         i = extra + qi
         for j in range(kv_len):
-            rule = j <= i and (i - j <= window or bool(key_sink[0, j]) or int(key_groups[0, j]) in query_groups[0, qi].tolist())
+            rule = j <= i and (
+                i - j <= window or bool(key_sink[0, j]) or int(key_groups[0, j]) in query_groups[0, qi].tolist()
+            )
             assert bool(mask[0, qi, j]) == rule
 
 

@@ -14,17 +14,16 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
 from tiny_models import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
 import focus_hf
-from focus_hf.tuner.controls import focus_layers
 from focus_hf.cli import main
 from focus_hf.evaluation import perplexity
 from focus_hf.training import GroupBalanceCallback, dominance, train_adapter
+from focus_hf.tuner.controls import focus_layers
 
 SEQ_LEN = 32
 WORDS = [f"w{i}" for i in range(60)]
@@ -43,7 +42,9 @@ def tiny_dir(tmp_path_factory):
     vocab = {"[UNK]": 0, "<pad>": 1, "<eos>": 2, **{word: i + 3 for i, word in enumerate(WORDS)}}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]", pad_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]", pad_token="<pad>"
+    )
     tiny_model("llama").save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -122,12 +123,17 @@ def test_existing_card_is_kept_and_no_pickles_are_written(tiny_dir, text_file, t
     train_tiny(tiny_dir, text_file, folder, steps=2, save_steps=5)
     assert (folder / "README.md").read_text() == "my card"
     assert sorted(path.name for path in folder.iterdir() if path.is_file()) == [
-        "README.md", "adapter_config.json", "adapter_model.safetensors", "training_log.json"
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "training_log.json",
     ]
 
 
 def test_training_log_contents(tiny_dir, text_file, tmp_path):
-    _, log = train_tiny(tiny_dir, text_file, tmp_path / "adapter", steps=4, balance_blocks=train_blocks(tiny_dir, text_file, 2))
+    _, log = train_tiny(
+        tiny_dir, text_file, tmp_path / "adapter", steps=4, balance_blocks=train_blocks(tiny_dir, text_file, 2)
+    )
     saved = json.loads((tmp_path / "adapter" / "training_log.json").read_text())
     assert saved == json.loads(json.dumps(log))
     assert saved["steps"] == 4 and saved["max_steps"] == 4
@@ -192,7 +198,9 @@ def test_dominance_warning_on_collapse(tiny_dir, text_file, tmp_path, caplog):
             # Identical centroids: every token scores every group the same, so all tokens land in group 0.
             layer.focus_centroids["default"].copy_(torch.ones_like(layer.focus_centroids["default"]))
     with caplog.at_level(logging.WARNING, logger="focus_hf.training"):
-        log = train_adapter(model, train_blocks(tiny_dir, text_file), tmp_path / "adapter", steps=1, lr=1e-6, progress_bar=False)
+        log = train_adapter(
+            model, train_blocks(tiny_dir, text_file), tmp_path / "adapter", steps=1, lr=1e-6, progress_bar=False
+        )
     assert log["dominance"][0]["dominance"] == [1.0, 1.0]
     assert log["dominance_warnings"] == 1
     assert "collapsing" in caplog.text and "layer 0: 1.00" in caplog.text
@@ -254,7 +262,9 @@ def test_full_perplexity_is_the_base_models(tiny_dir, text_file, stride):
     assert result["tokens"] == tokens == (SEQ_LEN - 1) + 5 * min(stride, SEQ_LEN - 1)
     assert result["ppl"] == pytest.approx(expected, rel=1e-5)
     # Same windows given as a tensor, and as a 1-D stream.
-    assert perplexity(model, windows, seq_len=SEQ_LEN, stride=stride, mode="full")["ppl"] == pytest.approx(result["ppl"], rel=1e-6)
+    assert perplexity(model, windows, seq_len=SEQ_LEN, stride=stride, mode="full")["ppl"] == pytest.approx(
+        result["ppl"], rel=1e-6
+    )
 
 
 def test_soft_and_hard_perplexity_restore_routing(tiny_dir, text_file):
@@ -276,11 +286,33 @@ def test_soft_and_hard_perplexity_restore_routing(tiny_dir, text_file):
 
 
 def cli_train(tiny_dir, text_file, out, *extra):
-    return main([
-        "train", "--model", str(tiny_dir), "--data", str(text_file), "--out", str(out), "--seq-len", str(SEQ_LEN),
-        "--groups", "4", "--group-dim", "8", "--window", "8", "--sink-tokens", "2", "--lr", "0.01",
-        "--heldout-fraction", "0.2", "--no-progress", *extra,
-    ])
+    return main(
+        [
+            "train",
+            "--model",
+            str(tiny_dir),
+            "--data",
+            str(text_file),
+            "--out",
+            str(out),
+            "--seq-len",
+            str(SEQ_LEN),
+            "--groups",
+            "4",
+            "--group-dim",
+            "8",
+            "--window",
+            "8",
+            "--sink-tokens",
+            "2",
+            "--lr",
+            "0.01",
+            "--heldout-fraction",
+            "0.2",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def test_cli_train_then_eval(tiny_dir, text_file, tmp_path, capsys):
@@ -299,7 +331,18 @@ def test_cli_train_then_eval(tiny_dir, text_file, tmp_path, capsys):
     log = json.loads((out / "training_log.json").read_text())
     assert log["steps"] == 5 and log["resumed_from"] == "checkpoints/checkpoint-3"
 
-    common = ["eval", "--adapter", str(out), "--data", str(text_file), "--seq-len", str(SEQ_LEN), "--heldout-fraction", "0.2", "--no-progress"]
+    common = [
+        "eval",
+        "--adapter",
+        str(out),
+        "--data",
+        str(text_file),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--heldout-fraction",
+        "0.2",
+        "--no-progress",
+    ]
     capsys.readouterr()
     assert main([*common, "--mode", "hard", "--top-k", "1", "--json"]) == 0
     hard = json.loads(capsys.readouterr().out)
@@ -322,16 +365,39 @@ def test_cli_eval_needs_adapter_for_routed_modes(tiny_dir, text_file):
 @pytest.mark.integration
 def test_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--steps", "2", "--seq-len", "128", "--eval-blocks", "2", "--speed-len", "256", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--seq-len",
+                "128",
+                "--eval-blocks",
+                "2",
+                "--speed-len",
+                "256",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "Held-out perplexity" in printed and str(out) in printed
     results = json.loads((out / "eval_results.json").read_text())
     for mode in ("full", "soft", "hard"):
-        assert results[mode]["mode"] == mode and math.isfinite(results[mode]["ppl"]) and results[mode]["tokens"] == 2 * 127
+        assert (
+            results[mode]["mode"] == mode and math.isfinite(results[mode]["ppl"]) and results[mode]["tokens"] == 2 * 127
+        )
     assert results["hard"]["top_k"] == 2
     assert (out / "README.md").is_file() == (importlib.util.find_spec("focus_hf.card") is not None)
     assert results["speed"]["seq_len"] == 256 and results["speed"]["speedup"] > 0
     assert results["training"]["steps"] == 2
     assert json.loads((out / "training_log.json").read_text())["steps"] == 2
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (
+        json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+        == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
     assert not (out / "checkpoints").exists()

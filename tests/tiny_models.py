@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     Gemma2Config,
     GPT2Config,
     LlamaConfig,
@@ -12,12 +13,19 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
-    AutoModelForCausalLM,
 )
 
 VOCAB = 128
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-COMMON = dict(**TOKENS, vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+COMMON = dict(
+    **TOKENS,
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+)
 
 CONFIGS = {
     "gpt2": lambda: GPT2Config(**TOKENS, vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4, n_positions=512),
@@ -25,8 +33,13 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2),  # q/k/v projections carry biases
     "olmo2": lambda: Olmo2Config(**COMMON, num_key_value_heads=4),  # QK-norm
     "gemma2": lambda: Gemma2Config(
-        **COMMON, num_key_value_heads=2, head_dim=12, sliding_window=24, attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0, query_pre_attn_scalar=12,
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=12,
+        sliding_window=24,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=12,
     ),
     "mistral": lambda: MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=40),
     "qwen3": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=12),

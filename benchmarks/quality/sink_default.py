@@ -17,8 +17,8 @@ import torch
 from peft import get_peft_model
 
 import focus_hf
-from focus_hf.data import load_texts, split_texts, token_blocks
 from focus_hf import load_model_and_tokenizer
+from focus_hf.data import load_texts, split_texts, token_blocks
 
 
 @torch.no_grad()
@@ -52,13 +52,26 @@ def main() -> None:
         focus_model = get_peft_model(model, config).eval()
         for top_k in args.top_k:
             focus_hf.set_routing(focus_model, "hard", top_k=top_k)
-            rows.append({"setting": f"hard top-{top_k}, {sinks} sinks", "sinks": sinks, "top_k": top_k, "ppl": math.exp(block_nll(focus_model, blocks))})
+            rows.append(
+                {
+                    "setting": f"hard top-{top_k}, {sinks} sinks",
+                    "sinks": sinks,
+                    "top_k": top_k,
+                    "ppl": math.exp(block_nll(focus_model, blocks)),
+                }
+            )
             print(rows[-1], flush=True)
         model = focus_model.unload()
     result = {
-        "model": "smollm2-135m-instruct", "data": "python-docs held-out", "seq_len": args.seq_len, "blocks": args.blocks,
-        "groups": args.groups, "window": args.window, "routers": f"random init, seed {args.seed}",
-        "seconds": round(time.perf_counter() - start, 1), "rows": rows,
+        "model": "smollm2-135m-instruct",
+        "data": "python-docs held-out",
+        "seq_len": args.seq_len,
+        "blocks": args.blocks,
+        "groups": args.groups,
+        "window": args.window,
+        "routers": f"random init, seed {args.seed}",
+        "seconds": round(time.perf_counter() - start, 1),
+        "rows": rows,
     }
     print(json.dumps(result, indent=2))
     if args.json:

@@ -49,10 +49,10 @@ import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import focus_hf
-from focus_hf.data import load_texts, split_texts, token_blocks
-from focus_hf.evaluation import perplexity, routing_mode
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
+from focus_hf.data import load_texts, split_texts, token_blocks
+from focus_hf.evaluation import perplexity, routing_mode
 from focus_hf.training import train_adapter
 
 HERE = Path(__file__).resolve().parent
@@ -102,20 +102,40 @@ def stage_train(args) -> None:
             config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
             out = lora_folder(rank)
         else:
-            config = focus_hf.FocusConfig(num_groups=FOCUS_ADAPTERS[name], group_dim=16, window=WINDOW, top_k=2, sink_tokens=SINKS)
+            config = focus_hf.FocusConfig(
+                num_groups=FOCUS_ADAPTERS[name], group_dim=16, window=WINDOW, top_k=2, sink_tokens=SINKS
+            )
             out = ADAPTERS / name
         model = get_peft_model(model, config)
-        log(f"training {name}: {sum(p.numel() for p in model.parameters() if p.requires_grad):,} parameters, {args.steps} steps of {args.seq_len} tokens, lr {args.lora_lr if lora else args.lr}")
+        log(
+            f"training {name}: {sum(p.numel() for p in model.parameters() if p.requires_grad):,} parameters, {args.steps} steps of {args.seq_len} tokens, lr {args.lora_lr if lora else args.lr}"
+        )
         result = train_adapter(
-            model, train, out, steps=args.steps, lr=args.lora_lr if lora else args.lr, seed=args.seed,
-            save_steps=args.steps, logging_steps=5, balance_blocks=None if lora else heldout,
-            base_model_name_or_path=DEFAULT_MODEL, progress_bar=not args.no_progress,
-            extra_metadata={"data": "python-docs", "heldout_fraction": 0.1, "split_seed": 0, "command": "benchmarks/quality/study.py train"},
+            model,
+            train,
+            out,
+            steps=args.steps,
+            lr=args.lora_lr if lora else args.lr,
+            seed=args.seed,
+            save_steps=args.steps,
+            logging_steps=5,
+            balance_blocks=None if lora else heldout,
+            base_model_name_or_path=DEFAULT_MODEL,
+            progress_bar=not args.no_progress,
+            extra_metadata={
+                "data": "python-docs",
+                "heldout_fraction": 0.1,
+                "split_seed": 0,
+                "command": "benchmarks/quality/study.py train",
+            },
         )
         from focus_hf.training import remove_checkpoints
 
         remove_checkpoints(out)
-        summary[name] = {k: result[k] for k in ("steps", "seq_len", "lr", "tokens_seen", "wall_time_s", "final_loss", "trainable_parameters")}
+        summary[name] = {
+            k: result[k]
+            for k in ("steps", "seq_len", "lr", "tokens_seen", "wall_time_s", "final_loss", "trainable_parameters")
+        }
         summary[name]["folder"] = os.path.relpath(out, HERE.parent.parent)
         summary[name]["max_dominance"] = result["dominance"][-1]["max"] if result.get("dominance") else None
         # Written after every adapter, so an interrupted run keeps the summary of the finished ones.
@@ -133,7 +153,9 @@ def load_focus(name: Optional[str]):
     model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL)
     if name is None:
         torch.manual_seed(0)
-        return get_peft_model(model, focus_hf.FocusConfig(num_groups=8, group_dim=16, window=WINDOW, top_k=2, sink_tokens=SINKS)).eval(), tokenizer
+        return get_peft_model(
+            model, focus_hf.FocusConfig(num_groups=8, group_dim=16, window=WINDOW, top_k=2, sink_tokens=SINKS)
+        ).eval(), tokenizer
     return PeftModel.from_pretrained(model, ADAPTERS / name).eval(), tokenizer
 
 
@@ -160,20 +182,40 @@ def stage_ppl(args) -> None:
     log(f"perplexity on {heldout.shape[0]} held-out windows of {args.seq_len} tokens")
     rows.append({"variant": "base (full attention)", **perplexity(model, heldout, seq_len=args.seq_len, mode="full")})
     for top_k in (1, 2, 3):
-        rows.append({"variant": f"untrained routers K=8, hard top-{top_k}", "K": 8, **perplexity(model, heldout, seq_len=args.seq_len, mode="hard", top_k=top_k)})
+        rows.append(
+            {
+                "variant": f"untrained routers K=8, hard top-{top_k}",
+                "K": 8,
+                **perplexity(model, heldout, seq_len=args.seq_len, mode="hard", top_k=top_k),
+            }
+        )
     for name, k in FOCUS_ADAPTERS.items():
         if not (ADAPTERS / name).is_dir():
             continue
         model, _ = load_focus(name)
-        rows.append({"variant": f"{name} soft", "K": k, **perplexity(model, heldout, seq_len=args.seq_len, mode="soft")})
+        rows.append(
+            {"variant": f"{name} soft", "K": k, **perplexity(model, heldout, seq_len=args.seq_len, mode="soft")}
+        )
         for top_k in (1, 2, 3):
-            rows.append({"variant": f"{name} hard top-{top_k}", "K": k, **perplexity(model, heldout, seq_len=args.seq_len, mode="hard", top_k=top_k)})
+            rows.append(
+                {
+                    "variant": f"{name} hard top-{top_k}",
+                    "K": k,
+                    **perplexity(model, heldout, seq_len=args.seq_len, mode="hard", top_k=top_k),
+                }
+            )
         log(rows[-1])
     for rank in trained_loras():
         model, _ = load_lora(rank)
         # perplexity(mode="full") would disable the LoRA adapter: score the LoRA model directly on the same windows.
-        rows.append({"variant": f"LoRA r={rank} (q,v)", **_direct_ppl(model, heldout), "seq_len": args.seq_len, "mode": "lora"})
-    write_json(f"ppl_{args.seq_len}.json", {"seq_len": args.seq_len, "windows": int(heldout.shape[0]), "rows": rows}, args.results)
+        rows.append(
+            {"variant": f"LoRA r={rank} (q,v)", **_direct_ppl(model, heldout), "seq_len": args.seq_len, "mode": "lora"}
+        )
+    write_json(
+        f"ppl_{args.seq_len}.json",
+        {"seq_len": args.seq_len, "windows": int(heldout.shape[0]), "rows": rows},
+        args.results,
+    )
 
 
 @torch.no_grad()
@@ -205,7 +247,9 @@ def chat_prompts(tokenizer, heldout_texts: list[str], long_tokens: int) -> dict[
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     inside = [encode(question) for question in SHORT_QUESTIONS]
-    passages = [text for text in heldout_texts if len(tokenizer(text, verbose=False)["input_ids"]) > long_tokens][: len(SHORT_QUESTIONS)]
+    passages = [text for text in heldout_texts if len(tokenizer(text, verbose=False)["input_ids"]) > long_tokens][
+        : len(SHORT_QUESTIONS)
+    ]
     outside = []
     for passage, question in zip(passages, SHORT_QUESTIONS):
         ids = tokenizer(passage)["input_ids"][:long_tokens]
@@ -247,7 +291,12 @@ def stage_kl(args) -> None:
                 positions = kl if kind == "inside" else kl[WINDOW + 1 :]
                 values.append(positions.mean().item())
                 same_answers += answer == base_answer
-                shared_prefix.append(next((i for i, (a, b) in enumerate(zip(answer, base_answer)) if a != b), min(len(answer), len(base_answer))))
+                shared_prefix.append(
+                    next(
+                        (i for i, (a, b) in enumerate(zip(answer, base_answer)) if a != b),
+                        min(len(answer), len(base_answer)),
+                    )
+                )
             row[f"kl_{kind}"] = sum(values) / len(values)
             row[f"kl_{kind}_max_prompt"] = max(values)
             row[f"greedy_same_{kind}"] = same_answers / len(items)
@@ -255,7 +304,17 @@ def stage_kl(args) -> None:
         rows.append(row)
         log(row)
     examples = {kind: tokenizer.decode(answers[0]) for kind, answers in base_answers.items()}
-    write_json("kl.json", {"window": WINDOW, "prompt_tokens": lengths, "greedy_tokens": GREEDY_TOKENS, "base_answer_examples": examples, "rows": rows}, args.results)
+    write_json(
+        "kl.json",
+        {
+            "window": WINDOW,
+            "prompt_tokens": lengths,
+            "greedy_tokens": GREEDY_TOKENS,
+            "base_answer_examples": examples,
+            "rows": rows,
+        },
+        args.results,
+    )
 
 
 GREEDY_TOKENS = 24
@@ -264,9 +323,14 @@ GREEDY_TOKENS = 24
 @torch.no_grad()
 def _greedy(model, tokenizer, ids: torch.Tensor) -> list[int]:
     """Token ids of the greedy continuation (GREEDY_TOKENS new tokens) with the KV cache."""
-    output = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=GREEDY_TOKENS,
-                            do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return output[0, ids.numel():].tolist()
+    output = model.generate(
+        input_ids=ids[None],
+        attention_mask=torch.ones_like(ids)[None],
+        max_new_tokens=GREEDY_TOKENS,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return output[0, ids.numel() :].tolist()
 
 
 # --- passkey ------------------------------------------------------------------------------------------------------
@@ -286,14 +350,24 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> torch.Tens
 
 @torch.no_grad()
 def _answer(model, tokenizer, ids: torch.Tensor) -> str:
-    output = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=7, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(output[0, ids.numel():], skip_special_tokens=True)
+    output = model.generate(
+        input_ids=ids[None],
+        attention_mask=torch.ones_like(ids)[None],
+        max_new_tokens=7,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer.decode(output[0, ids.numel() :], skip_special_tokens=True)
 
 
 def stage_passkey(args) -> None:
     rng = random.Random(0)
     base, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL)
-    cases = [(length, depth, f"{rng.randrange(10000, 99999)}") for length in args.passkey_lengths for depth in (0.1, 0.3, 0.5, 0.7, 0.9)]
+    cases = [
+        (length, depth, f"{rng.randrange(10000, 99999)}")
+        for length in args.passkey_lengths
+        for depth in (0.1, 0.3, 0.5, 0.7, 0.9)
+    ]
     variants = [("base (full attention)", base, None)]
     if (ADAPTERS / HEADLINE).is_dir():
         model, _ = load_focus(HEADLINE)
@@ -308,11 +382,21 @@ def stage_passkey(args) -> None:
             else:
                 with routing_mode(model, "hard", top_k):
                     answer = _answer(model, tokenizer, ids)
-            hits.setdefault(str(length), []).append({"depth": depth, "key": key, "answer": answer.strip(), "correct": key in answer})
-        row = {"variant": label, "accuracy": {length: sum(h["correct"] for h in items) / len(items) for length, items in hits.items()}, "cases": hits}
+            hits.setdefault(str(length), []).append(
+                {"depth": depth, "key": key, "answer": answer.strip(), "correct": key in answer}
+            )
+        row = {
+            "variant": label,
+            "accuracy": {length: sum(h["correct"] for h in items) / len(items) for length, items in hits.items()},
+            "cases": hits,
+        }
         rows.append(row)
         log({"variant": label, "accuracy": row["accuracy"]})
-    write_json("passkey.json", {"lengths": args.passkey_lengths, "depths": [0.1, 0.3, 0.5, 0.7, 0.9], "rows": rows}, args.results)
+    write_json(
+        "passkey.json",
+        {"lengths": args.passkey_lengths, "depths": [0.1, 0.3, 0.5, 0.7, 0.9], "rows": rows},
+        args.results,
+    )
 
 
 # --- report -------------------------------------------------------------------------------------------------------
@@ -339,18 +423,35 @@ def dominance_section(args) -> list[str]:
     lines = []
     if focus:
         layers = next(iter(focus.values()))["heldout_dominance"]["layers"]
-        lines += ["", "## Group dominance per layer (held-out text, share of tokens in the largest group; target <= 2/K)", "",
-                  "| layer | " + " | ".join(f"{name} (2/K = {2 / FOCUS_ADAPTERS[name]:.2f})" for name in focus) + " |",
-                  "|---|" + "---|" * len(focus)]
+        lines += [
+            "",
+            "## Group dominance per layer (held-out text, share of tokens in the largest group; target <= 2/K)",
+            "",
+            "| layer | " + " | ".join(f"{name} (2/K = {2 / FOCUS_ADAPTERS[name]:.2f})" for name in focus) + " |",
+            "|---|" + "---|" * len(focus),
+        ]
         for position, layer in enumerate(layers):
-            lines.append(f"| {layer} | " + " | ".join(f"{log_['heldout_dominance']['dominance'][position]:.3f}" for log_ in focus.values()) + " |")
+            lines.append(
+                f"| {layer} | "
+                + " | ".join(f"{log_['heldout_dominance']['dominance'][position]:.3f}" for log_ in focus.values())
+                + " |"
+            )
         worst = {name: max(log_["heldout_dominance"]["dominance"]) for name, log_ in focus.items()}
-        lines += ["", "Largest value over layers: " + ", ".join(f"{name} {value:.3f}" for name, value in worst.items()) + "."]
+        lines += [
+            "",
+            "Largest value over layers: " + ", ".join(f"{name} {value:.3f}" for name, value in worst.items()) + ".",
+        ]
     curves = plot_training_curves(logs, args.results / "training_curves.png")
     if curves:
-        lines += ["", "## Training curves", "", f"![training loss per step]({curves.name})", "",
-                  "| adapter | " + " | ".join(f"step {row['step']}" for row in next(iter(logs.values()))["loss"]) + " |",
-                  "|---|" + "---|" * len(next(iter(logs.values()))["loss"])]
+        lines += [
+            "",
+            "## Training curves",
+            "",
+            f"![training loss per step]({curves.name})",
+            "",
+            "| adapter | " + " | ".join(f"step {row['step']}" for row in next(iter(logs.values()))["loss"]) + " |",
+            "|---|" + "---|" * len(next(iter(logs.values()))["loss"]),
+        ]
         for name, log_ in logs.items():
             lines.append(f"| {name} | " + " | ".join(f"{row['loss']:.3f}" for row in log_["loss"]) + " |")
     return lines
@@ -370,14 +471,24 @@ def plot_training_curves(logs: dict[str, dict], path: Path) -> Optional[Path]:
     # Every run sees the same blocks in the same order, so the batch-to-batch swings are shared; the right panel
     # takes them out by subtracting a reference run's loss on the same step.
     reference_name = next((name for name in LORA_RUNS if name in logs), None)
-    figure, axes = plt.subplots(1, 2 if reference_name else 1, figsize=(11 if reference_name else 6.5, 4), squeeze=False)
+    figure, axes = plt.subplots(
+        1, 2 if reference_name else 1, figsize=(11 if reference_name else 6.5, 4), squeeze=False
+    )
     for name, log_ in logs.items():
-        axes[0, 0].plot([row["step"] for row in log_["loss"]], [row["loss"] for row in log_["loss"]], marker="o", markersize=3, label=name)
+        axes[0, 0].plot(
+            [row["step"] for row in log_["loss"]],
+            [row["loss"] for row in log_["loss"]],
+            marker="o",
+            markersize=3,
+            label=name,
+        )
         if reference_name:
             reference = {row["step"]: row["loss"] for row in logs[reference_name]["loss"]}
             steps = [row["step"] for row in log_["loss"] if row["step"] in reference]
             losses = {row["step"]: row["loss"] for row in log_["loss"]}
-            axes[0, 1].plot(steps, [losses[step] - reference[step] for step in steps], marker="o", markersize=3, label=name)
+            axes[0, 1].plot(
+                steps, [losses[step] - reference[step] for step in steps], marker="o", markersize=3, label=name
+            )
     axes[0, 0].set_ylabel("training loss (next-token cross-entropy)")
     axes[0, 0].set_title("SmolLM2-135M-Instruct on python-docs: routers only (Focus) vs LoRA", fontsize=9)
     if reference_name:
@@ -408,18 +519,34 @@ def claims_section(args) -> list[str]:
         for name in FOCUS_ADAPTERS:
             soft, top2 = rows.get(f"{name} soft"), rows.get(f"{name} hard top-2")
             if soft is not None:
-                checks.append((f"{name}, {ppl['seq_len']} tokens: soft PPL below base", soft < base, f"{soft:.3f} vs {base:.3f}"))
+                checks.append(
+                    (f"{name}, {ppl['seq_len']} tokens: soft PPL below base", soft < base, f"{soft:.3f} vs {base:.3f}")
+                )
             if top2 is not None:
-                checks.append((f"{name}, {ppl['seq_len']} tokens: hard top-2 PPL at or below base", top2 <= base, f"{top2:.3f} vs {base:.3f}"))
+                checks.append(
+                    (
+                        f"{name}, {ppl['seq_len']} tokens: hard top-2 PPL at or below base",
+                        top2 <= base,
+                        f"{top2:.3f} vs {base:.3f}",
+                    )
+                )
     for name, log_ in training_logs().items():
         if log_.get("heldout_dominance") and name in FOCUS_ADAPTERS:
             worst, bound = max(log_["heldout_dominance"]["dominance"]), 2 / FOCUS_ADAPTERS[name]
-            checks.append((f"{name}: dominance at most 2/K in every layer", worst <= bound, f"max {worst:.3f}, 2/K = {bound:.3f}"))
+            checks.append(
+                (f"{name}: dominance at most 2/K in every layer", worst <= bound, f"max {worst:.3f}, 2/K = {bound:.3f}")
+            )
     kl = _read(args.results / "kl.json")
     if kl:
         for row in kl["rows"]:
             if "LoRA" not in row["variant"]:
-                checks.append((f"{row['variant']}: KL exactly 0 on prompts inside the window", row["kl_inside"] == 0.0, f"{row['kl_inside']:.3g}"))
+                checks.append(
+                    (
+                        f"{row['variant']}: KL exactly 0 on prompts inside the window",
+                        row["kl_inside"] == 0.0,
+                        f"{row['kl_inside']:.3g}",
+                    )
+                )
     if not checks:
         return []
     lines = ["", "## The paper's claims, checked", "", "| claim | holds | measured |", "|---|---|---|"]
@@ -429,52 +556,93 @@ def claims_section(args) -> list[str]:
 
 def stage_report(args) -> None:
     lines = ["# Focus quality study: SmolLM2-135M-Instruct on held-out Python reference text", ""]
-    lines.append("All figures measured by `benchmarks/quality/study.py` on a 2-core CPU; paper figures are GPT-2 / 7B "
-                 "models and are quoted only for orientation.")
+    lines.append(
+        "All figures measured by `benchmarks/quality/study.py` on a 2-core CPU; paper figures are GPT-2 / 7B "
+        "models and are quoted only for orientation."
+    )
     train = _read(args.results / "train.json")
     if train:
         budget = sorted({(row["steps"], row["seq_len"]) for row in train.values()})
-        lines += ["", "Budget: " + ", ".join(f"{steps} steps x {seq_len} tokens" for steps, seq_len in budget) + " per adapter "
-                  "(batch 1, the same blocks, seed and cosine schedule for every run), set by this 2-core CPU. The paper trains "
-                  "GPT-2 for 4,000 steps at 1,024 tokens, 100 times more; its own centroid-only results on 7B models also sit "
-                  "above base (Mistral 7B PG-19 10.8 -> 11.6, Qwen2.5 7B 19.3 -> 20.3), so \"soft below base\" is its GPT-2 result."]
+        lines += [
+            "",
+            "Budget: " + ", ".join(f"{steps} steps x {seq_len} tokens" for steps, seq_len in budget) + " per adapter "
+            "(batch 1, the same blocks, seed and cosine schedule for every run), set by this 2-core CPU. The paper trains "
+            "GPT-2 for 4,000 steps at 1,024 tokens, 100 times more; its own centroid-only results on 7B models also sit "
+            'above base (Mistral 7B PG-19 10.8 -> 11.6, Qwen2.5 7B 19.3 -> 20.3), so "soft below base" is its GPT-2 result.',
+        ]
 
-        lines += ["", "## Training", "", "| adapter | params | steps x tokens | lr | wall time | final loss | max dominance |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Training",
+            "",
+            "| adapter | params | steps x tokens | lr | wall time | final loss | max dominance |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, row in train.items():
             dom = row.get("max_dominance")
-            lines.append(f"| {name} | {row['trainable_parameters']:,} | {row['steps']} x {row['seq_len']} | {row['lr']} | {row['wall_time_s']:.0f} s | {row['final_loss']:.3f} | {'' if dom is None else f'{dom:.2f}'} |")
+            lines.append(
+                f"| {name} | {row['trainable_parameters']:,} | {row['steps']} x {row['seq_len']} | {row['lr']} | {row['wall_time_s']:.0f} s | {row['final_loss']:.3f} | {'' if dom is None else f'{dom:.2f}'} |"
+            )
     for ppl_file in ppl_files(args.results):
         ppl = _read(ppl_file)
         full = next(r["ppl"] for r in ppl["rows"] if r["variant"].startswith("base"))
-        lines += ["", f"## Held-out perplexity ({ppl['windows']} windows of {ppl['seq_len']} tokens, window w={WINDOW}, {SINKS} sinks)", "",
-                  "| variant | PPL | vs base |", "|---|---|---|"]
+        lines += [
+            "",
+            f"## Held-out perplexity ({ppl['windows']} windows of {ppl['seq_len']} tokens, window w={WINDOW}, {SINKS} sinks)",
+            "",
+            "| variant | PPL | vs base |",
+            "|---|---|---|",
+        ]
         for row in ppl["rows"]:
             lines.append(f"| {row['variant']} | {row['ppl']:.3f} | {(row['ppl'] / full - 1) * 100:+.2f}% |")
     lines += dominance_section(args)
     kl = _read(args.results / "kl.json")
     if kl:
-        lines += ["", f"## KL(base || variant) of next-token distributions on chat prompts", "",
-                  f"inside: prompts of {kl['prompt_tokens']['inside']} tokens (shorter than the window); outside: prompts of "
-                  f"{kl['prompt_tokens']['outside']} tokens, positions beyond the window only.", "",
-                  f"Greedy: {kl.get('greedy_tokens')} new tokens per prompt compared with the base model's (share of identical "
-                  "answers, mean tokens before the first difference).", "",
-                  "| variant | mean KL inside | mean KL outside | same greedy answer inside | outside | shared prefix inside | outside |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## KL(base || variant) of next-token distributions on chat prompts",
+            "",
+            f"inside: prompts of {kl['prompt_tokens']['inside']} tokens (shorter than the window); outside: prompts of "
+            f"{kl['prompt_tokens']['outside']} tokens, positions beyond the window only.",
+            "",
+            f"Greedy: {kl.get('greedy_tokens')} new tokens per prompt compared with the base model's (share of identical "
+            "answers, mean tokens before the first difference).",
+            "",
+            "| variant | mean KL inside | mean KL outside | same greedy answer inside | outside | shared prefix inside | outside |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for row in kl["rows"]:
-            lines.append(f"| {row['variant']} | {row['kl_inside']:.3g} | {row['kl_outside']:.3g} | {row.get('greedy_same_inside', float('nan')):.0%} | "
-                         f"{row.get('greedy_same_outside', float('nan')):.0%} | {row.get('greedy_shared_prefix_inside', float('nan')):.1f} | "
-                         f"{row.get('greedy_shared_prefix_outside', float('nan')):.1f} |")
+            lines.append(
+                f"| {row['variant']} | {row['kl_inside']:.3g} | {row['kl_outside']:.3g} | {row.get('greedy_same_inside', float('nan')):.0%} | "
+                f"{row.get('greedy_same_outside', float('nan')):.0%} | {row.get('greedy_shared_prefix_inside', float('nan')):.1f} | "
+                f"{row.get('greedy_shared_prefix_outside', float('nan')):.1f} |"
+            )
     passkey = _read(args.results / "passkey.json")
     if passkey:
         lengths = [str(length) for length in passkey["lengths"]]
-        lines += ["", "## Passkey retrieval (5 depths per length, greedy)", "", "| variant | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
-                  "|---|" + "---|" * len(lengths)]
+        lines += [
+            "",
+            "## Passkey retrieval (5 depths per length, greedy)",
+            "",
+            "| variant | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths),
+        ]
         for row in passkey["rows"]:
-            lines.append(f"| {row['variant']} | " + " | ".join(f"{row['accuracy'].get(n, float('nan')):.0%}" for n in lengths) + " |")
+            lines.append(
+                f"| {row['variant']} | "
+                + " | ".join(f"{row['accuracy'].get(n, float('nan')):.0%}" for n in lengths)
+                + " |"
+            )
     lines += claims_section(args)
     # The docstring lists the commands behind each committed result folder; keep those that wrote this one.
-    results_option = None if args.results.resolve() == RESULTS_DEFAULT.resolve() else f"--results {os.path.relpath(args.results.resolve(), HERE.parent.parent)}"
-    commands = [line.strip() for line in __doc__.splitlines() if line.strip().startswith("python benchmarks/quality/study.py")]
+    results_option = (
+        None
+        if args.results.resolve() == RESULTS_DEFAULT.resolve()
+        else f"--results {os.path.relpath(args.results.resolve(), HERE.parent.parent)}"
+    )
+    commands = [
+        line.strip() for line in __doc__.splitlines() if line.strip().startswith("python benchmarks/quality/study.py")
+    ]
     commands = [line for line in commands if (results_option in line if results_option else "--results" not in line)]
     lines += ["", "## Commands", "", "```", *commands, "```"]
     path = args.results / "report.md"
@@ -493,7 +661,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=5e-3, help="Focus router learning rate")
-    parser.add_argument("--lora-lr", type=float, default=1e-4, help="LoRA learning rate (the paper's middle value: 1e-5/5e-5/1e-4)")
+    parser.add_argument(
+        "--lora-lr", type=float, default=1e-4, help="LoRA learning rate (the paper's middle value: 1e-5/5e-5/1e-4)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", help="train only these adapters")
     parser.add_argument("--eval-blocks", type=int, default=16)

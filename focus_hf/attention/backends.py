@@ -23,6 +23,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
+
 from focus_hf.errors import BackendUnavailableError
 
 FLASH_INSTALL_HINT = "pip install flash-attn"
@@ -34,6 +35,7 @@ FLASH_INSTALL_HINT = "pip install flash-attn"
 # 4,000. CUDA: a guess.
 DENSE_BELOW = {"cpu": {1: 512, 2: 2048}, "cuda": {}}
 PER_PROBE = {"cpu": 1024, "cuda": 4096}
+
 
 class Kernel(Protocol):
     def __call__(
@@ -49,7 +51,13 @@ class Kernel(Protocol):
 
 
 def cpu_kernel(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool, bias: Optional[torch.Tensor], scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    causal: bool,
+    bias: Optional[torch.Tensor],
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's CPU flash kernel: takes GQA shapes and broadcast (stride-0) biases as they are."""
     output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -59,7 +67,13 @@ def cpu_kernel(
 
 
 def cuda_sdpa_kernel(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool, bias: Optional[torch.Tensor], scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    causal: bool,
+    bias: Optional[torch.Tensor],
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's memory-efficient CUDA kernel, the one that both takes a bias and returns the log-sum-exp."""
     repeats = query.shape[1] // key.shape[1]
@@ -88,7 +102,13 @@ def flash_attn_function() -> Optional[Callable]:
 
 
 def flash_kernel(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool, bias: Optional[torch.Tensor], scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    causal: bool,
+    bias: Optional[torch.Tensor],
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash-attn for unmasked half-precision calls; it takes no bias, so masked calls go to `cuda_sdpa_kernel`."""
     function = flash_attn_function()
@@ -110,7 +130,11 @@ def check_backend(backend: str, device: torch.device) -> None:
     """Raise `BackendUnavailableError` if `backend` cannot run on `device`."""
     if backend != "flash":
         return
-    missing = [name for name, absent in (("a CUDA device", device.type != "cuda"), ("flash-attn", flash_attn_function() is None)) if absent]
+    missing = [
+        name
+        for name, absent in (("a CUDA device", device.type != "cuda"), ("flash-attn", flash_attn_function() is None))
+        if absent
+    ]
     if missing:
         raise BackendUnavailableError(
             f"The 'flash' backend needs {' and '.join(missing)} (`{FLASH_INSTALL_HINT}`, CUDA builds only); the model "
@@ -124,7 +148,9 @@ def select_kernel(backend: str, device: torch.device) -> Kernel:
     if device.type == "cpu":
         return cpu_kernel
     if device.type != "cuda":
-        raise BackendUnavailableError(f"Fast Focus attention runs on CPU and CUDA, not {device.type}; use backend='reference'.")
+        raise BackendUnavailableError(
+            f"Fast Focus attention runs on CPU and CUDA, not {device.type}; use backend='reference'."
+        )
     if backend == "flash" or (backend == "auto" and flash_attn_function() is not None):
         return flash_kernel
     return cuda_sdpa_kernel

@@ -17,7 +17,8 @@ group once, by a non-causal call from the same query slots (each chunk reads a p
 Chunked prefill after a KV cache is the same computation.
 
 B is split in two: the local pairs - queries in blocks of `partials.LOCAL_BLOCK` read the `window` keys before
-their block and the block itself, as overlapping strided views of the keys, under a [block, window + block] mask - and the pairs
+their block and the block itself, as overlapping strided views of the keys, under a [block, window + block] mask -
+and the pairs
 with sinks farther than the window, a handful of keys done with two small matmuls.
 
 The partial results of a query (one per probed group, local, sinks) are merged exactly by log-sum-exp. Hidden keys
@@ -43,7 +44,15 @@ from typing import Optional
 import torch
 
 from focus_hf.attention.backends import Kernel, dense_below, select_kernel
-from focus_hf.attention.partials import CachedKeys, gather_tokens, group_part, hidden_bias, local_part, merge_partials, sink_part
+from focus_hf.attention.partials import (
+    CachedKeys,
+    gather_tokens,
+    group_part,
+    hidden_bias,
+    local_part,
+    merge_partials,
+    sink_part,
+)
 from focus_hf.attention.pattern import allowed_pairs, probes
 
 # Queries per set-A chunk when top_k > 1 (see `sparse_attention`): more chunks waste less on dead keys, but each

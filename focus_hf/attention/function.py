@@ -73,7 +73,9 @@ def base_attention(
     """Unrestricted attention, as the base model computes it (SDPA, or the dense path when SDPA cannot)."""
     softcap = kwargs.get("softcap")
     if softcap is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     allowed = as_bool_mask(attention_mask)
     if allowed is None:
         query_positions, key_positions = causal_positions(query.shape[2], key.shape[2], query.device)
@@ -145,7 +147,12 @@ def focus_attention_forward(
     bias = None
     if routing.mode == "hard":
         pattern = allowed_pairs(
-            routing.queries.top_groups, keys.key_groups[:, start:], key_sink, query_positions, key_positions, routing.window
+            routing.queries.top_groups,
+            keys.key_groups[:, start:],
+            key_sink,
+            query_positions,
+            key_positions,
+            routing.window,
         )
         allowed = allowed & pattern[:, None]
     else:

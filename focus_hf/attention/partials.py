@@ -269,7 +269,11 @@ def group_part(
     batch, _, q_len, _ = query.shape
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
-    valid = key_valid[:, first_query:] if key_valid is not None else torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    valid = (
+        key_valid[:, first_query:]
+        if key_valid is not None
+        else torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    )
     layout = group_layout(query_groups, valid, num_groups)
     if layout.length == 0:
         return None

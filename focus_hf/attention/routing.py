@@ -50,7 +50,9 @@ class RoutingState:
         )
 
 
-def routing_scores(hidden: torch.Tensor, projection: torch.Tensor, centroids: torch.Tensor, temperature: float) -> torch.Tensor:
+def routing_scores(
+    hidden: torch.Tensor, projection: torch.Tensor, centroids: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """Cosine similarity of each projected token to each centroid, divided by the temperature.
 
     Args:

@@ -21,9 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -49,8 +47,8 @@ def make_case(args: argparse.Namespace, seq_len: int, device: torch.device, dtyp
     import torch
     import torch.nn.functional as F
 
-    from focus_hf.tuner.config import FocusConfig
     from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
+    from focus_hf.tuner.config import FocusConfig
 
     generator = torch.Generator().manual_seed(args.seed + seq_len)
     defaults = FocusConfig()
@@ -77,8 +75,6 @@ def make_case(args: argparse.Namespace, seq_len: int, device: torch.device, dtyp
 def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> int:
     """Allowed (query, key) pairs of one sample, counted in O(n K) memory instead of materialising n x n."""
     import torch
-
-    from focus_hf.attention.routing import TokenRouting
 
     groups, sink = routing.top_groups[0].cpu(), routing.sink[0].cpu()
     seq_len = groups.shape[0]
@@ -142,7 +138,9 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
     )
 
 
-def dense_skip_reason(args: argparse.Namespace, seq_len: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+def dense_skip_reason(
+    args: argparse.Namespace, seq_len: int, dtype: torch.dtype, device: torch.device
+) -> Optional[str]:
     """Why dense attention is not run at `seq_len`, or None."""
     import torch
 
@@ -179,7 +177,10 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
 
     case = make_case(args, seq_len, device, dtype)
     skip = dense_skip_reason(args, seq_len, dtype, device)
-    dense = lambda: F.scaled_dot_product_attention(case.query, case.key, case.value, is_causal=True, enable_gqa=True)
+
+    def dense() -> torch.Tensor:
+        return F.scaled_dot_product_attention(case.query, case.key, case.value, is_causal=True, enable_gqa=True)
+
     calls = {top_k: focus_call(args, case, top_k) for top_k in args.top_k}
     dense_times: list[tuple[float, float]] = []
     focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
@@ -240,9 +241,8 @@ def device_name(device: torch.device) -> str:
 
 def peak_memory_child(args: argparse.Namespace, seq_len: int, top_k: int, queue: multiprocessing.Queue) -> None:
     """Runs in a fresh process: one Focus call; reports RSS before it and the process's peak RSS (MiB)."""
-    import torch
-
     import psutil
+    import torch
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
@@ -253,7 +253,9 @@ def peak_memory_child(args: argparse.Namespace, seq_len: int, top_k: int, queue:
         before = psutil.Process().memory_info().rss
         call()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    queue.put({"seq_len": seq_len, "top_k": top_k, "rss_before_call_mib": before / 2**20, "peak_rss_mib": peak_kib / 2**10})
+    queue.put(
+        {"seq_len": seq_len, "top_k": top_k, "rss_before_call_mib": before / 2**20, "peak_rss_mib": peak_kib / 2**10}
+    )
 
 
 def peak_memory_rows(args: argparse.Namespace) -> list[dict]:
@@ -287,7 +289,10 @@ def run(args: argparse.Namespace) -> int:
         rows = peak_memory_rows(args)
     else:
         rows = []
-        print(f"{'seq_len':>8} {'top_k':>5} {'dense_s':>9} {'focus_s':>9} {'speedup':>8} {'cpu_x':>7} {'ideal':>7}", flush=True)
+        print(
+            f"{'seq_len':>8} {'top_k':>5} {'dense_s':>9} {'focus_s':>9} {'speedup':>8} {'cpu_x':>7} {'ideal':>7}",
+            flush=True,
+        )
         with torch.inference_mode():
             for seq_len in args.seq_lens:
                 for row in bench_length(args, seq_len, device, dtype):
@@ -313,19 +318,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="time hard-mode Focus attention against dense causal attention")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths")
     parser.add_argument("--groups", type=int, default=8, help="number of groups K")
-    parser.add_argument("--top-k", type=int, nargs="+", default=[1], help="groups per query; several are timed in one loop")
+    parser.add_argument(
+        "--top-k", type=int, nargs="+", default=[1], help="groups per query; several are timed in one loop"
+    )
     parser.add_argument("--window", type=int, default=128, help="local window w")
     parser.add_argument("--sinks", type=int, default=4, help="sink tokens")
     parser.add_argument("--heads", type=int, default=9, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
     parser.add_argument("--head-dim", type=int, default=64, help="head dimension")
-    parser.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flash", "reference"], help="Focus backend")
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "sdpa", "flash", "reference"], help="Focus backend"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (fewer above 16,384 tokens)")
-    parser.add_argument("--dense-max-seq-len", type=int, default=None, help="do not time dense attention above this length")
+    parser.add_argument(
+        "--dense-max-seq-len", type=int, default=None, help="do not time dense attention above this length"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="q/k/v dtype")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    parser.add_argument("--peak-memory", action="store_true", help="measure peak RSS of one Focus call per length instead")
+    parser.add_argument(
+        "--peak-memory", action="store_true", help="measure peak RSS of one Focus call per length instead"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.set_defaults(func=run)

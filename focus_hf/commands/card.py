@@ -12,14 +12,16 @@ def measure(args: argparse.Namespace) -> dict:
     """Perplexity of the base model (full attention) and of the adapter (soft, hard) on held-out `--eval-data`,
     merged into ADAPTER_DIR/eval_results.json (other keys there, e.g. "speed", are kept)."""
     from focus_hf.card import EVAL_RESULTS_NAME
+    from focus_hf.commands.common import base_model_name, load_with_adapter
     from focus_hf.data import load_texts, split_texts
     from focus_hf.evaluation import perplexity
-    from focus_hf.commands.common import base_model_name, load_with_adapter
 
     folder = Path(args.adapter)
     _, heldout = split_texts(load_texts(args.eval_data), heldout_fraction=args.heldout_fraction, seed=args.split_seed)
     if not heldout:
-        raise ValueError(f"--eval-data {args.eval_data} leaves no held-out document at --heldout-fraction {args.heldout_fraction}.")
+        raise ValueError(
+            f"--eval-data {args.eval_data} leaves no held-out document at --heldout-fraction {args.heldout_fraction}."
+        )
     model_name = base_model_name(args.model, folder)
     model, tokenizer = load_with_adapter(model_name, folder)
     model.eval()
@@ -35,8 +37,8 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from focus_hf.files import AdapterFileError
     from focus_hf.card import write_model_card
+    from focus_hf.files import AdapterFileError
 
     try:
         if args.eval_data:
@@ -62,10 +64,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repo-id", help="Hub id shown in the loading snippet (default: a placeholder)")
     parser.add_argument("--license", help="license of the card (default: apache-2.0)")
     evaluation = parser.add_argument_group("measuring (--eval-data)")
-    evaluation.add_argument("--eval-data", metavar="D", help="corpus to measure perplexity on (built-in name, file or folder)")
+    evaluation.add_argument(
+        "--eval-data", metavar="D", help="corpus to measure perplexity on (built-in name, file or folder)"
+    )
     evaluation.add_argument("--model", help="base model (default: the adapter's base)")
     evaluation.add_argument("--seq-len", type=int, default=512, help="tokens per window (default: 512)")
     evaluation.add_argument("--max-blocks", type=int, default=8, help="windows scored per mode (default: 8)")
-    evaluation.add_argument("--heldout-fraction", type=float, default=0.1, help="held-out share of documents (default: 0.1)")
+    evaluation.add_argument(
+        "--heldout-fraction", type=float, default=0.1, help="held-out share of documents (default: 0.1)"
+    )
     evaluation.add_argument("--split-seed", type=int, default=0, help="seed of the train/held-out split (default: 0)")
     parser.set_defaults(func=run)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from focus_hf.tuner.defaults import FOCUS_DEFAULTS
@@ -76,14 +74,18 @@ def add_focus_options(
         if fields is not None and option.field not in fields:
             continue
         text = help_texts.get(option.field, option.help)
-        parser.add_argument(option.flag, type=option.type, default=option.default, help=f"{text} (default: {option.default})")
+        parser.add_argument(
+            option.flag, type=option.type, default=option.default, help=f"{text} (default: {option.default})"
+        )
 
 
 def focus_config_from_args(args: argparse.Namespace) -> FocusConfig:
     """The `FocusConfig` the parsed options describe; fields without an option keep the `FocusConfig` default."""
     from focus_hf.tuner.config import FocusConfig
 
-    return FocusConfig(**{option.field: getattr(args, option.dest) for option in FOCUS_OPTIONS if hasattr(args, option.dest)})
+    return FocusConfig(
+        **{option.field: getattr(args, option.dest) for option in FOCUS_OPTIONS if hasattr(args, option.dest)}
+    )
 
 
 def add_model_option(parser: argparse.ArgumentParser, default: Optional[str] = DEFAULT_MODEL) -> None:
@@ -111,7 +113,10 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
         help=f"share of documents held out for evaluation (default: {DEFAULT_HELDOUT_FRACTION})",
     )
     parser.add_argument(
-        "--split-seed", type=int, default=DEFAULT_SPLIT_SEED, help=f"seed of the train/held-out split (default: {DEFAULT_SPLIT_SEED})"
+        "--split-seed",
+        type=int,
+        default=DEFAULT_SPLIT_SEED,
+        help=f"seed of the train/held-out split (default: {DEFAULT_SPLIT_SEED})",
     )
 
 

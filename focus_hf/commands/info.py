@@ -17,7 +17,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"Focus adapter {args.adapter}")
     print(f"  base model:           {summary['base_model']} ({summary['base_model_type']})")
     print(f"  parameters:           {summary['parameters']:,} in {summary['routed_layers']} routed attention layers")
-    print(f"  weights file:         {summary['weights_bytes']:,} bytes" if summary["weights_bytes"] else "  weights file:         missing")
+    print(
+        f"  weights file:         {summary['weights_bytes']:,} bytes"
+        if summary["weights_bytes"]
+        else "  weights file:         missing"
+    )
     for key, value in summary["config"].items():
         print(f"  {key + ':':<22}{value}")
     return 0

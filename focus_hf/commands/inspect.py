@@ -10,8 +10,8 @@ from pathlib import Path
 def save_report(report: dict, folder: Path, *, title: str) -> list[Path]:
     """Write `report` as `folder/interpretability.json` and its chart as `folder/group_balance.png` (when
     matplotlib is installed; otherwise a note on stderr says how to get it). Returns the files written."""
-    from focus_hf.interpret.chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, write_balance_chart
     from focus_hf.card import INTERPRETABILITY_NAME
+    from focus_hf.interpret.chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, write_balance_chart
     from focus_hf.interpret.report import report_json
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -29,10 +29,10 @@ def save_report(report: dict, folder: Path, *, title: str) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from focus_hf.commands.common import base_model_name, load_with_adapter
     from focus_hf.data import load_texts, token_blocks
     from focus_hf.interpret.page import render_html
     from focus_hf.interpret.report import inspect_groups, report_json
-    from focus_hf.commands.common import base_model_name, load_with_adapter
 
     model, tokenizer = load_with_adapter(base_model_name(args.model, args.adapter), args.adapter)
     model.eval()
@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  group {group['group']:>2}: empty")
                 continue
             tokens = " ".join(repr(text) for text, _ in group["top_tokens"][:6])
-            print(f"  group {group['group']:>2}: {group['share']:6.1%} of tokens, confidence {group['mean_confidence']:.2f}, "
+            print(
+                f"  group {group['group']:>2}: {group['share']:6.1%} of tokens, "
+                f"confidence {group['mean_confidence']:.2f}, "
                   f"{group['purity']:.0%} {group['dominant_category']}; {tokens}")  # fmt: skip
     return 0
 

@@ -26,11 +26,10 @@ if TYPE_CHECKING:
 
 def resume_config(out: Path, config: FocusConfig) -> FocusConfig:
     """The config of the checkpoint a resumed run continues from (the command-line one when there is none)."""
-    from focus_hf.tuner.config import FocusConfig
-
     from transformers.trainer_utils import get_last_checkpoint
 
     from focus_hf.files import CHECKPOINTS_DIR
+    from focus_hf.tuner.config import FocusConfig
 
     folder = out / CHECKPOINTS_DIR
     last = get_last_checkpoint(str(folder)) if folder.is_dir() else None
@@ -120,7 +119,12 @@ def add_training_options(parser: argparse.ArgumentParser, *, steps: int, seq_len
     group.add_argument("--batch-size", type=int, default=1, help="blocks per step (default: 1)")
     group.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     group.add_argument("--logging-steps", type=int, default=1, help="loss logging interval (default: 1)")
-    group.add_argument("--dominance-threshold", type=float, default=0.5, help="warn when a layer's largest group holds more than this share of tokens (default: 0.5)")
+    group.add_argument(
+        "--dominance-threshold",
+        type=float,
+        default=0.5,
+        help="warn when a layer's largest group holds more than this share of tokens (default: 0.5)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -139,6 +143,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
     parser.add_argument("--clean-checkpoints", action="store_true", help="delete OUT/checkpoints after training")
-    parser.add_argument("--no-balance-check", dest="balance_check", action="store_false", help="skip the final group-dominance check on one held-out block")
+    parser.add_argument(
+        "--no-balance-check",
+        dest="balance_check",
+        action="store_false",
+        help="skip the final group-dominance check on one held-out block",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)

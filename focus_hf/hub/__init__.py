@@ -39,10 +39,6 @@ Import the public names from `focus_hf.hub` itself.
 
 from __future__ import annotations
 
-from focus_hf.files import ADAPTER_FILE_PATTERNS, PICKLE_SUFFIXES
-from focus_hf.files import CONFIG_NAME as ADAPTER_CONFIG_NAME
-from focus_hf.files import PEFT_TYPE_NAME as FOCUS_PEFT_TYPE
-from focus_hf.files import WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
 from focus_hf.errors import (
     AdapterFolderError,
     AdapterIntegrityError,
@@ -51,6 +47,10 @@ from focus_hf.errors import (
     InvalidRepoIdError,
     NotAFocusAdapterError,
 )
+from focus_hf.files import ADAPTER_FILE_PATTERNS, PICKLE_SUFFIXES
+from focus_hf.files import CONFIG_NAME as ADAPTER_CONFIG_NAME
+from focus_hf.files import PEFT_TYPE_NAME as FOCUS_PEFT_TYPE
+from focus_hf.files import WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
 from focus_hf.hub.loading import resolve_adapter_weights
 from focus_hf.hub.pull import pull_adapter
 from focus_hf.hub.push import push_adapter
@@ -73,4 +73,3 @@ __all__ = [
     "pull_adapter",
     "resolve_adapter_weights",
 ]
-

@@ -47,7 +47,9 @@ def file_digest(path: Path, algo: str) -> str:
     return digest.hexdigest()
 
 
-def load_remote_tree(storage_folder: Path, commit_hash: str, api: HfApi | None, repo_id: str) -> dict[str, RemoteFile] | None:
+def load_remote_tree(
+    storage_folder: Path, commit_hash: str, api: HfApi | None, repo_id: str
+) -> dict[str, RemoteFile] | None:
     """The Hub's listing (size + checksums) of the repo at ``commit_hash``.
 
     ``snapshot_download`` stores it in ``<repo cache>/trees/<commit>.json`` (``format_version`` 1, documented in

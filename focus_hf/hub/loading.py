@@ -31,7 +31,8 @@ def resolve_adapter_weights(repo_id: str, **download_kwargs: Any) -> Path:
     are used, so the file checked is the file the loader then reads (from the same cache entry).
 
     Checks: the repo has an ``adapter_model.safetensors`` (pickle-only adapters are refused), the downloaded
-    bytes match the checksum the Hub announced (see `focus_hf.hub.integrity.cached_blob_mismatch`), and the file is well-formed
+    bytes match the checksum the Hub announced (see `focus_hf.hub.integrity.cached_blob_mismatch`), and the file is
+    well-formed
     safetensors (`focus_hf.files.read_safetensors_header`). A corrupt file is evicted from the cache.
 
     Args:

@@ -17,16 +17,17 @@ from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from huggingface_hub.utils import filter_repo_objects
 
-from focus_hf.files import AdapterFileError, read_safetensors_header
+from focus_hf.errors import AdapterIntegrityError, NotAFocusAdapterError
 from focus_hf.files import (
-    CONFIG_NAME,
     ADAPTER_FILE_PATTERNS,
+    CONFIG_NAME,
     WEIGHTS_NAME,
+    AdapterFileError,
     ConfigFormatError,
     is_pickle,
     read_focus_config,
+    read_safetensors_header,
 )
-from focus_hf.errors import AdapterIntegrityError, NotAFocusAdapterError
 from focus_hf.hub.integrity import evict_cached_file, file_mismatch, load_remote_tree
 from focus_hf.hub.repo_ids import validate_repo_id, validate_revision
 

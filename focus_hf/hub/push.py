@@ -13,19 +13,20 @@ from pathlib import Path
 import httpx2
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, constants
 
-from focus_hf.files import AdapterFileError, read_safetensors_header
+from focus_hf.errors import AdapterFolderError, HubPushError
 from focus_hf.files import (
+    ADAPTER_FILE_PATTERNS,
     CHECKPOINTS_DIR,
     CONFIG_NAME,
-    ADAPTER_FILE_PATTERNS,
     WEIGHTS_NAME,
+    AdapterFileError,
     ConfigFormatError,
     is_base_weight,
     is_pickle,
     matches_adapter_patterns,
     read_focus_config,
+    read_safetensors_header,
 )
-from focus_hf.errors import AdapterFolderError, HubPushError
 from focus_hf.hub.repo_ids import COMMIT_SHA_RE, validate_repo_id, validate_revision
 
 logger = logging.getLogger(__name__)

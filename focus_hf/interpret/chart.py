@@ -30,7 +30,8 @@ def matplotlib_available() -> bool:
 def balance_matrix(report: Any) -> tuple[list[Any], list[list[Optional[float]]]]:
     """Layer labels and, per layer, the token share of each of its K groups (None where a share is missing).
 
-    Reads the `layers[].groups[].share` entries of a `focus_hf.interpret.report.inspect_groups` report (or its JSON); K is
+    Reads the `layers[].groups[].share` entries of a `focus_hf.interpret.report.inspect_groups` report (or its JSON);
+    K is
     the layer's `num_groups` when given, else one more than its highest group number. Layers without any numeric
     share are skipped, so a partial or hand-written report gives a partial chart. Returns ([], []) when there is
     nothing to draw. Rows keep their own length (layers may differ in K).
@@ -46,7 +47,12 @@ def balance_matrix(report: Any) -> tuple[list[Any], list[list[Optional[float]]]]
         for group in layer.get("groups") or []:
             share = group.get("share") if isinstance(group, dict) else None
             index = group.get("group") if isinstance(group, dict) else None
-            if isinstance(index, int) and index >= 0 and isinstance(share, (int, float)) and not isinstance(share, bool):
+            if (
+                isinstance(index, int)
+                and index >= 0
+                and isinstance(share, (int, float))
+                and not isinstance(share, bool)
+            ):
                 shares[index] = float(share)
         if not shares:
             continue
@@ -85,7 +91,9 @@ def write_balance_chart(report: Any, path: str | os.PathLike, *, title: Optional
     heat_axes, bar_axes = figure.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [max(n_groups, 3), 3]})
 
     norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(top, 2.0))
-    colours = heat_axes.imshow(np.ma.masked_invalid(ratio), aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
+    colours = heat_axes.imshow(
+        np.ma.masked_invalid(ratio), aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest"
+    )
     heat_axes.set_facecolor("#d9d9d9")  # layers with fewer groups: grey cells
     heat_axes.set_xticks(range(n_groups), [str(g) for g in range(n_groups)])
     heat_axes.set_yticks(range(n_layers), [str(label) for label in labels])

@@ -59,7 +59,9 @@ class RoutingRecorder:
 
     def groups(self) -> dict[int, torch.Tensor]:
         """layer index -> LongTensor [batch, seq, top_k]: every recorded token's groups, calls joined along seq."""
-        return {index: torch.cat([r.top_groups for r in calls], dim=1) for index, calls in self._routings.items() if calls}
+        return {
+            index: torch.cat([r.top_groups for r in calls], dim=1) for index, calls in self._routings.items() if calls
+        }
 
 
 @contextlib.contextmanager

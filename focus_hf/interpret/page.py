@@ -47,7 +47,7 @@ def _group_rows(layer: dict, scale: float) -> str:
         rows.append(
             f'<tr><td class="g{g["group"]}">{g["group"]}</td><td class="share">{bar}{g["share"]:.1%}</td>'
             f"<td>{confidence}</td><td>{html.escape(str(g['dominant_category'] or ''))}</td><td>{purity}</td>"
-            f"<td class=\"tokens\">{tokens}</td></tr>"
+            f'<td class="tokens">{tokens}</td></tr>'
         )
     return "".join(rows)
 
@@ -92,7 +92,7 @@ def render_html(report: dict, title: str = "Focus groups") -> str:
             f'<section class="layer" id="view-{layer["layer"]}"><h2>Layer {layer["layer"]}</h2>'
             f'<p class="meta">mean confidence {layer["mean_confidence"]:.2f}; {layer["num_groups"]} groups, '
             f"balanced share 1/K = {1 / max(layer['num_groups'], 1):.1%} (dashed line)</p>"
-            f"<table class=\"groups\"><tr><th>group</th><th>share of tokens</th><th>confidence</th>"
+            f'<table class="groups"><tr><th>group</th><th>share of tokens</th><th>confidence</th>'
             f"<th>dominant category</th><th>purity</th><th>frequent tokens</th></tr>{_group_rows(layer, scale)}</table>"
             f'<pre class="text">{spans}</pre></section>'
         )

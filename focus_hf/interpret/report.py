@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from focus_hf.tuner.controls import focus_layers
 from focus_hf.interpret.groups import routing_records
+from focus_hf.tuner.controls import focus_layers
 
 CATEGORIES = ("whitespace", "punctuation", "number", "python keyword", "function word", "python builtin",
               "word piece", "word", "other")  # fmt: skip
@@ -69,7 +69,9 @@ def _decoder(tokenizer: Any) -> Callable[[int], str]:
     return decode
 
 
-def inspect_groups(model: nn.Module, tokenizer: Any, blocks: torch.Tensor, *, top_tokens: int = 10, batch_size: int = 4) -> dict:
+def inspect_groups(
+    model: nn.Module, tokenizer: Any, blocks: torch.Tensor, *, top_tokens: int = 10, batch_size: int = 4
+) -> dict:
     """Per layer and group statistics of the hard-mode routing of `blocks` ([n, seq_len] token ids).
 
     Returns a JSON-able report: {"tokens", "blocks", "seq_len", "categories", "summary", "layers": [{"layer",
@@ -82,13 +84,19 @@ def inspect_groups(model: nn.Module, tokenizer: Any, blocks: torch.Tensor, *, to
     device = next(model.parameters()).device
     per_layer: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for start in range(0, blocks.shape[0], batch_size):
-        for index, (groups, confidence) in routing_records(model, blocks[start : start + batch_size].to(device)).items():
+        for index, (groups, confidence) in routing_records(
+            model, blocks[start : start + batch_size].to(device)
+        ).items():
             per_layer.setdefault(index, ([], []))
             per_layer[index][0].append(groups)
             per_layer[index][1].append(confidence)
     ids = blocks.reshape(-1).tolist()
     categories = [token_category(decode(token)) for token in ids]
-    num_groups = {layer.layer_index: layer.focus_centroids[layer._active_router()].shape[0] for layer in focus_layers(model) if layer._active_router()}
+    num_groups = {
+        layer.layer_index: layer.focus_centroids[layer._active_router()].shape[0]
+        for layer in focus_layers(model)
+        if layer._active_router()
+    }
     layers = []
     first_block = {}
     for index in sorted(per_layer):
@@ -112,7 +120,9 @@ def inspect_groups(model: nn.Module, tokenizer: Any, blocks: torch.Tensor, *, to
                 "dominant_category": dominant,
                 "purity": dominant_count / count if count else None,
             })  # fmt: skip
-        layers.append({"layer": index, "num_groups": len(entries), "mean_confidence": float(confidence.mean()), "groups": entries})
+        layers.append(
+            {"layer": index, "num_groups": len(entries), "mean_confidence": float(confidence.mean()), "groups": entries}
+        )
     report = {
         "tokens": len(ids),
         "blocks": int(blocks.shape[0]),
@@ -126,7 +136,12 @@ def inspect_groups(model: nn.Module, tokenizer: Any, blocks: torch.Tensor, *, to
 
 
 def _summary(layers: list[dict], tokens: int) -> str:
-    candidates = [(g["purity"], layer["layer"], g) for layer in layers for g in layer["groups"] if g["tokens"] >= max(5, tokens // 100)]
+    candidates = [
+        (g["purity"], layer["layer"], g)
+        for layer in layers
+        for g in layer["groups"]
+        if g["tokens"] >= max(5, tokens // 100)
+    ]
     text = f"Routing of {tokens:,} tokens over {len(layers)} layers"
     if layers:
         text += f"; mean assignment confidence {sum(layer['mean_confidence'] for layer in layers) / len(layers):.2f}"

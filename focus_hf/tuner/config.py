@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from peft.config import PeftConfig
+
 from focus_hf.errors import FocusConfigError
 from focus_hf.tuner.defaults import FOCUS_DEFAULTS, ROUTING_MODES
 from focus_hf.tuner.peft_type import FOCUS_PEFT_TYPE
-
 
 
 @dataclass
@@ -45,11 +45,17 @@ class FocusConfig(PeftConfig):
     group_dim: int = field(default=FOCUS_DEFAULTS["group_dim"], metadata={"help": "Width of the routing space d_g."})
     window: int = field(default=FOCUS_DEFAULTS["window"], metadata={"help": "Local window w of full attention."})
     top_k: int = field(default=FOCUS_DEFAULTS["top_k"], metadata={"help": "Groups each query probes in hard mode."})
-    sink_tokens: int = field(default=FOCUS_DEFAULTS["sink_tokens"], metadata={"help": "Leading tokens always visible; 0 disables."})
+    sink_tokens: int = field(
+        default=FOCUS_DEFAULTS["sink_tokens"], metadata={"help": "Leading tokens always visible; 0 disables."}
+    )
     temperature: float = field(default=FOCUS_DEFAULTS["temperature"], metadata={"help": "Routing temperature tau."})
-    sinkhorn_iterations: int = field(default=FOCUS_DEFAULTS["sinkhorn_iterations"], metadata={"help": "Causal Sinkhorn iterations."})
+    sinkhorn_iterations: int = field(
+        default=FOCUS_DEFAULTS["sinkhorn_iterations"], metadata={"help": "Causal Sinkhorn iterations."}
+    )
     routing_mode: str = field(default=FOCUS_DEFAULTS["routing_mode"], metadata={"help": "'auto', 'soft' or 'hard'."})
-    gate_floor: float = field(default=FOCUS_DEFAULTS["gate_floor"], metadata={"help": "Floor of the soft gate's probability."})
+    gate_floor: float = field(
+        default=FOCUS_DEFAULTS["gate_floor"], metadata={"help": "Floor of the soft gate's probability."}
+    )
     target_modules: Optional[Union[list[str], str]] = field(
         default=None, metadata={"help": "Attention modules to route; None routes all supported ones."}
     )
@@ -64,7 +70,11 @@ class FocusConfig(PeftConfig):
 
     def validate(self) -> None:
         """Raise `FocusConfigError` naming the bad field and the accepted range."""
-        positive = {"num_groups": self.num_groups, "group_dim": self.group_dim, "sinkhorn_iterations": self.sinkhorn_iterations}
+        positive = {
+            "num_groups": self.num_groups,
+            "group_dim": self.group_dim,
+            "sinkhorn_iterations": self.sinkhorn_iterations,
+        }
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise FocusConfigError(f"FocusConfig.{name} must be a positive integer, got {value!r}.")
@@ -91,8 +101,6 @@ _dataclass_init = FocusConfig.__init__
 
 
 @functools.wraps(_dataclass_init)
-
-
 def _strict_init(self: FocusConfig, *args, **kwargs) -> None:
     # PEFT silently drops unknown config keys (a TypeError is caught and turned into a warning). An adapter
     # whose config we do not understand may route differently than its author intended, so refuse it.

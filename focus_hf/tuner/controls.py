@@ -25,7 +25,9 @@ def focus_layers(model: nn.Module) -> list[FocusLayer]:
     return layers
 
 
-def set_routing(model: nn.Module, mode: str = "hard", top_k: Optional[int] = None, backend: Optional[str] = None) -> None:
+def set_routing(
+    model: nn.Module, mode: str = "hard", top_k: Optional[int] = None, backend: Optional[str] = None
+) -> None:
     """Switch the routing of every Focus layer without reloading the adapter.
 
     Args:

@@ -11,8 +11,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
-from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
+from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 
 _CACHE_ATTRIBUTE = "_focus_routing_states"
 
@@ -36,7 +36,9 @@ class RouterSettings:
         return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
 
 
-def query_validity(attention_mask: Optional[torch.Tensor], batch: int, q_len: int, device: torch.device) -> torch.Tensor:
+def query_validity(
+    attention_mask: Optional[torch.Tensor], batch: int, q_len: int, device: torch.device
+) -> torch.Tensor:
     """[batch, q] True for real tokens: a token is padding iff the model's mask hides it from itself."""
     mask = as_bool_mask(attention_mask)
     if mask is None:
@@ -82,7 +84,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         base_weight = next(self.base_layer.parameters())
         generator_scale = 1.0 / math.sqrt(hidden_size)
         projection = torch.randn(hidden_size, config.group_dim, device=base_weight.device) * generator_scale
-        centroids = torch.nn.functional.normalize(torch.randn(config.num_groups, config.group_dim, device=base_weight.device), dim=-1)
+        centroids = torch.nn.functional.normalize(
+            torch.randn(config.num_groups, config.group_dim, device=base_weight.device), dim=-1
+        )
         self.focus_proj[adapter_name] = nn.Parameter(projection)
         self.focus_centroids[adapter_name] = nn.Parameter(centroids)
         self.focus_settings[adapter_name] = RouterSettings.from_config(config)
@@ -112,7 +116,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             )
         return active[0] if active else None
 
-    def _routing_state(self, cache: Any, adapter_name: str, batch: int, settings: RouterSettings, device: torch.device) -> RoutingState:
+    def _routing_state(
+        self, cache: Any, adapter_name: str, batch: int, settings: RouterSettings, device: torch.device
+    ) -> RoutingState:
         empty = RoutingState.empty(batch, settings.sinkhorn_iterations, settings.num_groups, device)
         if cache is None:
             return empty
@@ -139,7 +145,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         cache = kwargs.get("past_key_values")
         state = self._routing_state(cache, adapter_name, batch, settings, hidden.device)
         valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device)
-        scores = routing_scores(hidden, self.focus_proj[adapter_name], self.focus_centroids[adapter_name], settings.temperature)
+        scores = routing_scores(
+            hidden, self.focus_proj[adapter_name], self.focus_centroids[adapter_name], settings.temperature
+        )
         queries, keys = route_tokens(
             scores, valid, state, iterations=settings.sinkhorn_iterations, top_k=top_k, sink_tokens=settings.sink_tokens
         )

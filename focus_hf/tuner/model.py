@@ -8,11 +8,11 @@ import torch
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
-from focus_hf.files import calling_adapter_folder, validate_adapter_folder
-from focus_hf.tuner.targets import find_attention_modules
 from focus_hf.attention.function import ATTENTION_NAME
+from focus_hf.files import calling_adapter_folder, validate_adapter_folder
 from focus_hf.tuner.config import FocusConfig, FocusConfigError
 from focus_hf.tuner.layer import FocusLayer
+from focus_hf.tuner.targets import find_attention_modules
 
 _RECORDED_FIELDS = ("hidden_size", "num_routed_layers", "base_model_type")
 
@@ -46,7 +46,10 @@ def check_base_model(config: FocusConfig, model: nn.Module, targets: dict[str, n
 
 def expected_router_shapes(config: FocusConfig, targets: dict[str, nn.Module]) -> dict[str, dict[str, tuple[int, ...]]]:
     """Module name -> shapes of its router tensors under `config`."""
-    shapes = {"focus_proj": (config.hidden_size, config.group_dim), "focus_centroids": (config.num_groups, config.group_dim)}
+    shapes = {
+        "focus_proj": (config.hidden_size, config.group_dim),
+        "focus_centroids": (config.num_groups, config.group_dim),
+    }
     return {name: dict(shapes) for name in targets}
 
 
@@ -58,7 +61,11 @@ def use_focus_attention(model: nn.Module) -> None:
 
 def _attention_configs(model: nn.Module) -> list:
     """The distinct config objects the routed attention modules (and the model's mask builder) read."""
-    configs = {id(layer.base_layer.config): layer.base_layer.config for layer in model.modules() if isinstance(layer, FocusLayer)}
+    configs = {
+        id(layer.base_layer.config): layer.base_layer.config
+        for layer in model.modules()
+        if isinstance(layer, FocusLayer)
+    }
     if getattr(model, "config", None) is not None:
         configs.setdefault(id(model.config), model.config)
     return list(configs.values())
@@ -94,7 +101,11 @@ class FocusModel(BaseTuner):
         self._focus_targets = set(targets)
         self._focus_layer_indices = {name: getattr(m, "layer_idx", i) for i, (name, m) in enumerate(targets.items())}
         super().inject_adapter(
-            model, adapter_name, autocast_adapter_dtype=autocast_adapter_dtype, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict
+            model,
+            adapter_name,
+            autocast_adapter_dtype=autocast_adapter_dtype,
+            low_cpu_mem_usage=low_cpu_mem_usage,
+            state_dict=state_dict,
         )
         use_focus_attention(model)
 
@@ -128,7 +139,9 @@ class FocusModel(BaseTuner):
             "Use `unload()` to get the base model back."
         )
 
-    def _unload_and_optionally_merge(self, merge: bool = True, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
+    def _unload_and_optionally_merge(
+        self, merge: bool = True, progressbar: bool = False, safe_merge: bool = False, adapter_names=None
+    ):
         if merge:
             self.merge_and_unload()
         layers = [(name, module) for name, module in self.model.named_modules() if isinstance(module, FocusLayer)]

@@ -7,6 +7,7 @@ import sys
 from typing import Optional, Union
 
 from torch import nn
+
 from focus_hf.errors import UnsupportedModelError
 
 # Model families whose attention does not go through transformers' attention-function registry: routing them
@@ -40,7 +41,9 @@ def _matches(name: str, target_modules: Optional[Union[list[str], str]]) -> bool
     return any(name == target or name.endswith("." + target) for target in target_modules)
 
 
-def find_attention_modules(model: nn.Module, target_modules: Optional[Union[list[str], str]] = None) -> dict[str, nn.Module]:
+def find_attention_modules(
+    model: nn.Module, target_modules: Optional[Union[list[str], str]] = None
+) -> dict[str, nn.Module]:
     """Names and modules of the self-attention blocks Focus will route, in model order.
 
     Raises:
