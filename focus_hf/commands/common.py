@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from focus_hf.tuner.defaults import FOCUS_DEFAULTS
+from focus_hf.defaults import FOCUS_DEFAULTS
 
 if TYPE_CHECKING:
     from focus_hf.tuner.config import FocusConfig

@@ -9,8 +9,8 @@ from typing import Optional, Union
 
 from peft.config import PeftConfig
 
+from focus_hf.defaults import FOCUS_DEFAULTS, ROUTING_MODES
 from focus_hf.errors import FocusConfigError
-from focus_hf.tuner.defaults import FOCUS_DEFAULTS, ROUTING_MODES
 from focus_hf.tuner.peft_type import FOCUS_PEFT_TYPE
 
 

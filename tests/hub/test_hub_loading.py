@@ -28,7 +28,7 @@ from focus_hf.files import AdapterFileError
 from focus_hf.hub import push_adapter
 
 REPO = "focus-test/tiny-llama-focus"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def ids(seed: int = 0) -> torch.Tensor:

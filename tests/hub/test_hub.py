@@ -33,7 +33,7 @@ from focus_hf.hub import (
 )
 
 REPO = "focus-test/tiny-focus"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ADAPTER_FILES = ["README.md", "adapter_config.json", "adapter_model.safetensors", "attention_map.html",
                  "heads.png", "routing_stats.json"]  # fmt: skip
 

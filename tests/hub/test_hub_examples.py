@@ -12,7 +12,7 @@ import pytest
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from test_hub_loading import make_adapter
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_example(hub_server, tmp_path, name, *args):
