@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from peft import get_peft_model
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -54,3 +57,41 @@ def tiny_model(architecture: str, seed: int = 0) -> torch.nn.Module:
     config = CONFIGS[architecture]()
     attn = "eager" if architecture == "gemma2" else "sdpa"
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+# --- shared adapter helpers -------------------------------------------------------------------------------
+def snapshot(model):
+    return (
+        [name for name, _ in model.named_modules()],
+        {k: v.clone() for k, v in model.state_dict().items()},
+        model.config._attn_implementation,
+    )
+
+
+def assert_unmodified(model, before):
+    names, state, attention = snapshot(model)
+    assert names == before[0] and attention == before[2]
+    assert state.keys() == before[1].keys() and all(torch.equal(state[k], before[1][k]) for k in state)
+    from focus_hf.tuner.layer import FocusLayer
+
+    assert not any(isinstance(m, FocusLayer) for m in model.modules())
+
+
+def ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(seed))
+
+
+def make_adapter(folder: Path, seed: int = 0) -> torch.Tensor:
+    """Save a Focus adapter with perturbed routers for tiny llama to `folder`; return its logits on ids()."""
+    from focus_hf.tuner.config import FocusConfig
+
+    model = get_peft_model(tiny_model("llama"), FocusConfig(num_groups=4, window=8))
+    generator = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "focus_" in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator))
+    model.eval()
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        return model(input_ids=ids()).logits

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
-from test_hub_loading import make_adapter
+from tiny_models import make_adapter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

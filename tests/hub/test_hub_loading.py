@@ -18,35 +18,15 @@ import pytest
 import torch
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from huggingface_hub import CommitOperationAdd, HfApi
-from peft import PeftModel, get_peft_model
-from test_adapter_io import assert_unmodified, snapshot
-from tiny_models import VOCAB, tiny_model
+from peft import PeftModel
+from tiny_models import assert_unmodified, ids, make_adapter, snapshot, tiny_model
 
-import focus_hf
 from focus_hf.cli import main as cli_main
 from focus_hf.files import AdapterFileError
 from focus_hf.hub import push_adapter
 
 REPO = "focus-test/tiny-llama-focus"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def ids(seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(seed))
-
-
-def make_adapter(folder: Path, seed: int = 0) -> torch.Tensor:
-    """Save a Focus adapter with perturbed routers for tiny llama to `folder`; return its logits on ids()."""
-    model = get_peft_model(tiny_model("llama"), focus_hf.FocusConfig(num_groups=4, window=8))
-    generator = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "focus_" in name:
-                parameter.add_(torch.randn(parameter.shape, generator=generator))
-    model.eval()
-    model.save_pretrained(folder)
-    with torch.no_grad():
-        return model(input_ids=ids()).logits
 
 
 def logits_of(model) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model
 from safetensors import safe_open
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB, assert_unmodified, snapshot, tiny_model
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import focus_hf
@@ -162,21 +162,6 @@ def test_set_routing_and_group_assignments(saved):
 
 
 # --- bad input: a clear error, and the model left exactly as it was ---
-
-
-def snapshot(model):
-    return (
-        [name for name, _ in model.named_modules()],
-        {k: v.clone() for k, v in model.state_dict().items()},
-        model.config._attn_implementation,
-    )
-
-
-def assert_unmodified(model, before):
-    names, state, attention = snapshot(model)
-    assert names == before[0] and attention == before[2]
-    assert state.keys() == before[1].keys() and all(torch.equal(state[k], before[1][k]) for k in state)
-    assert not any(isinstance(m, FocusLayer) for m in model.modules())
 
 
 def broken_copy(root, tmp_path, damage):
