@@ -31,7 +31,7 @@ PEFT_TYPE_NAME = "FOCUS"
 # Training checkpoints `focus-hf train` keeps inside the output folder (never pushed).
 CHECKPOINTS_DIR = "checkpoints"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
-ROUTER_LEAVES = ("focus_proj", "focus_centroids")
+ROUTER_LEAVES = ("focus_proj", "focus_centroids", "focus_query_proj")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 # bits per element of the safetensors dtypes
 _DTYPE_BITS = {
@@ -171,6 +171,12 @@ def validate_adapter_folder(folder: os.PathLike | str, expected: dict[str, dict[
             "The adapter was made for another base model."
         )
     for module, shapes in expected.items():
+        extra = sorted(set(found[module]) - set(shapes))
+        if extra:
+            raise AdapterFileError(
+                f"{weights}: {module} holds {extra}, which this FocusConfig does not use (query_projection is off). "
+                "The adapter_config.json does not match the weights."
+            )
         for leaf, shape in shapes.items():
             got = found[module].get(leaf)
             if got != shape:

@@ -85,7 +85,10 @@ def sparse_attention(
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
     valid = torch.ones(batch, kv_len, dtype=torch.bool, device=device) if key_valid is None else key_valid
-    chunk = q_len if query_groups.shape[-1] == 1 else GROUP_CHUNK
+    # A separate query-side router may probe groups other than the query's own key group.
+    own = key_groups[:, first_query:]
+    separate = not torch.equal(query_groups[..., 0], own)
+    chunk = q_len if query_groups.shape[-1] == 1 and not separate else GROUP_CHUNK
     earlier = None
     if first_query > 0 or chunk < q_len:
         earlier = CachedKeys.build(key, value, key_groups, valid, num_groups)
@@ -102,6 +105,7 @@ def sparse_attention(
             scaling,
             kernel,
             None if earlier is None else earlier.before(first_query + start, query.dtype),
+            own[:, start : start + chunk] if separate else None,
         )
         if part is None:  # only padding queries: an empty set
             length = end - first_query - start

@@ -39,6 +39,7 @@ class LayerRouting:
     queries: TokenRouting  # the tokens of this call
     keys: RoutingState  # every token so far, these included
     consumed: bool = False
+    dense_kv_heads: tuple[int, ...] = ()  # kv heads of this layer that keep full attention
 
     def restricts(self, kv_len: int) -> bool:
         """Whether the pattern removes any causal pair among `kv_len` keys (otherwise attention is dense)."""
@@ -105,7 +106,7 @@ def focus_attention_forward(
     routing.consumed = True
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise FocusRuntimeError("Focus does not support models with learned attention-sink logits (s_aux) yet.")
-    q_len, kv_len = query.shape[2], key.shape[2]
+    kv_len = key.shape[2]
     keys = routing.keys
     if kv_len > keys.seen:
         raise FocusRuntimeError(
@@ -114,6 +115,37 @@ def focus_attention_forward(
         )
     if not routing.restricts(kv_len):
         return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if routing.dense_kv_heads:
+        return _split_dense_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
+    return _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+
+def _split_dense_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """Run the dense kv heads (and their query heads) with the base attention, the others with Focus."""
+    kv_heads = key.shape[1]
+    per_kv = query.shape[1] // kv_heads
+    dense = [head for head in routing.dense_kv_heads if head < kv_heads]
+    routed = [head for head in range(kv_heads) if head not in dense]
+    parts, order = [], []
+    for heads in (dense, routed):
+        if not heads:
+            continue
+        kv_index = torch.tensor(heads, device=query.device)
+        q_index = (kv_index[:, None] * per_kv + torch.arange(per_kv, device=query.device)).flatten()
+        sub = (query.index_select(1, q_index), key.index_select(1, kv_index), value.index_select(1, kv_index))
+        if heads is dense:
+            out, _ = base_attention(module, *sub, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        else:
+            out, _ = _routed_attention(module, routing, *sub, attention_mask, dropout, scaling, kwargs)
+        parts.append(out)
+        order.append(q_index)
+    inverse = torch.argsort(torch.cat(order))
+    return torch.cat(parts, dim=2).index_select(2, inverse), None
+
+
+def _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):
+    q_len, kv_len = query.shape[2], key.shape[2]
+    keys = routing.keys
 
     # Keys are the most recent kv_len tokens (sliding-window caches keep only those).
     start = keys.seen - kv_len
@@ -157,7 +189,7 @@ def focus_attention_forward(
         allowed = allowed & pattern[:, None]
     else:
         bias = soft_gate(
-            routing.queries.log_probs.exp(),
+            routing.queries.probe_log_probs.exp(),
             keys.key_probs[:, start:],
             key_sink,
             query_positions,

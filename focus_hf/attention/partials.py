@@ -59,11 +59,13 @@ class GroupLayout:
 
 
 def group_layout(groups: torch.Tensor, include: torch.Tensor, num_groups: int) -> GroupLayout:
-    """Lay out tokens by group: `groups` [batch, n, m] (distinct per token), `include` [batch, n] (False: left out)."""
+    """Lay out tokens by group: `groups` [batch, n, m], `include` [batch, n] (False: token left out) or [batch, n, m]
+    (per entry). The included entries of a token must name distinct groups; entry 0 is the token's own key group."""
     batch, n, m = groups.shape
     device = groups.device
+    entry = include.unsqueeze(-1).expand(-1, -1, m) if include.dim() == 2 else include
     member = torch.zeros(batch, n, num_groups, dtype=torch.int32, device=device)
-    member.scatter_(2, groups, include.unsqueeze(-1).expand(-1, -1, m).to(torch.int32))
+    member.scatter_add_(2, groups, entry.to(torch.int32))
     # Slot = number of included tokens of the same group before this one: O(n K) counting, no sort.
     count = member.cumsum(dim=1, dtype=torch.int32)
     slot = count.gather(2, groups).long() - 1
@@ -71,7 +73,6 @@ def group_layout(groups: torch.Tensor, include: torch.Tensor, num_groups: int) -
     segment = torch.arange(batch, device=device).view(batch, 1, 1) * num_groups + groups
     # Scatter token indices into their slots; left-out entries go to one extra slot that is dropped.
     slots = batch * num_groups * length
-    entry = include.unsqueeze(-1).expand(-1, -1, m)
     flat = torch.where(entry, segment * length + slot, slots)
     tokens = torch.arange(n, device=device).view(1, n, 1).expand(batch, n, m)
     token = torch.zeros(slots + 1, dtype=torch.long, device=device).scatter_(0, flat.flatten(), tokens.flatten())
@@ -258,13 +259,16 @@ def group_part(
     scaling: float,
     kernel: Kernel,
     cached: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    own_groups: Optional[torch.Tensor] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Set A for a chunk of new tokens (query = the last q of key): float32 output [batch, q, heads, dim] and lse
     [batch, q, heads], merged over the probed groups; None if every query is padding.
 
     The chunk's tokens are laid out by group (queries in all their probed groups) for one causal call; `cached`
     (keys, values, bias from `CachedKeys.before`) holds earlier tokens by group, read by one non-causal call from
-    the same query slots and merged slot by slot.
+    the same query slots and merged slot by slot. `own_groups` [batch, q], the chunk's key groups, is needed only
+    when a query's first probe may differ from its own key group (a separate query-side router): each token then
+    also takes a key-only entry in its own group.
     """
     batch, _, q_len, _ = query.shape
     kv_len, device = key.shape[2], query.device
@@ -274,13 +278,21 @@ def group_part(
         if key_valid is not None
         else torch.ones(batch, q_len, dtype=torch.bool, device=device)
     )
-    layout = group_layout(query_groups, valid, num_groups)
+    entries, include, probe_entry = query_groups, valid, None
+    if own_groups is not None:
+        # Entry 0: the token as a key in its own group; entries 1..k: its probes, unless a probe is that same group,
+        # whose query then reads entry 0's slot.
+        entries = torch.cat([own_groups.unsqueeze(-1), query_groups], dim=-1)
+        duplicate = query_groups == own_groups.unsqueeze(-1)
+        include = valid.unsqueeze(-1) & torch.cat([torch.ones_like(duplicate[..., :1]), ~duplicate], dim=-1)
+        probe_entry = torch.where(duplicate, 0, torch.arange(1, entries.shape[-1], device=device))
+    layout = group_layout(entries, include, num_groups)
     if layout.length == 0:
         return None
     sample = (torch.arange(batch * num_groups, device=device) // num_groups)[:, None]
     key_index = first_query + layout.token
     # With top_k = 1 every slot is a live key and empty slots trail every real one, so plain causal suffices.
-    dead = None if query_groups.shape[-1] == 1 else hidden_bias(layout.first[:, None, None, :], query.dtype)
+    dead = None if entries.shape[-1] == 1 else hidden_bias(layout.first[:, None, None, :], query.dtype)
     queries = gather_tokens(query, sample, layout.token)
     keys, values = gather_tokens(key, sample, key_index), gather_tokens(value, sample, key_index)
     output, lse = kernel(queries, keys, values, causal=True, bias=dead, scale=scaling)
@@ -288,8 +300,11 @@ def group_part(
     if cached is not None:
         cached_output, cached_lse = kernel(queries, cached[0], cached[1], causal=False, bias=cached[2], scale=scaling)
         output, lse = merge_partials([output, cached_output.transpose(1, 2)], [lse, cached_lse.transpose(1, 2)])
-    outputs = output[layout.segment, layout.slot]  # [batch, q, top_k, heads, dim]
-    lses = lse[layout.segment, layout.slot]
+    segment, slot = layout.segment, layout.slot
+    if probe_entry is not None:
+        segment, slot = segment.gather(2, probe_entry), slot.gather(2, probe_entry)
+    outputs = output[segment, slot]  # [batch, q, top_k, heads, dim]
+    lses = lse[segment, slot]
     # Padding queries have no slot (their entries point at other tokens' slots): an empty set.
     lses = lses.masked_fill(~valid[:, :, None, None], torch.finfo(lses.dtype).min)
     return merge_partials(list(outputs.unbind(2)), list(lses.unbind(2)))

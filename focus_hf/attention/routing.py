@@ -106,9 +106,24 @@ def causal_sinkhorn(
 class TokenRouting:
     """Routing of the tokens of one forward call."""
 
-    log_probs: torch.Tensor  # [batch, seq, groups]
-    top_groups: torch.Tensor  # [batch, seq, top_k], best group first
+    log_probs: torch.Tensor  # [batch, seq, groups] key-side (Sinkhorn-balanced) assignment
+    top_groups: torch.Tensor  # [batch, seq, top_k] groups each token probes as a query, best first
     sink: torch.Tensor  # [batch, seq] bool
+    # [batch, seq, groups] query-side log-probabilities of a separate query router; None: queries use log_probs.
+    query_log_probs: Optional[torch.Tensor] = None
+
+    # [batch, seq] each token's own group as a key; None: the first probe (the same when there is no query router).
+    own_groups: Optional[torch.Tensor] = None
+
+    @property
+    def key_groups(self) -> torch.Tensor:
+        """[batch, seq] the group each token is filed under as a key."""
+        return self.top_groups[..., 0] if self.own_groups is None else self.own_groups
+
+    @property
+    def probe_log_probs(self) -> torch.Tensor:
+        """Log-probabilities of the groups each token probes as a query."""
+        return self.log_probs if self.query_log_probs is None else self.query_log_probs
 
 
 def route_tokens(
@@ -119,20 +134,39 @@ def route_tokens(
     iterations: int,
     top_k: int,
     sink_tokens: int,
+    query_scores: Optional[torch.Tensor] = None,
 ) -> tuple[TokenRouting, RoutingState]:
-    """Route new tokens that follow `state`, returning their routing and the state including them."""
+    """Route new tokens that follow `state`, returning their routing and the state including them.
+
+    Keys always take their group from the causal Sinkhorn assignment of `scores`. Queries probe the top-k groups
+    of the same assignment, or, when `query_scores` is given (a separate query-side projection), of
+    softmax(query_scores): a query then looks for the groups that hold the keys it needs, which need not be
+    the group it is itself filed under.
+    """
     log_probs, column_lse = causal_sinkhorn(scores, valid, iterations, state.column_lse)
+    query_log_probs = log_probs if query_scores is None else torch.log_softmax(query_scores, dim=-1)
     # A stable sort breaks ties (the first token's assignment is uniform) by group index, whatever top_k is.
-    top_groups = torch.sort(log_probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    top_groups = torch.sort(query_log_probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    key_groups = (
+        top_groups[..., 0]
+        if query_scores is None
+        else torch.sort(log_probs, dim=-1, descending=True, stable=True).indices[..., 0]
+    )
     rank = state.valid_count[:, None] + valid.long().cumsum(dim=1) - 1
     sink = valid & (rank < sink_tokens)
-    tokens = TokenRouting(log_probs=log_probs, top_groups=top_groups, sink=sink)
+    tokens = TokenRouting(
+        log_probs=log_probs,
+        top_groups=top_groups,
+        sink=sink,
+        query_log_probs=None if query_scores is None else query_log_probs,
+        own_groups=None if query_scores is None else key_groups,
+    )
     new_state = RoutingState(
         seen=state.seen + scores.shape[1],
         valid_count=state.valid_count + valid.long().sum(dim=1),
         column_lse=column_lse,
         key_probs=torch.cat([state.key_probs, log_probs.exp()], dim=1),
-        key_groups=torch.cat([state.key_groups, top_groups[..., 0]], dim=1),
+        key_groups=torch.cat([state.key_groups, key_groups], dim=1),
         key_sink=torch.cat([state.key_sink, sink], dim=1),
     )
     return tokens, new_state

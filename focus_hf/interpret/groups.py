@@ -10,6 +10,7 @@ changes nothing in what the layers compute.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Optional
 
@@ -33,7 +34,11 @@ class RoutingRecorder:
         self._routings: dict[int, list[TokenRouting]] = {layer.layer_index: [] for layer in self.layers}
 
     def _observe(self, layer: FocusLayer, routing: TokenRouting) -> None:
-        detached = TokenRouting(log_probs=routing.log_probs.detach(), top_groups=routing.top_groups, sink=routing.sink)
+        detached = dataclasses.replace(
+            routing,
+            log_probs=routing.log_probs.detach(),
+            query_log_probs=None if routing.query_log_probs is None else routing.query_log_probs.detach(),
+        )
         self._routings.setdefault(layer.layer_index, []).append(detached)
 
     def attach(self) -> "RoutingRecorder":
@@ -56,6 +61,12 @@ class RoutingRecorder:
         for calls in self._routings.values():
             calls.clear()
         return taken
+
+    def key_groups(self) -> dict[int, torch.Tensor]:
+        """layer index -> LongTensor [batch, seq]: the group every recorded token is filed under as a key."""
+        return {
+            index: torch.cat([r.key_groups for r in calls], dim=1) for index, calls in self._routings.items() if calls
+        }
 
     def groups(self) -> dict[int, torch.Tensor]:
         """layer index -> LongTensor [batch, seq, top_k]: every recorded token's groups, calls joined along seq."""
@@ -87,8 +98,9 @@ def group_assignments(
     Runs one forward pass of `model` (without cache). Padding positions get groups too; ignore them.
 
     Returns:
-        layer index -> LongTensor [batch, seq, top_k], each token's groups, best first. The first entry is also
-        the token's own group as a key.
+        layer index -> LongTensor [batch, seq, top_k], the groups each token probes as a query, best first. Without
+        `query_projection` the first entry is also the token's own group as a key; with it, read the keys' groups
+        from `record_routing(model)` and `RoutingRecorder.key_groups()`.
     """
     with record_routing(model) as recorder:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -114,7 +126,7 @@ def routing_records(model: nn.Module, input_ids: torch.Tensor) -> dict[int, tupl
         if not calls:
             continue  # adapter disabled or inactive on this layer
         routing = calls[-1]
-        groups = routing.top_groups[..., 0]
+        groups = routing.key_groups
         confidence = routing.log_probs.gather(-1, groups[..., None])[..., 0].exp()
         records[index] = (groups.cpu(), confidence.float().cpu())
     return records

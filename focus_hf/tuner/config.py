@@ -31,6 +31,12 @@ class FocusConfig(PeftConfig):
         sink_tokens: Leading tokens every query may attend to (attention sinks); 0 disables them.
         temperature: Softmax temperature tau of the routing scores (cosine similarity / tau).
         sinkhorn_iterations: Causal Sinkhorn balancing iterations.
+        query_projection: Give queries their own projection into the routing space (same centroids). Keys keep
+            their Sinkhorn-balanced group from `W_g`; a query probes the groups where the keys it needs are filed,
+            which need not be its own group. Adds hidden_size x group_dim parameters per layer.
+        dense_heads: `[layer_index, kv_head]` pairs (routed-layer order) whose kv head, and the query heads that
+            share it, keep full attention: speed traded for exactness where routing loses the most attention mass
+            (`focus_hf.calibrate_dense_heads` picks them from a recall audit).
         routing_mode: `"auto"` (soft while training, hard in eval mode), `"soft"` or `"hard"`.
         gate_floor: Smallest same-group probability the soft gate uses, so the log-gate stays finite.
         target_modules: Attention module names (or a regex) to route; `None` routes every supported
@@ -51,6 +57,12 @@ class FocusConfig(PeftConfig):
     temperature: float = field(default=FOCUS_DEFAULTS["temperature"], metadata={"help": "Routing temperature tau."})
     sinkhorn_iterations: int = field(
         default=FOCUS_DEFAULTS["sinkhorn_iterations"], metadata={"help": "Causal Sinkhorn iterations."}
+    )
+    query_projection: bool = field(
+        default=False, metadata={"help": "Give queries their own routing projection (keys keep W_g)."}
+    )
+    dense_heads: Optional[list[list[int]]] = field(
+        default=None, metadata={"help": "[layer, kv_head] pairs that keep full attention."}
     )
     routing_mode: str = field(default=FOCUS_DEFAULTS["routing_mode"], metadata={"help": "'auto', 'soft' or 'hard'."})
     gate_floor: float = field(
@@ -94,6 +106,24 @@ class FocusConfig(PeftConfig):
             raise FocusConfigError(
                 f"FocusConfig.routing_mode must be one of {ROUTING_MODES}, got {self.routing_mode!r}."
             )
+        if not isinstance(self.query_projection, bool):
+            raise FocusConfigError(
+                f"FocusConfig.query_projection must be true or false, got {self.query_projection!r}."
+            )
+        if self.dense_heads is not None:
+            pairs = self.dense_heads if isinstance(self.dense_heads, (list, tuple)) else [self.dense_heads]
+            for pair in pairs:
+                if (
+                    not isinstance(pair, (list, tuple))
+                    or len(pair) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)
+                ):
+                    raise FocusConfigError(
+                        "FocusConfig.dense_heads must be a list of [layer_index, kv_head] pairs of integers >= 0, "
+                        f"got {self.dense_heads!r}."
+                    )
+            self.dense_heads = sorted({(int(layer), int(head)) for layer, head in pairs})
+            self.dense_heads = [list(pair) for pair in self.dense_heads]
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(FocusConfig))

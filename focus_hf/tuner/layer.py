@@ -30,6 +30,8 @@ class RouterSettings:
     sinkhorn_iterations: int
     routing_mode: str
     gate_floor: float
+    query_projection: bool = False
+    dense_heads: Optional[list] = None
 
     @classmethod
     def from_config(cls, config: FocusConfig) -> "RouterSettings":
@@ -56,7 +58,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
     (num_groups x group_dim). Only these are trained; the wrapped module is untouched.
     """
 
-    adapter_layer_names = ("focus_proj", "focus_centroids")
+    adapter_layer_names = ("focus_proj", "focus_centroids", "focus_query_proj")
     other_param_names = ("focus_settings",)
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config: FocusConfig, layer_index: int) -> None:
@@ -68,6 +70,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.base_attn_implementation = current if current != ATTENTION_NAME else "sdpa"
         self.focus_proj = nn.ParameterDict()
         self.focus_centroids = nn.ParameterDict()
+        self.focus_query_proj = nn.ParameterDict()
         self.focus_settings: dict[str, RouterSettings] = {}
         # Run-time overrides set by `focus_hf.set_routing`; None means "use the adapter's config".
         self.mode_override: Optional[str] = None
@@ -89,6 +92,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         )
         self.focus_proj[adapter_name] = nn.Parameter(projection)
         self.focus_centroids[adapter_name] = nn.Parameter(centroids)
+        if config.query_projection:
+            self.focus_query_proj[adapter_name] = nn.Parameter(projection.clone())
         self.focus_settings[adapter_name] = RouterSettings.from_config(config)
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
@@ -148,8 +153,19 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         scores = routing_scores(
             hidden, self.focus_proj[adapter_name], self.focus_centroids[adapter_name], settings.temperature
         )
+        query_scores = None
+        if adapter_name in self.focus_query_proj:
+            query_scores = routing_scores(
+                hidden, self.focus_query_proj[adapter_name], self.focus_centroids[adapter_name], settings.temperature
+            )
         queries, keys = route_tokens(
-            scores, valid, state, iterations=settings.sinkhorn_iterations, top_k=top_k, sink_tokens=settings.sink_tokens
+            scores,
+            valid,
+            state,
+            iterations=settings.sinkhorn_iterations,
+            top_k=top_k,
+            sink_tokens=settings.sink_tokens,
+            query_scores=query_scores,
         )
         if cache is not None:
             if not hasattr(cache, _CACHE_ATTRIBUTE):
@@ -169,6 +185,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             gate_floor=settings.gate_floor,
             queries=queries,
             keys=keys,
+            dense_kv_heads=tuple(
+                sorted({head for layer, head in (settings.dense_heads or []) if layer == self.layer_index})
+            ),
         )
         self.base_layer._focus_routing = routing
         try:

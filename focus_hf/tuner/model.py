@@ -50,6 +50,8 @@ def expected_router_shapes(config: FocusConfig, targets: dict[str, nn.Module]) -
         "focus_proj": (config.hidden_size, config.group_dim),
         "focus_centroids": (config.num_groups, config.group_dim),
     }
+    if config.query_projection:
+        shapes["focus_query_proj"] = (config.hidden_size, config.group_dim)
     return {name: dict(shapes) for name in targets}
 
 

@@ -1,0 +1,171 @@
+"""`query_projection` (a separate query-side router) and `dense_heads` (kv heads that keep full attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from tiny_models import VOCAB, tiny_model
+from transformers import AttentionInterface
+
+import focus_hf
+from focus_hf.interpret.groups import record_routing
+
+ATOL = 1e-5
+WINDOW, SINKS = 6, 2
+
+
+def focus_model(architecture="llama", **options):
+    config = dict(num_groups=4, group_dim=8, window=WINDOW, top_k=1, sink_tokens=SINKS)
+    config.update(options)
+    model = get_peft_model(tiny_model(architecture), focus_hf.FocusConfig(**config)).eval()
+    # A query router unlike the key router, so that probes and own groups really disagree.
+    generator = torch.Generator().manual_seed(5)
+    for layer in focus_hf.focus_layers(model):
+        for weight in layer.focus_query_proj.values():
+            weight.data = torch.randn(weight.shape, generator=generator)
+    return model
+
+
+def tokens(batch=1, seq=40, seed=1):
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def looped_reference(query, key, value, probes, own, dense_kv=()):
+    """Attention one (query, head) at a time from the rule: j's own group among i's probes, local, sink or dense."""
+    batch, heads, seq, dim = query.shape
+    repeats = heads // key.shape[1]
+    output = torch.empty(batch, seq, heads, dim)
+    for b in range(batch):
+        for i in range(seq):
+            for h in range(heads):
+                allowed = torch.zeros(seq, dtype=torch.bool)
+                for j in range(i + 1):
+                    allowed[j] = (
+                        h // repeats in dense_kv
+                        or i - j <= WINDOW
+                        or j < SINKS
+                        or bool((probes[b, i] == own[b, j]).any())
+                    )
+                logits = (key[b, h // repeats] @ query[b, h, i]) * dim**-0.5
+                weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=0)
+                output[b, i, h] = weights @ value[b, h // repeats]
+    return output
+
+
+def run_capturing(model, ids):
+    """One forward; per layer the attention's (query, key, value, output) and the recorded routing."""
+    captured = {}
+    original = AttentionInterface._global_mapping["focus"]
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        output, weights = original(module, query, key, value, attention_mask, **kwargs)
+        captured[module.layer_idx] = (query, key, value, output)
+        return output, weights
+
+    AttentionInterface._global_mapping["focus"] = spy
+    try:
+        with torch.no_grad(), record_routing(model) as recorder:
+            logits = model(input_ids=ids).logits
+    finally:
+        AttentionInterface._global_mapping["focus"] = original
+    return logits, captured, recorder.groups(), recorder.key_groups()
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("dense_heads", [None, [[0, 1]], [[0, 0], [1, 1]]])
+def test_query_router_and_dense_heads_equal_looped_reference(backend, top_k, dense_heads):
+    model = focus_model(top_k=top_k, query_projection=True, dense_heads=dense_heads)
+    focus_hf.set_routing(model, "hard", backend=backend)
+    _, captured, probes, own = run_capturing(model, tokens())
+    assert any(bool((probes[layer][..., 0] != own[layer]).any()) for layer in own), "query router never differs"
+    for layer, (query, key, value, output) in captured.items():
+        dense_kv = tuple(head for index, head in (dense_heads or []) if index == layer)
+        expected = looped_reference(query, key, value, probes[layer], own[layer], dense_kv)
+        torch.testing.assert_close(output, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_all_heads_dense_equals_base(mode):
+    ids = tokens(batch=2, seq=48)
+    model = focus_model(dense_heads=[[layer, head] for layer in range(2) for head in range(2)])
+    focus_hf.set_routing(model, mode)
+    torch.testing.assert_close(model(input_ids=ids).logits, tiny_model("llama")(ids).logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_query_router_padded_batch_equals_samples_alone(side):
+    model = focus_model(top_k=2, query_projection=True, dense_heads=[[1, 0]])
+    focus_hf.set_routing(model, "hard")
+    samples = [tokens(seq=48, seed=3)[0], tokens(seq=31, seed=4)[0]]
+    ids = torch.zeros(2, 48, dtype=torch.long)
+    mask = torch.zeros(2, 48, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        span = slice(48 - len(sample), 48) if side == "left" else slice(0, len(sample))
+        ids[row, span], mask[row, span] = sample, 1
+    batched = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    for row, sample in enumerate(samples):
+        torch.testing.assert_close(
+            batched[row, mask[row].bool()], model(input_ids=sample[None]).logits[0], atol=ATOL, rtol=0
+        )
+
+
+def test_query_router_generate_with_cache_equals_recomputation():
+    model = focus_model(top_k=2, query_projection=True, dense_heads=[[0, 1]])
+    focus_hf.set_routing(model, "hard")
+    prompt = tokens(seq=30)
+    generated = model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            next_token = model(input_ids=sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, next_token], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+def test_causal_with_query_router():
+    model = focus_model(top_k=2, query_projection=True)
+    for mode in ("hard", "soft"):
+        focus_hf.set_routing(model, mode)
+        ids = tokens(seq=48)
+        changed = ids.clone()
+        changed[:, 31:] = (changed[:, 31:] + 1) % VOCAB
+        first, second = model(input_ids=ids).logits, model(input_ids=changed).logits
+        torch.testing.assert_close(first[:, :31], second[:, :31], atol=ATOL, rtol=0)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = focus_model(top_k=2, query_projection=True, dense_heads=[[1, 1]])
+    focus_hf.set_routing(model, "hard")
+    ids = tokens(seq=48)
+    expected = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_model("llama"), tmp_path).eval()
+    assert loaded.peft_config["default"].query_projection is True
+    assert loaded.peft_config["default"].dense_heads == [[1, 1]]
+    focus_hf.set_routing(loaded, "hard")
+    torch.testing.assert_close(loaded(input_ids=ids).logits, expected, atol=0, rtol=0)
+
+
+def test_weights_with_a_query_router_need_the_option(tmp_path):
+    model = focus_model(query_projection=True)
+    model.save_pretrained(tmp_path)
+    config = tmp_path / "adapter_config.json"
+    config.write_text(config.read_text().replace('"query_projection": true', '"query_projection": false'))
+    with pytest.raises(focus_hf.AdapterFileError, match="query_projection"):
+        PeftModel.from_pretrained(tiny_model("llama"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        (dict(dense_heads=[[0]]), "dense_heads"),
+        (dict(dense_heads=[[0, -1]]), "dense_heads"),
+        (dict(dense_heads="0,1"), "dense_heads"),
+        (dict(query_projection="yes"), "query_projection"),
+    ],
+)
+def test_bad_options_are_refused(options, field):
+    with pytest.raises(focus_hf.FocusConfigError, match=field):
+        focus_hf.FocusConfig(**options)
