@@ -139,6 +139,42 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             )
         return state
 
+    def routing_scores(self, adapter_name: str, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Key-side scores [batch, seq, K] and, with a query router, query-side scores (else None), both / tau."""
+        settings = self.focus_settings[adapter_name]
+        centroids = self.focus_centroids[adapter_name]
+        scores = routing_scores(hidden, self.focus_proj[adapter_name], centroids, settings.temperature)
+        query_scores = None
+        if adapter_name in self.focus_query_proj:
+            query_scores = routing_scores(hidden, self.focus_query_proj[adapter_name], centroids, settings.temperature)
+        return scores, query_scores
+
+    def route_tokens(
+        self,
+        adapter_name: str,
+        hidden: torch.Tensor,
+        valid: Optional[torch.Tensor] = None,
+        state: Optional[RoutingState] = None,
+        top_k: Optional[int] = None,
+    ) -> tuple[TokenRouting, RoutingState]:
+        """Route `hidden` [batch, seq, hidden_size] with `adapter_name`, after `state` (None: a fresh sequence)."""
+        settings = self.focus_settings[adapter_name]
+        batch, seq = hidden.shape[:2]
+        if valid is None:
+            valid = torch.ones(batch, seq, dtype=torch.bool, device=hidden.device)
+        if state is None:
+            state = RoutingState.empty(batch, settings.sinkhorn_iterations, settings.num_groups, hidden.device)
+        scores, query_scores = self.routing_scores(adapter_name, hidden)
+        return route_tokens(
+            scores,
+            valid,
+            state,
+            iterations=settings.sinkhorn_iterations,
+            top_k=top_k or self.top_k_override or settings.top_k,
+            sink_tokens=settings.sink_tokens,
+            query_scores=query_scores,
+        )
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         adapter_name = self._active_router()
         if adapter_name is None:
@@ -150,23 +186,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         cache = kwargs.get("past_key_values")
         state = self._routing_state(cache, adapter_name, batch, settings, hidden.device)
         valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device)
-        scores = routing_scores(
-            hidden, self.focus_proj[adapter_name], self.focus_centroids[adapter_name], settings.temperature
-        )
-        query_scores = None
-        if adapter_name in self.focus_query_proj:
-            query_scores = routing_scores(
-                hidden, self.focus_query_proj[adapter_name], self.focus_centroids[adapter_name], settings.temperature
-            )
-        queries, keys = route_tokens(
-            scores,
-            valid,
-            state,
-            iterations=settings.sinkhorn_iterations,
-            top_k=top_k,
-            sink_tokens=settings.sink_tokens,
-            query_scores=query_scores,
-        )
+        queries, keys = self.route_tokens(adapter_name, hidden, valid, state, top_k)
         if cache is not None:
             if not hasattr(cache, _CACHE_ATTRIBUTE):
                 setattr(cache, _CACHE_ATTRIBUTE, {})
