@@ -57,11 +57,11 @@ def expected_router_shapes(config: FocusConfig, targets: dict[str, nn.Module]) -
 
 def use_focus_attention(model: nn.Module) -> None:
     """Point every routed module's config (and the model's) at the Focus attention function."""
-    for config in _attention_configs(model):
+    for config in attention_configs(model):
         config._attn_implementation = ATTENTION_NAME
 
 
-def _attention_configs(model: nn.Module) -> list:
+def attention_configs(model: nn.Module) -> list:
     """The distinct config objects the routed attention modules (and the model's mask builder) read."""
     configs = {
         id(layer.base_layer.config): layer.base_layer.config
@@ -147,7 +147,7 @@ class FocusModel(BaseTuner):
         if merge:
             self.merge_and_unload()
         layers = [(name, module) for name, module in self.model.named_modules() if isinstance(module, FocusLayer)]
-        configs = _attention_configs(self.model)
+        configs = attention_configs(self.model)
         for name, layer in layers:
             parent_name, _, child_name = name.rpartition(".")
             setattr(self.model.get_submodule(parent_name), child_name, layer.base_layer)
