@@ -55,6 +55,26 @@ def as_bool_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tenso
     return attention_mask > torch.finfo(attention_mask.dtype).min / 2
 
 
+def is_causal_padding_mask(mask: Optional[torch.Tensor], q_len: int, kv_len: int) -> bool:
+    """Whether a boolean mask [batch, 1, q, kv] is plain causal + key padding (what the fast paths assume).
+
+    The fast paths read only the key padding from the model's mask (the last query's row). Any other mask - a
+    block-diagonal mask of several packed documents, a sliding window, a custom 4D mask - must run where the
+    mask is applied in full. Rows of padding queries (hidden from themselves) are ignored: their output is
+    meaningless anyway.
+    """
+    if mask is None:
+        return True
+    if mask.shape[1] != 1 or mask.shape[-2:] != (q_len, kv_len):
+        return False
+    query_positions, key_positions = causal_positions(q_len, kv_len, mask.device)
+    causal = pair_distance(query_positions, key_positions) >= 0
+    key_valid = mask[:, 0, -1, :]
+    expected = causal[None] & key_valid[:, None, :]
+    real_query = mask[:, 0, torch.arange(q_len, device=mask.device), query_positions]
+    return bool(((mask[:, 0] == expected) | ~real_query[:, :, None]).all())
+
+
 def causal_positions(q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute positions of queries and keys when the keys are the last `kv_len` tokens, queries the last `q_len`."""
     keys = torch.arange(kv_len, device=device)
@@ -70,10 +90,11 @@ def base_attention(
     dropout: float = 0.0,
     scaling: Optional[float] = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Unrestricted attention, as the base model computes it (SDPA, or the dense path when SDPA cannot)."""
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Unrestricted attention, as the base model computes it (SDPA, or the dense path when SDPA cannot: soft-capped
+    logits, or `output_attentions=True`, whose weights SDPA does not return)."""
     softcap = kwargs.get("softcap")
-    if softcap is None:
+    if softcap is None and not kwargs.get("output_attentions"):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -82,7 +103,10 @@ def base_attention(
         query_positions, key_positions = causal_positions(query.shape[2], key.shape[2], query.device)
         allowed = (pair_distance(query_positions, key_positions) >= 0)[None, None]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return dense_attention(query, key, value, allowed, scaling=scaling, softcap=softcap, dropout=dropout), None
+    output, weights = dense_attention(
+        query, key, value, allowed, scaling=scaling, softcap=softcap, dropout=dropout, return_weights=True
+    )
+    return output, weights if kwargs.get("output_attentions") else None
 
 
 def focus_attention_forward(
@@ -94,7 +118,7 @@ def focus_attention_forward(
     dropout: float = 0.0,
     scaling: Optional[float] = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Attention with the Focus pattern of `module._focus_routing` (transformers' attention-function signature).
 
     Shapes follow transformers: query [batch, heads, q, dim], key/value [batch, kv_heads, kv, dim] (GQA not
@@ -134,13 +158,16 @@ def _split_dense_heads(module, routing, query, key, value, attention_mask, dropo
         q_index = (kv_index[:, None] * per_kv + torch.arange(per_kv, device=query.device)).flatten()
         sub = (query.index_select(1, q_index), key.index_select(1, kv_index), value.index_select(1, kv_index))
         if heads is dense:
-            out, _ = base_attention(module, *sub, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            part = base_attention(module, *sub, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         else:
-            out, _ = _routed_attention(module, routing, *sub, attention_mask, dropout, scaling, kwargs)
-        parts.append(out)
+            part = _routed_attention(module, routing, *sub, attention_mask, dropout, scaling, kwargs)
+        parts.append(part)
         order.append(q_index)
     inverse = torch.argsort(torch.cat(order))
-    return torch.cat(parts, dim=2).index_select(2, inverse), None
+    weights = None
+    if kwargs.get("output_attentions"):
+        weights = torch.cat([part_weights for _, part_weights in parts], dim=1).index_select(1, inverse)
+    return torch.cat([out for out, _ in parts], dim=2).index_select(2, inverse), weights
 
 
 def _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):
@@ -154,8 +181,16 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     # Soft-capped logits (Gemma 2), attention dropout and gradients exist only in the reference path: the fast
     # path's kernels ignore the gradient of the log-sum-exp they return, which its merge depends on.
+    # `output_attentions=True` needs the weights, which only the reference path forms.
     needs_grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value))
-    fast = routing.backend != "reference" and kwargs.get("softcap") is None and dropout == 0.0 and not needs_grad
+    output_attentions = bool(kwargs.get("output_attentions"))
+    fast = (
+        routing.backend != "reference"
+        and kwargs.get("softcap") is None
+        and dropout == 0.0
+        and not needs_grad
+        and not output_attentions
+    )
     if routing.mode == "hard" and fast:
         output = fast_hard_attention(
             query,
@@ -169,7 +204,10 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             window=routing.window,
             scaling=scaling,
             backend=routing.backend,
-            mask_is_padding=kwargs.get("sliding_window") is None,
+            # A mask that is more than causal + padding (sliding window, packed documents, any custom 4D mask)
+            # runs as one dense masked call that applies it in full.
+            mask_is_padding=kwargs.get("sliding_window") is None
+            and is_causal_padding_mask(base_allowed, q_len, kv_len),
         )
         return output, None
     query_positions = torch.arange(keys.seen - q_len, keys.seen, device=query.device)
@@ -197,7 +235,15 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             routing.window,
             routing.gate_floor,
         )[:, None]
-    output = dense_attention(
-        query, key, value, allowed, scaling=scaling, bias=bias, softcap=kwargs.get("softcap"), dropout=dropout
+    output, weights = dense_attention(
+        query,
+        key,
+        value,
+        allowed,
+        scaling=scaling,
+        bias=bias,
+        softcap=kwargs.get("softcap"),
+        dropout=dropout,
+        return_weights=True,
     )
-    return output, None
+    return output, weights if output_attentions else None

@@ -18,7 +18,8 @@ def dense_attention(
     bias: Optional[torch.Tensor] = None,
     softcap: Optional[float] = None,
     dropout: float = 0.0,
-) -> torch.Tensor:
+    return_weights: bool = False,
+):
     """Attention over explicitly allowed pairs.
 
     Args:
@@ -30,10 +31,11 @@ def dense_attention(
         bias: optional additive float term on the logits, broadcastable to [batch, heads, q, kv].
         softcap: optional logit soft-capping (Gemma 2): tanh(s / cap) * cap before the bias.
         dropout: dropout probability on the attention weights.
+        return_weights: also return the attention weights [batch, heads, q, kv] (`output_attentions=True`).
 
     Returns:
-        [batch, q, heads, head_dim]. A query with no allowed key gets a uniform average (finite, meaningless):
-        such rows only occur at padding positions.
+        [batch, q, heads, head_dim] (and the weights with `return_weights`). A query with no allowed key gets a
+        uniform average (finite, meaningless): such rows only occur at padding positions.
     """
     repeats = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(repeats, dim=1)
@@ -48,4 +50,5 @@ def dense_attention(
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
     if dropout > 0.0:
         weights = F.dropout(weights, p=dropout, training=True)
-    return (weights @ value).transpose(1, 2).contiguous()
+    output = (weights @ value).transpose(1, 2).contiguous()
+    return (output, weights) if return_weights else output
