@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -36,6 +38,57 @@ class RouterSettings:
     @classmethod
     def from_config(cls, config: FocusConfig) -> "RouterSettings":
         return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+
+def _select_samples(state: RoutingState, index: torch.Tensor) -> RoutingState:
+    """`state` with its samples (dim 0 of every tensor) taken at `index`."""
+    index = index.to(state.valid_count.device)
+    return dataclasses.replace(
+        state,
+        valid_count=state.valid_count.index_select(0, index),
+        column_lse=state.column_lse.index_select(0, index),
+        key_probs=state.key_probs.index_select(0, index),
+        key_groups=state.key_groups.index_select(0, index),
+        key_sink=state.key_sink.index_select(0, index),
+    )
+
+
+def _attach_routing_states(cache: Any) -> dict:
+    """The routing states riding on `cache`, created on first use.
+
+    The states are per sample, like the cache's keys and values, so every batch reshuffle the cache does
+    (beam search's `reorder_cache`, contrastive search's `batch_repeat_interleave` / `batch_select_indices`)
+    is applied to them too: the cache's own methods are wrapped on this instance. Cropping (assisted decoding)
+    cannot be followed (the Sinkhorn column sums of the shorter prefix are gone); the next forward call then
+    refuses to run rather than route from a stale state.
+    """
+    states = getattr(cache, _CACHE_ATTRIBUTE, None)
+    if states is not None:
+        return states
+    states = {}
+    setattr(cache, _CACHE_ATTRIBUTE, states)
+
+    def follow(method_name: str, index_of: Callable[..., torch.Tensor]) -> None:
+        original = getattr(cache, method_name, None)
+        if original is None:
+            return
+
+        @functools.wraps(original)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            for key, state in list(states.items()):
+                states[key] = _select_samples(state, index_of(state, *args, **kwargs))
+            return result
+
+        setattr(cache, method_name, wrapped)
+
+    follow("reorder_cache", lambda state, beam_idx: beam_idx)
+    follow("batch_select_indices", lambda state, indices: indices)
+    follow(
+        "batch_repeat_interleave",
+        lambda state, repeats: torch.arange(state.valid_count.shape[0]).repeat_interleave(repeats),
+    )
+    return states
 
 
 def query_validity(
@@ -135,7 +188,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             raise FocusRuntimeError(
                 f"The KV cache holds {cached_tokens} tokens but the Focus router of layer {self.layer_index} has "
                 f"routed {0 if state is None else state.seen}: the cache was filled without this adapter, or "
-                "cropped/reordered (beam search, assisted decoding), which Focus does not support yet."
+                "cropped (assisted decoding), which Focus does not support: generate without an assistant model."
             )
         return state
 
@@ -188,14 +241,20 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device)
         queries, keys = self.route_tokens(adapter_name, hidden, valid, state, top_k)
         if cache is not None:
-            if not hasattr(cache, _CACHE_ATTRIBUTE):
-                setattr(cache, _CACHE_ATTRIBUTE, {})
-            getattr(cache, _CACHE_ATTRIBUTE)[(adapter_name, self.layer_index)] = keys
+            _attach_routing_states(cache)[(adapter_name, self.layer_index)] = keys
         for observer in self.routing_observers:
             observer(self, queries)
         mode = self.mode_override or settings.routing_mode
         if mode == "auto":
             mode = "soft" if self.training else "hard"
+        if mode == "hard" and self.training and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
+            raise FocusRuntimeError(
+                f"Training in hard routing mode (layer {self.layer_index}): hard routing picks groups with an "
+                "argmax, which is not differentiable, so the routers would get no gradient (torch would report "
+                "that the loss 'does not require grad'). Train in soft mode - `set_routing(model, 'soft')`, or "
+                "'auto', which is soft in train mode - or with the distillation objective; switch to hard mode "
+                "for inference after `model.eval()`."
+            )
         routing = LayerRouting(
             mode=mode,
             backend=self.backend,
