@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -12,6 +13,21 @@ from peft.config import PeftConfig
 from focus_hf.defaults import FOCUS_DEFAULTS, ROUTING_MODES
 from focus_hf.errors import FocusConfigError
 from focus_hf.tuner.peft_type import FOCUS_PEFT_TYPE
+from focus_hf.tuner.targets import check_target_modules
+
+# Accepted range of each numeric option, inclusive. The upper bounds are far above any useful value and keep a
+# forward's cost bounded; temperature and gate_floor are bounded away from 0 so that scores and log-gates stay finite.
+FIELD_RANGES: dict[str, tuple[float, float]] = {
+    "num_groups": (1, 1024),
+    "group_dim": (1, 4096),
+    "window": (0, 1 << 24),
+    "top_k": (1, 1024),
+    "sink_tokens": (0, 4096),
+    "sinkhorn_iterations": (1, 100),
+    "temperature": (1e-3, 1e3),
+    "gate_floor": (1e-12, 1.0),
+}
+_INTEGER_FIELDS = frozenset({"num_groups", "group_dim", "window", "top_k", "sink_tokens", "sinkhorn_iterations"})
 
 
 @dataclass
@@ -81,27 +97,32 @@ class FocusConfig(PeftConfig):
         self.validate()
 
     def validate(self) -> None:
-        """Raise `FocusConfigError` naming the bad field and the accepted range."""
-        positive = {
-            "num_groups": self.num_groups,
-            "group_dim": self.group_dim,
-            "sinkhorn_iterations": self.sinkhorn_iterations,
-        }
-        for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise FocusConfigError(f"FocusConfig.{name} must be a positive integer, got {value!r}.")
-        for name in ("window", "sink_tokens"):
+        """Raise `FocusConfigError` naming the bad field and the accepted range (see `FIELD_RANGES`).
+
+        The ranges keep an adapter from someone else from making a forward take minutes (100,000 Sinkhorn
+        iterations) or return NaN (a temperature of 1e-40); they are checked at creation and again at load.
+        """
+        for name, (low, high) in FIELD_RANGES.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise FocusConfigError(f"FocusConfig.{name} must be an integer >= 0, got {value!r}.")
-        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_groups:
+            if name in _INTEGER_FIELDS:
+                if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                    raise FocusConfigError(
+                        f"FocusConfig.{name} must be an integer in [{low}, {high}], got {value!r}."
+                    )
+            elif (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or not low <= value <= high
+            ):
+                raise FocusConfigError(f"FocusConfig.{name} must be a number in [{low:g}, {high:g}], got {value!r}.")
+        if not self.top_k <= self.num_groups:
             raise FocusConfigError(
                 f"FocusConfig.top_k must be between 1 and num_groups={self.num_groups}, got {self.top_k!r}."
             )
-        if not self.temperature > 0:
-            raise FocusConfigError(f"FocusConfig.temperature must be > 0, got {self.temperature!r}.")
-        if not 0 < self.gate_floor < 1:
-            raise FocusConfigError(f"FocusConfig.gate_floor must be in (0, 1), got {self.gate_floor!r}.")
+        if not self.gate_floor < 1:
+            raise FocusConfigError(f"FocusConfig.gate_floor must be in [1e-12, 1), got {self.gate_floor!r}.")
+        check_target_modules(self.target_modules)
         if self.routing_mode not in ROUTING_MODES:
             raise FocusConfigError(
                 f"FocusConfig.routing_mode must be one of {ROUTING_MODES}, got {self.routing_mode!r}."

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import re
 import sys
+import time
 from typing import Optional, Union
 
+import regex
 from torch import nn
 
-from focus_hf.errors import UnsupportedModelError
+from focus_hf.errors import FocusConfigError, UnsupportedModelError
 
 # Model families whose attention does not go through transformers' attention-function registry: routing them
 # would silently run dense attention, so they are refused by name before anything is touched.
@@ -33,11 +34,45 @@ def is_self_attention(module: nn.Module) -> bool:
     )
 
 
-def _matches(name: str, target_modules: Optional[Union[list[str], str]]) -> bool:
+# A target_modules regex comes from adapter_config.json, possibly someone else's: its matching is bounded by the
+# `regex` package's timeout (catastrophic backtracking such as `(a+)+$` would otherwise hang loading).
+MAX_PATTERN_CHARS = 1000
+REGEX_SECONDS = 1.0
+
+
+def check_target_modules(target_modules: object) -> None:
+    """Refuse a `target_modules` that is neither None, a regex string nor a list of module names."""
+    if target_modules is None:
+        return
+    if isinstance(target_modules, str):
+        if len(target_modules) > MAX_PATTERN_CHARS:
+            raise FocusConfigError(
+                f"FocusConfig.target_modules: a regex of at most {MAX_PATTERN_CHARS} characters, got "
+                f"{len(target_modules)}."
+            )
+        try:
+            regex.compile(target_modules)
+        except regex.error as error:
+            raise FocusConfigError(f"FocusConfig.target_modules is not a valid regex ({error}).") from None
+        return
+    if not isinstance(target_modules, (list, tuple, set)) or not all(isinstance(t, str) for t in target_modules):
+        raise FocusConfigError(
+            "FocusConfig.target_modules must be None, a regex string or a list of module names, "
+            f"got {target_modules!r}."
+        )
+
+
+def _matches(name: str, target_modules: Optional[Union[list[str], str]], deadline: float) -> bool:
     if target_modules is None:
         return True
     if isinstance(target_modules, str):
-        return re.fullmatch(target_modules, name) is not None
+        try:
+            return regex.fullmatch(target_modules, name, timeout=max(deadline - time.monotonic(), 1e-3)) is not None
+        except TimeoutError:
+            raise FocusConfigError(
+                f"FocusConfig.target_modules regex {target_modules[:80]!r} took more than {REGEX_SECONDS:g} s to match "
+                "the model's module names (catastrophic backtracking). Use a simpler pattern or a list of names."
+            ) from None
     return any(name == target or name.endswith("." + target) for target in target_modules)
 
 
@@ -59,11 +94,13 @@ def find_attention_modules(
         )
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    check_target_modules(target_modules)
+    deadline = time.monotonic() + REGEX_SECONDS
     found = {}
     for name, module in model.named_modules():
         if isinstance(module, BaseTunerLayer):
             module = module.get_base_layer()
-        if is_self_attention(module) and _matches(name, target_modules) and not name.endswith(".base_layer"):
+        if is_self_attention(module) and _matches(name, target_modules, deadline) and not name.endswith(".base_layer"):
             found[name] = module
     if not found:
         raise UnsupportedModelError(
