@@ -15,6 +15,7 @@ from torch import nn
 from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
 from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
+from focus_hf.tuner.dispatch import execution_device
 
 _CACHE_ATTRIBUTE = "_focus_routing_states"
 
@@ -137,12 +138,13 @@ class FocusLayer(nn.Module, BaseTunerLayer):
     def update_layer(self, adapter_name: str, config: FocusConfig) -> None:
         """Create the router parameters of `adapter_name` (random init; loading overwrites them)."""
         hidden_size = config.hidden_size
-        base_weight = next(self.base_layer.parameters())
+        # Routers always hold real fp32 values where the wrapped module computes, also when accelerate keeps its
+        # weights on the meta device (offloaded) or the base runs in bf16/fp16 or is quantized.
+        device = execution_device(self.base_layer)
         generator_scale = 1.0 / math.sqrt(hidden_size)
-        projection = torch.randn(hidden_size, config.group_dim, device=base_weight.device) * generator_scale
-        centroids = torch.nn.functional.normalize(
-            torch.randn(config.num_groups, config.group_dim, device=base_weight.device), dim=-1
-        )
+        projection = torch.randn(hidden_size, config.group_dim, device=device) * generator_scale
+        centroids = torch.randn(config.num_groups, config.group_dim, device=device)
+        centroids = torch.nn.functional.normalize(centroids, dim=-1)
         self.focus_proj[adapter_name] = nn.Parameter(projection)
         self.focus_centroids[adapter_name] = nn.Parameter(centroids)
         if config.query_projection:

@@ -11,6 +11,7 @@ from torch import nn
 from focus_hf.attention.function import ATTENTION_NAME
 from focus_hf.files import calling_adapter_folder, validate_adapter_folder
 from focus_hf.tuner.config import FocusConfig, FocusConfigError
+from focus_hf.tuner.dispatch import pin_routers, unpin_routers
 from focus_hf.tuner.layer import FocusLayer
 from focus_hf.tuner.targets import find_attention_modules
 
@@ -110,6 +111,7 @@ class FocusModel(BaseTuner):
             state_dict=state_dict,
         )
         use_focus_attention(model)
+        pin_routers(model)
 
     def _prepare_adapter_config(self, peft_config: FocusConfig, model_config: dict) -> FocusConfig:
         return peft_config
@@ -135,6 +137,11 @@ class FocusModel(BaseTuner):
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
 
+    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
+        # PEFT's version moves the new module to the device of the wrapped module's first weight, which is the meta
+        # device for a layer accelerate offloaded; routers are created where the module computes and stay there.
+        setattr(parent, child_name, new_module)
+
     def merge_and_unload(self, *args, **kwargs) -> nn.Module:
         raise NotImplementedError(
             "Focus routers change which tokens attend to each other; there is no weight to merge. "
@@ -156,4 +163,5 @@ class FocusModel(BaseTuner):
                 config._attn_implementation = layers[0][1].base_attn_implementation
         if hasattr(self.model, "peft_config"):
             del self.model.peft_config
+        unpin_routers(self.model)
         return self.model

@@ -17,11 +17,14 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from focus_hf.attention.function import ATTENTION_NAME, focus_attention_forward
+    from focus_hf.tuner import dispatch
     from focus_hf.tuner.config import FocusConfig
     from focus_hf.tuner.model import FocusModel
 
     if FOCUS_PEFT_TYPE not in PEFT_TYPE_TO_CONFIG_MAPPING:
         register_peft_method(name=PEFT_TYPE_NAME.lower(), config_cls=FocusConfig, model_cls=FocusModel, prefix="focus_")
+    # PeftModel.from_pretrained on a base dispatched with disk/CPU offload (device_map="auto").
+    dispatch.install()
     AttentionInterface.register(ATTENTION_NAME, focus_attention_forward)
     # The attention function decodes padding from the same boolean masks SDPA receives.
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
