@@ -36,6 +36,7 @@ from focus_hf.errors import (
 if TYPE_CHECKING:
     from focus_hf.base_models import load_model_and_tokenizer
     from focus_hf.interpret.groups import group_assignments, record_routing
+    from focus_hf.sizing import adapter_size
     from focus_hf.tuner.config import FocusConfig
     from focus_hf.tuner.controls import focus_layers, set_routing
     from focus_hf.tuner.model import FocusModel
@@ -51,6 +52,7 @@ _LAZY = {
     "group_assignments": "focus_hf.interpret.groups",
     "record_routing": "focus_hf.interpret.groups",
     "load_model_and_tokenizer": "focus_hf.base_models",
+    "adapter_size": "focus_hf.sizing",
 }
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "group_assignments",
     "record_routing",
     "load_model_and_tokenizer",
+    "adapter_size",
     "FocusError",
     "FocusConfigError",
     "UnsupportedModelError",
