@@ -260,3 +260,72 @@ def token_blocks(
     if needed is not None:
         tokens = tokens[:needed]
     return tokens.unfold(0, seq_len, stride).contiguous()
+
+
+# Kinds of facts the retrieval documents hide. The benchmark's passkey prompts ("the pass key is ...") are
+# deliberately not among them: a router must learn retrieval in general, not one phrasing.
+RETRIEVAL_FACTS = (
+    "access code",
+    "secret number",
+    "room number",
+    "order number",
+    "ticket number",
+    "account pin",
+    "vault combination",
+    "magic number",
+    "locker number",
+    "reference code",
+)
+
+
+def retrieval_documents(
+    tokenizer: Any,
+    filler_texts: Sequence[str],
+    seq_len: int,
+    count: int,
+    *,
+    facts_per_document: int = 4,
+    seed: int = 0,
+) -> list[torch.LongTensor]:
+    """Synthetic long-range retrieval texts of exactly `seq_len` tokens, for router distillation.
+
+    Each document is real filler text (windows of `filler_texts`) with `facts_per_document` facts ("The access
+    code is 48213. ...") inserted at random depths, and ends by asking for every fact and answering it, so the
+    model's attention at the end reaches back to the facts.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        filler_texts: documents to take the filler from (e.g. the training split of the corpus).
+        seq_len: tokens per document.
+        count: number of documents.
+        facts_per_document: facts hidden in each document.
+        seed: makes the documents reproducible.
+
+    Returns:
+        `count` LongTensors of shape [seq_len].
+    """
+    import random
+
+    rng = random.Random(seed)
+    filler = torch.cat([torch.tensor(ids, dtype=torch.long) for ids in _encode(tokenizer, filler_texts) if ids])
+    if len(filler) < seq_len:
+        raise ValueError(f"the filler texts give {len(filler)} tokens, fewer than seq_len={seq_len}")
+    documents = []
+    for _ in range(count):
+        names = rng.sample(RETRIEVAL_FACTS, k=min(facts_per_document, len(RETRIEVAL_FACTS)))
+        facts = [(name, str(rng.randrange(10000, 99999))) for name in names]
+        needles = [_encode(tokenizer, [f" The {n} is {v}. Remember it. {v} is the {n}. "])[0] for n, v in facts]
+        questions = _encode(tokenizer, ["".join(f" What is the {n}? The {n} is {v}." for n, v in facts)])[0]
+        budget = seq_len - len(questions) - sum(len(n) for n in needles)
+        if budget < len(needles):
+            raise ValueError(f"seq_len={seq_len} is too short for {len(needles)} facts and their questions")
+        start = rng.randrange(0, len(filler) - budget + 1)
+        text = filler[start : start + budget].tolist()
+        cuts = sorted(rng.randrange(0, budget) for _ in needles)
+        pieces, previous = [], 0
+        for cut, needle in zip(cuts, needles):
+            pieces += text[previous:cut] + needle
+            previous = cut
+        pieces += text[previous:] + questions
+        documents.append(torch.tensor(pieces[:seq_len], dtype=torch.long))
+    return documents

@@ -5,10 +5,16 @@ from pathlib import Path
 # Telemetry would reach the real Hub; the Hub tests point the client at a local server (tests/hub_server.py).
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+import random
+
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import tiny_model  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 import focus_hf  # noqa: E402,F401  registers the adapter type before any test builds a model
 
@@ -17,3 +23,35 @@ import focus_hf  # noqa: E402,F401  registers the adapter type before any test b
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny llama checkpoint + word-level tokenizer in a folder (what --model accepts)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {"[UNK]": 0, "<pad>": 1, "<eos>": 2, **{word: i + 3 for i, word in enumerate(WORDS)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]", pad_token="<pad>"
+    )
+    tiny_model("llama").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    # Word bigrams with structure (each word mostly followed by one of two successors) so that there is something
+    # to learn; 4,000 words give ~110 training and ~12 held-out blocks of 32 tokens.
+    rng = random.Random(0)
+    words, current = [], 0
+    for _ in range(4000):
+        words.append(WORDS[current])
+        current = (current * 7 + rng.choice((1, 2))) % len(WORDS)
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(" ".join(words), encoding="utf-8")
+    return path

@@ -10,13 +10,10 @@ import importlib.util
 import json
 import logging
 import math
-import random
 
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
-from tiny_models import tiny_model
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
 import focus_hf
@@ -26,42 +23,12 @@ from focus_hf.training import GroupBalanceCallback, dominance, train_adapter
 from focus_hf.tuner.controls import focus_layers
 
 SEQ_LEN = 32
-WORDS = [f"w{i}" for i in range(60)]
 
 
 def make_config(**overrides) -> focus_hf.FocusConfig:
     options = dict(num_groups=4, group_dim=8, window=8, top_k=2, sink_tokens=2)
     options.update(overrides)
     return focus_hf.FocusConfig(**options)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny llama checkpoint + word-level tokenizer in a folder (what --model accepts)."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    vocab = {"[UNK]": 0, "<pad>": 1, "<eos>": 2, **{word: i + 3 for i, word in enumerate(WORDS)}}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]", pad_token="<pad>"
-    )
-    tiny_model("llama").save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    # Word bigrams with structure (each word mostly followed by one of two successors) so that there is something
-    # to learn; 4,000 words give ~110 training and ~12 held-out blocks of 32 tokens.
-    rng = random.Random(0)
-    words, current = [], 0
-    for _ in range(4000):
-        words.append(WORDS[current])
-        current = (current * 7 + rng.choice((1, 2))) % len(WORDS)
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(" ".join(words), encoding="utf-8")
-    return path
 
 
 def load_tiny(tiny_dir):
@@ -310,7 +277,7 @@ def cli_train(tiny_dir, text_file, out, *extra):
             "--heldout-fraction",
             "0.2",
             "--no-progress",
-            *extra,
+            *(extra if "--objective" in extra else ("--objective", "lm", *extra)),
         ]
     )
 

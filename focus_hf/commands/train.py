@@ -47,8 +47,20 @@ def resume_config(out: Path, config: FocusConfig) -> FocusConfig:
     return saved
 
 
+OBJECTIVE_DEFAULTS = {
+    "distill": {"steps": 100, "seq_len": 4096, "lr": 0.01},
+    "lm": {"steps": 200, "seq_len": 512, "lr": 5e-3},
+}
+
+
 def train(args: argparse.Namespace) -> dict:
     """Run the training the parsed `args` describe; returns the training log."""
+    objective = getattr(args, "objective", "lm")
+    for name, value in OBJECTIVE_DEFAULTS[objective].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if objective == "distill":
+        return distill(args)
     import torch
     from peft import get_peft_model
 
@@ -92,12 +104,90 @@ def train(args: argparse.Namespace) -> dict:
     return log
 
 
+def distill(args: argparse.Namespace) -> dict:
+    """`--objective distill`: fit every router to the base model's own attention, layer by layer."""
+    import dataclasses
+
+    import torch
+    from peft import get_peft_model
+
+    from focus_hf.audit import audit_recall, calibrate_dense_heads
+    from focus_hf.data import retrieval_documents, token_blocks
+    from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
+
+    out = Path(args.out)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_base(args.model)
+    config = dataclasses.replace(focus_config_from_args(args), query_projection=args.query_router)
+    model = get_peft_model(model, config)
+    model.eval()
+    train_texts, heldout_texts = split_corpus(args)
+    sequences = list(token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.sequences))
+    sequences += retrieval_documents(tokenizer, train_texts, args.seq_len, args.retrieval_documents, seed=args.seed)
+    settings = DistillSettings(
+        steps=args.steps,
+        lr=args.lr,
+        top_m=args.top_m,
+        queries_per_sequence=args.queries_per_sequence,
+        balance_weight=args.balance_weight,
+        seed=args.seed,
+    )
+    checkpoints = out / "checkpoints"
+    if checkpoints.exists() and not args.resume:
+        raise SystemExit(f"{checkpoints} holds an earlier run: pass --resume to continue it, or remove it.")
+    results = distill_routers(model, sequences, settings, checkpoint_dir=checkpoints, progress=not args.no_progress)
+    audit = None
+    if args.dense_heads:
+        heldout = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=1)
+        audit = audit_recall(model, heldout, progress=not args.no_progress)
+        pairs = calibrate_dense_heads(audit, args.dense_heads)
+        model.peft_config["default"].dense_heads = pairs
+        for layer in focus_layers_of(model):
+            layer.focus_settings["default"].dense_heads = pairs
+    log = save_distilled_adapter(
+        model,
+        out,
+        results,
+        settings,
+        base_model_name_or_path=args.model,
+        metadata={
+            **split_metadata(args.data, args.heldout_fraction, args.split_seed),
+            "seq_len": args.seq_len,
+            "sequences": args.sequences,
+            "retrieval_documents": args.retrieval_documents,
+            "dense_heads_calibration": None if audit is None else audit.to_dict()["mean"],
+            "command": "focus-hf train --objective distill",
+        },
+    )
+    if args.clean_checkpoints:
+        import shutil
+
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    return log
+
+
+def focus_layers_of(model):
+    from focus_hf.tuner.controls import focus_layers
+
+    return focus_layers(model)
+
+
 def run(args: argparse.Namespace) -> int:
     """`focus-hf train`: train, then print where the adapter went and how the run ended."""
     from focus_hf.files import CHECKPOINTS_DIR
 
     log = train(args)
     out = Path(args.out)
+    if getattr(args, "objective", "lm") == "distill":
+        print(f"\nFocus adapter saved to {out}/ (adapter_config.json, adapter_model.safetensors, training_log.json)")
+        print(
+            f"  attention mass kept by the soft routing (calibration queries beyond the window): "
+            f"{log['kept_before']:.3f} -> {log['kept_after']:.3f}; largest group share {log['largest_group_max']:.2f}"
+        )
+        dense = log["config"].get("dense_heads")
+        if dense:
+            print(f"  dense kv heads: {dense}")
+        return 0
     dominance = log["dominance"][-1]["max"] if log.get("dominance") else float("nan")
     print(f"\nFocus adapter saved to {out}/ (adapter_config.json, adapter_model.safetensors, training_log.json)")
     print(
@@ -139,6 +229,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_data_options(parser)
     parser.add_argument("--out", required=True, help="adapter folder to write (checkpoints go to OUT/checkpoints)")
     add_training_options(parser, steps=200, seq_len=512, lr=5e-3)
+    # The two objectives want different scales; None means "the chosen objective's default" (OBJECTIVE_DEFAULTS).
+    parser.set_defaults(steps=None, seq_len=None, lr=None)
+    distillation = parser.add_argument_group("objective")
+    distillation.add_argument(
+        "--objective",
+        choices=("distill", "lm"),
+        default="distill",
+        help="distill: fit each router to the base model's own attention, layer by layer, keeping the attention "
+        "mass the model uses (default; --steps counts steps per layer); lm: the language-model loss through the "
+        "whole model with transformers' Trainer. Defaults: "
+        + "; ".join(f"{name}: {values}" for name, values in OBJECTIVE_DEFAULTS.items()),
+    )
+    distillation.add_argument(
+        "--no-query-router",
+        dest="query_router",
+        action="store_false",
+        help="distill: queries probe their own group instead of learning a query-side router",
+    )
+    distillation.add_argument(
+        "--sequences", type=int, default=4, help="distill: corpus blocks to calibrate on (default: 4)"
+    )
+    distillation.add_argument(
+        "--retrieval-documents",
+        type=int,
+        default=2,
+        help="distill: synthetic long-range retrieval documents mixed in (default: 2)",
+    )
+    distillation.add_argument(
+        "--dense-heads",
+        type=int,
+        default=0,
+        help="distill: after fitting, keep full attention in this many kv heads, those losing the most mass on a "
+        "held-out block (default: 0)",
+    )
+    distillation.add_argument("--top-m", type=int, default=64, help="distill: distant keys per query kept as target")
+    distillation.add_argument(
+        "--queries-per-sequence", type=int, default=1024, help="distill: sampled queries per sequence (default: 1024)"
+    )
+    distillation.add_argument(
+        "--balance-weight", type=float, default=0.5, help="distill: weight of the group-balance penalty (default: 0.5)"
+    )
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint interval (default: steps / 4)")
     parser.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
