@@ -33,6 +33,10 @@ class FocusRuntimeError(FocusError, RuntimeError):
     """Focus attention was asked to run in a situation it does not support."""
 
 
+class FocusMergeError(FocusError, NotImplementedError):
+    """A Focus adapter cannot be merged into the base weights (it changes the attention pattern, not a weight)."""
+
+
 class BackendUnavailableError(FocusError, RuntimeError):
     """The requested attention backend cannot run here (missing package or device)."""
 
@@ -73,6 +77,7 @@ __all__ = [
     "AdapterFileError",
     "ConfigFormatError",
     "FocusRuntimeError",
+    "FocusMergeError",
     "BackendUnavailableError",
     "MissingModelPackageError",
     "FocusHubError",

@@ -136,8 +136,15 @@ def router_module_name(key: str) -> tuple[str, str]:
     return module.removeprefix("base_model.model."), leaf
 
 
+# Every key PEFT saves starts with this prefix; both PEFT and transformers map only such keys onto the model. A key
+# without it would be skipped silently and its router would keep its random initialisation.
+ADAPTER_KEY_PREFIX = "base_model.model."
+# Router tensors are floating point; anything else (int, bool, complex, fp8, fp4) would be cast silently.
+ROUTER_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
 def validate_adapter_folder(folder: os.PathLike | str, expected: dict[str, dict[str, tuple[int, ...]]]) -> None:
-    """Refuse a folder whose weights are missing, pickled, corrupt, or shaped for another model.
+    """Refuse a folder whose weights are missing, pickled, corrupt, non-finite, or shaped for another model.
 
     Args:
         folder: the adapter folder.
@@ -155,17 +162,63 @@ def validate_adapter_folder(folder: os.PathLike | str, expected: dict[str, dict[
             )
         raise AdapterFileError(f"Missing {WEIGHTS_NAME} in {folder}: the adapter folder is incomplete.")
     tensors = read_safetensors_header(weights)
+    validate_router_tensors(str(weights), tensors, expected, require_prefix=True)
+    from safetensors.torch import load_file
+
+    _check_finite(str(weights), load_file(str(weights)))
+
+
+def validate_adapter_state_dict(state_dict: dict, expected: dict[str, dict[str, tuple[int, ...]]]) -> None:
+    """`validate_adapter_folder` for a state dict handed to `load_adapter(adapter_state_dict=...)`."""
+    if not isinstance(state_dict, dict) or not all(hasattr(v, "dtype") for v in state_dict.values()):
+        raise AdapterFileError("adapter_state_dict must map tensor names to tensors.")
+    names = {
+        "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float64": "F64",
+    }  # fmt: skip
+    tensors = {key: (names.get(str(v.dtype), str(v.dtype)), tuple(v.shape)) for key, v in state_dict.items()}
+    validate_router_tensors("adapter_state_dict", tensors, expected, require_prefix=False)
+    _check_finite("adapter_state_dict", state_dict)
+
+
+def _check_finite(source: str, tensors: dict) -> None:
+    for key, tensor in tensors.items():
+        if not bool(tensor.isfinite().all()):
+            raise AdapterFileError(
+                f"{source}: tensor {key!r} holds NaN or infinite values; refusing to load it (routing would give "
+                "NaN). The adapter is corrupt or was saved after a diverged training run."
+            )
+
+
+def validate_router_tensors(
+    source: str,
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+    expected: dict[str, dict[str, tuple[int, ...]]],
+    *,
+    require_prefix: bool,
+) -> None:
+    """Check tensor names, dtypes and shapes against the router tensors the model expects (`source` names them)."""
     found: dict[str, dict[str, tuple[int, ...]]] = {}
-    for key, (_, shape) in tensors.items():
+    for key, (dtype, shape) in tensors.items():
+        if require_prefix and not key.startswith(ADAPTER_KEY_PREFIX):
+            raise AdapterFileError(
+                f"{source} holds {key!r}, which lacks the {ADAPTER_KEY_PREFIX!r} prefix every PEFT adapter key has: "
+                "it would not be loaded and its router would keep random weights. Save the adapter with "
+                "`save_pretrained`, or rename the keys."
+            )
         module, leaf = router_module_name(key)
         if leaf not in ROUTER_LEAVES:
-            raise AdapterFileError(f"{weights} holds {key!r}, which is not a Focus router tensor; refusing to load it.")
+            raise AdapterFileError(f"{source} holds {key!r}, which is not a Focus router tensor; refusing to load it.")
+        if dtype not in ROUTER_DTYPES:
+            raise AdapterFileError(
+                f"{source}: tensor {key!r} has dtype {dtype}; Focus router tensors are floating point "
+                f"({', '.join(ROUTER_DTYPES)}). Refusing to cast it silently."
+            )
         found.setdefault(module, {})[leaf] = shape
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     if missing or unexpected:
         raise AdapterFileError(
-            f"{weights} routes {len(found)} attention layers, this model has {len(expected)} routable ones"
+            f"{source} routes {len(found)} attention layers, this model has {len(expected)} routable ones"
             f"{'; missing: ' + str(missing[:3]) if missing else ''}"
             f"{'; unknown: ' + str(unexpected[:3]) if unexpected else ''}. "
             "The adapter was made for another base model."
@@ -174,14 +227,14 @@ def validate_adapter_folder(folder: os.PathLike | str, expected: dict[str, dict[
         extra = sorted(set(found[module]) - set(shapes))
         if extra:
             raise AdapterFileError(
-                f"{weights}: {module} holds {extra}, which this FocusConfig does not use (query_projection is off). "
+                f"{source}: {module} holds {extra}, which this FocusConfig does not use (query_projection is off). "
                 "The adapter_config.json does not match the weights."
             )
         for leaf, shape in shapes.items():
             got = found[module].get(leaf)
             if got != shape:
                 raise AdapterFileError(
-                    f"{weights}: {module}.{leaf} has shape {list(got) if got else None}, this model expects "
+                    f"{source}: {module}.{leaf} has shape {list(got) if got else None}, this model expects "
                     f"{list(shape)}. The adapter was made for another base model or another FocusConfig."
                 )
 
@@ -204,12 +257,39 @@ def _loader_source(frame, kind: str) -> tuple[object, dict]:
     # transformers' load_adapter(peft_model_id, ..., adapter_kwargs=..., **kwargs) merges everything into
     # load_config.download_kwargs and pins download_kwargs["revision"] to a commit before loading the config.
     if local.get("adapter_state_dict") is not None:
-        return None, {}
+        return local["adapter_state_dict"], {}
     load_config = local.get("load_config")
     download_kwargs = dict(getattr(load_config, "download_kwargs", None) or {})
     if not download_kwargs:
         download_kwargs = {**(local.get("kwargs") or {}), **(local.get("adapter_kwargs") or {})}
     return local.get("peft_model_id"), download_kwargs
+
+
+def calling_pickle_save() -> bool:
+    """Whether PEFT's `save_pretrained(..., safe_serialization=False)` is running now (it would write a pickle)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "save_pretrained" and frame.f_globals.get("__name__") == "peft.peft_model":
+                return frame.f_locals.get("safe_serialization") is False
+            frame = frame.f_back
+        return False
+    finally:
+        del frame
+
+
+def calling_adapter_state_dict() -> Optional[dict]:
+    """The `adapter_state_dict` handed to transformers' `load_adapter` right now, if any (checked before injection)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if _LOADERS.get((frame.f_globals.get("__name__"), frame.f_code.co_name)) == "transformers":
+                state_dict = frame.f_locals.get("adapter_state_dict")
+                return state_dict if isinstance(state_dict, dict) else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 def calling_adapter_folder() -> Optional[Path]:
@@ -227,6 +307,8 @@ def calling_adapter_folder() -> Optional[Path]:
             kind = _LOADERS.get((frame.f_globals.get("__name__"), frame.f_code.co_name))
             if kind is not None:
                 source, download_kwargs = _loader_source(frame, kind)
+                if isinstance(source, dict):
+                    return None  # a state dict: `calling_adapter_state_dict`
                 break
             frame = frame.f_back
         else:

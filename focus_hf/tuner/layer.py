@@ -14,6 +14,7 @@ from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
 from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
+from focus_hf.errors import AdapterFileError
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.dispatch import execution_device
 
@@ -92,6 +93,18 @@ def _attach_routing_states(cache: Any) -> dict:
     return states
 
 
+def _refuse_pickle_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """State-dict pre-hook: refuse `save_pretrained(safe_serialization=False)` before PEFT writes a pickle."""
+    from focus_hf.files import calling_pickle_save
+
+    if calling_pickle_save():
+        raise AdapterFileError(
+            "save_pretrained(safe_serialization=False) would write adapter_model.bin, a pickle, which Focus refuses "
+            "to load (pickles can run arbitrary code). Save with the default safe_serialization=True "
+            "(adapter_model.safetensors)."
+        )
+
+
 def query_validity(
     attention_mask: Optional[torch.Tensor], batch: int, q_len: int, device: torch.device
 ) -> torch.Tensor:
@@ -133,6 +146,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
         self._active_adapter = adapter_name
+        self.register_state_dict_pre_hook(_refuse_pickle_save)
         self.update_layer(adapter_name, config)
 
     def update_layer(self, adapter_name: str, config: FocusConfig) -> None:
@@ -151,6 +165,15 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             self.focus_query_proj[adapter_name] = nn.Parameter(projection.clone())
         self.focus_settings[adapter_name] = RouterSettings.from_config(config)
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
+
+    def set_adapter(self, adapter_names: str | list[str], inference_mode: bool = False) -> None:
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        if len(names) > 1:
+            raise FocusRuntimeError(
+                f"Focus routes with one adapter at a time; set_adapter({names!r}) would activate {len(names)}. "
+                "Call set_adapter with a single name."
+            )
+        super().set_adapter(adapter_names, inference_mode=inference_mode)
 
     def set_routing(self, mode: Optional[str], top_k: Optional[int], backend: Optional[str]) -> None:
         """Override the routing mode / top-k / backend of every adapter of this layer (None: keep config)."""

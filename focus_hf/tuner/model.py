@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -9,7 +10,13 @@ from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME
-from focus_hf.files import calling_adapter_folder, validate_adapter_folder
+from focus_hf.errors import FocusMergeError, FocusRuntimeError
+from focus_hf.files import (
+    calling_adapter_folder,
+    calling_adapter_state_dict,
+    validate_adapter_folder,
+    validate_adapter_state_dict,
+)
 from focus_hf.tuner.config import FocusConfig, FocusConfigError
 from focus_hf.tuner.dispatch import pin_routers, unpin_routers
 from focus_hf.tuner.layer import FocusLayer
@@ -74,6 +81,23 @@ def attention_configs(model: nn.Module) -> list:
     return list(configs.values())
 
 
+MERGE_MESSAGE = (
+    "A Focus adapter cannot be merged: it changes no weight of the model, it changes which keys each query attends "
+    "to (a learned sparse attention pattern), so there is nothing to fold into the base weights. Keep the adapter "
+    "loaded for sparse inference (model.eval(), then focus_hf.set_routing(model, 'hard')); use `unload()` or "
+    "`disable_adapter()` to get the dense base model back."
+)
+
+
+def check_single_adapter(adapter_name) -> None:
+    """Refuse more than one active Focus adapter at the call (routing runs one adapter at a time)."""
+    if isinstance(adapter_name, (list, tuple)) and len(adapter_name) > 1:
+        raise FocusRuntimeError(
+            f"Focus routes with one adapter at a time; set_adapter({list(adapter_name)!r}) would activate "
+            f"{len(adapter_name)}. Call set_adapter with a single name."
+        )
+
+
 class FocusModel(BaseTuner):
     """Creates a Focus model (learned sparse-attention routers) from a pretrained transformers model.
 
@@ -93,23 +117,36 @@ class FocusModel(BaseTuner):
         low_cpu_mem_usage: bool = False,
         state_dict: Optional[dict[str, torch.Tensor]] = None,
     ) -> None:
-        # Everything that can be wrong with the adapter is checked here, before the first module is replaced.
-        config = self.peft_config[adapter_name]
-        config.validate()
-        targets = find_attention_modules(model, config.target_modules)
-        check_base_model(config, model, targets)
-        folder = calling_adapter_folder()
-        if folder is not None:
-            validate_adapter_folder(folder, expected_router_shapes(config, targets))
-        self._focus_targets = set(targets)
-        self._focus_layer_indices = {name: getattr(m, "layer_idx", i) for i, (name, m) in enumerate(targets.items())}
-        super().inject_adapter(
-            model,
-            adapter_name,
-            autocast_adapter_dtype=autocast_adapter_dtype,
-            low_cpu_mem_usage=low_cpu_mem_usage,
-            state_dict=state_dict,
-        )
+        # Everything that can be wrong with the adapter is checked here, before the first module is replaced; a
+        # failure at any point leaves the model and its adapter registry as they were (`_roll_back`).
+        existed = any(adapter_name in layer.focus_proj for layer in model.modules() if isinstance(layer, FocusLayer))
+        try:
+            config = self.peft_config[adapter_name]
+            config.validate()
+            targets = find_attention_modules(model, config.target_modules)
+            check_base_model(config, model, targets)
+            expected = expected_router_shapes(config, targets)
+            folder = calling_adapter_folder()
+            if folder is not None:
+                validate_adapter_folder(folder, expected)
+            adapter_state_dict = calling_adapter_state_dict()
+            if adapter_state_dict is not None:
+                validate_adapter_state_dict(adapter_state_dict, expected)
+            self._focus_targets = set(targets)
+            self._focus_layer_indices = {
+                name: getattr(m, "layer_idx", i) for i, (name, m) in enumerate(targets.items())
+            }
+            super().inject_adapter(
+                model,
+                adapter_name,
+                autocast_adapter_dtype=autocast_adapter_dtype,
+                low_cpu_mem_usage=low_cpu_mem_usage,
+                state_dict=state_dict,
+            )
+        except BaseException:
+            if not existed:
+                self._roll_back(model, adapter_name)
+            raise
         use_focus_attention(model)
         pin_routers(model)
 
@@ -142,11 +179,48 @@ class FocusModel(BaseTuner):
         # device for a layer accelerate offloaded; routers are created where the module computes and stay there.
         setattr(parent, child_name, new_module)
 
+    def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
+        """Undo a failed injection of `adapter_name`: its parameters, the wrappers it created, its config entry
+        (transformers' `load_adapter` registers it in the model's `peft_config` before injecting)."""
+        for name, layer in list(model.named_modules()):
+            if not isinstance(layer, FocusLayer):
+                continue
+            for attribute in FocusLayer.adapter_layer_names:
+                parameters = getattr(layer, attribute)
+                if adapter_name in parameters:
+                    del parameters[adapter_name]
+            layer.focus_settings.pop(adapter_name, None)
+            if not layer.focus_proj:
+                parent_name, _, child_name = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), child_name, layer.base_layer)
+        peft_config = self.__dict__.get("peft_config")
+        if peft_config is None:
+            peft_config = getattr(model, "peft_config", None)
+        if isinstance(peft_config, dict):
+            peft_config.pop(adapter_name, None)
+
+    def set_adapter(self, adapter_name, inference_mode: bool = False) -> None:
+        check_single_adapter(adapter_name)
+        super().set_adapter(adapter_name, inference_mode=inference_mode)
+
+    @contextlib.contextmanager
+    def _enable_peft_forward_hooks(self, *args, **kwargs):
+        if kwargs.get("adapter_names") is not None:
+            raise FocusRuntimeError(
+                "Focus does not support `adapter_names=[...]` in forward/generate (one adapter per sample): routing "
+                "runs one adapter for the whole batch. Call `model.set_adapter(name)` and run each adapter's "
+                "samples as their own batch."
+            )
+        yield
+
+    def merge_adapter(self, *args, **kwargs) -> None:
+        raise FocusMergeError(MERGE_MESSAGE)
+
+    def _check_merge_allowed(self) -> None:
+        raise FocusMergeError(MERGE_MESSAGE)
+
     def merge_and_unload(self, *args, **kwargs) -> nn.Module:
-        raise NotImplementedError(
-            "Focus routers change which tokens attend to each other; there is no weight to merge. "
-            "Use `unload()` to get the base model back."
-        )
+        raise FocusMergeError(MERGE_MESSAGE)
 
     def _unload_and_optionally_merge(
         self, merge: bool = True, progressbar: bool = False, safe_merge: bool = False, adapter_names=None

@@ -289,7 +289,7 @@ def test_unload_restores_base(saved):
     root, _ = saved
     base_logits = fresh_base(root)(input_ids=ids()).logits
     model = PeftModel.from_pretrained(fresh_base(root), root / "adapter").eval()
-    with pytest.raises(NotImplementedError, match="no weight to merge"):
+    with pytest.raises(NotImplementedError, match="nothing to fold into the base weights"):
         model.merge_and_unload()
     restored = model.unload()
     assert not any(isinstance(m, FocusLayer) for m in restored.modules())
