@@ -17,6 +17,7 @@ COMMAND_MODULES = {
     "inspect": "focus_hf.commands.inspect",
     "train": "focus_hf.commands.train",
     "eval": "focus_hf.commands.eval",
+    "audit": "focus_hf.commands.audit",
     "demo": "focus_hf.commands.demo",
     "bench": "focus_hf.commands.bench",
 }

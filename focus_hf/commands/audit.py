@@ -1,0 +1,77 @@
+"""`focus-hf audit`: how much of the base model's attention mass an adapter's hard pattern keeps, per head."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from focus_hf.commands.common import (
+    add_data_options,
+    add_model_option,
+    base_model_name,
+    load_with_adapter,
+    split_corpus,
+)
+
+
+def audit(args: argparse.Namespace):
+    """Load the model and adapter the parsed `args` name and return `focus_hf.audit.audit_recall`'s result."""
+    from focus_hf.audit import audit_recall
+    from focus_hf.data import token_blocks
+
+    model, tokenizer = load_with_adapter(base_model_name(args.model, args.adapter), args.adapter)
+    model.eval()
+    _, heldout_texts = split_corpus(args)
+    blocks = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.max_blocks)
+    return audit_recall(
+        model, blocks, top_k=args.top_k, queries_per_sequence=args.queries, progress=not args.no_progress
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """`focus-hf audit`: audit, print the table, write JSON / PNG when asked."""
+    result = audit(args)
+    print(result.table())
+    if args.json:
+        if args.json == "-":
+            print(json.dumps(result.to_dict(), indent=1))
+        else:
+            result.save_json(args.json)
+            print(f"JSON written to {args.json}")
+    if args.png:
+        result.save_png(args.png)
+        print(f"heatmap written to {args.png}")
+    if args.dense_heads:
+        from focus_hf.audit import calibrate_dense_heads
+
+        pairs = calibrate_dense_heads(result, args.dense_heads)
+        print(f"\nkv heads losing the most mass (for FocusConfig.dense_heads): {json.dumps(pairs)}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `audit` sub-command."""
+    parser = subparsers.add_parser(
+        "audit",
+        help="measure the attention mass an adapter keeps, per layer and kv head",
+        description="Run the base model on held-out text and report, per layer and kv head, the share of its "
+        "attention mass (queries beyond the window) that the adapter's hard pattern keeps: window + sinks alone, "
+        "the adapter's top-k groups, and an oracle choosing the best k groups given the same key groups.",
+    )
+    add_model_option(parser, default=None)
+    parser.add_argument("--adapter", required=True, help="adapter folder or Hub id")
+    add_data_options(parser)
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per audited block (default: 4096)")
+    parser.add_argument("--max-blocks", type=int, default=1, help="held-out blocks to audit (default: 1)")
+    parser.add_argument("--top-k", type=int, default=None, help="groups probed (default: the adapter's)")
+    parser.add_argument(
+        "--queries", type=int, default=1024, help="random queries beyond the window per block (default: 1024)"
+    )
+    parser.add_argument("--json", nargs="?", const="-", default=None, help="write JSON to a file (or - for stdout)")
+    parser.add_argument("--png", type=Path, default=None, help="write a layer x kv-head heatmap PNG")
+    parser.add_argument(
+        "--dense-heads", type=int, default=0, help="also print the N kv heads that lose the most mass (default: 0)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
