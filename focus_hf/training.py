@@ -282,6 +282,18 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def cpu_only_distributed() -> bool:
+    """Launched as several processes (torchrun / accelerate launch) on a machine without CUDA or XPU.
+
+    transformers' `TrainingArguments` then needs `use_cpu=True` to set up data-parallel training (gloo); without
+    it each process silently trains alone on all the data.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    xpu = getattr(torch, "xpu", None)
+    return not torch.cuda.is_available() and not (xpu is not None and xpu.is_available())
+
+
 def train_adapter(
     model: nn.Module,
     train_blocks: torch.Tensor,
@@ -402,6 +414,9 @@ def train_adapter(
         include_num_input_tokens_seen=True,
         remove_unused_columns=False,
     )
+    if cpu_only_distributed():
+        # Without it, Trainer under torchrun on CPU-only machines runs every process as a separate one-process job.
+        defaults["use_cpu"] = True
     defaults.update(training_args)
     args = TrainingArguments(**defaults)
 

@@ -99,7 +99,7 @@ def train(args: argparse.Namespace) -> dict:
             "command": "focus-hf train",
         },
     )
-    if args.clean_checkpoints:
+    if args.clean_checkpoints and log:  # an empty log: not the main process
         remove_checkpoints(out)
     return log
 
@@ -177,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
     from focus_hf.files import CHECKPOINTS_DIR
 
     log = train(args)
+    if not log:
+        # A process other than the main one of a multi-process launch (torchrun): the main one saved and reports.
+        return 0
     out = Path(args.out)
     if getattr(args, "objective", "lm") == "distill":
         print(f"\nFocus adapter saved to {out}/ (adapter_config.json, adapter_model.safetensors, training_log.json)")
