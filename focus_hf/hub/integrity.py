@@ -14,7 +14,6 @@ import logging
 import re
 from pathlib import Path
 
-import httpx2
 from huggingface_hub import HfApi, RepoFile
 
 logger = logging.getLogger(__name__)
@@ -81,7 +80,7 @@ def load_remote_tree(
             for entry in api.list_repo_tree(repo_id, revision=commit_hash, recursive=True, repo_type="model")
             if isinstance(entry, RepoFile)
         }
-    except (OSError, httpx2.HTTPError):
+    except transport_errors():
         return None
 
 
@@ -134,3 +133,20 @@ def evict_cached_file(entry: Path) -> None:
             entry.unlink()
     except OSError as error:  # pragma: no cover - best effort
         logger.warning("Could not evict corrupt cached file %s: %s", entry, error)
+
+
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """The errors a Hub request can raise: `OSError` (huggingface_hub's `HfHubHTTPError` is one) and the base
+    error of the HTTP client this huggingface_hub version uses (httpx in 1.x, httpx2 later), read from
+    huggingface_hub itself so that focus_hf imports no client of its own."""
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.utils import _http
+
+    errors: list[type[BaseException]] = [OSError, HfHubHTTPError]
+    for client_name in ("httpx2", "httpx", "requests"):
+        client = getattr(_http, client_name, None)
+        for error_name in ("HTTPError", "RequestException", "TransportError"):
+            error = getattr(client, error_name, None)
+            if isinstance(error, type) and issubclass(error, BaseException):
+                errors.append(error)
+    return tuple(errors)

@@ -50,6 +50,18 @@ def _copy_files(snapshot: Path, rel_paths: list[str], out_dir: Path) -> None:
                 os.unlink(tmp)
 
 
+def _remove_stale_files(out_dir: Path, pulled: list[str]) -> None:
+    """Delete the adapter files (`ADAPTER_FILE_PATTERNS`, top level) of `out_dir` that this revision does not have,
+    so that an older pull's chart or page never sits beside the new card. Other files are left alone."""
+    kept = set(pulled)
+    for path in sorted(out_dir.iterdir()):
+        if path.name in kept or path.name.startswith(".") or not (path.is_file() or path.is_symlink()):
+            continue
+        if list(filter_repo_objects([path.name], allow_patterns=list(ADAPTER_FILE_PATTERNS))):
+            logger.info("Removing %s: the pulled revision does not have it.", path)
+            path.unlink()
+
+
 def pull_adapter(
     repo_id: str,
     *,
@@ -76,7 +88,8 @@ def pull_adapter(
     Args:
         repo_id (`str`): ``namespace/name`` (see [`validate_repo_id`]).
         revision (`str`, *optional*): branch, tag or commit sha. Defaults to ``main``.
-        out_dir (`str` or `os.PathLike`, *optional*): if given, the verified files are also copied there
+        out_dir (`str` or `os.PathLike`, *optional*): if given, the verified files are also copied there, and
+            adapter files left there by an older pull that this revision does not have are deleted
             (created if needed, same-named files overwritten) and this folder is returned.
         token (`str` or `bool`, *optional*): Hub token; defaults to the locally saved one.
         local_files_only (`bool`, defaults to `False`): never touch the network, use the cache only.
@@ -175,4 +188,5 @@ def pull_adapter(
         return snapshot
     out_path = Path(out_dir)
     _copy_files(snapshot, wanted, out_path)
+    _remove_stale_files(out_path, wanted)
     return out_path

@@ -10,8 +10,7 @@ import logging
 import os
 from pathlib import Path
 
-import httpx2
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, constants
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, constants
 
 from focus_hf.errors import AdapterFolderError, HubPushError
 from focus_hf.files import (
@@ -27,6 +26,7 @@ from focus_hf.files import (
     read_focus_config,
     read_safetensors_header,
 )
+from focus_hf.hub.integrity import transport_errors
 from focus_hf.hub.repo_ids import COMMIT_SHA_RE, validate_repo_id, validate_revision
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,17 @@ def _collect_adapter_files(adapter_dir: str | os.PathLike[str]) -> dict[str, byt
             "Not pushing %s/: training checkpoints are not part of the adapter (delete the folder once training "
             "is finished, or train with `focus-hf train --clean-checkpoints`).", checkpoints,
         )  # fmt: skip
+    root = folder.resolve()
+    outside = sorted(
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if path.is_symlink() and not path.resolve().is_relative_to(root)
+    )
+    if outside:
+        raise AdapterFolderError(
+            f"Refusing to push {str(folder)!r}: {outside} are symbolic links to files outside the folder. Push "
+            "never follows a link out of the adapter folder; copy the files in if they belong to the adapter."
+        )
     pickles: list[str] = []
     base_weights: list[str] = []
     for path in sorted(folder.rglob("*")):
@@ -96,6 +107,17 @@ def _collect_adapter_files(adapter_dir: str | os.PathLike[str]) -> dict[str, byt
     return files
 
 
+def _remote_adapter_files(api: HfApi, repo_id: str, revision: str) -> list[str]:
+    """Top-level files matching `ADAPTER_FILE_PATTERNS` on `revision` (none when the branch does not exist yet)."""
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    try:
+        names = api.list_repo_files(repo_id, revision=revision, repo_type="model")
+    except RevisionNotFoundError:
+        return []
+    return [name for name in names if "/" not in name and matches_adapter_patterns(name)]
+
+
 def push_adapter(
     adapter_dir: str | os.PathLike[str],
     repo_id: str,
@@ -112,8 +134,10 @@ def push_adapter(
     ``*.json`` / ``*.png`` / ``*.html`` (interpretability files such as ``group_balance.png``) of ``adapter_dir``;
     other files are skipped, and so is the training ``checkpoints/`` folder (with a logged warning).
     The repo is created if needed (an existing repo keeps its visibility), and so is the branch ``revision``.
-    Files identical to the ones already on the branch are not re-uploaded; if nothing changed, no commit is
-    created and the current head is returned. The folder is only read, never modified.
+    The branch mirrors the folder: adapter files (those patterns) on the branch that the folder no longer has
+    are deleted in the same commit; other files of the repo are left alone. Symbolic links out of the folder are
+    refused. Files identical to the ones already on the branch are not re-uploaded; if nothing changed, no
+    commit is created and the current head is returned. The folder is only read, never modified.
 
     Args:
         adapter_dir (`str` or `os.PathLike`): folder written by ``peft_model.save_pretrained``.
@@ -149,8 +173,15 @@ def push_adapter(
         if target != constants.DEFAULT_REVISION and not target.startswith("refs/pr/"):
             step = f"creating branch {target!r}"
             api.create_branch(repo_id, branch=target, repo_type="model", exist_ok=True)
+        step = "listing the files already on the branch"
+        operations: list = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in files.items()]
+        # The repo mirrors the folder: adapter files the folder no longer has (a chart from an earlier push) go.
+        operations += [
+            CommitOperationDelete(path_in_repo=name)
+            for name in _remote_adapter_files(api, repo_id, target)
+            if name not in files
+        ]
         step = "committing"
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in files.items()]
         commit = api.create_commit(
             repo_id,
             operations,
@@ -159,7 +190,7 @@ def push_adapter(
             revision=revision,
             create_pr=create_pr,
         )
-    except (OSError, httpx2.HTTPError) as error:  # HfHubHTTPError is an OSError
+    except transport_errors() as error:
         status = getattr(getattr(error, "response", None), "status_code", None)
         answer = f"HTTP {status}" if status is not None else type(error).__name__
         raise HubPushError(

@@ -184,11 +184,12 @@ def test_push_then_pull_round_trip(hub_server, adapter, tmp_path):
     assert hub_server.list_files(REPO) == sorted([".gitattributes", *ADAPTER_FILES])  # notes.txt skipped
     assert all(r.authorized for r in hub_server.requests)  # the token was sent with every request
 
+    trees_listed_by_push = len(hub_server.requests_to("tree"))  # the push lists the branch to mirror it
     pulled = pull_adapter(REPO, cache_dir=tmp_path / "fresh-cache")
     assert pulled.parent.name == "snapshots" and pulled.name == commit.oid
     assert_same_files(pulled, adapter)
     # Checksums came from the tree listing snapshot_download cached (trees/<commit>.json), not a second listing.
-    assert len(hub_server.requests_to("tree")) == 1
+    assert len(hub_server.requests_to("tree")) == trees_listed_by_push + 1
     assert all(r.route is not None and r.status < 400 for r in hub_server.requests)  # no unknown/failed calls
 
     out = pull_adapter(REPO, cache_dir=tmp_path / "fresh-cache", out_dir=tmp_path / "out")
