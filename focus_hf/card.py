@@ -214,6 +214,13 @@ def _interpretability_context(data: Any) -> Optional[dict]:
     return {"summary": str(summary) if summary else "", "rows": rows, "total": total}
 
 
+def python_string_literal(value: Any):
+    """`value` as a Python string literal for the card's code snippet (quotes, backslashes, newlines escaped)."""
+    import markupsafe
+
+    return markupsafe.Markup(json.dumps(str(value), ensure_ascii=True))
+
+
 def render_model_card(
     adapter_dir: str | os.PathLike,
     *,
@@ -230,6 +237,7 @@ def render_model_card(
     in one line how to get the chart.
     """
     import jinja2
+    import markupsafe
     from huggingface_hub import ModelCard, ModelCardData
 
     from focus_hf.files import adapter_summary
@@ -278,7 +286,14 @@ def render_model_card(
     if context["interpretability"] and balance_chart is None and not matplotlib_available():
         context["balance_chart_note"] = (f"The group-balance chart (`{BALANCE_CHART_NAME}`) is left out: matplotlib "
                                          f"is not installed (`{MATPLOTLIB_HINT}`, then rerun `focus-hf card`).")  # fmt: skip  # noqa: E501
-    environment = jinja2.Environment(keep_trailing_newline=True, undefined=jinja2.ChainableUndefined)
+    # Every value is escaped (config values come from the adapter folder, possibly someone else's): HTML special
+    # characters everywhere, and values in the usage snippet are written as Python string literals. Only the YAML
+    # block that huggingface_hub serialised is inserted as is.
+    context["card_data"] = markupsafe.Markup(context["card_data"])
+    environment = jinja2.Environment(
+        keep_trailing_newline=True, undefined=jinja2.ChainableUndefined, autoescape=True
+    )
+    environment.filters["python_string"] = python_string_literal
     content = environment.from_string(TEMPLATE_PATH.read_text(encoding="utf-8")).render(**context)
     while "\n\n\n" in content:
         content = content.replace("\n\n\n", "\n\n")
