@@ -326,13 +326,13 @@ def save_distilled_adapter(
         The training log written to training_log.json.
     """
     from focus_hf.base_models import weights_source
-    from focus_hf.training import TRAINING_LOG_NAME, _jsonable, _versions
+    from focus_hf.training import TRAINING_LOG_NAME, _base_model_id, _jsonable, _versions
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     adapter = _adapter_name(focus_layers(model)[0])
     config = model.peft_config[adapter] if hasattr(model, "peft_config") else None
-    base_id = base_model_name_or_path or (config.base_model_name_or_path if config is not None else None)
+    base_id = _base_model_id(model, base_model_name_or_path or (config.base_model_name_or_path if config else None))
     readme = out / "README.md"
     previous_card = readme.read_bytes() if readme.is_file() else None
     # As in focus_hf.training: save without the base id (PEFT would ask the Hub about it), record it after.

@@ -332,39 +332,21 @@ def test_cli_eval_needs_adapter_for_routed_modes(tiny_dir, text_file):
 @pytest.mark.integration
 def test_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert (
-        main(
-            [
-                "demo",
-                "--out",
-                str(out),
-                "--steps",
-                "2",
-                "--seq-len",
-                "128",
-                "--eval-blocks",
-                "2",
-                "--speed-len",
-                "256",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    arguments = ["demo", "--out", str(out), "--steps", "3", "--seq-len", "384", "--sequences", "1"]
+    arguments += ["--eval-blocks", "1", "--passkeys", "1", "--no-progress"]
+    assert main(arguments) == 0
     printed = capsys.readouterr().out
-    assert "Held-out perplexity" in printed and str(out) in printed
+    assert "Held-out perplexity" in printed and "Passkey retrieval" in printed and str(out) in printed
+    assert "Nothing else was loaded" in printed
     results = json.loads((out / "eval_results.json").read_text())
-    for mode in ("full", "soft", "hard"):
-        assert (
-            results[mode]["mode"] == mode and math.isfinite(results[mode]["ppl"]) and results[mode]["tokens"] == 2 * 127
-        )
-    assert results["hard"]["top_k"] == 2
+    for mode in ("full", "hard"):
+        assert results[mode]["mode"] == mode and math.isfinite(results[mode]["ppl"]) and results[mode]["tokens"] == 383
+    assert results["hard"]["top_k"] == 1
+    assert results["passkey"]["cases"][0]["key"] in printed
     assert (out / "README.md").is_file() == (importlib.util.find_spec("focus_hf.card") is not None)
-    assert results["speed"]["seq_len"] == 256 and results["speed"]["speedup"] > 0
-    assert results["training"]["steps"] == 2
-    assert json.loads((out / "training_log.json").read_text())["steps"] == 2
-    assert (
-        json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
-        == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    )
-    assert not (out / "checkpoints").exists()
+    assert results["speed"]["seq_len"] == 384 and results["speed"]["speedup"] > 0
+    assert results["training"]["objective"] == "distill" and results["training"]["steps_per_layer"] == 3
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["objective"] == "distill" and len(log["layers"]) == 30
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["query_projection"]

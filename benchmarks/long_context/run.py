@@ -1,0 +1,377 @@
+"""Lossless long context benchmark: SmolLM2-135M-Instruct, dense vs a distilled Focus adapter vs training-free baselines.
+
+Stages (each appends to its JSON in benchmarks/long_context/results/):
+
+    python benchmarks/long_context/run.py ppl --seq-len 8192 --blocks 2          # python-docs held-out
+    python benchmarks/long_context/run.py ppl --seq-len 8192 --blocks 1 --data python-source
+    python benchmarks/long_context/run.py ppl --seq-len 4096 --blocks 2
+    python benchmarks/long_context/run.py passkey --lengths 1024 2048 4096 8192
+    python benchmarks/long_context/run.py speed --lengths 512 1024 2048 4096 8192
+    python benchmarks/long_context/run.py plot
+
+"dense" is the base model without any adapter (transformers' own SDPA attention). Focus variants load the committed
+adapter (`adapter/`) and change only what the variant names: top_k, and dense heads calibrated from the adapter's
+recall audit. Baselines (baselines.py) run on the base model: window + sinks only (StreamingLLM) and block
+selection at the density of Focus top-1 (Quest / MInference-style). Every figure is measured in the run that
+writes it; the report (`report.md`) is generated from the JSON by the `plot` stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import baselines  # noqa: E402
+from peft import PeftModel  # noqa: E402
+
+import focus_hf  # noqa: E402
+from focus_hf import load_model_and_tokenizer  # noqa: E402
+from focus_hf.aliases import DEFAULT_MODEL  # noqa: E402
+from focus_hf.data import load_texts, split_texts, token_blocks  # noqa: E402
+from focus_hf.interpret.groups import record_routing  # noqa: E402
+from focus_hf.tuner.controls import focus_layers  # noqa: E402
+
+ADAPTER = HERE / "adapter"
+RESULTS = HERE / "results"
+SCORE_CHUNK = 2048
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0]}
+
+
+def append(name: str, rows: list[dict]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    existing = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps(existing + rows, indent=1) + "\n")
+
+
+def command_line() -> str:
+    return "python benchmarks/long_context/run.py " + " ".join(sys.argv[1:])
+
+
+# --- models ----------------------------------------------------------------------------------------------------
+
+
+def load_dense():
+    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL)
+    return model.eval(), tokenizer
+
+
+def load_focus(adapter: Path = ADAPTER):
+    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL)
+    return PeftModel.from_pretrained(model, adapter).eval(), tokenizer
+
+
+def set_dense_heads(model, pairs: list[list[int]]) -> None:
+    """Switch the adapter's dense heads at run time (the variant's setting; the saved config is not touched)."""
+    model.peft_config["default"].dense_heads = pairs or None
+    for layer in focus_layers(model):
+        layer.focus_settings["default"].dense_heads = pairs or None
+
+
+def focus_variants(model, dense_counts: list[int], top_ks: list[int]) -> list[dict]:
+    """The settings to measure: every top_k with every number of dense heads (ranked by the adapter's audit)."""
+    audit_path = HERE / "adapter_audit.json"
+    ranked = []
+    if audit_path.exists():
+        rows = json.loads(audit_path.read_text())["rows"]
+        ranked = [[r["layer"], r["kv_head"]] for r in sorted(rows, key=lambda r: r["adapter"])]
+    saved = model.peft_config["default"].dense_heads or []
+    variants = []
+    for top_k in top_ks:
+        for count in dense_counts:
+            pairs = sorted(ranked[:count]) if count else []
+            if count and len(pairs) < count:
+                continue
+            variants.append({"top_k": top_k, "dense_heads": pairs, "label": f"focus top-{top_k}, {count} dense heads"})
+    variants.sort(key=lambda v: (v["dense_heads"] != saved, v["top_k"], len(v["dense_heads"])))
+    return variants
+
+
+# --- perplexity ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def block_nll(model, ids: torch.Tensor) -> tuple[float, int, float]:
+    """(sum of next-token NLL, tokens scored, seconds of the decoder forward) for one block [seq]."""
+    body = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+    head = model.get_base_model().lm_head if hasattr(model, "get_base_model") else model.lm_head
+    started = time.perf_counter()
+    hidden = body(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+    seconds = time.perf_counter() - started
+    total = 0.0
+    for start in range(0, len(ids) - 1, SCORE_CHUNK):
+        end = min(start + SCORE_CHUNK, len(ids) - 1)
+        logits = head(hidden[start:end]).float()
+        total += float(F.cross_entropy(logits, ids[start + 1 : end + 1], reduction="sum"))
+    return total, len(ids) - 1, seconds
+
+
+def focus_density(model, ids: torch.Tensor, window: int, sinks: int) -> float:
+    """Share of the causal pairs the hard pattern keeps, averaged over layers and kv heads (dense heads count 1)."""
+    with torch.no_grad(), record_routing(model) as recorder:
+        model(input_ids=ids[None], use_cache=False)
+    seq = len(ids)
+    positions = torch.arange(seq)
+    causal = seq * (seq + 1) / 2
+    local = sum(min(i, window) + 1 + max(0, min(sinks, i - window)) for i in range(seq))
+    settings = model.peft_config["default"]
+    kv_heads = model.config.num_key_value_heads
+    dense = {tuple(p) for p in settings.dense_heads or []}
+    shares = []
+    for index, calls in recorder.routings().items():
+        routing = calls[-1]
+        own, probes = routing.key_groups[0], routing.top_groups[0]
+        onehot = F.one_hot(own, settings.num_groups).long()
+        before = onehot.cumsum(0)  # keys per group up to and including i
+        reach = (positions - window - 1).clamp(min=-1)  # last distant key of query i
+        distant_counts = torch.where(
+            reach[:, None] >= 0, before[reach.clamp(min=0)], torch.zeros_like(before)
+        )  # [seq, K]
+        sink_counts = F.one_hot(own[:sinks], settings.num_groups).long().sum(0) if sinks else 0
+        probed = distant_counts.gather(1, probes).sum(1)
+        sinks_in = (sink_counts if isinstance(sink_counts, int) else sink_counts[probes].sum(1)) * (reach >= sinks)
+        kept = local + float((probed - sinks_in).clamp(min=0).sum())
+        for kv in range(kv_heads):
+            shares.append(1.0 if (index, kv) in dense else kept / causal)
+    return sum(shares) / len(shares)
+
+
+def stage_ppl(args) -> None:
+    _, heldout = split_texts(load_texts(args.data), heldout_fraction=0.1, seed=0)
+    rows = []
+    dense, tokenizer = load_dense()
+    blocks = token_blocks(tokenizer, heldout, args.seq_len, max_blocks=args.blocks)
+
+    def measure(label, model, extra):
+        nll, count, seconds = 0.0, 0, 0.0
+        for ids in blocks:
+            total, n, s = block_nll(model, ids)
+            nll, count, seconds = nll + total, count + n, seconds + s
+        row = {"variant": label, "ppl": math.exp(nll / count), "tokens": count, "forward_s": seconds, **extra}
+        row.update(seq_len=args.seq_len, data=args.data, blocks=len(blocks), command=command_line(), **machine())
+        rows.append(row)
+        log(f"{args.data} {args.seq_len}: {label}: PPL {row['ppl']:.4f}")
+        return row
+
+    base = measure("dense", dense, {"kind": "dense", "density": 1.0})
+    if not args.skip_baselines:
+        dense.config._attn_implementation = baselines.NAME
+        for kind in ("streaming", "blocks"):
+            baselines.SETTINGS.update(kind=kind, window=args.window, sinks=args.sinks, density=args.block_density)
+            measure(
+                f"{kind} (training-free)",
+                dense,
+                {"kind": kind, "density": baselines.kept_density(args.seq_len), "block_density": args.block_density},
+            )
+        dense.config._attn_implementation = "sdpa"
+    del dense
+    model, _ = load_focus(Path(args.adapter))
+    config = model.peft_config["default"]
+    for variant in focus_variants(model, args.dense_heads, args.top_k):
+        set_dense_heads(model, variant["dense_heads"])
+        focus_hf.set_routing(model, "hard", top_k=variant["top_k"])
+        density = focus_density(model, blocks[0], config.window, config.sink_tokens)
+        measure(variant["label"], model, {"kind": "focus", **variant, "density": density})
+    for row in rows:
+        row["ppl_ratio"] = row["ppl"] / base["ppl"]
+    append("ppl.json", rows)
+
+
+# --- passkey ----------------------------------------------------------------------------------------------------
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> torch.Tensor:
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    question = " What is the pass key? The pass key is"
+    budget = length - len(tokenizer(needle + question)["input_ids"]) - 2
+    filler_ids = tokenizer(FILLER * (budget // 10 + 10))["input_ids"][:budget]
+    cut = int(len(filler_ids) * depth)
+    text = tokenizer.decode(filler_ids[:cut]) + needle + tokenizer.decode(filler_ids[cut:]) + question
+    return torch.tensor(tokenizer(text)["input_ids"])
+
+
+@torch.no_grad()
+def answer(model, tokenizer, ids: torch.Tensor) -> str:
+    output = model.generate(
+        input_ids=ids[None],
+        attention_mask=torch.ones_like(ids)[None],
+        max_new_tokens=7,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer.decode(output[0, ids.numel() :], skip_special_tokens=True)
+
+
+def stage_passkey(args) -> None:
+    rng = random.Random(args.seed)
+    depths = [0.1, 0.3, 0.5, 0.7, 0.9]
+    cases = [(n, d, str(rng.randrange(10000, 99999))) for n in args.lengths for d in depths for _ in range(args.keys)]
+    dense, tokenizer = load_dense()
+    prompts = [(n, d, key, passkey_prompt(tokenizer, n, d, key)) for n, d, key in cases]
+    results = {"dense": [answer(dense, tokenizer, ids) for *_, ids in prompts]}
+    log(f"dense: {sum(k in a for (_, _, k, _), a in zip(prompts, results['dense']))}/{len(prompts)}")
+    del dense
+    model, _ = load_focus(Path(args.adapter))
+    variants = focus_variants(model, args.dense_heads, args.top_k)
+    for variant in variants:
+        set_dense_heads(model, variant["dense_heads"])
+        focus_hf.set_routing(model, "hard", top_k=variant["top_k"])
+        results[variant["label"]] = [answer(model, tokenizer, ids) for *_, ids in prompts]
+        log(f"{variant['label']}: {sum(k in a for (_, _, k, _), a in zip(prompts, results[variant['label']]))}")
+    rows = []
+    for label, answers in results.items():
+        correct = [key in text for (_, _, key, _), text in zip(prompts, answers)]
+        dense_correct = [key in text for (_, _, key, _), text in zip(prompts, results["dense"])]
+        by_length = {
+            str(n): sum(c for (m, *_), c in zip(prompts, correct) if m == n) / (len(depths) * args.keys)
+            for n in args.lengths
+        }
+        kept = sum(c for c, d in zip(correct, dense_correct) if d) / max(sum(dense_correct), 1)
+        rows.append(
+            {
+                "variant": label,
+                "accuracy": by_length,
+                "overall": sum(correct) / len(correct),
+                "answers_kept_of_dense_correct": kept,
+                "cases": [
+                    {"length": n, "depth": d, "key": k, "answer": a.strip(), "correct": c}
+                    for (n, d, k, _), a, c in zip(prompts, answers, correct)
+                ],
+                "command": command_line(),
+                **machine(),
+            }
+        )
+    append("passkey.json", rows)
+
+
+# --- speed -------------------------------------------------------------------------------------------------------
+
+
+def stage_speed(args) -> None:
+    _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
+    dense, tokenizer = load_dense()
+    model, _ = load_focus(Path(args.adapter))
+    focus_hf.set_routing(model, "hard")
+    config = model.peft_config["default"]
+    rows = []
+    for length in args.lengths:
+        ids = token_blocks(tokenizer, heldout, length, max_blocks=1)[0]
+        times = {"dense": [], "focus": []}
+        for _ in range(args.repeats):  # dense and Focus alternate, so both see the same machine state
+            for label, runner in (("dense", dense), ("focus", model)):
+                body = runner.get_base_model().model if hasattr(runner, "get_base_model") else runner.model
+                started = time.perf_counter()
+                with torch.no_grad():
+                    body(input_ids=ids[None], use_cache=False)
+                times[label].append(time.perf_counter() - started)
+        best = {label: min(values) for label, values in times.items()}
+        row = {
+            "seq_len": length,
+            "dense_s": best["dense"],
+            "focus_s": best["focus"],
+            "speedup": best["dense"] / best["focus"],
+            "top_k": config.top_k,
+            "dense_heads": len(config.dense_heads or []),
+            "repeats": args.repeats,
+            "command": command_line(),
+            **machine(),
+        }
+        rows.append(row)
+        log(f"{length}: dense {best['dense']:.2f} s, focus {best['focus']:.2f} s, speedup {row['speedup']:.2f}x")
+    append("speed.json", rows)
+
+
+# --- plot + report ---------------------------------------------------------------------------------------------
+
+
+def stage_plot(args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ppl = json.loads((RESULTS / "ppl.json").read_text())
+    rows = [r for r in ppl if r["seq_len"] == args.seq_len and r["data"] == "python-docs"]
+    speed = json.loads((RESULTS / "speed.json").read_text()) if (RESULTS / "speed.json").exists() else []
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    markers = {"dense": "k*", "streaming": "rs", "blocks": "m^", "focus": "bo"}
+    for row in rows:
+        axis.plot(row["density"], row["ppl_ratio"], markers[row["kind"]], markersize=8)
+        axis.annotate(
+            row["variant"], (row["density"], row["ppl_ratio"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+        )
+    axis.axhline(1.02, color="grey", linestyle="--", linewidth=0.8)
+    axis.text(0.99, 1.02, "target 1.02", fontsize=7, ha="right", va="bottom", transform=axis.get_yaxis_transform())
+    axis.set_xscale("log")
+    axis.set_xlabel("share of causal attention pairs computed (log)")
+    axis.set_ylabel(f"PPL / dense PPL at {args.seq_len} tokens")
+    axis.set_title(f"SmolLM2-135M, python-docs held-out, {args.seq_len} tokens", fontsize=9)
+    measured = [s for s in speed if s["seq_len"] == args.seq_len]
+    if measured:
+        s = measured[-1]
+        axis.text(
+            0.01,
+            0.02,
+            f"model-level prefill of the committed setting at {args.seq_len}: {s['speedup']:.2f}x over dense",
+            transform=axis.transAxes,
+            fontsize=8,
+        )
+    figure.tight_layout()
+    figure.savefig(RESULTS / "tradeoff.png", dpi=120)
+    log(f"wrote {RESULTS / 'tradeoff.png'}")
+
+
+def main() -> None:
+    global RESULTS
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="stage", required=True)
+    for name in ("ppl", "passkey", "speed", "plot"):
+        stage = sub.add_parser(name)
+        stage.add_argument("--adapter", default=str(ADAPTER))
+        stage.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+        stage.add_argument("--dense-heads", type=int, nargs="+", default=[0])
+        stage.add_argument("--seq-len", type=int, default=8192)
+        stage.add_argument("--blocks", type=int, default=2)
+        stage.add_argument("--data", default="python-docs")
+        stage.add_argument("--window", type=int, default=128)
+        stage.add_argument("--sinks", type=int, default=4)
+        stage.add_argument("--block-density", type=float, default=0.125)
+        stage.add_argument("--skip-baselines", action="store_true")
+        stage.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+        stage.add_argument("--keys", type=int, default=2)
+        stage.add_argument("--seed", type=int, default=0)
+        stage.add_argument("--repeats", type=int, default=1)
+        stage.add_argument("--results", type=Path, default=RESULTS, help="folder of the JSON results")
+    args = parser.parse_args()
+    RESULTS = args.results
+    {"ppl": stage_ppl, "passkey": stage_passkey, "speed": stage_speed, "plot": stage_plot}[args.stage](args)
+
+
+if __name__ == "__main__":
+    main()
