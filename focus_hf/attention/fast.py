@@ -51,6 +51,7 @@ from focus_hf.attention.partials import (
     hidden_bias,
     local_part,
     merge_partials,
+    probe_part,
     sink_part,
 )
 from focus_hf.attention.pattern import allowed_pairs, probes
@@ -62,32 +63,22 @@ GROUP_CHUNK = 2048
 DECODE_MAX_QUERIES = 16
 
 
-def sparse_attention(
+def _chunked_group_part(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    key_valid: Optional[torch.Tensor],
+    valid: torch.Tensor,
     query_groups: torch.Tensor,
     key_groups: torch.Tensor,
-    key_sink: torch.Tensor,
     num_groups: int,
-    window: int,
     scaling: float,
     kernel: Kernel,
-) -> torch.Tensor:
-    """Sets A and B merged: [batch, q, heads, dim].
-
-    With top_k > 1, set A runs in chunks of GROUP_CHUNK queries, each reading the tokens before it as cached keys:
-    only the causal call over a chunk's own tokens pays for dead keys, so A costs ~ (k + (k^2 - k) / chunks)
-    n^2 / 2K instead of k^2 n^2 / 2K. With top_k = 1 there are no dead keys and one chunk is best.
-    """
+    separate: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Set A in chunks of GROUP_CHUNK queries (one chunk for shared top-1 routing); ([output], [lse])."""
     batch, heads, q_len, dim = query.shape
-    kv_len, device = key.shape[2], query.device
-    first_query = kv_len - q_len
-    valid = torch.ones(batch, kv_len, dtype=torch.bool, device=device) if key_valid is None else key_valid
-    # A separate query-side router may probe groups other than the query's own key group.
+    first_query = key.shape[2] - q_len
     own = key_groups[:, first_query:]
-    separate = not torch.equal(query_groups[..., 0], own)
     chunk = q_len if query_groups.shape[-1] == 1 and not separate else GROUP_CHUNK
     earlier = None
     if first_query > 0 or chunk < q_len:
@@ -116,6 +107,42 @@ def sparse_attention(
     # One chunk (top_k = 1) needs no concatenation copy.
     outputs = [group_outputs[0] if len(group_outputs) == 1 else torch.cat(group_outputs, dim=1)]
     lses = [group_lses[0] if len(group_lses) == 1 else torch.cat(group_lses, dim=1)]
+    return outputs, lses
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    num_groups: int,
+    window: int,
+    scaling: float,
+    kernel: Kernel,
+) -> torch.Tensor:
+    """Sets A and B merged: [batch, q, heads, dim].
+
+    With top_k > 1, set A runs in chunks of GROUP_CHUNK queries, each reading the tokens before it as cached keys:
+    only the causal call over a chunk's own tokens pays for dead keys, so A costs ~ (k + (k^2 - k) / chunks)
+    n^2 / 2K instead of k^2 n^2 / 2K. With top_k = 1 there are no dead keys and one chunk is best.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_len, device = key.shape[2], query.device
+    first_query = kv_len - q_len
+    valid = torch.ones(batch, kv_len, dtype=torch.bool, device=device) if key_valid is None else key_valid
+    # A separate query-side router may probe groups other than the query's own key group.
+    own = key_groups[:, first_query:]
+    separate = not torch.equal(query_groups[..., 0], own)
+    if separate and query_groups.shape[-1] == 1:
+        part = probe_part(query, key, value, valid, query_groups[..., 0], key_groups, num_groups, scaling, kernel)
+        outputs, lses = [part[0]], [part[1]]
+    else:
+        outputs, lses = _chunked_group_part(
+            query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel, separate
+        )
     sinks = sink_part(query, key, value, query_groups, key_groups, key_sink, window, scaling)
     if sinks is not None:
         outputs.append(sinks[0])

@@ -308,3 +308,67 @@ def group_part(
     # Padding queries have no slot (their entries point at other tokens' slots): an empty set.
     lses = lses.masked_fill(~valid[:, :, None, None], torch.finfo(lses.dtype).min)
     return merge_partials(list(outputs.unbind(2)), list(lses.unbind(2)))
+
+
+# Query slots per call of `probe_part`: each call reads the keys up to its last query, so smaller chunks waste
+# fewer masked pairs on the staircase but pay more per-call overhead.
+PROBE_CHUNK = 256
+
+
+def probe_part(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: torch.Tensor,
+    probe_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    num_groups: int,
+    scaling: float,
+    kernel: Kernel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Set A when each query probes one group that need not be its own (a separate query router, top_k = 1).
+
+    Keys are laid out by their own group and queries by their probed group, each in position order; a query
+    slot sees the keys of its segment up to its own position. Query slots are processed in chunks that read only
+    the prefix of each key segment they can reach, so the cost stays near the pair count (n^2 / 2K) instead of
+    laying every token out twice. Returns float32 output [batch, q, heads, dim] and lse [batch, q, heads].
+
+    Args:
+        probe_groups: [batch, q] the group each query probes (the queries are the last q keys).
+        key_groups: [batch, kv] each key's own group.
+        key_valid: [batch, kv] False for padding keys (padding queries get an empty set).
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_len, device = key.shape[2], query.device
+    first_query = kv_len - q_len
+    keys = CachedKeys.build(key, value, key_groups, key_valid, num_groups)
+    valid = key_valid[:, first_query:]
+    layout = group_layout(probe_groups.unsqueeze(-1), valid, num_groups)
+    rows = batch * num_groups
+    sample = (torch.arange(rows, device=device) // num_groups)[:, None]
+    queries = gather_tokens(query, sample, layout.token)  # [rows, heads, Lq, dim]
+    # Empty query slots get position -1: they see nothing and are never read back.
+    position = torch.where(layout.first, first_query + layout.token, -1)
+    output = query.new_zeros(rows, layout.length, heads, dim, dtype=torch.float32)
+    lse = query.new_full((rows, layout.length, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
+    reach = torch.searchsorted(keys.position.contiguous(), position.contiguous(), right=True)  # keys at or before
+    for start in range(0, layout.length, PROBE_CHUNK):
+        end = min(start + PROBE_CHUNK, layout.length)
+        length = int(reach[:, start:end].max())
+        if length == 0:
+            continue
+        visible = keys.position[:, None, :length] <= position[:, start:end, None]
+        part, part_lse = kernel(
+            queries[:, :, start:end],
+            keys.keys[:, :, :length],
+            keys.values[:, :, :length],
+            causal=False,
+            bias=hidden_bias(visible[:, None], query.dtype),
+            scale=scaling,
+        )
+        output[:, start:end] = part.transpose(1, 2).float()
+        lse[:, start:end] = part_lse.transpose(1, 2).float()
+    segment, slot = layout.segment[..., 0], layout.slot[..., 0]
+    outputs, lses = output[segment, slot], lse[segment, slot]
+    lses = lses.masked_fill(~valid[:, :, None], torch.finfo(lses.dtype).min)
+    return outputs, lses

@@ -94,10 +94,11 @@ def test_all_heads_dense_equals_base(mode):
     torch.testing.assert_close(model(input_ids=ids).logits, tiny_model("llama")(ids).logits, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_query_router_padded_batch_equals_samples_alone(side):
-    model = focus_model(top_k=2, query_projection=True, dense_heads=[[1, 0]])
-    focus_hf.set_routing(model, "hard")
+def test_query_router_padded_batch_equals_samples_alone(side, top_k):
+    model = focus_model(top_k=top_k, query_projection=True, dense_heads=[[1, 0]])
+    focus_hf.set_routing(model, "hard", backend="sdpa")
     samples = [tokens(seq=48, seed=3)[0], tokens(seq=31, seed=4)[0]]
     ids = torch.zeros(2, 48, dtype=torch.long)
     mask = torch.zeros(2, 48, dtype=torch.long)
