@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,25 +66,58 @@ class DistillSettings:
     seed: int = 0
 
 
+class _ConstantSparseMatmul(torch.autograd.Function):
+    """matrix @ dense for a constant sparse CSR `matrix` whose transpose is given: the backward is then one more
+    sparse product, instead of the slow generic path that transposes the CSR matrix at every step."""
+
+    @staticmethod
+    def forward(ctx, dense: torch.Tensor, matrix: torch.Tensor, transpose: torch.Tensor) -> torch.Tensor:
+        ctx.transpose = transpose
+        return matrix @ dense
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.transpose @ grad, None, None
+
+
 @dataclass
 class LayerTargets:
-    """What one layer's router is fitted to, for all calibration sequences (stacked on dim 0)."""
+    """What one layer's router is fitted to, for all calibration sequences (stacked on dim 0).
+
+    The top distant keys of every (sequence, head, query) are held as a sparse matrix `mass` of shape
+    [S * H * n, S * T] (row: sequence, head, query; column: sequence, key), so that the mass per key group is one
+    sparse product with the keys' group probabilities.
+    """
 
     hidden: torch.Tensor  # [S, T, hidden_size]
     queries: torch.Tensor  # [S, n]
     local: torch.Tensor  # [S, H, n]
-    top_keys: torch.Tensor  # [S, H, n, m]
-    top_mass: torch.Tensor  # [S, H, n, m]
+    tail: torch.Tensor  # [S, H, n] distant mass beyond the top keys
+    mass: torch.Tensor  # sparse CSR [S * H * n, S * T]
+    mass_transposed: torch.Tensor  # sparse CSR [S * T, S * H * n]
     head_weight: torch.Tensor  # [H] 0 for heads that stay dense
 
 
 def _stack(attentions: list[DistantAttention], hiddens: list[torch.Tensor], head_weight: torch.Tensor) -> LayerTargets:
+    top_keys = torch.stack([a.top_keys for a in attentions])  # [S, H, n, m]
+    top_mass = torch.stack([a.top_mass for a in attentions])
+    local = torch.stack([a.local for a in attentions])
+    samples, heads, n, m = top_keys.shape
+    seq = hiddens[0].shape[0]
+    rows = torch.arange(samples * heads * n).repeat_interleave(m)
+    columns = (top_keys + torch.arange(samples).view(samples, 1, 1, 1) * seq).reshape(-1)
+    shape = (samples * heads * n, samples * seq)
+    with warnings.catch_warnings():  # torch calls sparse CSR "beta"; only matmul with a dense matrix is used here
+        warnings.simplefilter("ignore", UserWarning)
+        coo = torch.sparse_coo_tensor(torch.stack([rows, columns]), top_mass.reshape(-1), shape).coalesce()
+        mass, mass_transposed = coo.to_sparse_csr(), coo.t().coalesce().to_sparse_csr()
     return LayerTargets(
         hidden=torch.stack(hiddens),
         queries=torch.stack([a.queries for a in attentions]),
-        local=torch.stack([a.local for a in attentions]),
-        top_keys=torch.stack([a.top_keys for a in attentions]),
-        top_mass=torch.stack([a.top_mass for a in attentions]),
+        local=local,
+        tail=(1.0 - local - top_mass.sum(-1)).clamp_min(0.0),
+        mass=mass,
+        mass_transposed=mass_transposed,
         head_weight=head_weight,
     )
 
@@ -155,14 +189,11 @@ def kept_mass(layer: FocusLayer, adapter: str, targets: LayerTargets) -> tuple[t
     probe_scores = key_log_probs if query_scores is None else torch.log_softmax(query_scores, dim=-1)
     rows = targets.queries.to(scores.device)
     probe = probe_scores.gather(1, rows[..., None].expand(-1, -1, settings.num_groups)).exp()  # [S, n, K]
-    samples, heads, n, m = targets.top_keys.shape
-    flat = targets.top_keys.to(scores.device).reshape(samples, -1)
-    gathered = key_probs.gather(1, flat[..., None].expand(-1, -1, settings.num_groups))
-    gathered = gathered.view(samples, heads, n, m, settings.num_groups)
-    top_mass = targets.top_mass.to(scores.device)
-    group_mass = torch.einsum("shnm,shnmg->shng", top_mass, gathered)
-    local = targets.local.to(scores.device)
-    tail = (1.0 - local - top_mass.sum(-1)).clamp_min(0.0)
+    samples, heads, n = targets.local.shape
+    flat_probs = key_probs.reshape(-1, settings.num_groups).cpu()
+    group_mass = _ConstantSparseMatmul.apply(flat_probs, targets.mass, targets.mass_transposed)
+    group_mass = group_mass.to(scores.device).view(samples, heads, n, settings.num_groups)
+    local, tail = targets.local.to(scores.device), targets.tail.to(scores.device)
     # Tail keys of query i are among its earlier tokens; their groups are taken to follow the prefix average.
     prefix_mean = key_probs.cumsum(1) / torch.arange(1, key_probs.shape[1] + 1, device=scores.device)[None, :, None]
     tail_groups = prefix_mean.gather(1, rows[..., None].expand(-1, -1, settings.num_groups))  # [S, n, K]
