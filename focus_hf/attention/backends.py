@@ -10,9 +10,10 @@ Backends (`focus_hf.set_routing(model, "hard", backend=...)`):
   - "reference": the dense masked oracle of `reference.py` (no kernel here);
   - "sdpa": torch's own kernels - the CPU flash kernel on CPU, the memory-efficient kernel on CUDA;
   - "flash": flash-attn 3 or 2 on CUDA for the unmasked calls (the memory-efficient kernel for masked ones);
-  - "auto": "flash" where it applies, else "sdpa", and below `dense_below(...)` keys the exact pattern is run
-    as one dense masked call, which is faster than the sparse path on short sequences (and, on CPU, still
-    slower than unmasked dense attention: the kernel reads the mask, and building it costs a few passes).
+  - "auto": "flash" where it applies, else "sdpa", and below `calibration.dense_below(...)` keys (measured once
+    per machine and shape) the exact pattern is run as one dense masked call, which is faster than the sparse
+    path on short sequences (and, on CPU, still slower than unmasked dense attention: the kernel reads the mask,
+    and building it costs a few passes).
 """
 
 from __future__ import annotations
@@ -27,14 +28,6 @@ import torch.nn.functional as F
 from focus_hf.errors import BackendUnavailableError
 
 FLASH_INSTALL_HINT = "pip install flash-attn"
-
-# Key counts below which "auto" runs the pattern as one dense masked call, per device type and top_k (other top_k:
-# PER_PROBE * top_k). CPU, measured with `focus-hf bench --threads 1` (K=8, w=128, 4 sinks, 9x64 heads, 3 kv
-# heads, fp32; benchmarks/results/attention_cpu_crossover_*.json): at top_k=1 the sparse path ties the masked call
-# at 512 keys and wins above; at top_k=2 it overtakes it between 1,536 and 2,048, at 3 near 3,000, at 4 near
-# 4,000. CUDA: a guess.
-DENSE_BELOW = {"cpu": {1: 512, 2: 2048}, "cuda": {}}
-PER_PROBE = {"cpu": 1024, "cuda": 4096}
 
 
 class Kernel(Protocol):
@@ -154,8 +147,3 @@ def select_kernel(backend: str, device: torch.device) -> Kernel:
     if backend == "flash" or (backend == "auto" and flash_attn_function() is not None):
         return flash_kernel
     return cuda_sdpa_kernel
-
-
-def dense_below(device: torch.device, top_k: int) -> int:
-    """Key count below which "auto" prefers one dense masked call to the sparse path."""
-    return DENSE_BELOW.get(device.type, {}).get(top_k, PER_PROBE.get(device.type, 0) * top_k)

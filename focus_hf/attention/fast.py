@@ -26,9 +26,10 @@ carry finfo.min rather than -inf, so a partial without visible keys has a log-su
 in the merge and never produces a NaN.
 
 Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those queries can reach - their groups' keys,
-their window and the sinks - and runs one small masked call. Below `backends.dense_below` keys, "auto" runs the
-pattern as one dense masked call; so does every backend when the model's mask is more than causal + padding
-(sliding-window layers), since the fast paths read only the key padding from it.
+their window and the sinks - and runs one small masked attention (two matmuls on CPU). Below
+`calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
+one dense masked call; so does every backend when the model's mask is more than causal + padding (sliding-window
+layers), since the fast paths read only the key padding from it.
 
 Forward only: the attention kernels' backward ignores the gradient of the log-sum-exp they return, which the
 merge depends on, so `attention.focus_attention_forward` sends calls that need gradients to the reference path.
@@ -43,9 +44,11 @@ from typing import Optional
 
 import torch
 
-from focus_hf.attention.backends import Kernel, dense_below, select_kernel
+from focus_hf.attention.backends import Kernel, select_kernel
+from focus_hf.attention.calibration import dense_below
 from focus_hf.attention.partials import (
     CachedKeys,
+    few_query_attention,
     gather_tokens,
     group_part,
     hidden_bias,
@@ -182,14 +185,12 @@ def decode_attention(
         query_groups, key_groups.gather(1, index), key_sink.gather(1, index), positions[first_query:], index, window
     ) & (torch.arange(length, device=device) < count[:, None]).unsqueeze(1)
     sample = torch.arange(batch, device=device)[:, None]
-    output, _ = kernel(
-        query,
-        gather_tokens(key, sample, index),
-        gather_tokens(value, sample, index),
-        causal=False,
-        bias=hidden_bias(visible.unsqueeze(1), query.dtype),
-        scale=scaling,
-    )
+    keys, values = gather_tokens(key, sample, index), gather_tokens(value, sample, index)
+    bias = hidden_bias(visible.unsqueeze(1), query.dtype)
+    if device.type == "cpu":
+        output = few_query_attention(query, keys, values, bias, scaling)
+    else:
+        output, _ = kernel(query, keys, values, causal=False, bias=bias, scale=scaling)
     return output.transpose(1, 2).contiguous()
 
 
@@ -211,9 +212,23 @@ def masked_attention(
     visible = allowed_pairs(query_groups, key_groups, key_sink, positions[kv_len - q_len :], positions, window)[:, None]
     if model_mask is not None:
         visible = visible & model_mask
-    # The pattern is causal, so with square shapes the kernel may also skip the blocks above the diagonal.
-    output, _ = kernel(query, key, value, causal=q_len == kv_len, bias=hidden_bias(visible, query.dtype), scale=scaling)
+    bias = hidden_bias(visible, query.dtype)
+    if query.device.type == "cpu" and q_len <= DECODE_MAX_QUERIES and q_len < kv_len:
+        output = few_query_attention(query, key, value, bias, scaling)  # decoding: faster than the kernel
+    else:
+        # The pattern is causal, so with square shapes the kernel may also skip the blocks above the diagonal.
+        output, _ = kernel(query, key, value, causal=q_len == kv_len, bias=bias, scale=scaling)
     return output.transpose(1, 2).contiguous()
+
+
+def path_kind(query_groups: torch.Tensor, key_groups: torch.Tensor, decode: bool) -> str:
+    """Which sparse path a call takes (`calibration.KINDS`): "decode", "probe" (a separate query router with
+    top_k = 1, `probe_part`), "separate" (one with top_k > 1) or "shared" (queries probe their own key group first)."""
+    if decode:
+        return "decode"
+    if torch.equal(query_groups[..., 0], key_groups[:, key_groups.shape[1] - query_groups.shape[1] :]):
+        return "shared"
+    return "probe" if query_groups.shape[-1] == 1 else "separate"
 
 
 def fast_hard_attention(
@@ -252,12 +267,15 @@ def fast_hard_attention(
     kernel = select_kernel(backend, query.device)
     arguments = (query_groups, key_groups, key_sink, window, scaling, kernel)
     q_len, kv_len = query.shape[2], key.shape[2]
-    short = backend == "auto" and kv_len < dense_below(query.device, query_groups.shape[-1])
+    decode = q_len <= DECODE_MAX_QUERIES and q_len < kv_len
+    short = backend == "auto" and kv_len < dense_below(
+        query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode)
+    )
     if short or (model_mask is not None and not mask_is_padding):
         return masked_attention(query, key, value, model_mask, *arguments)
     # The last query follows every key, so its row of a causal + padding mask hides exactly the padding keys.
     key_valid = None if model_mask is None else model_mask[:, 0, -1, :].expand(query.shape[0], -1)
-    if q_len <= DECODE_MAX_QUERIES and q_len < kv_len:
+    if decode:
         return decode_attention(query, key, value, key_valid, *arguments)
     return sparse_attention(
         query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel

@@ -27,6 +27,25 @@ def hidden_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(visible, visible_value, torch.finfo(dtype).min)
 
 
+def few_query_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of a few queries [batch, heads, q, dim] over key/value [batch, kv_heads, L, dim] under a bias
+    [batch or 1, 1, q, L], as two matmuls (softmax in float32): [batch, heads, q, dim], no log-sum-exp.
+
+    On CPU this is about twice as fast as the flash kernel for one query (and faster than dense SDPA itself),
+    which is what decoding runs."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    per_kv = heads // kv_heads
+    # Query heads kv * per_kv + j share kv head kv: fold them into the rows of one matmul per kv head.
+    scores = torch.matmul(query.reshape(batch, kv_heads, per_kv * q_len, dim), key.transpose(-1, -2))
+    scores = scores.view(batch, kv_heads, per_kv, q_len, length).float().mul_(scale)
+    scores = scores.add_(bias.view(bias.shape[0], 1, 1, q_len, length))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, kv_heads, per_kv * q_len, length)
+    return torch.matmul(probs, value).view(batch, heads, q_len, dim)
+
+
 def merge_partials(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the union of disjoint key sets from per-set results [..., dim] and log-sum-exps [...]:
     o = sum_p o_p * exp(lse_p - lse), lse = logsumexp_p lse_p. Accumulates in float32, one pass per partial."""
@@ -105,6 +124,12 @@ def gather_tokens(states: torch.Tensor, sample: torch.Tensor, token: torch.Tenso
     if tokens.stride(3) == 1 and tokens.stride(2) == dim and tokens.stride(1) == heads * dim:
         picked = tokens.flatten(2)[sample, token]  # [R, L, heads * dim]
         return picked.view(rows, length, heads, dim).transpose(1, 2)
+    if states.is_contiguous():
+        # A head-major cache: one index_select of rows, about twice as fast as advanced indexing over two dims.
+        batch, n = states.shape[0], states.shape[2]
+        head = torch.arange(heads, device=states.device)
+        flat = ((sample * heads).unsqueeze(1) + head.view(1, heads, 1)) * n + token.unsqueeze(1)  # [R, heads, L]
+        return states.view(batch * heads * n, dim).index_select(0, flat.flatten()).view(rows, heads, length, dim)
     return states.transpose(0, 1)[:, sample, token].transpose(0, 1)
 
 

@@ -4,7 +4,9 @@ Inputs are random q/k/v; the routing comes from a random-init router (a FocusLay
 on random hidden states, causal Sinkhorn via `routing.route_tokens`), so groups are balanced as in a real model.
 Dense (`scaled_dot_product_attention(is_causal=True, enable_gqa=True)`) and Focus are timed alternately in the
 same loop and the median is kept; `--peak-memory` instead runs one Focus call per length in a fresh process and
-reports its peak resident memory.
+reports its peak resident memory. `--decode` times one new query against a KV cache of each length (dense SDPA vs
+Focus's decode path, alternately); `--calibrate` measures where "auto" switches from the dense masked call to the
+sparse path on this machine (`attention/calibration.py`), stores it in the cache and prints it.
 """
 
 from __future__ import annotations
@@ -172,7 +174,6 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    import torch
     import torch.nn.functional as F
 
     case = make_case(args, seq_len, device, dtype)
@@ -182,6 +183,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
         return F.scaled_dot_product_attention(case.query, case.key, case.value, is_causal=True, enable_gqa=True)
 
     calls = {top_k: focus_call(args, case, top_k) for top_k in args.top_k}
+    crossovers = {top_k: crossover_used(args, case, top_k, "shared") for top_k in args.top_k}
     dense_times: list[tuple[float, float]] = []
     focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
     if seq_len <= 16384:  # warm-up (allocator, kernels); too expensive to repeat at long lengths
@@ -222,10 +224,8 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "kv_heads": args.kv_heads,
                 "head_dim": args.head_dim,
                 "dtype": args.dtype,
-                "device": device_name(device),
-                "threads": torch.get_num_threads(),
-                "load_avg_1m": os.getloadavg()[0],  # other processes on the machine skew CPU timings
-                "torch": torch.__version__,
+                "dense_below": crossovers[top_k],
+                **machine_fields(device),
             }
         )
     return rows
@@ -237,6 +237,181 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def machine_fields(device: torch.device) -> dict:
+    """Where a row was measured: device, processor name, threads, load and torch version."""
+    import torch
+
+    from focus_hf.attention.calibration import processor_name
+
+    return {
+        "device": device_name(device),
+        "processor": processor_name(device),
+        "threads": torch.get_num_threads(),
+        "load_avg_1m": os.getloadavg()[0],  # other processes on the machine skew CPU timings
+        "torch": torch.__version__,
+    }
+
+
+def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, decode: bool = False) -> Optional[int]:
+    """The key count below which backend "auto" runs the dense masked call for this case (measured now if not known
+    yet, so that no timed call pays for the calibration); None for other backends."""
+    if args.backend != "auto":
+        return None
+    from focus_hf.attention.calibration import dense_below
+
+    query = case.query[:, :, -1:] if decode else case.query
+    return dense_below(query, case.key, top_k, args.groups, args.window, kind)
+
+
+def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Per-token latency of one new query against a KV cache of `cache_len` tokens (itself included, as in
+    transformers): dense SDPA and Focus (`fast_hard_attention`, which takes `decode_attention` unless "auto" finds
+    the dense masked call faster at this length), timed alternately."""
+    import torch
+    import torch.nn.functional as F
+
+    from focus_hf.attention.fast import fast_hard_attention
+    from focus_hf.attention.pattern import probes
+
+    case = make_case(args, cache_len, device, dtype)
+    # A KV cache is head-major ([batch, kv_heads, n, dim] contiguous), not token-major like fresh projections.
+    case = Case(case.query[:, :, -1:].contiguous(), case.key.contiguous(), case.value.contiguous(), case.routing)
+    scaling = args.head_dim**-0.5
+
+    def dense() -> torch.Tensor:
+        return F.scaled_dot_product_attention(case.query, case.key, case.value, enable_gqa=True)
+
+    def focus_for(top_k: int) -> Callable[[], torch.Tensor]:
+        routing = case.routing[top_k]
+        return lambda: fast_hard_attention(
+            case.query,
+            case.key,
+            case.value,
+            None,
+            query_groups=routing.top_groups[:, -1:],
+            key_groups=routing.top_groups[..., 0],
+            key_sink=routing.sink,
+            num_groups=args.groups,
+            window=args.window,
+            scaling=scaling,
+            backend=args.backend,
+        )
+
+    crossovers = {top_k: crossover_used(args, case, top_k, "decode", decode=True) for top_k in args.top_k}
+    calls = {top_k: focus_for(top_k) for top_k in args.top_k}
+    for _ in range(3):  # warm-up
+        dense()
+        for call in calls.values():
+            call()
+    repeats = args.decode_repeats
+    dense_times: list[tuple[float, float]] = []
+    focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
+    for _ in range(repeats):
+        dense_times.append(time_call(dense))
+        for top_k, call in calls.items():
+            focus_times[top_k].append(time_call(call))
+    dense_s, dense_cpu_s = medians(dense_times)
+    rows = []
+    positions = torch.arange(cache_len, device=device)
+    for top_k in args.top_k:
+        routing = case.routing[top_k]
+        focus_s, focus_cpu_s = medians(focus_times[top_k])
+        # Keys the new token may attend to: its probed groups, the window and the sinks.
+        reachable = probes(routing.top_groups[:, -1:], routing.top_groups[..., 0])[0, 0]
+        reachable |= (positions >= cache_len - 1 - args.window) | routing.sink[0]
+        fraction = float(reachable.float().mean())
+        crossover = crossovers[top_k]
+        path = "dense-masked" if crossover is not None and cache_len < crossover else "decode"
+        rows.append(
+            {
+                "mode": "decode",
+                "cache_len": cache_len,
+                "dense_s": dense_s,
+                "focus_s": focus_s,
+                "speedup": dense_s / focus_s,
+                "dense_cpu_s": dense_cpu_s,
+                "focus_cpu_s": focus_cpu_s,
+                "cpu_speedup": dense_cpu_s / focus_cpu_s if focus_cpu_s else None,
+                "keys_fraction": fraction,
+                "ideal_speedup": 1.0 / fraction,
+                "focus_path": path if args.backend == "auto" else "decode",
+                "dense_below": crossover,
+                "repeats": repeats,
+                "backend": args.backend,
+                "top_k": top_k,
+                "groups": args.groups,
+                "window": args.window,
+                "sinks": args.sinks,
+                "heads": args.heads,
+                "kv_heads": args.kv_heads,
+                "head_dim": args.head_dim,
+                "dtype": args.dtype,
+                **machine_fields(device),
+            }
+        )
+    return rows
+
+
+def decode_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    import torch
+
+    rows = []
+    print(
+        f"{'cache':>8} {'top_k':>5} {'dense_ms':>9} {'focus_ms':>9} {'speedup':>8} {'ideal':>7} {'path':>12}",
+        flush=True,
+    )
+    with torch.inference_mode():
+        for cache_len in args.seq_lens:
+            for row in decode_length(args, cache_len, device, dtype):
+                rows.append(row)
+                print(
+                    f"{cache_len:>8} {row['top_k']:>5} {row['dense_s'] * 1e3:>9.3f} {row['focus_s'] * 1e3:>9.3f} "
+                    f"{row['speedup']:>7.2f}x {row['ideal_speedup']:>6.2f}x {row['focus_path']:>12}",
+                    flush=True,
+                )
+    return rows
+
+
+def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Measure the crossover of every path "auto" may take for this shape (replacing cached values) and print it."""
+    import torch
+
+    from focus_hf.attention.calibration import calibrate, make_shape
+
+    query = torch.empty(1, args.heads, 1, args.head_dim, dtype=dtype, device=device)
+    key = torch.empty(1, args.kv_heads, 1, args.head_dim, dtype=dtype, device=device)
+    rows = []
+    print(f"{'top_k':>5} {'path':>9} {'dense_below':>11}  timings (keys: dense ms / sparse ms)", flush=True)
+    for top_k in args.top_k:
+        for kind in ("shared", "probe" if top_k == 1 else "separate", "decode"):
+            shape = make_shape(query, key, top_k, args.groups, args.window, kind)
+            entry = calibrate(shape, device)
+            timings = "  ".join(
+                f"{row['length']}: {row['dense_s'] * 1e3:.2f}/{row['sparse_s'] * 1e3:.2f}" for row in entry["timings"]
+            )
+            print(f"{top_k:>5} {kind:>9} {entry['dense_below']:>11}  {timings}", flush=True)
+            rows.append(
+                {
+                    "mode": "calibrate",
+                    "top_k": top_k,
+                    "kind": kind,
+                    "dense_below": entry["dense_below"],
+                    "timings": entry["timings"],
+                    "groups": args.groups,
+                    "window": args.window,
+                    "heads": args.heads,
+                    "kv_heads": args.kv_heads,
+                    "head_dim": args.head_dim,
+                    "dtype": args.dtype,
+                    **machine_fields(device),
+                }
+            )
+    from focus_hf.attention.calibration import cache_path
+
+    print(f"stored in {cache_path()}", flush=True)
+    return rows
 
 
 def peak_memory_child(args: argparse.Namespace, seq_len: int, top_k: int, queue: multiprocessing.Queue) -> None:
@@ -285,7 +460,11 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.peak_memory:
+    if args.calibrate:
+        rows = calibrate_rows(args, device, dtype)
+    elif args.decode:
+        rows = decode_rows(args, device, dtype)
+    elif args.peak_memory:
         rows = peak_memory_rows(args)
     else:
         rows = []
@@ -316,7 +495,13 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="time hard-mode Focus attention against dense causal attention")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths")
+    parser.add_argument(
+        "--seq-lens",
+        type=int,
+        nargs="+",
+        default=[1024, 4096, 16384],
+        help="sequence lengths (with --decode: KV cache lengths)",
+    )
     parser.add_argument("--groups", type=int, default=8, help="number of groups K")
     parser.add_argument(
         "--top-k", type=int, nargs="+", default=[1], help="groups per query; several are timed in one loop"
@@ -338,6 +523,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     parser.add_argument(
         "--peak-memory", action="store_true", help="measure peak RSS of one Focus call per length instead"
+    )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="time one new query against a KV cache of each --seq-lens length instead (dense SDPA vs Focus decode)",
+    )
+    parser.add_argument("--decode-repeats", type=int, default=30, help="timed repetitions per length with --decode")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure where 'auto' switches from dense to sparse attention on this machine (per --top-k), store it "
+        "in the crossover cache and print it",
     )
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     parser.add_argument("--seed", type=int, default=0, help="random seed")

@@ -1,0 +1,296 @@
+"""Where "auto" switches from one dense masked call to the sparse path: measured once per machine and shape.
+
+The crossover (key count below which the dense masked call is faster) depends on the processor, the thread count,
+the dtype, the head shape, top_k, K, the window and which sparse path runs (`kind`): "shared" (queries probe their
+own key group first), "probe" (a separate query router with top_k = 1, `partials.probe_part`), "separate" (a
+separate query router with top_k > 1) or "decode" (a few queries against a longer cache, `fast.decode_attention`).
+On first use of a shape, `dense_below` times both paths on random inputs at lengths 256, 512, ... until the sparse
+path wins twice in a row (a few seconds at most; never beyond MAX_LENGTH) and stores the first of those two lengths
+in `<cache>/crossover.json` (`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`), where every
+later process finds it.
+
+Environment:
+  FOCUS_HF_CROSSOVER=<tokens>   use this crossover for every shape (no measurement);
+  FOCUS_HF_CROSSOVER=measure    (or unset) measure on first use, then read the cache;
+  FOCUS_HF_NO_CALIBRATION=1     never measure and ignore the cache: the conservative DEFAULT_DENSE_BELOW table
+                                (the test suite sets this, so that no result depends on timings).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from focus_hf.aliases import default_cache_dir
+
+CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
+NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
+CACHE_FILE = "crossover.json"
+CACHE_VERSION = 1
+LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+# The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
+MAX_LENGTH = LENGTHS[-1]
+# Stop measuring (and keep the dense call up to the last length measured) once a calibration has taken this long.
+BUDGET_S = 8.0
+SINKS = 4
+
+# Without a measurement: key counts below which "auto" runs the dense masked call, per device type and top_k (other
+# top_k: PER_PROBE * top_k). Conservative: on the 2-core CPUs measured so far the sparse path won at top_k = 1
+# somewhere between 512 and 1,024 keys, at top_k = 2 near 2,048, at 3 near 3,000, at 4 near 4,000. CUDA: a guess.
+DEFAULT_DENSE_BELOW = {"cpu": {1: 1024, 2: 2048}, "cuda": {}}
+PER_PROBE = {"cpu": 1024, "cuda": 4096}
+
+KINDS = ("shared", "probe", "separate", "decode")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a crossover is measured for."""
+
+    device: str  # device type: "cpu", "cuda"
+    processor: str
+    threads: int
+    torch: str
+    dtype: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    top_k: int
+    num_groups: int
+    window: int
+    kind: str
+
+    @property
+    def key(self) -> str:
+        return "|".join(str(value) for value in asdict(self).values())
+
+
+def processor_name(device: Optional[torch.device] = None) -> str:
+    """The GPU's name on CUDA, else the CPU's model name (from /proc/cpuinfo on Linux; platform's guess elsewhere)."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def make_shape(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> Shape:
+    """The shape of a call with query [batch, heads, q, dim] and key [batch, kv_heads, kv, dim]."""
+    return Shape(
+        device=query.device.type,
+        processor=processor_name(query.device),
+        threads=torch.get_num_threads() if query.device.type == "cpu" else 0,
+        torch=torch.__version__,
+        dtype=str(query.dtype).removeprefix("torch."),
+        heads=query.shape[1],
+        kv_heads=key.shape[1],
+        head_dim=query.shape[3],
+        top_k=top_k,
+        num_groups=num_groups,
+        window=window,
+        kind=kind,
+    )
+
+
+def default_dense_below(device_type: str, top_k: int) -> int:
+    return DEFAULT_DENSE_BELOW.get(device_type, {}).get(top_k, PER_PROBE.get(device_type, 0) * top_k)
+
+
+def cache_path() -> Path:
+    return default_cache_dir() / CACHE_FILE
+
+
+def read_cache(path: Optional[Path] = None) -> dict[str, dict]:
+    """The cached entries by shape key; {} when the file is missing, unreadable or of another version."""
+    path = cache_path() if path is None else path
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
+        return {}
+    return data["entries"]
+
+
+def write_entry(shape: Shape, entry: dict, path: Optional[Path] = None) -> None:
+    """Add one entry to the cache file (re-read first, replaced atomically, so concurrent processes lose nothing
+    worse than a measurement). An unwritable cache is not an error: the value is then kept for this process only."""
+    path = cache_path() if path is None else path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = read_cache(path)
+        entries[shape.key] = dict(entry, shape=asdict(shape))
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".crossover-", suffix=".json")
+        with os.fdopen(handle, "w") as file:
+            json.dump({"version": CACHE_VERSION, "entries": entries}, file, indent=1)
+        os.replace(temporary, path)
+    except OSError as error:
+        print(f"focus_hf: could not write the crossover cache {path}: {error}", file=sys.stderr)
+
+
+def find_crossover(
+    time_at: Callable[[int], tuple[float, float]],
+    lengths: tuple[int, ...] = LENGTHS,
+    budget_s: float = BUDGET_S,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[int, list[dict]]:
+    """The first of two consecutive lengths at which the sparse path beats the dense call, and the timings.
+
+    `time_at(n)` returns (dense seconds, sparse seconds) at n keys. If the sparse path never wins twice in a row
+    within the lengths (or the budget runs out), the crossover is the length after the last one measured, capped at
+    MAX_LENGTH: the dense call stays where it was seen to win.
+    """
+    rows: list[dict] = []
+    start = clock()
+    for index, length in enumerate(lengths):
+        dense_s, sparse_s = time_at(length)
+        rows.append({"length": length, "dense_s": dense_s, "sparse_s": sparse_s})
+        if len(rows) >= 2 and all(row["sparse_s"] < row["dense_s"] for row in rows[-2:]):
+            return rows[-2]["length"], rows
+        if clock() - start > budget_s:
+            following = lengths[index + 1] if index + 1 < len(lengths) else length
+            return min(following, MAX_LENGTH), rows
+    return min(lengths[-1], MAX_LENGTH), rows
+
+
+def random_inputs(shape: Shape, length: int, device: torch.device, generator: torch.Generator) -> dict:
+    """Random q/k/v (token-major, as projections come; a KV cache for "decode") and routing of the shape's kind."""
+    dtype = getattr(torch, shape.dtype)
+    q_len = 1 if shape.kind == "decode" else length
+
+    def states(heads: int, n: int) -> torch.Tensor:
+        tokens = torch.randn(1, n, heads, shape.head_dim, generator=generator).to(device, dtype)
+        return tokens.transpose(1, 2).contiguous() if shape.kind == "decode" else tokens.transpose(1, 2)
+
+    scores = torch.rand(1, length, shape.num_groups, generator=generator)
+    key_groups = scores.argmax(dim=-1)
+    if shape.kind in ("probe", "separate"):  # queries probe groups of their own, independent of the key's group
+        scores = torch.rand(1, length, shape.num_groups, generator=generator)
+    query_groups = scores.argsort(dim=-1, descending=True)[..., : shape.top_k]  # else: own group first
+    return {
+        "query": states(shape.heads, q_len),
+        "key": states(shape.kv_heads, length),
+        "value": states(shape.kv_heads, length),
+        "query_groups": query_groups[:, length - q_len :].to(device),
+        "key_groups": key_groups.to(device),
+        "key_sink": (torch.arange(length) < SINKS)[None].to(device),
+    }
+
+
+def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGTHS) -> tuple[int, list[dict]]:
+    """Time the dense masked call against the sparse path of `shape.kind` on random inputs; see `find_crossover`."""
+    from focus_hf.attention.backends import select_kernel
+    from focus_hf.attention.fast import decode_attention, masked_attention, sparse_attention
+
+    kernel = select_kernel("sdpa", device)
+    generator = torch.Generator().manual_seed(0)
+    scaling = shape.head_dim**-0.5
+
+    def timed(function: Callable[[], torch.Tensor]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        function()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    def time_at(length: int) -> tuple[float, float]:
+        inputs = random_inputs(shape, length, device, generator)
+        query, key, value = inputs["query"], inputs["key"], inputs["value"]
+        groups, key_groups, sink = inputs["query_groups"], inputs["key_groups"], inputs["key_sink"]
+        arguments = (groups, key_groups, sink, shape.window, scaling, kernel)
+
+        def dense() -> torch.Tensor:
+            return masked_attention(query, key, value, None, *arguments)
+
+        def sparse() -> torch.Tensor:
+            if shape.kind == "decode":
+                return decode_attention(query, key, value, None, *arguments)
+            return sparse_attention(
+                query, key, value, None, groups, key_groups, sink, shape.num_groups, shape.window, scaling, kernel
+            )
+
+        # Decode calls take milliseconds: more repetitions; long prefills: one (after one warm-up of each).
+        repeats = 9 if shape.kind == "decode" else max(1, min(3, 2048 // length))
+        dense(), sparse()
+        dense_times, sparse_times = [], []
+        for _ in range(repeats):  # alternating, best of: other load on the machine only ever adds time
+            dense_times.append(timed(dense))
+            sparse_times.append(timed(sparse))
+        return min(dense_times), min(sparse_times)
+
+    with torch.inference_mode():
+        return find_crossover(time_at, lengths)
+
+
+# Crossovers already known in this process, by shape.
+_known: dict[Shape, int] = {}
+
+
+def forced_crossover() -> Optional[int]:
+    """FOCUS_HF_CROSSOVER as a number of tokens, or None when unset or "measure"."""
+    value = os.environ.get(CROSSOVER_ENV, "").strip()
+    if value in ("", "measure"):
+        return None
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"{CROSSOVER_ENV} must be a number of tokens or 'measure', not {value!r}") from None
+
+
+def calibration_disabled() -> bool:
+    return os.environ.get(NO_CALIBRATION_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def calibrate(shape: Shape, device: torch.device) -> dict:
+    """Measure `shape` now, store the result in the cache file and in this process; returns the cache entry."""
+    crossover, rows = measure(shape, device)
+    entry = {"dense_below": crossover, "timings": rows, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    write_entry(shape, entry)
+    _known[shape] = crossover
+    return entry
+
+
+def dense_below(
+    query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str = "shared"
+) -> int:
+    """Key count below which "auto" runs the pattern as one dense masked call rather than the sparse path `kind`."""
+    forced = forced_crossover()
+    if forced is not None:
+        return forced
+    if calibration_disabled() or query.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
+        return default_dense_below(query.device.type, top_k)
+    shape = make_shape(query, key, top_k, num_groups, window, kind)
+    known = _known.get(shape)
+    if known is not None:
+        return known
+    entry = read_cache().get(shape.key)
+    if entry is not None and isinstance(entry.get("dense_below"), int):
+        _known[shape] = entry["dense_below"]
+        return entry["dense_below"]
+    try:
+        return calibrate(shape, query.device)["dense_below"]
+    except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
+        print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
+        _known[shape] = default_dense_below(query.device.type, top_k)
+        return _known[shape]

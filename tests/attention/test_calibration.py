@@ -1,0 +1,259 @@
+"""The measured dense/sparse crossover of backend "auto" (`focus_hf.attention.calibration`): search, cache, env
+overrides. No assertion depends on a timing: measurements are faked, except one run of the real timer on tiny
+lengths that checks only that it returns a length it measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import focus_hf.attention.calibration as calibration
+import focus_hf.attention.fast as fast
+from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.reference import dense_attention
+from focus_hf.cli import main as cli_main
+
+
+def fake_timer(sparse_wins_from, wins_at=()):
+    """time_at(n) for find_crossover: sparse faster from `sparse_wins_from` keys on, and also at `wins_at`."""
+    measured = []
+
+    def time_at(length):
+        measured.append(length)
+        sparse_wins = length >= sparse_wins_from or length in wins_at
+        return 1.0, 0.5 if sparse_wins else 2.0
+
+    return time_at, measured
+
+
+def test_crossover_is_the_first_of_two_sparse_wins_and_stops_there():
+    time_at, measured = fake_timer(1024)
+    crossover, rows = calibration.find_crossover(time_at)
+    assert crossover == 1024
+    assert measured == [256, 512, 1024, 2048]
+    assert [row["length"] for row in rows] == measured
+
+
+def test_a_single_sparse_win_is_not_a_crossover():
+    time_at, measured = fake_timer(4096, wins_at=(512,))
+    crossover, _ = calibration.find_crossover(time_at)
+    assert crossover == 4096 and measured[-1] == 8192
+
+
+def test_sparse_never_winning_keeps_dense_up_to_the_longest_length():
+    time_at, measured = fake_timer(10**9)
+    crossover, _ = calibration.find_crossover(time_at)
+    assert measured == list(calibration.LENGTHS)
+    assert crossover == calibration.MAX_LENGTH
+
+
+def test_budget_stops_the_search_and_keeps_dense_where_it_won():
+    time_at, measured = fake_timer(10**9)
+    ticks = iter(range(100))
+    crossover, _ = calibration.find_crossover(time_at, budget_s=1.5, clock=lambda: float(next(ticks)))
+    assert measured == [256, 512]  # elapsed 1 s after the first length, 2 s after the second
+    assert crossover == 1024
+
+
+@pytest.fixture
+def calibrating(monkeypatch, tmp_path):
+    """Calibration enabled, an empty cache under tmp_path, and a fake `measure` that records its calls."""
+    monkeypatch.delenv(calibration.NO_CALIBRATION_ENV, raising=False)
+    monkeypatch.delenv(calibration.CROSSOVER_ENV, raising=False)
+    monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "_known", {})
+    calls = []
+
+    def fake_measure(shape, device, lengths=calibration.LENGTHS):
+        calls.append(shape)
+        crossover = 512 * shape.top_k + (1 if shape.kind == "decode" else 0)
+        return crossover, [{"length": crossover, "dense_s": 1.0, "sparse_s": 0.5}]
+
+    monkeypatch.setattr(calibration, "measure", fake_measure)
+    return calls
+
+
+def tensors(heads=9, kv_heads=3, length=8):
+    return torch.zeros(1, heads, length, 16), torch.zeros(1, kv_heads, length, 16)
+
+
+def test_calibration_runs_once_per_shape_and_is_reused(calibrating, tmp_path):
+    query, key = tensors()
+    assert calibration.dense_below(query, key, 1, 8, 128, "shared") == 512
+    assert calibration.dense_below(query, key, 1, 8, 128, "shared") == 512
+    assert len(calibrating) == 1
+    entries = json.loads((tmp_path / calibration.CACHE_FILE).read_text())["entries"]
+    (entry,) = entries.values()
+    assert entry["dense_below"] == 512 and entry["shape"]["kind"] == "shared" and entry["shape"]["heads"] == 9
+
+    # A new process (nothing known in memory) reads the file instead of measuring.
+    calibration._known.clear()
+    assert calibration.dense_below(query, key, 1, 8, 128, "shared") == 512
+    assert len(calibrating) == 1
+
+    # Any other shape or path is measured on its own, and both stay in the file.
+    assert calibration.dense_below(query, key, 2, 8, 128, "shared") == 1024
+    assert calibration.dense_below(query, key, 1, 8, 128, "decode") == 513
+    assert calibration.dense_below(*tensors(heads=6, kv_heads=2), 1, 8, 128, "shared") == 512
+    assert len(calibrating) == 4
+    assert len(json.loads((tmp_path / calibration.CACHE_FILE).read_text())["entries"]) == 4
+
+
+def test_shape_key_names_the_machine_and_the_call():
+    query, key = tensors()
+    shape = calibration.make_shape(query.bfloat16(), key.bfloat16(), 2, 8, 64, "probe")
+    assert shape.processor == calibration.processor_name() and shape.threads == torch.get_num_threads()
+    assert (shape.dtype, shape.heads, shape.kv_heads, shape.head_dim) == ("bfloat16", 9, 3, 16)
+    assert (shape.top_k, shape.num_groups, shape.window, shape.kind) == (2, 8, 64, "probe")
+
+
+@pytest.mark.parametrize("content", ["not json", '{"version": 0, "entries": {}}', '{"version": 1}'])
+def test_unreadable_cache_is_measured_again_and_rewritten(calibrating, tmp_path, content):
+    (tmp_path / calibration.CACHE_FILE).write_text(content)
+    query, key = tensors()
+    assert calibration.dense_below(query, key, 1, 8, 128) == 512
+    assert len(calibrating) == 1
+    assert json.loads((tmp_path / calibration.CACHE_FILE).read_text())["version"] == calibration.CACHE_VERSION
+
+
+def test_unwritable_cache_keeps_the_value_in_memory(calibrating, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("FOCUS_HF_CACHE", str(blocker / "sub"))  # a folder under a file cannot be created
+    query, key = tensors()
+    assert calibration.dense_below(query, key, 1, 8, 128) == 512
+    assert calibration.dense_below(query, key, 1, 8, 128) == 512
+    assert len(calibrating) == 1
+    assert "could not write the crossover cache" in capsys.readouterr().err
+
+
+def test_forced_crossover_skips_measurement(calibrating, monkeypatch):
+    monkeypatch.setenv(calibration.CROSSOVER_ENV, "777")
+    query, key = tensors()
+    assert calibration.dense_below(query, key, 3, 8, 128, "separate") == 777
+    monkeypatch.setenv(calibration.CROSSOVER_ENV, "measure")
+    assert calibration.dense_below(query, key, 3, 8, 128, "separate") == 1536
+    assert len(calibrating) == 1
+    monkeypatch.setenv(calibration.CROSSOVER_ENV, "soon")
+    with pytest.raises(ValueError, match="FOCUS_HF_CROSSOVER"):
+        calibration.dense_below(query, key, 1, 8, 128)
+
+
+def test_no_calibration_uses_the_default_and_ignores_the_cache(calibrating, monkeypatch):
+    query, key = tensors()
+    calibration.dense_below(query, key, 1, 8, 128)  # measured and cached: 512
+    calibration._known.clear()
+    monkeypatch.setenv(calibration.NO_CALIBRATION_ENV, "1")
+    assert calibration.dense_below(query, key, 1, 8, 128) == calibration.default_dense_below("cpu", 1)
+    assert calibration.dense_below(query, key, 3, 8, 128) == calibration.default_dense_below("cpu", 3) == 3072
+    assert len(calibrating) == 1
+
+
+def routed_case(kind, seq=200, q_len=200, top_k=1, num_groups=4, window=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(1, seq, num_groups, generator=generator)
+    key_groups = scores.argmax(-1)
+    if kind in ("probe", "separate"):
+        scores = torch.rand(1, seq, num_groups, generator=generator)
+    query_groups = scores.argsort(-1, descending=True)[..., :top_k][:, seq - q_len :]
+    query = torch.randn(1, 6, q_len, 16, generator=generator)
+    key, value = torch.randn(2, 1, 2, seq, 16, generator=generator)
+    sink = (torch.arange(seq) < 2)[None]
+    return query, key, value, query_groups, key_groups, sink
+
+
+@pytest.mark.parametrize(
+    "kind, q_len, top_k",
+    [("shared", 200, 1), ("shared", 200, 2), ("probe", 200, 1), ("separate", 200, 2), ("decode", 1, 1)],
+)
+def test_auto_asks_for_the_path_that_runs_and_is_exact_either_side(monkeypatch, kind, q_len, top_k):
+    query, key, value, query_groups, key_groups, sink = routed_case(kind, q_len=q_len, top_k=top_k)
+    seen = []
+    positions = torch.arange(key.shape[2])
+    allowed = allowed_pairs(query_groups, key_groups, sink, positions[key.shape[2] - q_len :], positions, 8)
+    reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
+    for crossover in (0, 10**6):  # sparse path, then the dense masked call
+        monkeypatch.setattr(fast, "dense_below", lambda *args, result=crossover: seen.append(args) or result)
+        output = fast.fast_hard_attention(
+            query,
+            key,
+            value,
+            None,
+            query_groups=query_groups,
+            key_groups=key_groups,
+            key_sink=sink,
+            num_groups=4,
+            window=8,
+            scaling=0.25,
+            backend="auto",
+        )
+        torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
+    assert [args[2:] for args in seen] == [(top_k, 4, 8, kind)] * 2
+
+
+@pytest.mark.parametrize("kind, top_k", [("shared", 2), ("probe", 1), ("decode", 1)])
+def test_real_measurement_runs_on_tiny_lengths(kind, top_k):
+    query, key = tensors(heads=4, kv_heads=2)
+    shape = calibration.make_shape(query, key, top_k, 4, 8, kind)
+    crossover, rows = calibration.measure(shape, torch.device("cpu"), lengths=(32, 64))
+    assert crossover in (32, 64) and [row["length"] for row in rows] in ([32], [32, 64])
+    assert all(row["dense_s"] > 0 and row["sparse_s"] > 0 for row in rows)
+
+
+def test_bench_calibrate_prints_and_stores_crossovers(calibrating, tmp_path, capsys):
+    path = tmp_path / "calibrate.json"
+    assert cli_main(["bench", "--calibrate", "--top-k", "1", "2", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(row["top_k"], row["kind"]) for row in rows] == [
+        (1, "shared"),
+        (1, "probe"),
+        (1, "decode"),
+        (2, "shared"),
+        (2, "separate"),
+        (2, "decode"),
+    ]
+    assert [row["dense_below"] for row in rows] == [512, 512, 513, 1024, 1024, 1025]
+    assert all(row["processor"] and "load_avg_1m" in row for row in rows)
+    assert "dense_below" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / calibration.CACHE_FILE).read_text())["entries"]) == 6
+
+
+def test_bench_decode_writes_rows(tmp_path):
+    path = tmp_path / "decode.json"
+    argv = ["bench", "--decode", "--seq-lens", "300", "700", "--top-k", "1", "2", "--window", "16"]
+    assert cli_main(argv + ["--decode-repeats", "2", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(row["cache_len"], row["top_k"]) for row in rows] == [(300, 1), (300, 2), (700, 1), (700, 2)]
+    for row in rows:
+        assert row["mode"] == "decode" and row["speedup"] == pytest.approx(row["dense_s"] / row["focus_s"])
+        assert 0 < row["keys_fraction"] <= 1 and row["processor"] and row["threads"] >= 1
+        # The suite runs without calibration: the default crossover decides the path.
+        assert row["focus_path"] == ("dense-masked" if row["cache_len"] < row["dense_below"] else "decode")
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_few_query_attention_equals_the_kernel(dtype, tolerance):
+    from focus_hf.attention.backends import cpu_kernel
+    from focus_hf.attention.partials import few_query_attention, hidden_bias
+
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 6, 3, 16, generator=generator).to(dtype)
+    key, value = torch.randn(2, 2, 2, 40, 16, generator=generator).to(dtype)
+    visible = torch.rand(2, 1, 3, 40, generator=generator) < 0.7
+    bias = hidden_bias(visible, dtype)
+    expected, _ = cpu_kernel(query, key, value, causal=False, bias=bias, scale=0.3)
+    actual = few_query_attention(query, key, value, bias, 0.3)
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=0)
+
+
+def test_failed_measurement_falls_back_to_the_default(calibrating, monkeypatch, capsys):
+    def broken(shape, device, lengths=calibration.LENGTHS):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(calibration, "measure", broken)
+    query, key = tensors()
+    assert calibration.dense_below(query, key, 2, 8, 128) == calibration.default_dense_below("cpu", 2)
+    assert "calibration failed" in capsys.readouterr().err
