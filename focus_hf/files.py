@@ -419,8 +419,10 @@ def adapter_summary(folder: Path) -> dict:
                 "temperature",
                 "sinkhorn_iterations",
                 "routing_mode",
+                "query_projection",
+                "dense_heads",
             )
-            if k in config
+            if k in config and config[k] is not None
         },
     }
 
