@@ -87,29 +87,36 @@ def load_focus(adapter: Path = ADAPTER):
     return PeftModel.from_pretrained(model, adapter).eval(), tokenizer
 
 
-def set_dense_heads(model, pairs: list[list[int]]) -> None:
-    """Switch the adapter's dense heads at run time (the variant's setting; the saved config is not touched)."""
-    model.peft_config["default"].dense_heads = pairs or None
+def apply_variant(model, variant: dict) -> None:
+    """Switch top_k, dense heads and window at run time (the variant's setting; the saved files are not touched).
+
+    A wider window than the adapter was distilled with only adds visible keys (the local pairs), so it is a
+    setting a user can change after training.
+    """
+    config = model.peft_config["default"]
+    config.dense_heads, config.window = variant["dense_heads"] or None, variant["window"]
     for layer in focus_layers(model):
-        layer.focus_settings["default"].dense_heads = pairs or None
+        settings = layer.focus_settings["default"]
+        settings.dense_heads, settings.window = config.dense_heads, config.window
+    focus_hf.set_routing(model, "hard", top_k=variant["top_k"])
 
 
-def focus_variants(model, dense_counts: list[int], top_ks: list[int]) -> list[dict]:
-    """The settings to measure: every top_k with every number of dense heads (ranked by the adapter's audit)."""
+def focus_variants(model, dense_counts: list[int], top_ks: list[int], windows: list[int]) -> list[dict]:
+    """Every top_k x number of dense heads (ranked by the adapter's audit) x window."""
     audit_path = HERE / "adapter_audit.json"
     ranked = []
     if audit_path.exists():
         rows = json.loads(audit_path.read_text())["rows"]
         ranked = [[r["layer"], r["kv_head"]] for r in sorted(rows, key=lambda r: r["adapter"])]
-    saved = model.peft_config["default"].dense_heads or []
     variants = []
-    for top_k in top_ks:
-        for count in dense_counts:
-            pairs = sorted(ranked[:count]) if count else []
-            if count and len(pairs) < count:
-                continue
-            variants.append({"top_k": top_k, "dense_heads": pairs, "label": f"focus top-{top_k}, {count} dense heads"})
-    variants.sort(key=lambda v: (v["dense_heads"] != saved, v["top_k"], len(v["dense_heads"])))
+    for window in windows or [model.peft_config["default"].window]:
+        for top_k in top_ks:
+            for count in dense_counts:
+                pairs = sorted(ranked[:count]) if count else []
+                if count and len(pairs) < count:
+                    continue
+                label = f"focus top-{top_k}, w={window}, {count} dense heads"
+                variants.append({"top_k": top_k, "dense_heads": pairs, "window": window, "label": label})
     return variants
 
 
@@ -177,10 +184,11 @@ def stage_ppl(args) -> None:
         row.update(seq_len=args.seq_len, data=args.data, blocks=len(blocks), command=command_line(), **machine())
         rows.append(row)
         log(f"{args.data} {args.seq_len}: {label}: PPL {row['ppl']:.4f}")
-        return row
+        append("ppl.json", [row])
 
-    base = measure("dense", dense, {"kind": "dense", "density": 1.0})
-    if not args.skip_baselines:
+    if "dense" in args.parts:
+        measure("dense", dense, {"kind": "dense", "density": 1.0})
+    if "baselines" in args.parts:
         dense.config._attn_implementation = baselines.NAME
         for kind in ("streaming", "blocks"):
             baselines.SETTINGS.update(kind=kind, window=args.window, sinks=args.sinks, density=args.block_density)
@@ -191,16 +199,24 @@ def stage_ppl(args) -> None:
             )
         dense.config._attn_implementation = "sdpa"
     del dense
+    if "focus" not in args.parts:
+        return
     model, _ = load_focus(Path(args.adapter))
     config = model.peft_config["default"]
-    for variant in focus_variants(model, args.dense_heads, args.top_k):
-        set_dense_heads(model, variant["dense_heads"])
-        focus_hf.set_routing(model, "hard", top_k=variant["top_k"])
-        density = focus_density(model, blocks[0], config.window, config.sink_tokens)
+    for variant in focus_variants(model, args.dense_heads, args.top_k, args.windows):
+        apply_variant(model, variant)
+        density = focus_density(model, blocks[0], variant["window"], config.sink_tokens)
         measure(variant["label"], model, {"kind": "focus", **variant, "density": density})
-    for row in rows:
-        row["ppl_ratio"] = row["ppl"] / base["ppl"]
-    append("ppl.json", rows)
+
+
+def ppl_ratios(rows: list[dict]) -> list[dict]:
+    """Each row with `ppl_ratio`: its PPL over the dense PPL measured on the same data, length and blocks."""
+    dense = {(r["data"], r["seq_len"], r["blocks"]): r["ppl"] for r in rows if r["kind"] == "dense"}
+    return [
+        {**r, "ppl_ratio": r["ppl"] / dense[(r["data"], r["seq_len"], r["blocks"])]}
+        for r in rows
+        if (r["data"], r["seq_len"], r["blocks"]) in dense
+    ]
 
 
 # --- passkey ----------------------------------------------------------------------------------------------------
@@ -238,10 +254,8 @@ def stage_passkey(args) -> None:
     log(f"dense: {sum(k in a for (_, _, k, _), a in zip(prompts, results['dense']))}/{len(prompts)}")
     del dense
     model, _ = load_focus(Path(args.adapter))
-    variants = focus_variants(model, args.dense_heads, args.top_k)
-    for variant in variants:
-        set_dense_heads(model, variant["dense_heads"])
-        focus_hf.set_routing(model, "hard", top_k=variant["top_k"])
+    for variant in focus_variants(model, args.dense_heads, args.top_k, args.windows):
+        apply_variant(model, variant)
         results[variant["label"]] = [answer(model, tokenizer, ids) for *_, ids in prompts]
         log(f"{variant['label']}: {sum(k in a for (_, _, k, _), a in zip(prompts, results[variant['label']]))}")
     rows = []
@@ -274,37 +288,48 @@ def stage_passkey(args) -> None:
 
 
 def stage_speed(args) -> None:
+    """Decoder prefill time, dense and every Focus variant alternating at each length (best of --repeats)."""
     _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
     dense, tokenizer = load_dense()
     model, _ = load_focus(Path(args.adapter))
-    focus_hf.set_routing(model, "hard")
-    config = model.peft_config["default"]
-    rows = []
+    variants = focus_variants(model, args.dense_heads, args.top_k, args.windows)
+
+    def prefill(runner, ids) -> float:
+        body = runner.get_base_model().model if hasattr(runner, "get_base_model") else runner.model
+        started = time.perf_counter()
+        with torch.no_grad():
+            body(input_ids=ids[None], use_cache=False)
+        return time.perf_counter() - started
+
     for length in args.lengths:
         ids = token_blocks(tokenizer, heldout, length, max_blocks=1)[0]
-        times = {"dense": [], "focus": []}
-        for _ in range(args.repeats):  # dense and Focus alternate, so both see the same machine state
-            for label, runner in (("dense", dense), ("focus", model)):
-                body = runner.get_base_model().model if hasattr(runner, "get_base_model") else runner.model
-                started = time.perf_counter()
-                with torch.no_grad():
-                    body(input_ids=ids[None], use_cache=False)
-                times[label].append(time.perf_counter() - started)
-        best = {label: min(values) for label, values in times.items()}
-        row = {
-            "seq_len": length,
-            "dense_s": best["dense"],
-            "focus_s": best["focus"],
-            "speedup": best["dense"] / best["focus"],
-            "top_k": config.top_k,
-            "dense_heads": len(config.dense_heads or []),
-            "repeats": args.repeats,
-            "command": command_line(),
-            **machine(),
-        }
-        rows.append(row)
-        log(f"{length}: dense {best['dense']:.2f} s, focus {best['focus']:.2f} s, speedup {row['speedup']:.2f}x")
-    append("speed.json", rows)
+        times: dict[str, list[float]] = {"dense": [], **{v["label"]: [] for v in variants}}
+        for _ in range(args.repeats):  # dense and Focus alternate, so all see the same machine state
+            times["dense"].append(prefill(dense, ids))
+            for variant in variants:
+                apply_variant(model, variant)
+                times[variant["label"]].append(prefill(model, ids))
+        dense_s = min(times["dense"])
+        rows = []
+        for variant in variants:
+            focus_s = min(times[variant["label"]])
+            rows.append(
+                {
+                    "seq_len": length,
+                    "variant": variant["label"],
+                    "dense_s": dense_s,
+                    "focus_s": focus_s,
+                    "speedup": dense_s / focus_s,
+                    "top_k": variant["top_k"],
+                    "window": variant["window"],
+                    "dense_heads": len(variant["dense_heads"]),
+                    "repeats": args.repeats,
+                    "command": command_line(),
+                    **machine(),
+                }
+            )
+            log(f"{length}: dense {dense_s:.2f} s, {variant['label']} {focus_s:.2f} s ({dense_s / focus_s:.2f}x)")
+        append("speed.json", rows)
 
 
 # --- plot + report ---------------------------------------------------------------------------------------------
@@ -316,35 +341,106 @@ def stage_plot(args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ppl = json.loads((RESULTS / "ppl.json").read_text())
+    ppl = ppl_ratios(json.loads((RESULTS / "ppl.json").read_text()))
     rows = [r for r in ppl if r["seq_len"] == args.seq_len and r["data"] == "python-docs"]
     speed = json.loads((RESULTS / "speed.json").read_text()) if (RESULTS / "speed.json").exists() else []
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, (axis, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     markers = {"dense": "k*", "streaming": "rs", "blocks": "m^", "focus": "bo"}
     for row in rows:
         axis.plot(row["density"], row["ppl_ratio"], markers[row["kind"]], markersize=8)
         axis.annotate(
-            row["variant"], (row["density"], row["ppl_ratio"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+            row["variant"], (row["density"], row["ppl_ratio"]), fontsize=6, xytext=(4, 3), textcoords="offset points"
         )
-    axis.axhline(1.02, color="grey", linestyle="--", linewidth=0.8)
-    axis.text(0.99, 1.02, "target 1.02", fontsize=7, ha="right", va="bottom", transform=axis.get_yaxis_transform())
     axis.set_xscale("log")
     axis.set_xlabel("share of causal attention pairs computed (log)")
     axis.set_ylabel(f"PPL / dense PPL at {args.seq_len} tokens")
-    axis.set_title(f"SmolLM2-135M, python-docs held-out, {args.seq_len} tokens", fontsize=9)
-    measured = [s for s in speed if s["seq_len"] == args.seq_len]
-    if measured:
-        s = measured[-1]
-        axis.text(
-            0.01,
-            0.02,
-            f"model-level prefill of the committed setting at {args.seq_len}: {s['speedup']:.2f}x over dense",
-            transform=axis.transAxes,
-            fontsize=8,
+    axis.set_title("quality vs attention density (baselines: dense masked, not timed)", fontsize=9)
+    measured = {s["variant"]: s["speedup"] for s in speed if s["seq_len"] == args.seq_len}
+    for row in rows:
+        if row["kind"] == "dense":
+            right.plot(1.0, 1.0, "k*", markersize=8)
+        elif row["variant"] in measured:
+            right.plot(measured[row["variant"]], row["ppl_ratio"], "bo", markersize=7)
+            right.annotate(
+                row["variant"],
+                (measured[row["variant"]], row["ppl_ratio"]),
+                fontsize=6,
+                xytext=(4, 3),
+                textcoords="offset points",
+            )
+    right.set_xlabel(f"model-level prefill speedup over dense at {args.seq_len} tokens (measured)")
+    right.set_title("Focus settings: quality vs measured speed", fontsize=9)
+    for panel in (axis, right):
+        panel.axhline(1.02, color="grey", linestyle="--", linewidth=0.8)
+        panel.text(
+            0.99, 1.02, "target 1.02", fontsize=7, ha="right", va="bottom", transform=panel.get_yaxis_transform()
         )
+    figure.suptitle(f"SmolLM2-135M-Instruct, python-docs held-out, {args.seq_len} tokens", fontsize=10)
     figure.tight_layout()
     figure.savefig(RESULTS / "tradeoff.png", dpi=120)
+    (RESULTS / "tradeoff.json").write_text(
+        json.dumps(
+            [{k: r[k] for k in ("variant", "kind", "density", "ppl", "ppl_ratio", "seq_len", "data")} for r in rows],
+            indent=1,
+        )
+        + "\n"
+    )
     log(f"wrote {RESULTS / 'tradeoff.png'}")
+    write_report(ppl, speed)
+
+
+def write_report(ppl: list[dict], speed: list[dict]) -> None:
+    """results/report.md: every table generated from the JSON files of this folder."""
+    lines = [
+        "# Lossless long context: results",
+        "",
+        "Generated by `python benchmarks/long_context/run.py plot` from "
+        "the JSON files beside it; each row records the command and machine that produced it.",
+        "",
+    ]
+    lines += [
+        "## Perplexity (held-out split; dense = base model without adapter)",
+        "",
+        "| data | tokens/block | blocks | variant | share of causal pairs | PPL | vs dense |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(ppl, key=lambda r: (r["data"], r["seq_len"], r["kind"] != "dense", r["variant"])):
+        lines.append(
+            f"| {r['data']} | {r['seq_len']} | {r['blocks']} | {r['variant']} | {r['density']:.3f} | "
+            f"{r['ppl']:.3f} | {r['ppl_ratio']:.4f} |"
+        )
+    passkey_path = RESULTS / "passkey.json"
+    if passkey_path.exists():
+        passkey = json.loads(passkey_path.read_text())
+        lengths = sorted({length for row in passkey for length in row["accuracy"]}, key=int)
+        lines += [
+            "",
+            "## Passkey retrieval (5 depths x keys per length, greedy, 7 new tokens)",
+            "",
+            "| variant | " + " | ".join(f"{n} tokens" for n in lengths) + " | overall | dense answers kept |",
+            "|---|" + "---|" * (len(lengths) + 2),
+        ]
+        for row in passkey:
+            cells = " | ".join(f"{row['accuracy'].get(n, float('nan')):.0%}" for n in lengths)
+            lines.append(
+                f"| {row['variant']} | {cells} | {row['overall']:.0%} | {row['answers_kept_of_dense_correct']:.0%} |"
+            )
+    if speed:
+        lines += [
+            "",
+            "## Model-level prefill (decoder forward, dense and Focus alternating, best of repeats)",
+            "",
+            "| tokens | Focus setting | dense s | Focus s | speedup | threads | load | processor |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in speed:
+            lines.append(
+                f"| {r['seq_len']} | {r['variant']} | {r['dense_s']:.2f} | {r['focus_s']:.2f} | {r['speedup']:.2f}x | "
+                f"{r['threads']} | {r['load_average']:.2f} | {r['cpu']} |"
+            )
+    lines += ["", "![trade-off](tradeoff.png)", ""]
+    (RESULTS / "report.md").write_text("\n".join(lines))
+    log(f"wrote {RESULTS / 'report.md'}")
 
 
 def main() -> None:
@@ -359,10 +455,11 @@ def main() -> None:
         stage.add_argument("--seq-len", type=int, default=8192)
         stage.add_argument("--blocks", type=int, default=2)
         stage.add_argument("--data", default="python-docs")
-        stage.add_argument("--window", type=int, default=128)
+        stage.add_argument("--window", type=int, default=128, help="window of the training-free baselines")
+        stage.add_argument("--windows", type=int, nargs="+", default=None, help="Focus windows (default: adapter's)")
         stage.add_argument("--sinks", type=int, default=4)
         stage.add_argument("--block-density", type=float, default=0.125)
-        stage.add_argument("--skip-baselines", action="store_true")
+        stage.add_argument("--parts", nargs="+", default=["dense", "baselines", "focus"], help="ppl: what to measure")
         stage.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
         stage.add_argument("--keys", type=int, default=2)
         stage.add_argument("--seed", type=int, default=0)
