@@ -374,26 +374,36 @@ def probe_part(
     queries = gather_tokens(query, sample, layout.token)  # [rows, heads, Lq, dim]
     # Empty query slots get position -1: they see nothing and are never read back.
     position = torch.where(layout.first, first_query + layout.token, -1)
-    output = query.new_zeros(rows, layout.length, heads, dim, dtype=torch.float32)
-    lse = query.new_full((rows, layout.length, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
+    # Every slot a real query reads is written below; the others (padding) are never read, so no zero fill.
+    output = query.new_empty(rows, layout.length, heads, dim, dtype=torch.float32)
+    lse = query.new_empty(rows, layout.length, heads, dtype=torch.float32)
     reach = torch.searchsorted(keys.position.contiguous(), position.contiguous(), right=True)  # keys at or before
+    live = position >= 0
     for start in range(0, layout.length, PROBE_CHUNK):
         end = min(start + PROBE_CHUNK, layout.length)
-        length = int(reach[:, start:end].max())
-        if length == 0:
+        # Queries need not be balanced across groups: only segments with queries in this chunk take part.
+        active = live[:, start:end].any(dim=1).nonzero().squeeze(1)
+        if active.numel() == 0:
             continue
-        visible = keys.position[:, None, :length] <= position[:, start:end, None]
+        length = int(reach[active, start:end].max())
+        if length == 0:  # no key of these segments is old enough yet: an empty set
+            output[active, start:end] = 0.0
+            lse[active, start:end] = torch.finfo(torch.float32).min
+            continue
+        visible = keys.position[active, None, :length] <= position[active, start:end, None]
         part, part_lse = kernel(
-            queries[:, :, start:end],
-            keys.keys[:, :, :length],
-            keys.values[:, :, :length],
+            queries[active, :, start:end],
+            keys.keys[active, :, :length],
+            keys.values[active, :, :length],
             causal=False,
             bias=hidden_bias(visible[:, None], query.dtype),
             scale=scaling,
         )
-        output[:, start:end] = part.transpose(1, 2).float()
-        lse[:, start:end] = part_lse.transpose(1, 2).float()
+        output[active, start:end] = part.transpose(1, 2).float()
+        lse[active, start:end] = part_lse.transpose(1, 2).float()
     segment, slot = layout.segment[..., 0], layout.slot[..., 0]
     outputs, lses = output[segment, slot], lse[segment, slot]
+    # Padding queries have no slot of their own (theirs may be unwritten memory): an empty set, zero output.
+    outputs = outputs.masked_fill(~valid[:, :, None, None], 0.0)
     lses = lses.masked_fill(~valid[:, :, None], torch.finfo(lses.dtype).min)
     return outputs, lses
