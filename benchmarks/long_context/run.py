@@ -188,9 +188,10 @@ def stage_ppl(args) -> None:
 
     if "dense" in args.parts:
         measure("dense", dense, {"kind": "dense", "density": 1.0})
-    if "baselines" in args.parts:
+    kinds = [k for k in ("streaming", "blocks") if k in args.parts or "baselines" in args.parts]
+    if kinds:
         dense.config._attn_implementation = baselines.NAME
-        for kind in ("streaming", "blocks"):
+        for kind in kinds:
             baselines.SETTINGS.update(kind=kind, window=args.window, sinks=args.sinks, density=args.block_density)
             measure(
                 f"{kind} (training-free)",
@@ -459,7 +460,12 @@ def main() -> None:
         stage.add_argument("--windows", type=int, nargs="+", default=None, help="Focus windows (default: adapter's)")
         stage.add_argument("--sinks", type=int, default=4)
         stage.add_argument("--block-density", type=float, default=0.125)
-        stage.add_argument("--parts", nargs="+", default=["dense", "baselines", "focus"], help="ppl: what to measure")
+        stage.add_argument(
+            "--parts",
+            nargs="+",
+            default=["dense", "baselines", "focus"],
+            help="ppl: dense, baselines (or streaming / blocks), focus",
+        )
         stage.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
         stage.add_argument("--keys", type=int, default=2)
         stage.add_argument("--seed", type=int, default=0)

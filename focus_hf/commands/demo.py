@@ -36,10 +36,10 @@ logger = logging.getLogger(__name__)
 EVAL_RESULTS_NAME = "eval_results.json"
 
 # Defaults sized to finish in under ten minutes on a 2-core CPU (model conversion included); see the README.
-DEMO_STEPS = 60
+DEMO_STEPS = 30
 DEMO_SEQ_LEN = 4096
-DEMO_LR = 0.01
-DEMO_SEQUENCES = 2
+DEMO_LR = 0.02
+DEMO_SEQUENCES = 1
 DEMO_EVAL_BLOCKS = 2
 DEMO_PASSKEYS = 3
 DEMO_TOP_K = 1
