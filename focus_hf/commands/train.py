@@ -114,6 +114,7 @@ def distill(args: argparse.Namespace) -> dict:
     from focus_hf.audit import audit_recall, calibrate_dense_heads
     from focus_hf.data import retrieval_documents, token_blocks
     from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
+    from focus_hf.tuner.controls import focus_layers
 
     out = Path(args.out)
     torch.manual_seed(args.seed)
@@ -142,7 +143,7 @@ def distill(args: argparse.Namespace) -> dict:
         audit = audit_recall(model, heldout, progress=not args.no_progress)
         pairs = calibrate_dense_heads(audit, args.dense_heads)
         model.peft_config["default"].dense_heads = pairs
-        for layer in focus_layers_of(model):
+        for layer in focus_layers(model):
             layer.focus_settings["default"].dense_heads = pairs
     log = save_distilled_adapter(
         model,
@@ -164,12 +165,6 @@ def distill(args: argparse.Namespace) -> dict:
 
         shutil.rmtree(checkpoints, ignore_errors=True)
     return log
-
-
-def focus_layers_of(model):
-    from focus_hf.tuner.controls import focus_layers
-
-    return focus_layers(model)
 
 
 def run(args: argparse.Namespace) -> int:
