@@ -312,7 +312,7 @@ def report(results: dict[str, Any], out: Path) -> None:
         )
     speed = results.get("speed")
     if speed:
-        verdict = "faster" if speed["speedup"] > 1 else "slower"
+        verdict = "faster" if speed["speedup"] > 1.05 else "slower" if speed["speedup"] < 0.95 else "about the same"
         print(
             f"\nSpeed: one {speed['seq_len']:,}-token prefill takes {speed['full_seconds']:.2f} s with full attention "
             f"and {speed['hard_seconds']:.2f} s with Focus hard top-{speed['top_k']} ({speed['speedup']:.2f}x, "
