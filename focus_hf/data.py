@@ -329,3 +329,22 @@ def retrieval_documents(
         pieces += text[previous:] + questions
         documents.append(torch.tensor(pieces[:seq_len], dtype=torch.long))
     return documents
+
+
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def passkey_prompt(tokenizer: Any, length: int, depth: float, key: str) -> torch.LongTensor:
+    """The classic passkey-retrieval prompt: about `length` tokens of repetitive filler with "The pass key is KEY"
+    hidden at `depth` (0 = start, 1 = end), ending with "What is the pass key? The pass key is".
+
+    Returns:
+        `torch.LongTensor` [n] of token ids (n close to `length`).
+    """
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    question = " What is the pass key? The pass key is"
+    budget = length - len(tokenizer(needle + question)["input_ids"]) - 2
+    filler = tokenizer(PASSKEY_FILLER * (budget // 10 + 10))["input_ids"][:budget]
+    cut = int(len(filler) * depth)
+    text = tokenizer.decode(filler[:cut]) + needle + tokenizer.decode(filler[cut:]) + question
+    return torch.tensor(tokenizer(text)["input_ids"])

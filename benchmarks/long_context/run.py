@@ -40,14 +40,13 @@ from peft import PeftModel  # noqa: E402
 import focus_hf  # noqa: E402
 from focus_hf import load_model_and_tokenizer  # noqa: E402
 from focus_hf.aliases import DEFAULT_MODEL  # noqa: E402
-from focus_hf.data import load_texts, split_texts, token_blocks  # noqa: E402
+from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks  # noqa: E402
 from focus_hf.interpret.groups import record_routing  # noqa: E402
 from focus_hf.tuner.controls import focus_layers  # noqa: E402
 
 ADAPTER = HERE / "adapter"
 RESULTS = HERE / "results"
 SCORE_CHUNK = 2048
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def log(message: str) -> None:
@@ -221,16 +220,6 @@ def ppl_ratios(rows: list[dict]) -> list[dict]:
 
 
 # --- passkey ----------------------------------------------------------------------------------------------------
-
-
-def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> torch.Tensor:
-    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    question = " What is the pass key? The pass key is"
-    budget = length - len(tokenizer(needle + question)["input_ids"]) - 2
-    filler_ids = tokenizer(FILLER * (budget // 10 + 10))["input_ids"][:budget]
-    cut = int(len(filler_ids) * depth)
-    text = tokenizer.decode(filler_ids[:cut]) + needle + tokenizer.decode(filler_ids[cut:]) + question
-    return torch.tensor(tokenizer(text)["input_ids"])
 
 
 @torch.no_grad()

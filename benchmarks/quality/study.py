@@ -51,7 +51,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import focus_hf
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
-from focus_hf.data import load_texts, split_texts, token_blocks
+from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks
 from focus_hf.evaluation import perplexity, routing_mode
 from focus_hf.training import train_adapter
 
@@ -334,18 +334,6 @@ def _greedy(model, tokenizer, ids: torch.Tensor) -> list[int]:
 
 
 # --- passkey ------------------------------------------------------------------------------------------------------
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> torch.Tensor:
-    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    question = " What is the pass key? The pass key is"
-    budget = length - len(tokenizer(needle + question)["input_ids"]) - 2
-    filler_ids = tokenizer(FILLER * (budget // 10 + 10))["input_ids"][:budget]
-    cut = int(len(filler_ids) * depth)
-    text = tokenizer.decode(filler_ids[:cut]) + needle + tokenizer.decode(filler_ids[cut:]) + question
-    return torch.tensor(tokenizer(text)["input_ids"])
 
 
 @torch.no_grad()

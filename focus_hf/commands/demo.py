@@ -43,7 +43,6 @@ DEMO_SEQUENCES = 1
 DEMO_EVAL_BLOCKS = 2
 DEMO_PASSKEYS = 3
 DEMO_TOP_K = 1
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def _prefill_seconds(model, input_ids, repeats: int) -> float:
@@ -102,19 +101,6 @@ def write_card(adapter_dir: Path) -> Optional[str]:
     return str(written) if written is not None else str(adapter_dir / "README.md")
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, key: str):
-    """A `length`-token prompt: filler text with the pass key hidden at `depth` (0..1), ending with the question."""
-    import torch
-
-    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    question = " What is the pass key? The pass key is"
-    budget = length - len(tokenizer(needle + question)["input_ids"]) - 2
-    filler = tokenizer(PASSKEY_FILLER * (budget // 10 + 10))["input_ids"][:budget]
-    cut = int(len(filler) * depth)
-    text = tokenizer.decode(filler[:cut]) + needle + tokenizer.decode(filler[cut:]) + question
-    return torch.tensor(tokenizer(text)["input_ids"])
-
-
 def passkey_answers(model, tokenizer, prompts) -> list[str]:
     """Greedy 7-token answers of `model` to each prompt."""
     import torch
@@ -141,7 +127,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     from peft import get_peft_model
 
     from focus_hf.aliases import DEFAULT_MODEL, resolve_model_id
-    from focus_hf.data import retrieval_documents, token_blocks
+    from focus_hf.data import passkey_prompt, retrieval_documents, token_blocks
     from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
     from focus_hf.evaluation import perplexity, routing_mode
     from focus_hf.tuner.config import FocusConfig
