@@ -187,3 +187,16 @@ def _configured_top_k(model: nn.Module) -> Optional[int]:
         for settings in layer.focus_settings.values()
     }
     return values.pop() if len(values) == 1 else None
+
+
+@torch.no_grad()
+def passkey_answer(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, max_new_tokens: int = 7) -> str:
+    """The model's greedy continuation of one prompt `input_ids` [n] (e.g. `focus_hf.data.passkey_prompt`)."""
+    output = model.generate(
+        input_ids=input_ids[None],
+        attention_mask=torch.ones_like(input_ids)[None],
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer.decode(output[0, input_ids.numel() :], skip_special_tokens=True)

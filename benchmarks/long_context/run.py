@@ -41,6 +41,7 @@ import focus_hf  # noqa: E402
 from focus_hf import load_model_and_tokenizer  # noqa: E402
 from focus_hf.aliases import DEFAULT_MODEL  # noqa: E402
 from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks  # noqa: E402
+from focus_hf.evaluation import passkey_answer  # noqa: E402
 from focus_hf.interpret.groups import record_routing  # noqa: E402
 from focus_hf.tuner.controls import focus_layers  # noqa: E402
 
@@ -222,31 +223,19 @@ def ppl_ratios(rows: list[dict]) -> list[dict]:
 # --- passkey ----------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def answer(model, tokenizer, ids: torch.Tensor) -> str:
-    output = model.generate(
-        input_ids=ids[None],
-        attention_mask=torch.ones_like(ids)[None],
-        max_new_tokens=7,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return tokenizer.decode(output[0, ids.numel() :], skip_special_tokens=True)
-
-
 def stage_passkey(args) -> None:
     rng = random.Random(args.seed)
     depths = [0.1, 0.3, 0.5, 0.7, 0.9]
     cases = [(n, d, str(rng.randrange(10000, 99999))) for n in args.lengths for d in depths for _ in range(args.keys)]
     dense, tokenizer = load_dense()
     prompts = [(n, d, key, passkey_prompt(tokenizer, n, d, key)) for n, d, key in cases]
-    results = {"dense": [answer(dense, tokenizer, ids) for *_, ids in prompts]}
+    results = {"dense": [passkey_answer(dense, tokenizer, ids) for *_, ids in prompts]}
     log(f"dense: {sum(k in a for (_, _, k, _), a in zip(prompts, results['dense']))}/{len(prompts)}")
     del dense
     model, _ = load_focus(Path(args.adapter))
     for variant in focus_variants(model, args.dense_heads, args.top_k, args.windows):
         apply_variant(model, variant)
-        results[variant["label"]] = [answer(model, tokenizer, ids) for *_, ids in prompts]
+        results[variant["label"]] = [passkey_answer(model, tokenizer, ids) for *_, ids in prompts]
         log(f"{variant['label']}: {sum(k in a for (_, _, k, _), a in zip(prompts, results[variant['label']]))}")
     rows = []
     for label, answers in results.items():

@@ -52,7 +52,7 @@ import focus_hf
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
 from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks
-from focus_hf.evaluation import perplexity, routing_mode
+from focus_hf.evaluation import passkey_answer, perplexity, routing_mode
 from focus_hf.training import train_adapter
 
 HERE = Path(__file__).resolve().parent
@@ -336,18 +336,6 @@ def _greedy(model, tokenizer, ids: torch.Tensor) -> list[int]:
 # --- passkey ------------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def _answer(model, tokenizer, ids: torch.Tensor) -> str:
-    output = model.generate(
-        input_ids=ids[None],
-        attention_mask=torch.ones_like(ids)[None],
-        max_new_tokens=7,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return tokenizer.decode(output[0, ids.numel() :], skip_special_tokens=True)
-
-
 def stage_passkey(args) -> None:
     rng = random.Random(0)
     base, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL)
@@ -366,10 +354,10 @@ def stage_passkey(args) -> None:
         for length, depth, key in cases:
             ids = passkey_prompt(tokenizer, length, depth, key)
             if top_k is None:
-                answer = _answer(model, tokenizer, ids)
+                answer = passkey_answer(model, tokenizer, ids)
             else:
                 with routing_mode(model, "hard", top_k):
-                    answer = _answer(model, tokenizer, ids)
+                    answer = passkey_answer(model, tokenizer, ids)
             hits.setdefault(str(length), []).append(
                 {"depth": depth, "key": key, "answer": answer.strip(), "correct": key in answer}
             )

@@ -101,24 +101,6 @@ def write_card(adapter_dir: Path) -> Optional[str]:
     return str(written) if written is not None else str(adapter_dir / "README.md")
 
 
-def passkey_answers(model, tokenizer, prompts) -> list[str]:
-    """Greedy 7-token answers of `model` to each prompt."""
-    import torch
-
-    answers = []
-    with torch.no_grad():
-        for ids in prompts:
-            output = model.generate(
-                input_ids=ids[None],
-                attention_mask=torch.ones_like(ids)[None],
-                max_new_tokens=7,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            answers.append(tokenizer.decode(output[0, ids.numel() :], skip_special_tokens=True).strip())
-    return answers
-
-
 def demo(args: argparse.Namespace) -> dict[str, Any]:
     """Distil, evaluate and time the demo adapter the parsed `args` describe; returns what eval_results.json holds."""
     import random
@@ -129,7 +111,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     from focus_hf.aliases import DEFAULT_MODEL, resolve_model_id
     from focus_hf.data import passkey_prompt, retrieval_documents, token_blocks
     from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
-    from focus_hf.evaluation import perplexity, routing_mode
+    from focus_hf.evaluation import passkey_answer, perplexity, routing_mode
     from focus_hf.tuner.config import FocusConfig
 
     out = Path(args.out)
@@ -194,9 +176,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         cases = [((i + 0.5) / args.passkeys, str(rng.randrange(10000, 99999))) for i in range(args.passkeys)]
         prompts = [passkey_prompt(tokenizer, args.seq_len, depth, key) for depth, key in cases]
         with model.disable_adapter():
-            base_answers = passkey_answers(model, tokenizer, prompts)
+            base_answers = [passkey_answer(model, tokenizer, ids).strip() for ids in prompts]
         with routing_mode(model, "hard", args.top_k):
-            focus_answers = passkey_answers(model, tokenizer, prompts)
+            focus_answers = [passkey_answer(model, tokenizer, ids).strip() for ids in prompts]
         passkey = {
             "seq_len": args.seq_len,
             "cases": [
