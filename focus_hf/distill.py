@@ -357,13 +357,14 @@ def save_distilled_adapter(
         The training log written to training_log.json.
     """
     from focus_hf.base_models import weights_source
-    from focus_hf.training import TRAINING_LOG_NAME, _base_model_id, _jsonable, _versions
+    from focus_hf.metadata import base_model_id, jsonable, versions
+    from focus_hf.training import TRAINING_LOG_NAME
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     adapter = _adapter_name(focus_layers(model)[0])
     config = model.peft_config[adapter] if hasattr(model, "peft_config") else None
-    base_id = _base_model_id(model, base_model_name_or_path or (config.base_model_name_or_path if config else None))
+    base_id = base_model_id(model, base_model_name_or_path or (config.base_model_name_or_path if config else None))
     readme = out / "README.md"
     previous_card = readme.read_bytes() if readme.is_file() else None
     # As in focus_hf.training: save without the base id (PEFT would ask the Hub about it), record it after.
@@ -394,10 +395,10 @@ def save_distilled_adapter(
         ),
         "base_model": base_id,
         "base_weights": weights_source(model),
-        "config": _jsonable(saved),
-        "versions": _versions(),
+        "config": jsonable(saved),
+        "versions": versions(),
     }
     if metadata:
-        log["metadata"] = _jsonable(metadata)
+        log["metadata"] = jsonable(metadata)
     (out / TRAINING_LOG_NAME).write_text(json.dumps(log, indent=2) + "\n", encoding="utf-8")
     return log

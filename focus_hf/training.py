@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import shutil
 import time
 from pathlib import Path
@@ -29,10 +28,10 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
-from focus_hf.aliases import MODEL_ALIASES, default_cache_dir, resolve_model_id
 from focus_hf.base_models import weights_source
 from focus_hf.files import CHECKPOINTS_DIR
 from focus_hf.interpret.groups import RoutingRecorder, group_assignments
+from focus_hf.metadata import base_model_id, jsonable, versions
 from focus_hf.tuner.controls import focus_layers
 
 __all__ = [
@@ -240,28 +239,6 @@ class _ResumedScheduleSync(TrainerCallback):
         lr_scheduler._last_lr = rates
 
 
-def _base_model_id(model: nn.Module, explicit: Optional[str]) -> Optional[str]:
-    """The base model to record in the adapter config: an alias maps to its Hub id, the alias cache too."""
-    if explicit is not None:
-        resolved = resolve_model_id(explicit)
-        # A local folder is recorded as an absolute path, so the adapter config stays valid from any directory.
-        return os.path.abspath(resolved) if os.path.isdir(resolved) else resolved
-    config = getattr(getattr(model, "base_model", model), "config", None) or getattr(model, "config", None)
-    name = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
-    if not name:
-        return None
-    path = Path(name)
-    for alias in MODEL_ALIASES.values():
-        if path.name == alias.name and path.parent.name == "models":
-            return alias.hub_id
-    try:
-        if path.resolve().parent == (default_cache_dir() / "models").resolve() and path.name in MODEL_ALIASES:
-            return MODEL_ALIASES[path.name].hub_id
-    except OSError:
-        pass
-    return resolve_model_id(name)
-
-
 def _adapter_config(model: nn.Module, adapter_name: str) -> Any:
     configs = getattr(model, "peft_config", None)
     if not configs or adapter_name not in configs:
@@ -270,16 +247,6 @@ def _adapter_config(model: nn.Module, adapter_name: str) -> Any:
             "get_peft_model(model, focus_hf.FocusConfig(...))."
         )
     return configs[adapter_name]
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [_jsonable(v) for v in value]
-    return str(value)
 
 
 def cpu_only_distributed() -> bool:
@@ -438,7 +405,7 @@ def train_adapter(
         values = [round(dominance(assignments[i], _num_groups(_layer_by_index(model, i))), 4) for i in layers]
         heldout = {"blocks": int(balance_blocks.shape[0]), "layers": layers, "dominance": values, "max": max(values)}
 
-    base_model_id = _base_model_id(model, base_model_name_or_path)
+    base_id = base_model_id(model, base_model_name_or_path)
     # PEFT's save_pretrained asks the Hub whether a Hub-id base has a config.json (to decide about embedding
     # layers, which Focus never trains): save without the id and record it afterwards, so saving stays offline.
     config.base_model_name_or_path = None
@@ -448,12 +415,12 @@ def train_adapter(
     # Trainer.save_model gathers sharded (FSDP/DeepSpeed) weights and writes on the main process only.
     trainer.save_model(os.fspath(out_dir))
     config.inference_mode = False
-    config.base_model_name_or_path = base_model_id
+    config.base_model_name_or_path = base_id
     if not trainer.is_world_process_zero():
         return {}
     config_path = out_dir / "adapter_config.json"
     saved_config = json.loads(config_path.read_text())
-    saved_config["base_model_name_or_path"] = base_model_id
+    saved_config["base_model_name_or_path"] = base_id
     config_path.write_text(json.dumps(saved_config, indent=2, sort_keys=True))
     # PEFT writes a generic template card over README.md: keep the one that was there (focus_hf.card writes ours),
     # or none. Trainer also pickles its arguments next to the adapter; adapters are safetensors-only.
@@ -495,38 +462,23 @@ def train_adapter(
         "trainable_parameters": sum(p.numel() for p in trainable),
         "base_model": config.base_model_name_or_path,
         "base_weights": weights_source(model),
-        "config": _jsonable(config.to_dict()),
+        "config": jsonable(config.to_dict()),
         "loss": losses,
         "dominance": balance.history,
         "dominance_threshold": dominance_threshold,
         "dominance_warnings": len(balance.warnings),
         "heldout_dominance": heldout,
         "trainer_summary": {k: v for k, v in summary.items() if k != "step"},
-        "versions": _versions(),
+        "versions": versions(),
     }
     if extra_metadata:
-        log["metadata"] = _jsonable(extra_metadata)
+        log["metadata"] = jsonable(extra_metadata)
     (out_dir / TRAINING_LOG_NAME).write_text(json.dumps(log, indent=2) + "\n", encoding="utf-8")
     return log
 
 
 def _layer_by_index(model: nn.Module, index: int) -> nn.Module:
     return next(layer for layer in focus_layers(model) if layer.layer_index == index)
-
-
-def _versions() -> dict[str, str]:
-    import peft
-    import transformers
-
-    from focus_hf import __version__
-
-    return {
-        "focus_hf": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def remove_checkpoints(out_dir: str | os.PathLike) -> None:
