@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -94,8 +95,35 @@ def check_single_adapter(adapter_name) -> None:
     if isinstance(adapter_name, (list, tuple)) and len(adapter_name) > 1:
         raise FocusRuntimeError(
             f"Focus routes with one adapter at a time; set_adapter({list(adapter_name)!r}) would activate "
-            f"{len(adapter_name)}. Call set_adapter with a single name."
+            f"{len(adapter_name)}. Call set_adapter with a single name, e.g. set_adapter({adapter_name[0]!r}); "
+            "the active adapter is unchanged."
         )
+
+
+def install() -> None:
+    """Give `PeftModel.set_adapter([a, b])` on a Focus model our clear error (idempotent).
+
+    PEFT's `PeftModel.set_adapter` looks the name up in `peft_config` before it reaches the tuner, so a list fails
+    there with "unhashable type: 'list'" (a tuple with "Adapter (...) not found"), never reaching
+    `FocusModel.set_adapter`. On a Focus model a list or tuple is checked first: more than one name raises
+    `FocusRuntimeError` with nothing changed, a single name is unwrapped. Other PEFT models are untouched.
+    """
+    from peft import PeftModel
+
+    original = PeftModel.set_adapter
+    if getattr(original, "_focus_single_adapter", False):
+        return
+
+    @functools.wraps(original)
+    def set_adapter(self, adapter_name, *args, **kwargs):
+        if isinstance(adapter_name, (list, tuple)) and isinstance(getattr(self, "base_model", None), FocusModel):
+            check_single_adapter(adapter_name)
+            if len(adapter_name) == 1:
+                adapter_name = adapter_name[0]
+        return original(self, adapter_name, *args, **kwargs)
+
+    set_adapter._focus_single_adapter = True
+    PeftModel.set_adapter = set_adapter
 
 
 class FocusModel(BaseTuner):

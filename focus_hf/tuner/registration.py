@@ -17,7 +17,7 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from focus_hf.attention.function import ATTENTION_NAME, focus_attention_forward
-    from focus_hf.tuner import dispatch
+    from focus_hf.tuner import dispatch, model
     from focus_hf.tuner.config import FocusConfig
     from focus_hf.tuner.model import FocusModel
 
@@ -25,6 +25,8 @@ def register() -> None:
         register_peft_method(name=PEFT_TYPE_NAME.lower(), config_cls=FocusConfig, model_cls=FocusModel, prefix="focus_")
     # PeftModel.from_pretrained on a base dispatched with disk/CPU offload (device_map="auto").
     dispatch.install()
+    # PeftModel.set_adapter([a, b]): our one-adapter error instead of PEFT's TypeError.
+    model.install()
     AttentionInterface.register(ATTENTION_NAME, focus_attention_forward)
     # The attention function decodes padding from the same boolean masks SDPA receives.
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -104,6 +104,28 @@ def test_add_set_delete_disable_adapters(saved):
     torch.testing.assert_close(hard_logits(model), expected, atol=1e-5, rtol=0)
 
 
+def test_peft_model_set_adapter_with_two_names_is_refused_and_changes_nothing():
+    # PeftModel.set_adapter looks the name up in peft_config first: a list used to fail there with PEFT's own
+    # "unhashable type: 'list'" (a tuple with "not found"), before FocusModel's check.
+    model = get_peft_model(tiny_model("llama"), config())
+    model.add_adapter("other", config())
+    model.set_adapter("other")
+    layers = [module for module in model.modules() if isinstance(module, FocusLayer)]
+    trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    assert trainable and all(".other" in name for name in trainable)
+    refusal = r"one adapter at a time.*single name, e\.g\. set_adapter\('default'\)"
+    for names in (["default", "other"], ("default", "other")):
+        with pytest.raises(FocusRuntimeError, match=refusal):
+            model.set_adapter(names)
+        assert model.active_adapter == "other"
+        assert model.base_model.active_adapter == "other"
+        assert all(layer.active_adapters == ["other"] for layer in layers)
+        assert {name for name, parameter in model.named_parameters() if parameter.requires_grad} == trainable
+    model.set_adapter(["default"])  # a single name in a list is that name
+    assert model.active_adapter == "default"
+    assert all(layer.active_adapters == ["default"] for layer in layers)
+
+
 def test_merge_apis_are_refused_and_unload_restores_the_base(saved):
     root, _ = saved
     model = PeftModel.from_pretrained(base(root), root / "adapter").eval()
