@@ -265,19 +265,6 @@ def _loader_source(frame, kind: str) -> tuple[object, dict]:
     return local.get("peft_model_id"), download_kwargs
 
 
-def calling_pickle_save() -> bool:
-    """Whether PEFT's `save_pretrained(..., safe_serialization=False)` is running now (it would write a pickle)."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name == "save_pretrained" and frame.f_globals.get("__name__") == "peft.peft_model":
-                return frame.f_locals.get("safe_serialization") is False
-            frame = frame.f_back
-        return False
-    finally:
-        del frame
-
-
 def calling_adapter_state_dict() -> Optional[dict]:
     """The `adapter_state_dict` handed to transformers' `load_adapter` right now, if any (checked before injection)."""
     frame = inspect.currentframe()

@@ -14,7 +14,6 @@ from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
 from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
-from focus_hf.errors import AdapterFileError
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.dispatch import execution_device
 
@@ -93,18 +92,6 @@ def _attach_routing_states(cache: Any) -> dict:
     return states
 
 
-def _refuse_pickle_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    """State-dict pre-hook: refuse `save_pretrained(safe_serialization=False)` before PEFT writes a pickle."""
-    from focus_hf.files import calling_pickle_save
-
-    if calling_pickle_save():
-        raise AdapterFileError(
-            "save_pretrained(safe_serialization=False) would write adapter_model.bin, a pickle, which Focus refuses "
-            "to load (pickles can run arbitrary code). Save with the default safe_serialization=True "
-            "(adapter_model.safetensors)."
-        )
-
-
 def query_validity(
     attention_mask: Optional[torch.Tensor], batch: int, q_len: int, device: torch.device
 ) -> torch.Tensor:
@@ -146,7 +133,6 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
         self._active_adapter = adapter_name
-        self.register_state_dict_pre_hook(_refuse_pickle_save)
         self.update_layer(adapter_name, config)
 
     def update_layer(self, adapter_name: str, config: FocusConfig) -> None:

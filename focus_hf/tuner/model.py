@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Optional
 
 import torch
@@ -11,7 +12,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME
-from focus_hf.errors import FocusMergeError, FocusRuntimeError
+from focus_hf.errors import AdapterFileError, FocusMergeError, FocusRuntimeError
 from focus_hf.files import (
     calling_adapter_folder,
     calling_adapter_state_dict,
@@ -100,30 +101,58 @@ def check_single_adapter(adapter_name) -> None:
         )
 
 
-def install() -> None:
-    """Give `PeftModel.set_adapter([a, b])` on a Focus model our clear error (idempotent).
+PICKLE_SAVE_MESSAGE = (
+    "save_pretrained(safe_serialization=False) would write adapter_model.bin, a pickle, which Focus refuses to load "
+    "(pickles can run arbitrary code). Save with the default safe_serialization=True (adapter_model.safetensors)."
+)
 
-    PEFT's `PeftModel.set_adapter` looks the name up in `peft_config` before it reaches the tuner, so a list fails
-    there with "unhashable type: 'list'" (a tuple with "Adapter (...) not found"), never reaching
-    `FocusModel.set_adapter`. On a Focus model a list or tuple is checked first: more than one name raises
-    `FocusRuntimeError` with nothing changed, a single name is unwrapped. Other PEFT models are untouched.
+
+def install() -> None:
+    """Wrap two `PeftModel` methods so that, on a Focus model, they refuse at the call with our error (idempotent).
+
+    - `set_adapter([a, b])`: PEFT looks the name up in `peft_config` before it reaches the tuner, so a list fails
+      there with "unhashable type: 'list'" (a tuple with "Adapter (...) not found"), never reaching
+      `FocusModel.set_adapter`. A list or tuple is checked first: more than one name raises `FocusRuntimeError` with
+      nothing changed, a single name is unwrapped.
+    - `save_pretrained(..., safe_serialization=False)`: would write `adapter_model.bin`, a pickle Focus refuses to
+      load. Refused with `AdapterFileError` before anything is written, also when the caller passes `state_dict=`
+      (then PEFT never calls the model's `state_dict()`).
+
+    PEFT models of other adapter types are untouched.
     """
     from peft import PeftModel
 
-    original = PeftModel.set_adapter
-    if getattr(original, "_focus_single_adapter", False):
-        return
+    set_original = PeftModel.set_adapter
+    if not getattr(set_original, "_focus_single_adapter", False):
 
-    @functools.wraps(original)
-    def set_adapter(self, adapter_name, *args, **kwargs):
-        if isinstance(adapter_name, (list, tuple)) and isinstance(getattr(self, "base_model", None), FocusModel):
-            check_single_adapter(adapter_name)
-            if len(adapter_name) == 1:
-                adapter_name = adapter_name[0]
-        return original(self, adapter_name, *args, **kwargs)
+        @functools.wraps(set_original)
+        def set_adapter(self, adapter_name, *args, **kwargs):
+            if isinstance(adapter_name, (list, tuple)) and _is_focus_model(self):
+                check_single_adapter(adapter_name)
+                if len(adapter_name) == 1:
+                    adapter_name = adapter_name[0]
+            return set_original(self, adapter_name, *args, **kwargs)
 
-    set_adapter._focus_single_adapter = True
-    PeftModel.set_adapter = set_adapter
+        set_adapter._focus_single_adapter = True
+        PeftModel.set_adapter = set_adapter
+
+    save_original = PeftModel.save_pretrained
+    if not getattr(save_original, "_focus_safetensors_only", False):
+        signature = inspect.signature(save_original)
+
+        @functools.wraps(save_original)
+        def save_pretrained(self, *args, **kwargs):
+            safe = signature.bind(self, *args, **kwargs).arguments.get("safe_serialization", True)
+            if not safe and _is_focus_model(self):
+                raise AdapterFileError(PICKLE_SAVE_MESSAGE)
+            return save_original(self, *args, **kwargs)
+
+        save_pretrained._focus_safetensors_only = True
+        PeftModel.save_pretrained = save_pretrained
+
+
+def _is_focus_model(peft_model: nn.Module) -> bool:
+    return isinstance(getattr(peft_model, "base_model", None), FocusModel)
 
 
 class FocusModel(BaseTuner):

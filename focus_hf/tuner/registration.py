@@ -25,7 +25,7 @@ def register() -> None:
         register_peft_method(name=PEFT_TYPE_NAME.lower(), config_cls=FocusConfig, model_cls=FocusModel, prefix="focus_")
     # PeftModel.from_pretrained on a base dispatched with disk/CPU offload (device_map="auto").
     dispatch.install()
-    # PeftModel.set_adapter([a, b]): our one-adapter error instead of PEFT's TypeError.
+    # PeftModel.set_adapter([a, b]) and save_pretrained(safe_serialization=False): refused with our errors.
     model.install()
     AttentionInterface.register(ATTENTION_NAME, focus_attention_forward)
     # The attention function decodes padding from the same boolean masks SDPA receives.

@@ -144,7 +144,19 @@ def test_pickle_save_is_refused_at_save(saved, tmp_path):
     model = PeftModel.from_pretrained(base(root), root / "adapter")
     with pytest.raises(AdapterFileError, match="safe_serialization=False"):
         model.save_pretrained(tmp_path / "pickled", safe_serialization=False)
-    assert not list((tmp_path / "pickled").glob("*.bin"))
+    assert not (tmp_path / "pickled").exists()  # refused before anything is written
+
+
+def test_pickle_save_with_a_state_dict_is_refused_too(tmp_path):
+    # With state_dict=... PEFT never calls the model's state_dict(): the refusal must not depend on it.
+    model = get_peft_model(tiny_model("llama"), config())
+    with pytest.raises(AdapterFileError, match=r"safe_serialization=False.*pickle.*safe_serialization=True"):
+        model.save_pretrained(tmp_path / "pickled", safe_serialization=False, state_dict=model.state_dict())
+    with pytest.raises(AdapterFileError, match="safe_serialization=False"):
+        model.save_pretrained(tmp_path / "pickled", False, state_dict=model.state_dict())  # positional
+    assert not (tmp_path / "pickled").exists()
+    model.save_pretrained(tmp_path / "safe", state_dict=model.state_dict())
+    assert sorted(path.name for path in (tmp_path / "safe").glob("adapter_model.*")) == ["adapter_model.safetensors"]
 
 
 @pytest.mark.parametrize(
