@@ -129,15 +129,11 @@ def collect_targets(
     layers = focus_layers(model)
     adapter = _adapter_name(layers[0])
     config = layers[0].focus_settings[adapter]
-    lengths = {len(ids.reshape(-1)) for ids in sequences}
-    if len(lengths) != 1:
-        raise ValueError(f"Distillation sequences must have one length, got {sorted(lengths)}.")
-    generator = torch.Generator().manual_seed(settings.seed)
+    sampled = query_sample(sequences, config.window, settings)
     per_layer: dict[int, tuple[list, list]] = {layer.layer_index: ([], []) for layer in layers}
     bar = _progress(len(sequences), "capturing attention", progress)
-    for ids in sequences:
+    for ids, queries in zip(sequences, sampled):
         captures = capture_layers(model, ids)
-        queries = query_positions(len(ids.reshape(-1)), config.window, settings.queries_per_sequence, generator)
         for index, capture in captures.items():
             attention = distant_attention(
                 capture, queries, window=config.window, sinks=config.sink_tokens, top_m=settings.top_m
@@ -147,17 +143,29 @@ def collect_targets(
         del captures
         bar.update(1)
     bar.close()
+    return {layer.layer_index: layer_targets(layer, *per_layer[layer.layer_index]) for layer in layers}
+
+
+def query_sample(sequences: Sequence[torch.Tensor], window: int, settings: DistillSettings) -> list[torch.Tensor]:
+    """The target query positions of each sequence (equal lengths), drawn in order from `settings.seed`."""
+    lengths = {len(ids.reshape(-1)) for ids in sequences}
+    if len(lengths) != 1:
+        raise ValueError(f"Distillation sequences must have one length, got {sorted(lengths)}.")
+    generator = torch.Generator().manual_seed(settings.seed)
+    (length,) = lengths
+    return [query_positions(length, window, settings.queries_per_sequence, generator) for _ in sequences]
+
+
+def layer_targets(layer: FocusLayer, attentions: list[DistantAttention], hiddens: list[torch.Tensor]) -> LayerTargets:
+    """One layer's `LayerTargets` from its per-sequence attention summaries and attention inputs [seq, hidden]."""
+    config = layer.focus_settings[_adapter_name(layer)]
     dense = {tuple(pair) for pair in config.dense_heads or []}
-    targets = {}
-    for layer in layers:
-        attentions, hiddens = per_layer[layer.layer_index]
-        heads = attentions[0].local.shape[0]
-        kv_heads = _kv_heads(layer, heads)
-        weight = torch.tensor(
-            [0.0 if (layer.layer_index, h // (heads // kv_heads)) in dense else 1.0 for h in range(heads)]
-        )
-        targets[layer.layer_index] = _stack(attentions, hiddens, weight)
-    return targets
+    heads = attentions[0].local.shape[0]
+    kv_heads = _kv_heads(layer, heads)
+    weight = torch.tensor(
+        [0.0 if (layer.layer_index, h // (heads // kv_heads)) in dense else 1.0 for h in range(heads)]
+    )
+    return _stack(attentions, hiddens, weight)
 
 
 def _kv_heads(layer: FocusLayer, heads: int) -> int:
