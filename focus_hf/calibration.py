@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from focus_hf.tuner.controls import focus_layers
+from focus_hf.tuner.dispatch import execution_device
 from focus_hf.tuner.layer import FocusLayer
 from focus_hf.tuner.model import attention_configs
 
@@ -106,10 +107,10 @@ def capture_layers(model: nn.Module, input_ids: torch.Tensor) -> dict[int, Layer
         routed layer index -> `LayerCapture`.
     """
     layers = focus_layers(model)
-    ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     body = model.get_base_model() if hasattr(model, "get_base_model") else model
     # The decoder body is enough: logits over the vocabulary are not needed and cost seq x vocab memory.
     runner = getattr(body, getattr(body, "base_model_prefix", "model"), body)
+    ids = input_ids.reshape(1, -1).to(execution_device(runner))  # not a weight's device: it may be meta (offloaded)
     with _dense_capturing(model, layers) as slots:
         runner(input_ids=ids, use_cache=False)
     captures = {}

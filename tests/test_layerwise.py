@@ -16,6 +16,7 @@ import focus_hf
 import focus_hf.calibration
 import focus_hf.distill
 import focus_hf.layerwise
+from focus_hf.calibration import capture_layers
 from focus_hf.distill import CHECKPOINT_STATE, DistillSettings, distill_routers
 from focus_hf.layerwise import distill_routers_layerwise
 from focus_hf.tuner.controls import focus_layers
@@ -216,3 +217,17 @@ def test_layerwise_on_a_disk_offloaded_base(base_folder, memory, tmp_path, censu
         torch.testing.assert_close(
             model(input_ids=data[0][None]).logits, reference(input_ids=data[0][None]).logits, **TOLERANCE
         )
+
+
+def test_whole_model_capture_on_a_disk_offloaded_base(base_folder, tmp_path):
+    # The input ids go to the execution device, not to the device of the first weight (meta when offloaded).
+    ids = sequences(1)[0]
+    expected = capture_layers(with_adapter(deep_llama()), ids)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_folder, device_map="auto", max_memory=MEMORY["all-disk"], offload_folder=str(tmp_path / "offload")
+    ).eval()
+    found = capture_layers(with_adapter(base), ids)
+    assert sorted(found) == sorted(expected) == list(range(LAYERS))
+    for index, capture in found.items():
+        for name in ("hidden", "query", "key"):
+            torch.testing.assert_close(getattr(capture, name), getattr(expected[index], name), **TOLERANCE)
