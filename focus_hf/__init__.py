@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from focus_hf.interpret.groups import group_assignments, record_routing
     from focus_hf.sizing import adapter_size
     from focus_hf.tuner.config import FocusConfig
-    from focus_hf.tuner.controls import focus_layers, set_routing
+    from focus_hf.tuner.controls import configure_adapter, focus_layers, set_routing
     from focus_hf.tuner.model import FocusModel
 
 __version__ = "0.1.0"
@@ -48,6 +48,7 @@ _LAZY = {
     "FocusConfig": "focus_hf.tuner.config",
     "FocusModel": "focus_hf.tuner.model",
     "set_routing": "focus_hf.tuner.controls",
+    "configure_adapter": "focus_hf.tuner.controls",
     "focus_layers": "focus_hf.tuner.controls",
     "group_assignments": "focus_hf.interpret.groups",
     "record_routing": "focus_hf.interpret.groups",
@@ -59,6 +60,7 @@ __all__ = [
     "FocusConfig",
     "FocusModel",
     "set_routing",
+    "configure_adapter",
     "focus_layers",
     "group_assignments",
     "record_routing",

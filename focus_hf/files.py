@@ -408,6 +408,7 @@ def adapter_summary(folder: Path) -> dict:
                 "routing_mode",
                 "query_projection",
                 "dense_heads",
+                "dense_below",
             )
             if k in config and config[k] is not None
         },

@@ -40,10 +40,13 @@ class LayerRouting:
     keys: RoutingState  # every token so far, these included
     consumed: bool = False
     dense_kv_heads: tuple[int, ...] = ()  # kv heads of this layer that keep full attention
+    dense_below: int = 0  # hard mode: calls with fewer keys attend densely
 
     def restricts(self, kv_len: int) -> bool:
         """Whether the pattern removes any causal pair among `kv_len` keys (otherwise attention is dense)."""
         if kv_len - 1 <= self.window or self.num_groups == 1:
+            return False
+        if self.mode == "hard" and kv_len < self.dense_below:
             return False
         return self.mode == "soft" or self.top_k < self.num_groups
 

@@ -21,13 +21,16 @@ FIELD_RANGES: dict[str, tuple[float, float]] = {
     "num_groups": (1, 1024),
     "group_dim": (1, 4096),
     "window": (0, 1 << 24),
+    "dense_below": (0, 1 << 31),
     "top_k": (1, 1024),
     "sink_tokens": (0, 4096),
     "sinkhorn_iterations": (1, 100),
     "temperature": (1e-3, 1e3),
     "gate_floor": (1e-12, 1.0),
 }
-_INTEGER_FIELDS = frozenset({"num_groups", "group_dim", "window", "top_k", "sink_tokens", "sinkhorn_iterations"})
+_INTEGER_FIELDS = frozenset(
+    {"num_groups", "group_dim", "window", "dense_below", "top_k", "sink_tokens", "sinkhorn_iterations"}
+)
 
 
 @dataclass
@@ -52,7 +55,12 @@ class FocusConfig(PeftConfig):
             which need not be its own group. Adds hidden_size x group_dim parameters per layer.
         dense_heads: `[layer_index, kv_head]` pairs (routed-layer order) whose kv head, and the query heads that
             share it, keep full attention: speed traded for exactness where routing loses the most attention mass
-            (`focus_hf.calibrate_dense_heads` picks them from a recall audit).
+            (`focus_hf.calibrate_dense_heads` picks them from a recall audit, `focus_hf.retrieval_dense_heads`
+            from the heads that copy from far back).
+        dense_below: In hard mode, a call with fewer keys than this attends densely, exactly as the base model
+            (the routers still run, so a longer continuation routes from where it stands). Set it to the length
+            below which the sparse path is not faster (`focus-hf bench --model-level`): then Focus changes
+            nothing where it would not save time. 0 (the default) routes every call longer than the window.
         routing_mode: `"auto"` (soft while training, hard in eval mode), `"soft"` or `"hard"`.
         gate_floor: Smallest same-group probability the soft gate uses, so the log-gate stays finite.
         target_modules: Attention module names (or a regex) to route; `None` routes every supported
@@ -79,6 +87,9 @@ class FocusConfig(PeftConfig):
     )
     dense_heads: Optional[list[list[int]]] = field(
         default=None, metadata={"help": "[layer, kv_head] pairs that keep full attention."}
+    )
+    dense_below: int = field(
+        default=0, metadata={"help": "Hard mode: calls with fewer keys attend densely (0: route every call)."}
     )
     routing_mode: str = field(default=FOCUS_DEFAULTS["routing_mode"], metadata={"help": "'auto', 'soft' or 'hard'."})
     gate_floor: float = field(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 from torch import nn
 
 from focus_hf.attention.backends import check_backend
-from focus_hf.tuner.layer import FocusLayer
+from focus_hf.errors import FocusConfigError
+from focus_hf.tuner.config import FocusConfig
+from focus_hf.tuner.layer import FocusLayer, RouterSettings
 
 
 def focus_layers(model: nn.Module) -> list[FocusLayer]:
@@ -48,3 +51,41 @@ def set_routing(
         check_backend(backend, next(model.parameters()).device)
     for layer in layers:
         layer.set_routing(mode, top_k, backend)
+
+
+# Options that change what the hard pattern keeps but not what the routers learned, so a trained adapter can
+# take new values: a wider window only adds local pairs, dense heads and dense_below only add dense attention.
+RUNTIME_OPTIONS = ("window", "top_k", "dense_heads", "dense_below")
+
+
+def configure_adapter(model: nn.Module, adapter_name: Optional[str] = None, **options: Any) -> FocusConfig:
+    """Change run-time options of a loaded Focus adapter; `save_pretrained` then records the new values.
+
+    Args:
+        model: a PeftModel or a transformers model with a Focus adapter loaded.
+        adapter_name: the adapter to change; None: the active one.
+        **options: any of `window`, `top_k`, `dense_heads` (`[layer, kv_head]` pairs), `dense_below`.
+
+    Returns:
+        The adapter's new `FocusConfig`.
+
+    Raises:
+        FocusConfigError: an option that needs retraining, or a value out of range (nothing is changed then).
+    """
+    unknown = sorted(set(options) - set(RUNTIME_OPTIONS))
+    if unknown:
+        raise FocusConfigError(
+            f"configure_adapter cannot change {unknown}: only {list(RUNTIME_OPTIONS)} can change after training; "
+            "train a new adapter for the others."
+        )
+    layers = focus_layers(model)
+    name = adapter_name or layers[0]._active_router()
+    configs = getattr(model, "peft_config", {})
+    if name not in configs:
+        raise FocusConfigError(f"No Focus adapter named {name!r}; loaded: {sorted(configs)}.")
+    config = dataclasses.replace(configs[name], **options)  # validates before anything changes
+    configs[name] = config
+    for layer in layers:
+        if name in layer.focus_settings:
+            layer.focus_settings[name] = RouterSettings.from_config(config)
+    return config

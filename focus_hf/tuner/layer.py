@@ -35,6 +35,7 @@ class RouterSettings:
     gate_floor: float
     query_projection: bool = False
     dense_heads: Optional[list] = None
+    dense_below: int = 0
 
     @classmethod
     def from_config(cls, config: FocusConfig) -> "RouterSettings":
@@ -275,6 +276,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             gate_floor=settings.gate_floor,
             queries=queries,
             keys=keys,
+            dense_below=settings.dense_below,
             dense_kv_heads=tuple(
                 sorted({head for layer, head in (settings.dense_heads or []) if layer == self.layer_index})
             ),

@@ -1,4 +1,5 @@
-"""`query_projection` (a separate query-side router) and `dense_heads` (kv heads that keep full attention)."""
+"""`query_projection` (a separate query-side router), `dense_heads` (kv heads that keep full attention),
+`dense_below` (short calls attend densely) and `configure_adapter` (changing them after training)."""
 
 from __future__ import annotations
 
@@ -165,8 +166,65 @@ def test_weights_with_a_query_router_need_the_option(tmp_path):
         (dict(dense_heads=[[0, -1]]), "dense_heads"),
         (dict(dense_heads="0,1"), "dense_heads"),
         (dict(query_projection="yes"), "query_projection"),
+        (dict(dense_below=-1), "dense_below"),
+        (dict(dense_below=2.5), "dense_below"),
     ],
 )
 def test_bad_options_are_refused(options, field):
     with pytest.raises(focus_hf.FocusConfigError, match=field):
         focus_hf.FocusConfig(**options)
+
+
+def test_dense_below_runs_short_calls_as_the_base_model():
+    ids = tokens(batch=2, seq=40)
+    base = tiny_model("llama")(ids).logits
+    routed = focus_model(query_projection=True)
+    focus_hf.set_routing(routed, "hard")
+    sparse = routed(input_ids=ids).logits
+    assert not torch.allclose(sparse, base, atol=1e-3)  # the pattern does remove pairs at this length
+    for threshold, expected in ((41, base), (40, sparse), (0, sparse)):
+        model = focus_model(query_projection=True, dense_below=threshold)
+        focus_hf.set_routing(model, "hard")
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=ATOL, rtol=0)
+
+
+def test_dense_below_is_per_call_during_generation():
+    """A prompt below the threshold is encoded densely; decoding steps whose cache reaches it route."""
+    prompt = tokens(seq=30)
+    model = focus_model(top_k=1, query_projection=True, dense_below=36)
+    focus_hf.set_routing(model, "hard")
+    generated = model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with model.disable_adapter():
+        dense = model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    # The first five new tokens see fewer than 36 keys: exactly the base model's.
+    assert torch.equal(generated[:, : 30 + 6], dense[:, : 30 + 6])
+
+
+def test_configure_adapter_changes_run_time_options_and_saves_them(tmp_path):
+    model = focus_model(query_projection=True)
+    focus_hf.set_routing(model, "hard")
+    ids = tokens(seq=48)
+    config = focus_hf.configure_adapter(model, dense_heads=[[0, 0], [0, 1], [1, 0], [1, 1]], window=8)
+    assert config.window == 8 and model.peft_config["default"] is config
+    torch.testing.assert_close(model(input_ids=ids).logits, tiny_model("llama")(ids).logits, atol=ATOL, rtol=0)
+    focus_hf.configure_adapter(model, dense_heads=None, dense_below=100)
+    expected = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_model("llama"), tmp_path).eval()
+    assert loaded.peft_config["default"].dense_below == 100
+    assert loaded.peft_config["default"].window == 8
+    torch.testing.assert_close(loaded(input_ids=ids).logits, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [(dict(num_groups=8), "num_groups"), (dict(window=-1), "window"), (dict(top_k=9), "top_k")],
+)
+def test_configure_adapter_refuses_and_changes_nothing(options, message):
+    model = focus_model(query_projection=True)
+    before = dict(vars(model.peft_config["default"]))
+    settings = [dict(vars(layer.focus_settings["default"])) for layer in focus_hf.focus_layers(model)]
+    with pytest.raises(focus_hf.FocusConfigError, match=message):
+        focus_hf.configure_adapter(model, **options)
+    assert dict(vars(model.peft_config["default"])) == before
+    assert [dict(vars(layer.focus_settings["default"])) for layer in focus_hf.focus_layers(model)] == settings
