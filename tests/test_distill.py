@@ -138,12 +138,14 @@ def test_cli_distill_writes_a_loadable_adapter(tiny_dir, text_file, tmp_path, ca
     arguments += ["--out", str(out), "--seq-len", "160", "--steps", "5", "--groups", "4", "--group-dim", "8"]
     arguments += ["--window", "8", "--top-k", "1", "--sequences", "2", "--retrieval-documents", "1"]
     arguments += ["--queries-per-sequence", "16", "--top-m", "8", "--dense-heads", "1", "--no-progress"]
+    arguments += ["--retrieval-heads", "1", "--dense-below", "4096"]
     assert main(arguments) == 0
     assert "attention mass kept" in capsys.readouterr().out
     log = json.loads((out / "training_log.json").read_text())
     assert log["objective"] == "distill" and len(log["layers"]) == 2
     config = json.loads((out / "adapter_config.json").read_text())
-    assert config["query_projection"] is True and len(config["dense_heads"]) == 1
+    assert config["query_projection"] is True and len(config["dense_heads"]) == 2 and config["dense_below"] == 4096
+    assert len(log["metadata"]["retrieval_heads_calibration"]) == 1 and "dense_heads_calibration" in log["metadata"]
     assert config["base_model_name_or_path"] == str(tiny_dir)
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out).eval()
     assert loaded(input_ids=torch.arange(3, 80)[None]).logits.isfinite().all()

@@ -111,10 +111,8 @@ def distill(args: argparse.Namespace) -> dict:
     import torch
     from peft import get_peft_model
 
-    from focus_hf.audit import audit_recall, calibrate_dense_heads
     from focus_hf.data import retrieval_documents, token_blocks
     from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
-    from focus_hf.tuner.controls import focus_layers
 
     out = Path(args.out)
     torch.manual_seed(args.seed)
@@ -137,14 +135,7 @@ def distill(args: argparse.Namespace) -> dict:
     if checkpoints.exists() and not args.resume:
         raise SystemExit(f"{checkpoints} holds an earlier run: pass --resume to continue it, or remove it.")
     results = distill_routers(model, sequences, settings, checkpoint_dir=checkpoints, progress=not args.no_progress)
-    audit = None
-    if args.dense_heads:
-        heldout = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=1)
-        audit = audit_recall(model, heldout, progress=not args.no_progress)
-        pairs = calibrate_dense_heads(audit, args.dense_heads)
-        model.peft_config["default"].dense_heads = pairs
-        for layer in focus_layers(model):
-            layer.focus_settings["default"].dense_heads = pairs
+    calibration = calibrate_full_attention(model, tokenizer, train_texts, args)
     log = save_distilled_adapter(
         model,
         out,
@@ -156,7 +147,7 @@ def distill(args: argparse.Namespace) -> dict:
             "seq_len": args.seq_len,
             "sequences": args.sequences,
             "retrieval_documents": args.retrieval_documents,
-            "dense_heads_calibration": None if audit is None else audit.to_dict()["mean"],
+            **calibration,
             "command": "focus-hf train --objective distill",
         },
     )
@@ -165,6 +156,40 @@ def distill(args: argparse.Namespace) -> dict:
 
         shutil.rmtree(checkpoints, ignore_errors=True)
     return log
+
+
+def calibrate_full_attention(model, tokenizer, train_texts: list[str], args: argparse.Namespace) -> dict:
+    """After distillation: pick the kv heads that keep full attention and record `dense_below` in the config.
+
+    `--dense-heads N`: the N kv heads losing the most attention mass on a training block (recall audit);
+    `--retrieval-heads N`: then N more, those dropping the most mass on distant copied tokens in fresh synthetic
+    retrieval documents (retrieval audit). Calibration text comes from the training split only.
+    Returns what to record in the training log.
+    """
+    from focus_hf.audit import audit_recall, calibrate_dense_heads
+    from focus_hf.data import retrieval_documents, token_blocks
+    from focus_hf.retrieval import audit_retrieval, retrieval_dense_heads
+    from focus_hf.tuner.controls import configure_adapter
+
+    progress = not args.no_progress
+    record: dict = {}
+    pairs: list[list[int]] = []
+    if args.dense_heads:
+        block = token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=1)
+        audit = audit_recall(model, block, progress=progress)
+        pairs = calibrate_dense_heads(audit, args.dense_heads)
+        record["dense_heads_calibration"] = audit.to_dict()["mean"]
+    if args.retrieval_heads:
+        # A seed the training documents did not use: the heads are found on text the routers never saw.
+        documents = retrieval_documents(tokenizer, train_texts, args.seq_len, 2, seed=args.seed + 1)
+        retrieval = audit_retrieval(model, documents, progress=progress)
+        pairs = retrieval_dense_heads(retrieval, args.retrieval_heads, keep=pairs)
+        record["retrieval_heads_calibration"] = [
+            {"layer": row.layer, "kv_head": row.kv_head, "copy_mass": row.copy_mass, "dropped": row.dropped}
+            for row in retrieval.ranked()[: args.retrieval_heads]
+        ]
+    configure_adapter(model, dense_heads=pairs or None, dense_below=args.dense_below)
+    return record
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,7 +284,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="distill: after fitting, keep full attention in this many kv heads, those losing the most mass on a "
-        "held-out block (default: 0)",
+        "training block (default: 0)",
+    )
+    distillation.add_argument(
+        "--retrieval-heads",
+        type=int,
+        default=0,
+        help="distill: keep full attention in this many more kv heads, those dropping the most attention on "
+        "distant copied tokens in synthetic retrieval text (the heads that answer 'what was X?'; default: 0)",
+    )
+    distillation.add_argument(
+        "--dense-below",
+        type=int,
+        default=0,
+        help="record FocusConfig.dense_below: prompts with fewer tokens attend densely, exactly as the base model "
+        "(set it to the length below which Focus is not faster; default: 0, always route)",
     )
     distillation.add_argument("--top-m", type=int, default=64, help="distill: distant keys per query kept as target")
     distillation.add_argument(
