@@ -155,6 +155,22 @@ def test_cli_distill_writes_a_loadable_adapter(tiny_dir, text_file, tmp_path, ca
     assert main([*arguments, "--resume"]) == 0
 
 
+def test_cli_distill_layerwise_gives_the_same_adapter(tiny_dir, text_file, tmp_path):
+    from safetensors.torch import load_file
+
+    outputs = []
+    for flags in ([], ["--layerwise"]):
+        out = tmp_path / f"distilled{len(flags)}"
+        arguments = ["train", "--objective", "distill", "--model", str(tiny_dir), "--data", str(text_file)]
+        arguments += ["--out", str(out), "--seq-len", "160", "--steps", "5", "--groups", "4", "--group-dim", "8"]
+        arguments += ["--window", "8", "--sequences", "2", "--retrieval-documents", "1", "--queries-per-sequence", "16"]
+        assert main([*arguments, "--top-m", "8", "--no-progress", *flags]) == 0
+        outputs.append(load_file(out / "adapter_model.safetensors"))
+    assert outputs[0].keys() == outputs[1].keys()
+    for name in outputs[0]:
+        torch.testing.assert_close(outputs[0][name], outputs[1][name], atol=1e-5, rtol=0)
+
+
 def test_cli_audit(tiny_dir, text_file, tmp_path, capsys):
     adapter = tmp_path / "adapter"
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir), focus_hf.FocusConfig(num_groups=4, window=8))

@@ -113,6 +113,7 @@ def distill(args: argparse.Namespace) -> dict:
 
     from focus_hf.data import retrieval_documents, token_blocks
     from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
+    from focus_hf.layerwise import distill_routers_layerwise
 
     out = Path(args.out)
     torch.manual_seed(args.seed)
@@ -134,7 +135,8 @@ def distill(args: argparse.Namespace) -> dict:
     checkpoints = out / "checkpoints"
     if checkpoints.exists() and not args.resume:
         raise SystemExit(f"{checkpoints} holds an earlier run: pass --resume to continue it, or remove it.")
-    results = distill_routers(model, sequences, settings, checkpoint_dir=checkpoints, progress=not args.no_progress)
+    fit = distill_routers_layerwise if args.layerwise else distill_routers
+    results = fit(model, sequences, settings, checkpoint_dir=checkpoints, progress=not args.no_progress)
     calibration = calibrate_full_attention(model, tokenizer, train_texts, args)
     log = save_distilled_adapter(
         model,
@@ -299,6 +301,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="record FocusConfig.dense_below: prompts with fewer tokens attend densely, exactly as the base model "
         "(set it to the length below which Focus is not faster; default: 0, always route)",
+    )
+    distillation.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="distill: walk the decoder one layer at a time (one layer's calibration data in memory; for bases "
+        "dispatched with offload); same routers as the default whole-model pass",
     )
     distillation.add_argument("--top-m", type=int, default=64, help="distill: distant keys per query kept as target")
     distillation.add_argument(
