@@ -145,7 +145,9 @@ def test_cli_distill_writes_a_loadable_adapter(tiny_dir, text_file, tmp_path, ca
     assert log["objective"] == "distill" and len(log["layers"]) == 2
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["query_projection"] is True and len(config["dense_heads"]) == 2 and config["dense_below"] == 4096
-    assert len(log["metadata"]["retrieval_heads_calibration"]) == 1 and "dense_heads_calibration" in log["metadata"]
+    calibration = log["metadata"]["full_attention_calibration"]
+    assert len(calibration["mass_heads"]) == 1 and len(calibration["retrieval_heads"]) == 1
+    assert sorted(calibration["dense_heads"]) == sorted(config["dense_heads"])
     assert config["base_model_name_or_path"] == str(tiny_dir)
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out).eval()
     assert loaded(input_ids=torch.arange(3, 80)[None]).logits.isfinite().all()

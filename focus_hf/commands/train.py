@@ -113,7 +113,9 @@ def distill(args: argparse.Namespace) -> dict:
 
     from focus_hf.data import retrieval_documents, token_blocks
     from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
+    from focus_hf.full_attention import calibrate_full_attention
     from focus_hf.layerwise import distill_routers_layerwise
+    from focus_hf.tuner.controls import configure_adapter
 
     out = Path(args.out)
     torch.manual_seed(args.seed)
@@ -137,7 +139,17 @@ def distill(args: argparse.Namespace) -> dict:
         raise SystemExit(f"{checkpoints} holds an earlier run: pass --resume to continue it, or remove it.")
     fit = distill_routers_layerwise if args.layerwise else distill_routers
     results = fit(model, sequences, settings, checkpoint_dir=checkpoints, progress=not args.no_progress)
-    calibration = calibrate_full_attention(model, tokenizer, train_texts, args)
+    calibration = calibrate_full_attention(
+        model,
+        tokenizer,
+        train_texts,
+        args.seq_len,
+        mass_heads=args.dense_heads,
+        retrieval_heads=args.retrieval_heads,
+        seed=args.seed + 1,  # not the seed of the training documents
+        progress=not args.no_progress,
+    )
+    configure_adapter(model, dense_below=args.dense_below)
     log = save_distilled_adapter(
         model,
         out,
@@ -149,7 +161,7 @@ def distill(args: argparse.Namespace) -> dict:
             "seq_len": args.seq_len,
             "sequences": args.sequences,
             "retrieval_documents": args.retrieval_documents,
-            **calibration,
+            "full_attention_calibration": calibration.to_dict(),
             "command": "focus-hf train --objective distill",
         },
     )
@@ -158,40 +170,6 @@ def distill(args: argparse.Namespace) -> dict:
 
         shutil.rmtree(checkpoints, ignore_errors=True)
     return log
-
-
-def calibrate_full_attention(model, tokenizer, train_texts: list[str], args: argparse.Namespace) -> dict:
-    """After distillation: pick the kv heads that keep full attention and record `dense_below` in the config.
-
-    `--dense-heads N`: the N kv heads losing the most attention mass on a training block (recall audit);
-    `--retrieval-heads N`: then N more, those dropping the most mass on distant copied tokens in fresh synthetic
-    retrieval documents (retrieval audit). Calibration text comes from the training split only.
-    Returns what to record in the training log.
-    """
-    from focus_hf.audit import audit_recall, calibrate_dense_heads
-    from focus_hf.data import retrieval_documents, token_blocks
-    from focus_hf.retrieval import audit_retrieval, retrieval_dense_heads
-    from focus_hf.tuner.controls import configure_adapter
-
-    progress = not args.no_progress
-    record: dict = {}
-    pairs: list[list[int]] = []
-    if args.dense_heads:
-        block = token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=1)
-        audit = audit_recall(model, block, progress=progress)
-        pairs = calibrate_dense_heads(audit, args.dense_heads)
-        record["dense_heads_calibration"] = audit.to_dict()["mean"]
-    if args.retrieval_heads:
-        # A seed the training documents did not use: the heads are found on text the routers never saw.
-        documents = retrieval_documents(tokenizer, train_texts, args.seq_len, 2, seed=args.seed + 1)
-        retrieval = audit_retrieval(model, documents, progress=progress)
-        pairs = retrieval_dense_heads(retrieval, args.retrieval_heads, keep=pairs)
-        record["retrieval_heads_calibration"] = [
-            {"layer": row.layer, "kv_head": row.kv_head, "copy_mass": row.copy_mass, "dropped": row.dropped}
-            for row in retrieval.ranked()[: args.retrieval_heads]
-        ]
-    configure_adapter(model, dense_heads=pairs or None, dense_below=args.dense_below)
-    return record
 
 
 def run(args: argparse.Namespace) -> int:
