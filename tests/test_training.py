@@ -333,7 +333,7 @@ def test_cli_eval_needs_adapter_for_routed_modes(tiny_dir, text_file):
 def test_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     arguments = ["demo", "--out", str(out), "--steps", "3", "--seq-len", "384", "--sequences", "1"]
-    arguments += ["--eval-blocks", "1", "--passkeys", "1", "--no-progress"]
+    arguments += ["--eval-blocks", "1", "--passkeys", "1", "--window", "128", "--no-progress"]
     assert main(arguments) == 0
     printed = capsys.readouterr().out
     assert "Held-out perplexity" in printed and "Passkey retrieval" in printed and str(out) in printed
@@ -350,3 +350,5 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert log["objective"] == "distill" and len(log["layers"]) == 30
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["query_projection"]
+    # 9 heads from the recall audit, then up to 6 retrieval heads (the retrieval document may offer fewer events).
+    assert 9 <= len(config["dense_heads"]) <= 15 and config["dense_heads"] == results["adapter"]["dense_heads"]

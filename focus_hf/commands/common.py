@@ -61,6 +61,7 @@ def add_focus_options(
     parser: _ArgumentContainer,
     fields: Optional[Sequence[str]] = None,
     help_texts: Optional[Mapping[str, str]] = None,
+    defaults: Optional[Mapping[str, Any]] = None,
 ) -> None:
     """Add the adapter-shape options (`--groups`, `--window`, `--top-k`, ...) to `parser` (or an argument group).
 
@@ -68,15 +69,15 @@ def add_focus_options(
         parser: the parser or argument group to add to.
         fields: the `FocusConfig` fields to expose (default: all of `FOCUS_OPTIONS`), listed in that order.
         help_texts: help text per field, replacing the standard one; " (default: ...)" is appended either way.
+        defaults: default per field, replacing the `FocusConfig` default.
     """
-    help_texts = help_texts or {}
+    help_texts, defaults = help_texts or {}, defaults or {}
     for option in FOCUS_OPTIONS:
         if fields is not None and option.field not in fields:
             continue
         text = help_texts.get(option.field, option.help)
-        parser.add_argument(
-            option.flag, type=option.type, default=option.default, help=f"{text} (default: {option.default})"
-        )
+        default = defaults.get(option.field, option.default)
+        parser.add_argument(option.flag, type=option.type, default=default, help=f"{text} (default: {default})")
 
 
 def focus_config_from_args(args: argparse.Namespace) -> FocusConfig:

