@@ -178,8 +178,9 @@ def test_cli_audit(tiny_dir, text_file, tmp_path, capsys):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir), focus_hf.FocusConfig(num_groups=4, window=8))
     model.save_pretrained(adapter)
     arguments = ["audit", "--adapter", str(adapter), "--model", str(tiny_dir), "--data", str(text_file)]
-    arguments += ["--seq-len", "96", "--queries", "32", "--json", str(tmp_path / "a.json"), "--dense-heads", "2"]
-    assert main([*arguments, "--no-progress"]) == 0
+    arguments += ["--seq-len", "160", "--queries", "32", "--json", str(tmp_path / "a.json"), "--dense-heads", "2"]
+    assert main([*arguments, "--retrieval-heads", "2", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "oracle" in printed and "kv heads losing the most mass" in printed
-    assert json.loads((tmp_path / "a.json").read_text())["seq_len"] == 96
+    assert "distant copy events" in printed and "retrieval heads dropping the most copy mass" in printed
+    assert json.loads((tmp_path / "a.json").read_text())["seq_len"] == 160

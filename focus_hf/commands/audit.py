@@ -15,13 +15,11 @@ from focus_hf.commands.common import (
 )
 
 
-def audit(args: argparse.Namespace):
-    """Load the model and adapter the parsed `args` name and return `focus_hf.audit.audit_recall`'s result."""
+def audit(args: argparse.Namespace, model, tokenizer):
+    """`focus_hf.audit.audit_recall` on held-out blocks of the corpus the parsed `args` name."""
     from focus_hf.audit import audit_recall
     from focus_hf.data import token_blocks
 
-    model, tokenizer = load_with_adapter(base_model_name(args.model, args.adapter), args.adapter)
-    model.eval()
     _, heldout_texts = split_corpus(args)
     blocks = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.max_blocks)
     return audit_recall(
@@ -31,7 +29,9 @@ def audit(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """`focus-hf audit`: audit, print the table, write JSON / PNG when asked."""
-    result = audit(args)
+    model, tokenizer = load_with_adapter(base_model_name(args.model, args.adapter), args.adapter)
+    model.eval()
+    result = audit(args, model, tokenizer)
     print(result.table())
     if args.json:
         if args.json == "-":
@@ -47,7 +47,23 @@ def run(args: argparse.Namespace) -> int:
 
         pairs = calibrate_dense_heads(result, args.dense_heads)
         print(f"\nkv heads losing the most mass (for FocusConfig.dense_heads): {json.dumps(pairs)}")
+    if args.retrieval_heads:
+        retrieval = audit_retrieval_heads(args, model, tokenizer)
+        print(f"\nRetrieval audit ({retrieval.events} distant copy events in synthetic retrieval documents):")
+        print(retrieval.table(args.retrieval_heads))
+        pairs = sorted([row.layer, row.kv_head] for row in retrieval.ranked()[: args.retrieval_heads])
+        print(f"retrieval heads dropping the most copy mass (for FocusConfig.dense_heads): {json.dumps(pairs)}")
     return 0
+
+
+def audit_retrieval_heads(args: argparse.Namespace, model, tokenizer):
+    """`focus_hf.retrieval.audit_retrieval` on two synthetic retrieval documents filled with training text."""
+    from focus_hf.data import retrieval_documents
+    from focus_hf.retrieval import audit_retrieval
+
+    train_texts, _ = split_corpus(args)
+    documents = retrieval_documents(tokenizer, train_texts, args.seq_len, 2, seed=1)
+    return audit_retrieval(model, documents, top_k=args.top_k, progress=not args.no_progress)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,6 +88,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--png", type=Path, default=None, help="write a layer x kv-head heatmap PNG")
     parser.add_argument(
         "--dense-heads", type=int, default=0, help="also print the N kv heads that lose the most mass (default: 0)"
+    )
+    parser.add_argument(
+        "--retrieval-heads",
+        type=int,
+        default=0,
+        help="also run the retrieval audit and print the N kv heads dropping the most attention on distant copied "
+        "tokens (default: 0)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
