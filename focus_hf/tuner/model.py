@@ -116,7 +116,8 @@ def install() -> None:
       nothing changed, a single name is unwrapped.
     - `save_pretrained(..., safe_serialization=False)`: would write `adapter_model.bin`, a pickle Focus refuses to
       load. Refused with `AdapterFileError` before anything is written, also when the caller passes `state_dict=`
-      (then PEFT never calls the model's `state_dict()`).
+      (then PEFT never calls the model's `state_dict()`). It also passes `save_embedding_layers=False` unless the
+      caller chose: PEFT's "auto" looks the base model up on the Hub on every save, for embeddings Focus never has.
 
     PEFT models of other adapter types are untouched.
     """
@@ -142,9 +143,14 @@ def install() -> None:
 
         @functools.wraps(save_original)
         def save_pretrained(self, *args, **kwargs):
-            safe = signature.bind(self, *args, **kwargs).arguments.get("safe_serialization", True)
-            if not safe and _is_focus_model(self):
-                raise AdapterFileError(PICKLE_SAVE_MESSAGE)
+            if _is_focus_model(self):
+                bound = signature.bind(self, *args, **kwargs).arguments
+                if not bound.get("safe_serialization", True):
+                    raise AdapterFileError(PICKLE_SAVE_MESSAGE)
+                if "save_embedding_layers" not in bound:
+                    # Focus never holds embedding weights; PEFT's "auto" would ask the Hub whether the base's
+                    # vocabulary changed (a network call on every save, failing offline).
+                    kwargs["save_embedding_layers"] = False
             return save_original(self, *args, **kwargs)
 
         save_pretrained._focus_safetensors_only = True

@@ -159,6 +159,18 @@ def test_pickle_save_with_a_state_dict_is_refused_too(tmp_path):
     assert sorted(path.name for path in (tmp_path / "safe").glob("adapter_model.*")) == ["adapter_model.safetensors"]
 
 
+def test_save_does_not_ask_the_hub_about_the_base(tmp_path, monkeypatch):
+    """PEFT's save_embedding_layers="auto" looks a Hub-id base up online; Focus has no embeddings to save."""
+    import peft.utils.save_and_load
+
+    asked = []
+    monkeypatch.setattr(peft.utils.save_and_load, "check_file_exists_on_hf_hub", lambda *a, **k: asked.append(a))
+    model = get_peft_model(tiny_model("llama"), config())
+    model.peft_config["default"].base_model_name_or_path = "some-org/some-model"
+    model.save_pretrained(tmp_path / "adapter")
+    assert asked == [] and (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize(
     "strategy",
     [
