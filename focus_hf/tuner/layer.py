@@ -249,6 +249,12 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         batch, q_len = hidden.shape[:2]
         top_k = self.top_k_override or settings.top_k
         cache = kwargs.get("past_key_values")
+        mode = self.mode_override or settings.routing_mode
+        if mode == "auto":
+            mode = "soft" if self.training else "hard"
+        if mode == "hard" and cache is None and q_len < settings.dense_below:
+            # Dense anyway and nothing will continue from this call: routing it would only cost time.
+            return self.base_layer(*args, **kwargs)
         state = self._routing_state(cache, adapter_name, batch, settings, hidden.device)
         valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device)
         queries, keys = self.route_tokens(adapter_name, hidden, valid, state, top_k)
@@ -256,9 +262,6 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             _attach_routing_states(cache)[(adapter_name, self.layer_index)] = keys
         for observer in self.routing_observers:
             observer(self, queries)
-        mode = self.mode_override or settings.routing_mode
-        if mode == "auto":
-            mode = "soft" if self.training else "hard"
         if mode == "hard" and self.training and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
             raise FocusRuntimeError(
                 f"Training in hard routing mode (layer {self.layer_index}): hard routing picks groups with an "

@@ -188,6 +188,17 @@ def test_dense_below_runs_short_calls_as_the_base_model():
         torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=ATOL, rtol=0)
 
 
+def test_dense_below_without_a_cache_skips_routing():
+    ids = tokens(seq=40)
+    model = focus_model(query_projection=True, dense_below=41)
+    focus_hf.set_routing(model, "hard")
+    with record_routing(model) as recorder:
+        model(input_ids=ids, use_cache=False)
+        assert all(calls == [] for calls in recorder.routings().values())  # dense, and nothing continues from it
+        model(input_ids=ids, use_cache=True)
+        assert all(len(calls) == 1 for calls in recorder.routings().values())  # a cache may grow past dense_below
+
+
 def test_dense_below_is_per_call_during_generation():
     """A prompt below the threshold is encoded densely; decoding steps whose cache reaches it route."""
     prompt = tokens(seq=30)
