@@ -43,7 +43,6 @@ from focus_hf.aliases import DEFAULT_MODEL  # noqa: E402
 from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks  # noqa: E402
 from focus_hf.evaluation import passkey_answer  # noqa: E402
 from focus_hf.interpret.groups import record_routing  # noqa: E402
-from focus_hf.tuner.controls import focus_layers  # noqa: E402
 
 ADAPTER = HERE / "adapter"
 RESULTS = HERE / "results"
@@ -71,7 +70,7 @@ def append(name: str, rows: list[dict]) -> None:
 
 
 def command_line() -> str:
-    return "python benchmarks/long_context/run.py " + " ".join(sys.argv[1:])
+    return f"python benchmarks/long_context/{Path(sys.argv[0]).name} " + " ".join(sys.argv[1:])
 
 
 # --- models ----------------------------------------------------------------------------------------------------
@@ -88,35 +87,66 @@ def load_focus(adapter: Path = ADAPTER):
 
 
 def apply_variant(model, variant: dict) -> None:
-    """Switch top_k, dense heads and window at run time (the variant's setting; the saved files are not touched).
+    """Switch to the variant's setting at run time (`focus_hf.configure_adapter`; the saved files are not touched).
 
     A wider window than the adapter was distilled with only adds visible keys (the local pairs), so it is a
-    setting a user can change after training.
+    setting a user can change after training; dense heads and dense_below only add dense attention.
+    """
+    focus_hf.configure_adapter(
+        model,
+        top_k=variant["top_k"],
+        window=variant["window"],
+        dense_heads=variant["dense_heads"] or None,
+        dense_below=variant["dense_below"],
+    )
+    focus_hf.set_routing(model, "hard")
+
+
+def variant_label(top_k: int, window: int, dense_heads: int, dense_below: int, saved: bool = False) -> str:
+    below = f", dense below {dense_below}" if dense_below else ""
+    return f"focus{' as saved' if saved else ''} top-{top_k}, w={window}, {dense_heads} dense heads{below}"
+
+
+def focus_variants(model, args) -> list[dict]:
+    """The adapter as saved (no sweep option given), else every top_k x dense-head count x window of the sweep.
+
+    Swept dense heads are the adapter's first N by its recall audit (`adapter_audit.json`), or the adapter's own
+    dense heads when `--dense-heads` is not given; `--dense-below` (default 0) applies to every swept variant.
     """
     config = model.peft_config["default"]
-    config.dense_heads, config.window = variant["dense_heads"] or None, variant["window"]
-    for layer in focus_layers(model):
-        settings = layer.focus_settings["default"]
-        settings.dense_heads, settings.window = config.dense_heads, config.window
-    focus_hf.set_routing(model, "hard", top_k=variant["top_k"])
-
-
-def focus_variants(model, dense_counts: list[int], top_ks: list[int], windows: list[int]) -> list[dict]:
-    """Every top_k x number of dense heads (ranked by the adapter's audit) x window."""
+    if args.top_k is None and args.dense_heads is None and args.windows is None:
+        pairs = config.dense_heads or []
+        label = variant_label(config.top_k, config.window, len(pairs), config.dense_below, saved=True)
+        return [
+            {
+                "top_k": config.top_k,
+                "dense_heads": pairs,
+                "window": config.window,
+                "dense_below": config.dense_below,
+                "label": label,
+            }
+        ]
     audit_path = HERE / "adapter_audit.json"
     ranked = []
     if audit_path.exists():
         rows = json.loads(audit_path.read_text())["rows"]
         ranked = [[r["layer"], r["kv_head"]] for r in sorted(rows, key=lambda r: r["adapter"])]
     variants = []
-    for window in windows or [model.peft_config["default"].window]:
-        for top_k in top_ks:
-            for count in dense_counts:
-                pairs = sorted(ranked[:count]) if count else []
+    for window in args.windows or [config.window]:
+        for top_k in args.top_k or [config.top_k]:
+            for count in args.dense_heads or [None]:
+                pairs = (config.dense_heads or []) if count is None else sorted(ranked[:count])
                 if count and len(pairs) < count:
                     continue
-                label = f"focus top-{top_k}, w={window}, {count} dense heads"
-                variants.append({"top_k": top_k, "dense_heads": pairs, "window": window, "label": label})
+                variants.append(
+                    {
+                        "top_k": top_k,
+                        "dense_heads": pairs,
+                        "window": window,
+                        "dense_below": args.dense_below,
+                        "label": variant_label(top_k, window, len(pairs), args.dense_below),
+                    }
+                )
     return variants
 
 
@@ -141,6 +171,8 @@ def block_nll(model, ids: torch.Tensor) -> tuple[float, int, float]:
 
 def focus_density(model, ids: torch.Tensor, window: int, sinks: int) -> float:
     """Share of the causal pairs the hard pattern keeps, averaged over layers and kv heads (dense heads count 1)."""
+    if len(ids) < model.peft_config["default"].dense_below:
+        return 1.0  # the whole call attends densely
     with torch.no_grad(), record_routing(model) as recorder:
         model(input_ids=ids[None], use_cache=False)
     seq = len(ids)
@@ -196,7 +228,12 @@ def stage_ppl(args) -> None:
             measure(
                 f"{kind} (training-free)",
                 dense,
-                {"kind": kind, "density": baselines.kept_density(args.seq_len), "block_density": args.block_density},
+                {
+                    "kind": kind,
+                    "density": baselines.kept_density(args.seq_len),
+                    "block_density": args.block_density,
+                    "window": args.window,
+                },
             )
         dense.config._attn_implementation = "sdpa"
     del dense
@@ -204,7 +241,7 @@ def stage_ppl(args) -> None:
         return
     model, _ = load_focus(Path(args.adapter))
     config = model.peft_config["default"]
-    for variant in focus_variants(model, args.dense_heads, args.top_k, args.windows):
+    for variant in focus_variants(model, args):
         apply_variant(model, variant)
         density = focus_density(model, blocks[0], variant["window"], config.sink_tokens)
         measure(variant["label"], model, {"kind": "focus", **variant, "density": density})
@@ -233,7 +270,7 @@ def stage_passkey(args) -> None:
     log(f"dense: {sum(k in a for (_, _, k, _), a in zip(prompts, results['dense']))}/{len(prompts)}")
     del dense
     model, _ = load_focus(Path(args.adapter))
-    for variant in focus_variants(model, args.dense_heads, args.top_k, args.windows):
+    for variant in focus_variants(model, args):
         apply_variant(model, variant)
         results[variant["label"]] = [passkey_answer(model, tokenizer, ids) for *_, ids in prompts]
         log(f"{variant['label']}: {sum(k in a for (_, _, k, _), a in zip(prompts, results[variant['label']]))}")
@@ -271,7 +308,7 @@ def stage_speed(args) -> None:
     _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
     dense, tokenizer = load_dense()
     model, _ = load_focus(Path(args.adapter))
-    variants = focus_variants(model, args.dense_heads, args.top_k, args.windows)
+    variants = focus_variants(model, args)
 
     def prefill(runner, ids) -> float:
         body = runner.get_base_model().model if hasattr(runner, "get_base_model") else runner.model
@@ -302,6 +339,7 @@ def stage_speed(args) -> None:
                     "top_k": variant["top_k"],
                     "window": variant["window"],
                     "dense_heads": len(variant["dense_heads"]),
+                    "dense_below": variant["dense_below"],
                     "repeats": args.repeats,
                     "command": command_line(),
                     **machine(),
@@ -368,6 +406,16 @@ def stage_plot(args) -> None:
     write_report(ppl, speed)
 
 
+def baseline_label(row: dict) -> str:
+    """A row's variant; a baseline's with its window (from the row, else its command) and block share."""
+    if row["kind"] not in ("streaming", "blocks"):
+        return row["variant"]
+    words = row.get("command", "").split()
+    window = row.get("window") or (int(words[words.index("--window") + 1]) if "--window" in words else 128)
+    share = f", {row['block_density']:g} of distant blocks" if row["kind"] == "blocks" else ""
+    return f"{row['variant']}, w={window}{share}"
+
+
 def write_report(ppl: list[dict], speed: list[dict]) -> None:
     """results/report.md: every table generated from the JSON files of this folder."""
     lines = [
@@ -383,9 +431,15 @@ def write_report(ppl: list[dict], speed: list[dict]) -> None:
         "| data | tokens/block | blocks | variant | share of causal pairs | PPL | vs dense |",
         "|---|---|---|---|---|---|---|",
     ]
+    shown_dense = set()
     for r in sorted(ppl, key=lambda r: (r["data"], r["seq_len"], r["kind"] != "dense", r["variant"])):
+        if r["kind"] == "dense":
+            key = (r["data"], r["seq_len"], r["blocks"], round(r["ppl"], 4))
+            if key in shown_dense:
+                continue  # the same dense figure, measured again by a later run
+            shown_dense.add(key)
         lines.append(
-            f"| {r['data']} | {r['seq_len']} | {r['blocks']} | {r['variant']} | {r['density']:.3f} | "
+            f"| {r['data']} | {r['seq_len']} | {r['blocks']} | {baseline_label(r)} | {r['density']:.3f} | "
             f"{r['ppl']:.3f} | {r['ppl_ratio']:.4f} |"
         )
     passkey_path = RESULTS / "passkey.json"
@@ -396,13 +450,14 @@ def write_report(ppl: list[dict], speed: list[dict]) -> None:
             "",
             "## Passkey retrieval (5 depths x keys per length, greedy, 7 new tokens)",
             "",
-            "| variant | " + " | ".join(f"{n} tokens" for n in lengths) + " | overall | dense answers kept |",
-            "|---|" + "---|" * (len(lengths) + 2),
+            "| variant | prompts | " + " | ".join(f"{n} tokens" for n in lengths) + " | overall | dense answers kept |",
+            "|---|---|" + "---|" * (len(lengths) + 2),
         ]
         for row in passkey:
-            cells = " | ".join(f"{row['accuracy'].get(n, float('nan')):.0%}" for n in lengths)
+            cells = " | ".join(f"{row['accuracy'][n]:.0%}" if n in row["accuracy"] else "-" for n in lengths)
             lines.append(
-                f"| {row['variant']} | {cells} | {row['overall']:.0%} | {row['answers_kept_of_dense_correct']:.0%} |"
+                f"| {row['variant']} | {len(row['cases'])} | {cells} | {row['overall']:.0%} | "
+                f"{row['answers_kept_of_dense_correct']:.0%} |"
             )
     if speed:
         lines += [
@@ -429,13 +484,16 @@ def main() -> None:
     for name in ("ppl", "passkey", "speed", "plot"):
         stage = sub.add_parser(name)
         stage.add_argument("--adapter", default=str(ADAPTER))
-        stage.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
-        stage.add_argument("--dense-heads", type=int, nargs="+", default=[0])
+        stage.add_argument("--top-k", type=int, nargs="+", default=None, help="sweep: Focus top-k values")
+        stage.add_argument(
+            "--dense-heads", type=int, nargs="+", default=None, help="sweep: numbers of dense heads (audit order)"
+        )
+        stage.add_argument("--dense-below", type=int, default=0, help="sweep: dense_below of every swept variant")
         stage.add_argument("--seq-len", type=int, default=8192)
         stage.add_argument("--blocks", type=int, default=2)
         stage.add_argument("--data", default="python-docs")
         stage.add_argument("--window", type=int, default=128, help="window of the training-free baselines")
-        stage.add_argument("--windows", type=int, nargs="+", default=None, help="Focus windows (default: adapter's)")
+        stage.add_argument("--windows", type=int, nargs="+", default=None, help="sweep: Focus windows")
         stage.add_argument("--sinks", type=int, default=4)
         stage.add_argument("--block-density", type=float, default=0.125)
         stage.add_argument(
