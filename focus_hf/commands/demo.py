@@ -39,10 +39,10 @@ EVAL_RESULTS_NAME = "eval_results.json"
 
 # Defaults sized to finish in under ten minutes on a 2-core CPU (model conversion included); see the README.
 DEMO_STEPS = 30
-DEMO_SEQ_LEN = 4096
+DEMO_SEQ_LEN = 8192
 DEMO_LR = 0.02
 DEMO_SEQUENCES = 1
-DEMO_EVAL_BLOCKS = 2
+DEMO_EVAL_BLOCKS = 1
 DEMO_PASSKEYS = 3
 DEMO_TOP_K = 1
 DEMO_WINDOW = 512
