@@ -1,6 +1,7 @@
-"""Multi-process (torchrun, 2 CPU processes, gloo) training of `focus-hf train` and examples/train_with_trainer.py
-(issue 15, part 4): both ranks end with identical routers, equal (within TOLERANCE) to one process on the same global
-batch, the adapter is written once, and a resumed 2-process run ends where an uninterrupted one does.
+"""Multi-process (torchrun or accelerate launch, 2 CPU processes, gloo) training of `focus-hf train` and
+examples/train_with_trainer.py (issue 15, part 4): both ranks end with identical routers, equal (within TOLERANCE)
+to one process on the same global batch, the adapter is written once, and a resumed 2-process run ends where an
+uninterrupted one does.
 
 The corpus is cut to 2 blocks, so that every step's global batch holds both whatever the sampler's order: one process
 with batch 2, or two processes with batch 1 each (DDP averages their gradients).
@@ -53,13 +54,19 @@ def base(tmp_path_factory):
     return folder, corpus
 
 
-def launch(dump: Path, processes: int, *args: str) -> str:
-    """Run the worker on `processes` processes (1: plainly, without torchrun); return the combined output."""
+def launch(dump: Path, processes: int, *args: str, launcher_name: str = "torchrun") -> str:
+    """Run the worker on `processes` processes (1: plainly) with `torchrun` or `accelerate launch`; return the
+    combined output."""
     dump.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "FOCUS_TEST_DUMP": str(dump), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     launcher = [sys.executable]
-    if processes > 1:
+    if processes > 1 and launcher_name == "torchrun":
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    elif processes > 1:
+        # `--cpu` would make accelerate run a single process (its simple launcher); `--multi_gpu` is its
+        # torch.distributed launcher, which trains on the CPU with gloo where there is no GPU.
+        launcher += ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
+        launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     result = subprocess.run(
         [*launcher, str(WORKER), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
     )
@@ -121,12 +128,14 @@ def test_focus_hf_train_on_two_processes(base, tmp_path):
     )
 
 
-def test_trainer_example_on_two_processes(base, tmp_path):
+@pytest.mark.parametrize("launcher_name", ["torchrun", "accelerate"])
+def test_trainer_example_on_two_processes(base, tmp_path, launcher_name):
     model, corpus = base
     common = ["script", str(EXAMPLE), "--model", str(model), "--data", str(corpus), "--seq-len", "32"]
     common += ["--max-train-blocks", "2", "--window", "8", "--steps", "3", "--lr", "0.02"]
     launch(tmp_path / "one", 1, *common, "--out", str(tmp_path / "out-one"), "--batch-size", "2")
-    output = launch(tmp_path / "two", 2, *common, "--out", str(tmp_path / "out-two"), "--batch-size", "1")
+    two_args = [*common, "--out", str(tmp_path / "out-two"), "--batch-size", "1"]
+    output = launch(tmp_path / "two", 2, *two_args, launcher_name=launcher_name)
     two = assert_ranks_agree(tmp_path / "two")
     assert_close(two, routers(tmp_path / "one"))
     assert output.count("adapter saved to") == 1
