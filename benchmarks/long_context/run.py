@@ -7,6 +7,7 @@ Stages (each appends to its JSON in benchmarks/long_context/results/):
     python benchmarks/long_context/run.py ppl --seq-len 4096 --blocks 2
     python benchmarks/long_context/run.py passkey --lengths 1024 2048 4096 8192
     python benchmarks/long_context/run.py speed --lengths 512 1024 2048 4096 8192
+    python benchmarks/long_context/run.py generate --lengths 16384 --new-tokens 64
     python benchmarks/long_context/run.py plot
 
 "dense" is the base model without any adapter (transformers' own SDPA attention). Focus variants load the committed
@@ -349,6 +350,61 @@ def stage_speed(args) -> None:
         append("speed.json", rows)
 
 
+def stage_generate(args) -> None:
+    """Model-level decoding after a long prompt, dense vs Focus: prefill seconds and greedy decode tokens/s.
+
+    The loop generate() runs, timed in two parts: one forward over the prompt that fills a KV cache, then
+    --new-tokens single-token forwards against it (greedy), each model in turn on the same prompt.
+    """
+    from transformers import DynamicCache
+
+    _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
+    dense, tokenizer = load_dense()
+    model, _ = load_focus(Path(args.adapter))
+    variants = focus_variants(model, args)
+
+    @torch.no_grad()
+    def timed(runner, ids) -> tuple[float, float]:
+        started = time.perf_counter()
+        output = runner(input_ids=ids[None], past_key_values=DynamicCache(), use_cache=True)
+        prefill = time.perf_counter() - started
+        token = output.logits[:, -1:].argmax(-1)
+        started = time.perf_counter()
+        for _ in range(args.new_tokens):
+            output = runner(input_ids=token, past_key_values=output.past_key_values, use_cache=True)
+            token = output.logits[:, -1:].argmax(-1)
+        return prefill, args.new_tokens / (time.perf_counter() - started)
+
+    for length in args.lengths:
+        ids = token_blocks(tokenizer, heldout, length, max_blocks=1)[0]
+        measured = {"dense": timed(dense, ids)}
+        for variant in variants:
+            apply_variant(model, variant)
+            measured[variant["label"]] = timed(model, ids)
+        for label, (prefill, rate) in measured.items():
+            log(f"{length}: {label}: prefill {prefill:.2f} s, decode {rate:.2f} tokens/s")
+        dense_prefill, dense_rate = measured["dense"]
+        append(
+            "generate.json",
+            [
+                {
+                    "seq_len": length,
+                    "variant": label,
+                    "prefill_s": prefill,
+                    "decode_tokens_per_s": rate,
+                    "dense_prefill_s": dense_prefill,
+                    "dense_decode_tokens_per_s": dense_rate,
+                    "decode_speedup": rate / dense_rate,
+                    "new_tokens": args.new_tokens,
+                    "command": command_line(),
+                    **machine(),
+                }
+                for label, (prefill, rate) in measured.items()
+                if label != "dense"
+            ],
+        )
+
+
 # --- plot + report ---------------------------------------------------------------------------------------------
 
 
@@ -472,6 +528,22 @@ def write_report(ppl: list[dict], speed: list[dict]) -> None:
                 f"| {r['seq_len']} | {r['variant']} | {r['dense_s']:.2f} | {r['focus_s']:.2f} | {r['speedup']:.2f}x | "
                 f"{r['threads']} | {r['load_average']:.2f} | {r['cpu']} |"
             )
+    generate_path = RESULTS / "generate.json"
+    if generate_path.exists():
+        lines += [
+            "",
+            "## Decoding after a long prompt (greedy, KV cache; the loop generate() runs)",
+            "",
+            "| prompt tokens | Focus setting | new tokens | dense prefill s | Focus prefill s | dense tokens/s | "
+            "Focus tokens/s | decode speedup |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in json.loads(generate_path.read_text()):
+            lines.append(
+                f"| {r['seq_len']} | {r['variant']} | {r['new_tokens']} | {r['dense_prefill_s']:.2f} | "
+                f"{r['prefill_s']:.2f} | {r['dense_decode_tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} | "
+                f"{r['decode_speedup']:.2f}x |"
+            )
     lines += ["", "![trade-off](tradeoff.png)", ""]
     (RESULTS / "report.md").write_text("\n".join(lines))
     log(f"wrote {RESULTS / 'report.md'}")
@@ -481,7 +553,7 @@ def main() -> None:
     global RESULTS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="stage", required=True)
-    for name in ("ppl", "passkey", "speed", "plot"):
+    for name in ("ppl", "passkey", "speed", "generate", "plot"):
         stage = sub.add_parser(name)
         stage.add_argument("--adapter", default=str(ADAPTER))
         stage.add_argument("--top-k", type=int, nargs="+", default=None, help="sweep: Focus top-k values")
@@ -506,10 +578,12 @@ def main() -> None:
         stage.add_argument("--keys", type=int, default=2)
         stage.add_argument("--seed", type=int, default=0)
         stage.add_argument("--repeats", type=int, default=1)
+        stage.add_argument("--new-tokens", type=int, default=64, help="generate: decoded tokens timed")
         stage.add_argument("--results", type=Path, default=RESULTS, help="folder of the JSON results")
     args = parser.parse_args()
     RESULTS = args.results
-    {"ppl": stage_ppl, "passkey": stage_passkey, "speed": stage_speed, "plot": stage_plot}[args.stage](args)
+    stages = {"ppl": stage_ppl, "passkey": stage_passkey, "speed": stage_speed, "generate": stage_generate}
+    {**stages, "plot": stage_plot}[args.stage](args)
 
 
 if __name__ == "__main__":
