@@ -113,12 +113,14 @@ def capture_layers(model: nn.Module, input_ids: torch.Tensor) -> dict[int, Layer
     ids = input_ids.reshape(1, -1).to(execution_device(runner))  # not a weight's device: it may be meta (offloaded)
     with _dense_capturing(model, layers) as slots:
         runner(input_ids=ids, use_cache=False)
-    captures = {}
-    for index, slot in slots.items():
-        if "query" not in slot:
-            raise RuntimeError(f"Routed layer {index} never called its attention function during capture.")
-        captures[index] = LayerCapture(slot["hidden"], slot["query"], slot["key"], slot["scaling"], slot["softcap"])
-    return captures
+    return {index: capture_from_slot(slot, index) for index, slot in slots.items()}
+
+
+def capture_from_slot(slot: dict, index: int) -> LayerCapture:
+    """The `LayerCapture` a capturing pass left in `slot` for routed layer `index`."""
+    if "query" not in slot:
+        raise RuntimeError(f"Routed layer {index} never called its attention function during capture.")
+    return LayerCapture(slot["hidden"], slot["query"], slot["key"], slot["scaling"], slot["softcap"])
 
 
 def query_positions(seq_len: int, window: int, count: Optional[int] = None, generator=None) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from focus_hf.calibration import LayerCapture, _dense_capturing, distant_attention
+from focus_hf.calibration import LayerCapture, _dense_capturing, capture_from_slot, distant_attention
 from focus_hf.distill import (
     DistillSettings,
     LayerResult,
@@ -129,9 +129,8 @@ def _run_layer(block: nn.Module, hidden: torch.Tensor, call: _Call) -> torch.Ten
 
 
 def _capture(slot: dict, index: int) -> LayerCapture:
-    if "query" not in slot:
-        raise RuntimeError(f"Routed layer {index} never called its attention function during capture.")
-    capture = LayerCapture(slot["hidden"], slot["query"], slot["key"], slot["scaling"], slot["softcap"])
+    """The layer's capture, emptying the slot so the next sequence fills it afresh."""
+    capture = capture_from_slot(slot, index)
     slot.clear()
     return capture
 
