@@ -252,8 +252,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         mode = self.mode_override or settings.routing_mode
         if mode == "auto":
             mode = "soft" if self.training else "hard"
-        if mode == "hard" and cache is None and q_len < settings.dense_below:
-            # Dense anyway and nothing will continue from this call: routing it would only cost time.
+        if mode == "hard" and cache is None and q_len < settings.dense_below and not self.routing_observers:
+            # Dense anyway, nothing will continue from this call and nobody watches the groups (`record_routing`,
+            # `focus-hf inspect`): routing it would only cost time.
             return self.base_layer(*args, **kwargs)
         state = self._routing_state(cache, adapter_name, batch, settings, hidden.device)
         valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device)
