@@ -26,10 +26,12 @@ ATOL = 1e-4
 SCALING = 0.3
 
 
-def random_routing(generator, batch, seq, num_groups, top_k, skew):
-    """Query groups [batch, seq, top_k] (distinct, best first) and key groups [batch, seq] (= the best).
+def random_routing(generator, batch, seq, num_groups, top_k, skew, separate=False):
+    """Query groups [batch, seq, top_k] (distinct, best first) and key groups [batch, seq].
 
-    skew "one" puts every token's best group on group 0; "some" leaves groups without keys.
+    Key groups are the queries' best groups, or with `separate` drawn on their own (a separate query router, whose
+    probes need not include the token's own group). skew "one" puts every token's best group on group 0; "some"
+    leaves groups without keys.
     """
     scores = torch.rand(batch, seq, num_groups, generator=generator)
     if skew == "one":
@@ -37,6 +39,8 @@ def random_routing(generator, batch, seq, num_groups, top_k, skew):
     elif skew == "some":
         scores[..., : max(1, num_groups // 2)] += 1.0
     query_groups = scores.argsort(dim=-1, descending=True)[..., :top_k]
+    if separate:
+        return query_groups, torch.randint(num_groups, (batch, seq), generator=generator)
     return query_groups, query_groups[..., 0]
 
 
@@ -80,6 +84,8 @@ def cases(draw):
         token_major=draw(st.booleans()),
         local_block=draw(st.sampled_from([1, 4, 16, 64])),
         group_chunk=draw(st.sampled_from([3, 16, 4096])),
+        probe_chunk=draw(st.sampled_from([1, 5, 256])),
+        separate=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -92,7 +98,9 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
     query = states(generator, batch, heads, q_len, case["dim"], case["token_major"])
     key = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
     value = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
-    query_groups, key_groups = random_routing(generator, batch, seq, case["num_groups"], case["top_k"], case["skew"])
+    query_groups, key_groups = random_routing(
+        generator, batch, seq, case["num_groups"], case["top_k"], case["skew"], case.get("separate", False)
+    )
     valid = padding(batch, seq, case["side"], case["pad"])
     sink = valid & (valid.cumsum(dim=1) - 1 < case["sinks"])
     positions = torch.arange(seq)
@@ -128,12 +136,16 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fast_equals_dense_oracle(case):
-    saved = partials.LOCAL_BLOCK, fast.GROUP_CHUNK
-    partials.LOCAL_BLOCK, fast.GROUP_CHUNK = case["local_block"], case["group_chunk"]
+    saved = partials.LOCAL_BLOCK, fast.GROUP_CHUNK, partials.PROBE_CHUNK
+    partials.LOCAL_BLOCK, fast.GROUP_CHUNK, partials.PROBE_CHUNK = (
+        case["local_block"],
+        case["group_chunk"],
+        case["probe_chunk"],
+    )
     try:
         output, reference, rows = run_case(case)
     finally:
-        partials.LOCAL_BLOCK, fast.GROUP_CHUNK = saved
+        partials.LOCAL_BLOCK, fast.GROUP_CHUNK, partials.PROBE_CHUNK = saved
     assert output.shape == reference.shape
     assert torch.isfinite(output).all()
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
