@@ -2,12 +2,12 @@
 
 The crossover (key count below which the dense masked call is faster) depends on the processor, the thread count,
 the dtype, the head shape, top_k, K, the window and which sparse path runs (`kind`): "shared" (queries probe their
-own key group first), "probe" (a separate query router with top_k = 1, `partials.probe_part`), "separate" (a
-separate query router with top_k > 1) or "decode" (a few queries against a longer cache, `fast.decode_attention`).
-On first use of a shape, `dense_below` times both paths on random inputs at lengths 256, 512, ... until the sparse
-path wins twice in a row (a few seconds at most; never beyond MAX_LENGTH) and stores the first of those two lengths
-in `<cache>/crossover.json` (`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`), where every
-later process finds it.
+own key group first), "probe" (a separate query router with top_k = 1), "separate" (a separate query router with
+top_k > 1) - all three run set A through `partials.probe_part`, but their group balance differs - or "decode" (a few
+queries against a longer cache, `fast.decode_attention`). On first use of a shape, `dense_below` times both paths on
+random inputs at lengths 256, 512, ... until the sparse path wins twice in a row (a few seconds at most; never
+beyond MAX_LENGTH) and stores the first of those two lengths in `<cache>/crossover.json`
+(`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`), where every later process finds it.
 
 Environment:
   FOCUS_HF_CROSSOVER=<tokens>   use this crossover for every shape (no measurement);
@@ -36,7 +36,8 @@ from focus_hf.aliases import default_cache_dir
 CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
 CACHE_FILE = "crossover.json"
-CACHE_VERSION = 1
+# Bumped whenever the sparse path's speed changes, so that crossovers measured for an older path are re-measured.
+CACHE_VERSION = 2
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]

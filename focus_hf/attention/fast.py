@@ -5,25 +5,20 @@ Every pair the hard pattern allows (`pattern.allowed_pairs`) lies in exactly one
   A  same-group pairs: j <= i and key_groups[j] is among query_groups[i] (local and sink pairs included);
   B  every other allowed pair: j <= i, key_groups[j] not among query_groups[i], and i - j <= window or j a sink.
 
-A is plain causal attention inside each group. Tokens are laid out in one segment per (sample, group), in their
-original order - a query in the segments of its k probed groups, a key only in the segment of its own group -
-and padded to the longest segment: one causal call over [batch * K, heads, L, dim], since causal in segment order
-is causal in original order. No local pair has to be taken out of A (a causal call could not express "j < i - w")
-because B leaves the same-group pairs out instead. With top_k = 1 every slot holds a token that is both query and
-key, so the call needs no mask at all. With top_k > 1 the slots where a token only queries hold dead keys, hidden
-by a [.., 1, 1, L] bias; to keep that waste (a factor k) off the bulk of the work, queries go in chunks of
-GROUP_CHUNK: a chunk's own tokens get the causal call, the tokens before it are read as cached keys, laid out by
-group once, by a non-causal call from the same query slots (each chunk reads a prefix of every segment).
-Chunked prefill after a KV cache is the same computation.
+A (`partials.probe_part`): keys are sorted by their group and query entries (one per probed group) by the group
+they probe, each in position order; a query entry sees a prefix of its segment's keys, so each segment's entries
+go in chunks, one non-causal call per chunk over the keys the chunk reaches, masked only on the staircase between
+its first and last entry's reach. The same code serves top-1 and top-k, shared and separate query routers, and
+chunked prefill after a KV cache. No local pair has to be taken out of A (a call could not express
+"j < i - w") because B leaves the same-group pairs out instead.
 
 B is split in two: the local pairs - queries in blocks of `partials.LOCAL_BLOCK` read the `window` keys before
 their block and the block itself, as overlapping strided views of the keys, under a [block, window + block] mask -
-and the pairs
-with sinks farther than the window, a handful of keys done with two small matmuls.
+and the pairs with sinks farther than the window, a handful of keys done with two small matmuls.
 
-The partial results of a query (one per probed group, local, sinks) are merged exactly by log-sum-exp. Hidden keys
-carry finfo.min rather than -inf, so a partial without visible keys has a log-sum-exp near finfo.min, gets weight 0
-in the merge and never produces a NaN.
+The partial results of a query (A, local, sinks) are merged exactly by log-sum-exp. Hidden keys carry finfo.min
+rather than -inf, so a partial without visible keys has a log-sum-exp near finfo.min, gets weight 0 in the merge
+and never produces a NaN.
 
 Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those queries can reach - their groups' keys,
 their window and the sinks - and runs one small masked attention (two matmuls on CPU). Below
@@ -34,8 +29,8 @@ layers), since the fast paths read only the key padding from it.
 Forward only: the attention kernels' backward ignores the gradient of the log-sum-exp they return, which the
 merge depends on, so `attention.focus_attention_forward` sends calls that need gradients to the reference path.
 
-Costs (n tokens, K groups, window w): A ~ k n^2 / 2K (+ (k^2 - k) n GROUP_CHUNK / 2K), B ~ n (w + partials.LOCAL_BLOCK);
-memory O(n (k + w)).
+Costs (n tokens, K groups, window w, top-k probes): A ~ k n^2 / 2K (+ n PROBE_CHUNK / 2 on the staircases),
+B ~ n (w + partials.LOCAL_BLOCK); memory O(n (k + w)).
 """
 
 from __future__ import annotations
@@ -47,10 +42,8 @@ import torch
 from focus_hf.attention.backends import Kernel, select_kernel
 from focus_hf.attention.calibration import dense_below
 from focus_hf.attention.partials import (
-    CachedKeys,
     few_query_attention,
     gather_tokens,
-    group_part,
     hidden_bias,
     local_part,
     merge_partials,
@@ -59,58 +52,8 @@ from focus_hf.attention.partials import (
 )
 from focus_hf.attention.pattern import allowed_pairs, probes
 
-# Queries per set-A chunk when top_k > 1 (see `sparse_attention`): more chunks waste less on dead keys, but each
-# chunk re-reads the keys before it and short segments run the kernel less efficiently.
-GROUP_CHUNK = 2048
 # Up to this many queries against a longer cache, gathering the reachable keys beats laying out all groups.
 DECODE_MAX_QUERIES = 16
-
-
-def _chunked_group_part(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    valid: torch.Tensor,
-    query_groups: torch.Tensor,
-    key_groups: torch.Tensor,
-    num_groups: int,
-    scaling: float,
-    kernel: Kernel,
-    separate: bool,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Set A in chunks of GROUP_CHUNK queries (one chunk for shared top-1 routing); ([output], [lse])."""
-    batch, heads, q_len, dim = query.shape
-    first_query = key.shape[2] - q_len
-    own = key_groups[:, first_query:]
-    chunk = q_len if query_groups.shape[-1] == 1 and not separate else GROUP_CHUNK
-    earlier = None
-    if first_query > 0 or chunk < q_len:
-        earlier = CachedKeys.build(key, value, key_groups, valid, num_groups)
-    group_outputs, group_lses = [], []
-    for start in range(0, q_len, chunk):
-        end = min(start + chunk, q_len) + first_query  # keys up to the chunk's last query
-        part = group_part(
-            query[:, :, start : start + chunk],
-            key[:, :, :end],
-            value[:, :, :end],
-            valid[:, :end],
-            query_groups[:, start : start + chunk],
-            num_groups,
-            scaling,
-            kernel,
-            None if earlier is None else earlier.before(first_query + start, query.dtype),
-            own[:, start : start + chunk] if separate else None,
-        )
-        if part is None:  # only padding queries: an empty set
-            length = end - first_query - start
-            empty_output = query.new_zeros(batch, length, heads, dim, dtype=torch.float32)
-            part = (empty_output, empty_output.new_full((batch, length, heads), torch.finfo(torch.float32).min))
-        group_outputs.append(part[0])
-        group_lses.append(part[1])
-    # One chunk (top_k = 1) needs no concatenation copy.
-    outputs = [group_outputs[0] if len(group_outputs) == 1 else torch.cat(group_outputs, dim=1)]
-    lses = [group_lses[0] if len(group_lses) == 1 else torch.cat(group_lses, dim=1)]
-    return outputs, lses
 
 
 def sparse_attention(
@@ -126,26 +69,12 @@ def sparse_attention(
     scaling: float,
     kernel: Kernel,
 ) -> torch.Tensor:
-    """Sets A and B merged: [batch, q, heads, dim].
-
-    With top_k > 1, set A runs in chunks of GROUP_CHUNK queries, each reading the tokens before it as cached keys:
-    only the causal call over a chunk's own tokens pays for dead keys, so A costs ~ (k + (k^2 - k) / chunks)
-    n^2 / 2K instead of k^2 n^2 / 2K. With top_k = 1 there are no dead keys and one chunk is best.
-    """
-    batch, heads, q_len, dim = query.shape
-    kv_len, device = key.shape[2], query.device
-    first_query = kv_len - q_len
-    valid = torch.ones(batch, kv_len, dtype=torch.bool, device=device) if key_valid is None else key_valid
-    # A separate query-side router may probe groups other than the query's own key group.
-    own = key_groups[:, first_query:]
-    separate = not torch.equal(query_groups[..., 0], own)
-    if separate and query_groups.shape[-1] == 1:
-        part = probe_part(query, key, value, valid, query_groups[..., 0], key_groups, num_groups, scaling, kernel)
-        outputs, lses = [part[0]], [part[1]]
-    else:
-        outputs, lses = _chunked_group_part(
-            query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel, separate
-        )
+    """Sets A and B merged: [batch, q, heads, dim]."""
+    valid = key_valid
+    if valid is None:
+        valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool, device=query.device)
+    same_group = probe_part(query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel)
+    outputs, lses = [same_group[0]], [same_group[1]]
     sinks = sink_part(query, key, value, query_groups, key_groups, key_sink, window, scaling)
     if sinks is not None:
         outputs.append(sinks[0])

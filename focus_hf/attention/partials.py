@@ -58,49 +58,6 @@ def merge_partials(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> tup
     return merged, total
 
 
-@dataclass
-class GroupLayout:
-    """Tokens laid out in one segment per (sample, group), each segment in original token order.
-
-    Attributes:
-        segment: [batch, n, m] segment (sample * K + group) of each token's m entries.
-        slot: [batch, n, m] slot of each entry in its segment (meaningless for left-out tokens).
-        token: [batch * K, length] token index (within its sample) in each slot; 0 in empty slots.
-        first: [batch * K, length] True where the slot holds a token's first entry (its own key group).
-        length: slots per segment (the longest segment).
-    """
-
-    segment: torch.Tensor
-    slot: torch.Tensor
-    token: torch.Tensor
-    first: torch.Tensor
-    length: int
-
-
-def group_layout(groups: torch.Tensor, include: torch.Tensor, num_groups: int) -> GroupLayout:
-    """Lay out tokens by group: `groups` [batch, n, m], `include` [batch, n] (False: token left out) or [batch, n, m]
-    (per entry). The included entries of a token must name distinct groups; entry 0 is the token's own key group."""
-    batch, n, m = groups.shape
-    device = groups.device
-    entry = include.unsqueeze(-1).expand(-1, -1, m) if include.dim() == 2 else include
-    member = torch.zeros(batch, n, num_groups, dtype=torch.int32, device=device)
-    member.scatter_add_(2, groups, entry.to(torch.int32))
-    # Slot = number of included tokens of the same group before this one: O(n K) counting, no sort.
-    count = member.cumsum(dim=1, dtype=torch.int32)
-    slot = count.gather(2, groups).long() - 1
-    length = int(count[:, -1].max()) if n else 0
-    segment = torch.arange(batch, device=device).view(batch, 1, 1) * num_groups + groups
-    # Scatter token indices into their slots; left-out entries go to one extra slot that is dropped.
-    slots = batch * num_groups * length
-    flat = torch.where(entry, segment * length + slot, slots)
-    tokens = torch.arange(n, device=device).view(1, n, 1).expand(batch, n, m)
-    token = torch.zeros(slots + 1, dtype=torch.long, device=device).scatter_(0, flat.flatten(), tokens.flatten())
-    first = torch.zeros(slots + 1, dtype=torch.bool, device=device)
-    first[flat[..., 0].flatten()] = True
-    shape = (batch * num_groups, length)
-    return GroupLayout(segment, slot, token[:slots].view(shape), first[:slots].view(shape), length)
-
-
 def sink_slots(key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices [batch, S] of each sample's sink keys (S = most sinks in a sample) and which of them exist."""
     batch, kv_len = key_sink.shape
@@ -247,94 +204,6 @@ def sink_part(
     return output, lse.transpose(2, 3).reshape(batch, q_len, heads)
 
 
-@dataclass
-class CachedKeys:
-    """Keys laid out by group ([batch * K, kv_heads, L, dim], in position order), read by later chunks of set A."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    position: torch.Tensor  # [batch * K, L] kv index of each slot; kv_len in empty slots
-
-    @classmethod
-    def build(
-        cls, key: torch.Tensor, value: torch.Tensor, key_groups: torch.Tensor, valid: torch.Tensor, num_groups: int
-    ) -> "CachedKeys":
-        layout = group_layout(key_groups.unsqueeze(-1), valid, num_groups)
-        sample = (torch.arange(layout.token.shape[0], device=key.device) // num_groups)[:, None]
-        position = layout.token.masked_fill(~layout.first, key.shape[2])
-        return cls(gather_tokens(key, sample, layout.token), gather_tokens(value, sample, layout.token), position)
-
-    def before(self, position: int, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Keys, values and hiding bias of the tokens before `position`: a prefix of every segment, so views."""
-        visible = self.position < position
-        length = int(visible.sum(dim=1).max())
-        if length == 0:
-            return None
-        bias = hidden_bias(visible[:, None, None, :length], dtype)
-        return self.keys[:, :, :length], self.values[:, :, :length], bias
-
-
-def group_part(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_valid: Optional[torch.Tensor],
-    query_groups: torch.Tensor,
-    num_groups: int,
-    scaling: float,
-    kernel: Kernel,
-    cached: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    own_groups: Optional[torch.Tensor] = None,
-) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Set A for a chunk of new tokens (query = the last q of key): float32 output [batch, q, heads, dim] and lse
-    [batch, q, heads], merged over the probed groups; None if every query is padding.
-
-    The chunk's tokens are laid out by group (queries in all their probed groups) for one causal call; `cached`
-    (keys, values, bias from `CachedKeys.before`) holds earlier tokens by group, read by one non-causal call from
-    the same query slots and merged slot by slot. `own_groups` [batch, q], the chunk's key groups, is needed only
-    when a query's first probe may differ from its own key group (a separate query-side router): each token then
-    also takes a key-only entry in its own group.
-    """
-    batch, _, q_len, _ = query.shape
-    kv_len, device = key.shape[2], query.device
-    first_query = kv_len - q_len
-    valid = (
-        key_valid[:, first_query:]
-        if key_valid is not None
-        else torch.ones(batch, q_len, dtype=torch.bool, device=device)
-    )
-    entries, include, probe_entry = query_groups, valid, None
-    if own_groups is not None:
-        # Entry 0: the token as a key in its own group; entries 1..k: its probes, unless a probe is that same group,
-        # whose query then reads entry 0's slot.
-        entries = torch.cat([own_groups.unsqueeze(-1), query_groups], dim=-1)
-        duplicate = query_groups == own_groups.unsqueeze(-1)
-        include = valid.unsqueeze(-1) & torch.cat([torch.ones_like(duplicate[..., :1]), ~duplicate], dim=-1)
-        probe_entry = torch.where(duplicate, 0, torch.arange(1, entries.shape[-1], device=device))
-    layout = group_layout(entries, include, num_groups)
-    if layout.length == 0:
-        return None
-    sample = (torch.arange(batch * num_groups, device=device) // num_groups)[:, None]
-    key_index = first_query + layout.token
-    # With top_k = 1 every slot is a live key and empty slots trail every real one, so plain causal suffices.
-    dead = None if entries.shape[-1] == 1 else hidden_bias(layout.first[:, None, None, :], query.dtype)
-    queries = gather_tokens(query, sample, layout.token)
-    keys, values = gather_tokens(key, sample, key_index), gather_tokens(value, sample, key_index)
-    output, lse = kernel(queries, keys, values, causal=True, bias=dead, scale=scaling)
-    output, lse = output.transpose(1, 2), lse.transpose(1, 2)  # [batch * K, L, heads, (dim)]
-    if cached is not None:
-        cached_output, cached_lse = kernel(queries, cached[0], cached[1], causal=False, bias=cached[2], scale=scaling)
-        output, lse = merge_partials([output, cached_output.transpose(1, 2)], [lse, cached_lse.transpose(1, 2)])
-    segment, slot = layout.segment, layout.slot
-    if probe_entry is not None:
-        segment, slot = segment.gather(2, probe_entry), slot.gather(2, probe_entry)
-    outputs = output[segment, slot]  # [batch, q, top_k, heads, dim]
-    lses = lse[segment, slot]
-    # Padding queries have no slot (their entries point at other tokens' slots): an empty set.
-    lses = lses.masked_fill(~valid[:, :, None, None], torch.finfo(lses.dtype).min)
-    return merge_partials(list(outputs.unbind(2)), list(lses.unbind(2)))
-
-
 # Query slots per call of `probe_part`. A call reads its segment's keys up to its last query, and only the keys
 # between its first and last query's reach are masked: smaller chunks waste fewer masked pairs on that staircase
 # but pay the kernel's per-call overhead more often (128 / 256 / 512 measured at 8K on CPU: 256 was fastest).
@@ -343,37 +212,45 @@ PROBE_CHUNK = 256
 
 @dataclass
 class SortedTokens:
-    """Tokens sorted by segment (sample * K + group), then position, with the segments' bounds.
+    """Entries of tokens sorted by segment (sample * K + group), then position, with the segments' bounds.
+
+    A token has m entries (m = 1 for keys, top_k for queries: one per probed group).
 
     Attributes:
-        flat: [count] index (sample * n + token) of each sorted token.
+        flat: [count] index ((sample * n + token) * m + entry) of each sorted entry.
         code: [count] its sort key, (sample * K + group) * kv_len + kv position (increasing).
-        starts: K * batch + 1 offsets: segment s holds sorted tokens starts[s] .. starts[s + 1] - 1.
+        starts: K * batch + 1 offsets: segment s holds sorted entries starts[s] .. starts[s + 1] - 1.
+        entries: m.
     """
 
     flat: torch.Tensor
     code: torch.Tensor
     starts: list[int]
+    entries: int
 
     @classmethod
     def build(
         cls, groups: torch.Tensor, include: torch.Tensor, num_groups: int, first_position: int, kv_len: int
     ) -> "SortedTokens":
-        """Sort the included tokens of `groups` [batch, n] (their kv positions start at `first_position`)."""
-        batch, n = groups.shape
+        """Sort the entries of `groups` [batch, n, m] of included tokens (`include` [batch, n]); the tokens' kv
+        positions start at `first_position`."""
+        batch, n, m = groups.shape
         device = groups.device
-        segment = torch.arange(batch, device=device)[:, None] * num_groups + groups
-        code = segment * kv_len + first_position + torch.arange(n, device=device)
-        flat = include.flatten().nonzero().squeeze(1)
+        segment = torch.arange(batch, device=device)[:, None, None] * num_groups + groups
+        position = first_position + torch.arange(n, device=device)[None, :, None]
+        code = segment * kv_len + position
+        flat = include[..., None].expand(-1, -1, m).flatten().nonzero().squeeze(1)
         code = code.flatten()[flat]
         order = code.argsort()
         counts = torch.bincount(segment.flatten()[flat], minlength=batch * num_groups)
         starts = [0] + counts.cumsum(0).tolist()
-        return cls(flat[order], code[order], starts)
+        return cls(flat[order], code[order], starts, m)
 
-    def gather(self, states: torch.Tensor, n: int) -> torch.Tensor:
-        """States [batch, heads, n, dim] of the sorted tokens: [1, heads, count, dim]."""
-        return gather_tokens(states, (self.flat // n)[None], (self.flat % n)[None])
+    def gather(self, states: torch.Tensor) -> torch.Tensor:
+        """States [batch, heads, n, dim] of the sorted entries' tokens: [1, heads, count, dim]."""
+        n = states.shape[2]
+        token = self.flat // self.entries
+        return gather_tokens(states, (token // n)[None], (token % n)[None])
 
 
 def probe_part(
@@ -387,41 +264,49 @@ def probe_part(
     scaling: float,
     kernel: Kernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Set A when each query probes one group that need not be its own (a separate query router, top_k = 1).
+    """Set A: every pair (i, j), j <= i, whose key group is one of the groups query i probes.
 
-    Keys are sorted by their own group and queries by their probed group, each in position order, so that a
-    segment (sample, group) is one contiguous run of keys and one of queries, and a query sees a prefix of its
-    segment's keys. Each segment's queries go in chunks of PROBE_CHUNK, one call per chunk over the keys its last
-    query reaches; only the keys beyond its first query's reach are masked. Segments are not padded to each
-    other: query routers are often far from balanced (a layer may send every query to one group), and padding
-    would multiply the work by the imbalance. Returns float32 output [batch, q, heads, dim] and lse [batch, q,
-    heads]; padding queries get an empty set.
+    Keys are sorted by their own group and query entries (one per probed group) by the group they probe, each in
+    position order, so that a segment (sample, group) is one contiguous run of keys and one of query entries, and
+    an entry sees a prefix of its segment's keys. Each segment's entries go in chunks of PROBE_CHUNK, one call per
+    chunk over the keys its last entry reaches; only the keys beyond its first entry's reach are masked. Segments
+    are not padded to each other: query routers are often far from balanced (a layer may send every query to one
+    group), and padding would multiply the work by the imbalance. A query's entries are merged by log-sum-exp (its
+    probed groups are distinct, so their key sets are disjoint). Non-causal calls over chunks also beat one causal
+    call per segment on CPU, whose kernel wastes about half of each short causal call.
 
     Args:
-        probe_groups: [batch, q] the group each query probes (the queries are the last q keys).
+        probe_groups: [batch, q, top_k] the distinct groups each query probes (the queries are the last q keys).
         key_groups: [batch, kv] each key's own group.
         key_valid: [batch, kv] False for padding keys (padding queries get an empty set).
+
+    Returns:
+        float32 output [batch, q, heads, dim] and lse [batch, q, heads].
     """
     batch, heads, q_len, dim = query.shape
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
-    keys = SortedTokens.build(key_groups, key_valid, num_groups, 0, kv_len)
+    top_k = probe_groups.shape[-1]
+    keys = SortedTokens.build(key_groups[..., None], key_valid, num_groups, 0, kv_len)
     queries = SortedTokens.build(probe_groups, key_valid[:, first_query:], num_groups, first_query, kv_len)
-    sorted_keys, sorted_values = keys.gather(key, kv_len), keys.gather(value, kv_len)
-    sorted_queries = queries.gather(query, q_len)
-    # Keys of the query's segment at or before it: codes share the segment prefix, so one search finds them.
+    sorted_keys, sorted_values = keys.gather(key), keys.gather(value)
+    sorted_queries = queries.gather(query)
+    # Keys of the entry's segment at or before it: codes share the segment prefix, so one search finds them.
     segment_start = torch.tensor(keys.starts[:-1], device=device)
     reach = torch.searchsorted(keys.code, queries.code, right=True)
     reach -= segment_start[queries.code // kv_len]
     reach_list = reach.tolist()
-    output = torch.zeros(len(reach_list), heads, dim, dtype=torch.float32, device=device)
-    lse = torch.full((len(reach_list), heads), torch.finfo(torch.float32).min, device=device)
+    # Every entry is written below, by a call or as an empty set.
+    output = query.new_empty(len(reach_list), heads, dim, dtype=torch.float32)
+    lse = query.new_empty(len(reach_list), heads, dtype=torch.float32)
     for segment in range(batch * num_groups):
         key_start = keys.starts[segment]
         for start in range(queries.starts[segment], queries.starts[segment + 1], PROBE_CHUNK):
             end = min(start + PROBE_CHUNK, queries.starts[segment + 1])
             first_reach, last_reach = reach_list[start], reach_list[end - 1]
             if last_reach == 0:  # no key of this segment is old enough yet: an empty set
+                output[start:end] = 0.0
+                lse[start:end] = torch.finfo(torch.float32).min
                 continue
             bias = None
             if first_reach < last_reach:
@@ -437,8 +322,18 @@ def probe_part(
             )
             output[start:end] = part[0].transpose(0, 1)
             lse[start:end] = part_lse[0].transpose(0, 1)
-    full_output = torch.zeros(batch * q_len, heads, dim, dtype=torch.float32, device=device)
-    full_lse = torch.full((batch * q_len, heads), torch.finfo(torch.float32).min, device=device)
-    full_output[queries.flat] = output
-    full_lse[queries.flat] = lse
-    return full_output.view(batch, q_len, heads, dim), full_lse.view(batch, q_len, heads)
+    entries = batch * q_len * top_k
+    if len(reach_list) == entries:  # no padding: every entry is sorted somewhere, one gather puts them back
+        inverse = torch.empty_like(queries.flat)
+        inverse[queries.flat] = torch.arange(entries, device=device)
+        full_output, full_lse = output[inverse], lse[inverse]
+    else:  # padding queries have no entries: an empty set
+        full_output = output.new_zeros(entries, heads, dim)
+        full_lse = lse.new_full((entries, heads), torch.finfo(torch.float32).min)
+        full_output[queries.flat] = output
+        full_lse[queries.flat] = lse
+    full_output = full_output.view(batch, q_len, top_k, heads, dim)
+    full_lse = full_lse.view(batch, q_len, top_k, heads)
+    if top_k == 1:
+        return full_output[:, :, 0], full_lse[:, :, 0]
+    return merge_partials(list(full_output.unbind(2)), list(full_lse.unbind(2)))

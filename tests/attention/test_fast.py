@@ -83,7 +83,6 @@ def cases(draw):
         skew=draw(st.sampled_from(["none", "one", "some"])),
         token_major=draw(st.booleans()),
         local_block=draw(st.sampled_from([1, 4, 16, 64])),
-        group_chunk=draw(st.sampled_from([3, 16, 4096])),
         probe_chunk=draw(st.sampled_from([1, 5, 256])),
         separate=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
@@ -136,16 +135,12 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fast_equals_dense_oracle(case):
-    saved = partials.LOCAL_BLOCK, fast.GROUP_CHUNK, partials.PROBE_CHUNK
-    partials.LOCAL_BLOCK, fast.GROUP_CHUNK, partials.PROBE_CHUNK = (
-        case["local_block"],
-        case["group_chunk"],
-        case["probe_chunk"],
-    )
+    saved = partials.LOCAL_BLOCK, partials.PROBE_CHUNK
+    partials.LOCAL_BLOCK, partials.PROBE_CHUNK = case["local_block"], case["probe_chunk"]
     try:
         output, reference, rows = run_case(case)
     finally:
-        partials.LOCAL_BLOCK, fast.GROUP_CHUNK, partials.PROBE_CHUNK = saved
+        partials.LOCAL_BLOCK, partials.PROBE_CHUNK = saved
     assert output.shape == reference.shape
     assert torch.isfinite(output).all()
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
