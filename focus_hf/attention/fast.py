@@ -96,7 +96,11 @@ def decode_attention(
     scaling: float,
     kernel: Kernel,
 ) -> torch.Tensor:
-    """Few queries against many keys: gather the keys they can reach, then one masked call. [batch, q, heads, dim]."""
+    """Few queries against many keys: gather the keys they can reach, then one masked call. [batch, q, heads, dim].
+
+    One query (the common decoding step) sees exactly the keys it reaches, so it needs no pattern mask: only the
+    trailing slots of samples that reach fewer keys than the batch's most are hidden.
+    """
     batch, _, q_len, _ = query.shape
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
@@ -105,17 +109,26 @@ def decode_attention(
     reachable = probed | (positions >= first_query - window) | key_sink
     if key_valid is not None:
         reachable &= key_valid
-    count = reachable.sum(dim=1)
-    length = int(count.max())
-    slot = torch.where(reachable, reachable.cumsum(dim=1) - 1, length)
-    index = torch.zeros(batch, length + 1, dtype=torch.long, device=device)
-    index = index.scatter_(1, slot, positions.expand(batch, -1))[:, :length]
-    visible = allowed_pairs(
-        query_groups, key_groups.gather(1, index), key_sink.gather(1, index), positions[first_query:], index, window
-    ) & (torch.arange(length, device=device) < count[:, None]).unsqueeze(1)
     sample = torch.arange(batch, device=device)[:, None]
+    if batch == 1:
+        index = reachable[0].nonzero().view(1, -1)
+        count = None
+    else:
+        count = reachable.sum(dim=1)
+        length = int(count.max())
+        slot = torch.where(reachable, reachable.cumsum(dim=1) - 1, length)
+        index = torch.zeros(batch, length + 1, dtype=torch.long, device=device)
+        index = index.scatter_(1, slot, positions.expand(batch, -1))[:, :length]
     keys, values = gather_tokens(key, sample, index), gather_tokens(value, sample, index)
-    bias = hidden_bias(visible.unsqueeze(1), query.dtype)
+    if q_len == 1:
+        visible = None if count is None else (torch.arange(index.shape[1], device=device) < count[:, None])[:, None]
+    else:
+        visible = allowed_pairs(
+            query_groups, key_groups.gather(1, index), key_sink.gather(1, index), positions[first_query:], index, window
+        )
+        if count is not None:
+            visible &= (torch.arange(index.shape[1], device=device) < count[:, None]).unsqueeze(1)
+    bias = None if visible is None else hidden_bias(visible.unsqueeze(1), query.dtype)
     if device.type == "cpu":
         output = few_query_attention(query, keys, values, bias, scaling)
     else:

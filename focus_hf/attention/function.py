@@ -148,29 +148,33 @@ def focus_attention_forward(
 
 
 def _split_dense_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):
-    """Run the dense kv heads (and their query heads) with the base attention, the others with Focus."""
+    """Run the dense kv heads (and their query heads) with the base attention, the others with Focus.
+
+    Heads go in runs of neighbouring kv heads of one kind, each as a view of the states (no copy: while decoding a
+    copy of the cache's heads would cost as much as the attention), and the runs' outputs are joined in head order.
+    """
     kv_heads = key.shape[1]
     per_kv = query.shape[1] // kv_heads
-    dense = [head for head in routing.dense_kv_heads if head < kv_heads]
-    routed = [head for head in range(kv_heads) if head not in dense]
-    parts, order = [], []
-    for heads in (dense, routed):
-        if not heads:
-            continue
-        kv_index = torch.tensor(heads, device=query.device)
-        q_index = (kv_index[:, None] * per_kv + torch.arange(per_kv, device=query.device)).flatten()
-        sub = (query.index_select(1, q_index), key.index_select(1, kv_index), value.index_select(1, kv_index))
-        if heads is dense:
-            part = base_attention(module, *sub, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    dense = set(routing.dense_kv_heads)
+    outputs, weights = [], []
+    start = 0
+    while start < kv_heads:
+        end = start + 1
+        while end < kv_heads and (end in dense) == (start in dense):
+            end += 1
+        heads = slice(start * per_kv, end * per_kv)
+        run = (query[:, heads], key[:, start:end], value[:, start:end])
+        if start in dense:
+            output, run_weights = base_attention(
+                module, *run, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         else:
-            part = _routed_attention(module, routing, *sub, attention_mask, dropout, scaling, kwargs)
-        parts.append(part)
-        order.append(q_index)
-    inverse = torch.argsort(torch.cat(order))
-    weights = None
-    if kwargs.get("output_attentions"):
-        weights = torch.cat([part_weights for _, part_weights in parts], dim=1).index_select(1, inverse)
-    return torch.cat([out for out, _ in parts], dim=2).index_select(2, inverse), weights
+            output, run_weights = _routed_attention(module, routing, *run, attention_mask, dropout, scaling, kwargs)
+        outputs.append(output)
+        weights.append(run_weights)
+        start = end
+    joined_weights = torch.cat(weights, dim=1) if kwargs.get("output_attentions") else None
+    return torch.cat(outputs, dim=2), joined_weights
 
 
 def _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):

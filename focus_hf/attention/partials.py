@@ -28,10 +28,11 @@ def hidden_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def few_query_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: Optional[torch.Tensor], scale: float
 ) -> torch.Tensor:
     """Attention of a few queries [batch, heads, q, dim] over key/value [batch, kv_heads, L, dim] under a bias
-    [batch or 1, 1, q, L], as two matmuls (softmax in float32): [batch, heads, q, dim], no log-sum-exp.
+    [batch or 1, 1, q, L] (None: every key visible), as two matmuls (softmax in float32): [batch, heads, q, dim],
+    no log-sum-exp.
 
     On CPU this is about twice as fast as the flash kernel for one query (and faster than dense SDPA itself),
     which is what decoding runs."""
@@ -41,7 +42,8 @@ def few_query_attention(
     # Query heads kv * per_kv + j share kv head kv: fold them into the rows of one matmul per kv head.
     scores = torch.matmul(query.reshape(batch, kv_heads, per_kv * q_len, dim), key.transpose(-1, -2))
     scores = scores.view(batch, kv_heads, per_kv, q_len, length).float().mul_(scale)
-    scores = scores.add_(bias.view(bias.shape[0], 1, 1, q_len, length))
+    if bias is not None:
+        scores = scores.add_(bias.view(bias.shape[0], 1, 1, q_len, length))
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, kv_heads, per_kv * q_len, length)
     return torch.matmul(probs, value).view(batch, heads, q_len, dim)
 

@@ -45,6 +45,24 @@ def test_routing_continues_exactly_across_calls(total, split, groups, iterations
     assert state.key_sink[1].nonzero().flatten().tolist() == [p for p in (3, 4) if p < total]
 
 
+def test_token_by_token_routing_equals_the_whole_sequence():
+    # Decoding routes one token per call (its own code path): the same assignments as routing the prefix at once.
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.randn(2, 64, 8, generator=generator) * 6
+    valid = torch.ones(2, 64, dtype=torch.bool)
+    options = dict(iterations=10, top_k=2, sink_tokens=4)
+    whole, whole_state = route_tokens(scores, valid, RoutingState.empty(2, 10, 8, scores.device), **options)
+    state = RoutingState.empty(2, 10, 8, scores.device)
+    steps = []
+    for position in range(64):
+        step, state = route_tokens(scores[:, position : position + 1], valid[:, :1], state, **options)
+        steps.append(step)
+    torch.testing.assert_close(torch.cat([s.log_probs for s in steps], 1), whole.log_probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(state.column_lse, whole_state.column_lse, atol=1e-5, rtol=0)
+    assert torch.equal(torch.cat([s.top_groups for s in steps], 1), whole.top_groups)
+    assert torch.equal(state.key_groups, whole_state.key_groups) and torch.equal(state.key_sink, whole_state.key_sink)
+
+
 def test_sinkhorn_balances_a_biased_router():
     # Every token prefers group 0 by a wide margin: raw argmax puts all tokens there, balancing must not.
     scores = torch.randn(1, 2000, 8)

@@ -88,6 +88,31 @@ def test_query_router_and_dense_heads_equal_looped_reference(backend, top_k, den
         torch.testing.assert_close(output, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_dense_heads_apart_from_each_other_equal_looped_reference(top_k):
+    # 4 kv heads with dense heads that are not neighbours: the heads run in several runs of one kind each.
+    dense_heads = [[0, 0], [0, 2], [1, 1], [1, 2]]
+    model = focus_model("olmo2", top_k=top_k, query_projection=True, dense_heads=dense_heads)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    _, captured, probes, own = run_capturing(model, tokens())
+    for layer, (query, key, value, output) in captured.items():
+        dense_kv = tuple(head for index, head in dense_heads if index == layer)
+        expected = looped_reference(query, key, value, probes[layer], own[layer], dense_kv)
+        torch.testing.assert_close(output, expected, atol=ATOL, rtol=0)
+
+
+def test_output_attentions_with_dense_heads_keeps_head_order():
+    model = focus_model("olmo2", dense_heads=[[0, 0], [0, 2]])
+    focus_hf.set_routing(model, "hard")
+    with torch.no_grad():
+        weights = model(input_ids=tokens(), output_attentions=True).attentions[0]
+    assert weights.shape == (1, 4, 40, 40)
+    distant = weights[0, :, WINDOW + 1 :, SINKS:].tril(-WINDOW - 1)  # pairs beyond the window, sinks left out
+    hidden = (distant == 0) & torch.ones_like(distant, dtype=torch.bool).tril(-WINDOW - 1)
+    assert not hidden[0].any() and not hidden[2].any()  # dense heads see every causal pair
+    assert hidden[1].any() and hidden[3].any()  # routed heads do not
+
+
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 def test_all_heads_dense_equals_base(mode):
     ids = tokens(batch=2, seq=48)
