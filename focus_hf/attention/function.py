@@ -8,6 +8,7 @@ modules without routing - unrouted layers, disabled adapters - get the base impl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,7 +41,7 @@ class LayerRouting:
     keys: RoutingState  # every token so far, these included
     consumed: bool = False
     dense_kv_heads: tuple[int, ...] = ()  # kv heads of this layer that keep full attention
-    dense_below: int = 0  # hard mode: calls with fewer keys attend densely
+    dense_below: int = 0  # hard mode: queries with fewer keys (themselves included) attend densely
 
     def restricts(self, kv_len: int) -> bool:
         """Whether the pattern removes any causal pair among `kv_len` keys (otherwise attention is dense)."""
@@ -49,6 +50,15 @@ class LayerRouting:
         if self.mode == "hard" and kv_len < self.dense_below:
             return False
         return self.mode == "soft" or self.top_k < self.num_groups
+
+    def dense_queries(self, q_len: int) -> int:
+        """How many of the call's first queries attend densely under `dense_below`: a query sees itself and every
+        token before it, so it is dense iff that count is below `dense_below` - the same for a query whatever the
+        call it comes in (a prompt at once, in chunks, or token by token), so caching never changes results."""
+        if self.mode != "hard":
+            return 0
+        first_keys = self.keys.seen - q_len + 1  # keys of the call's first query
+        return min(max(self.dense_below - first_keys, 0), q_len)
 
 
 def as_bool_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -142,9 +152,46 @@ def focus_attention_forward(
         )
     if not routing.restricts(kv_len):
         return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    dense_queries = routing.dense_queries(query.shape[2])
+    if dense_queries:
+        return _split_dense_queries(
+            module, routing, dense_queries, query, key, value, attention_mask, dropout, scaling, kwargs
+        )
+    return _routed_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+
+def _routed_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):
     if routing.dense_kv_heads:
         return _split_dense_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
     return _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+
+def _split_dense_queries(module, routing, count, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """The call's first `count` queries (below `dense_below`) with the base attention over the keys they can see,
+    the others with Focus; outputs joined in query order."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    seen_by_dense = kv_len - q_len + count  # keys up to the last dense query
+    dense_mask = None if attention_mask is None else attention_mask[..., :count, :seen_by_dense]
+    dense_output, dense_weights = base_attention(
+        module,
+        query[:, :, :count],
+        key[:, :, :seen_by_dense],
+        value[:, :, :seen_by_dense],
+        dense_mask,
+        dropout=dropout,
+        scaling=scaling,
+        **kwargs,
+    )
+    routed_mask = None if attention_mask is None else attention_mask[..., count:, :]
+    later = dataclasses.replace(routing, queries=routing.queries.select_tokens(slice(count, None)))
+    routed_output, routed_weights = _routed_heads(
+        module, later, query[:, :, count:], key, value, routed_mask, dropout, scaling, kwargs
+    )
+    weights = None
+    if kwargs.get("output_attentions"):
+        dense_weights = torch.nn.functional.pad(dense_weights, (0, kv_len - seen_by_dense))
+        weights = torch.cat([dense_weights, routed_weights], dim=2)
+    return torch.cat([dense_output, routed_output], dim=1), weights
 
 
 def _split_dense_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):

@@ -8,6 +8,7 @@ continue the very same computation token by token: the running column sums are c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,9 +27,13 @@ class RoutingState:
         seen: tokens routed so far, padding included (matches the cache's sequence length).
         valid_count: real (non-padding) tokens so far, per sample, shape [batch].
         column_lse: running log column sums of each Sinkhorn iteration, shape [batch, iterations, groups].
-        key_probs: soft group assignment of every token so far, shape [batch, seen, groups].
+        key_probs: soft group assignment of every routed token, shape [batch, seen - pending, groups].
         key_groups: hard (top-1) group of every token so far, shape [batch, seen].
         key_sink: whether each token so far is an attention sink, shape [batch, seen].
+        pending_hidden: attention inputs [batch, p, hidden_size] of the last p tokens, whose key side is deferred
+            (`defer_tokens`): their key_groups are -1 and key_probs covers only the seen - p tokens before them,
+            until `settle` routes them; None when no token waits.
+        pending_valid: [batch, p] validity of those tokens, or None.
     """
 
     seen: int
@@ -37,6 +42,13 @@ class RoutingState:
     key_probs: torch.Tensor
     key_groups: torch.Tensor
     key_sink: torch.Tensor
+    pending_hidden: Optional[torch.Tensor] = None
+    pending_valid: Optional[torch.Tensor] = None
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose key side is not routed yet."""
+        return 0 if self.pending_hidden is None else self.pending_hidden.shape[1]
 
     @classmethod
     def empty(cls, batch: int, iterations: int, groups: int, device: torch.device) -> "RoutingState":
@@ -160,7 +172,8 @@ def _log_space_sinkhorn(
 class TokenRouting:
     """Routing of the tokens of one forward call."""
 
-    log_probs: torch.Tensor  # [batch, seq, groups] key-side (Sinkhorn-balanced) assignment
+    # [batch, seq, groups] key-side (Sinkhorn-balanced) assignment; None while deferred (`defer_tokens`).
+    log_probs: Optional[torch.Tensor]
     top_groups: torch.Tensor  # [batch, seq, top_k] groups each token probes as a query, best first
     sink: torch.Tensor  # [batch, seq] bool
     # [batch, seq, groups] query-side log-probabilities of a separate query router; None: queries use log_probs.
@@ -173,6 +186,20 @@ class TokenRouting:
     def key_groups(self) -> torch.Tensor:
         """[batch, seq] the group each token is filed under as a key."""
         return self.top_groups[..., 0] if self.own_groups is None else self.own_groups
+
+    def select_tokens(self, tokens: slice) -> "TokenRouting":
+        """The routing of some of the call's tokens (a slice along the sequence)."""
+
+        def part(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if tensor is None else tensor[:, tokens]
+
+        return TokenRouting(
+            log_probs=part(self.log_probs),
+            top_groups=part(self.top_groups),
+            sink=part(self.sink),
+            query_log_probs=part(self.query_log_probs),
+            own_groups=part(self.own_groups),
+        )
 
     @property
     def probe_log_probs(self) -> torch.Tensor:
@@ -197,6 +224,8 @@ def route_tokens(
     softmax(query_scores): a query then looks for the groups that hold the keys it needs, which need not be
     the group it is itself filed under.
     """
+    if state.pending:
+        raise ValueError("route_tokens after deferred tokens: settle(state, key_scores, iterations) them first.")
     log_probs, column_lse = causal_sinkhorn(scores, valid, iterations, state.column_lse)
     query_log_probs = log_probs if query_scores is None else torch.log_softmax(query_scores, dim=-1)
     # Ties (the first token's assignment is uniform) go to the lower group index, whatever top_k is: argmax
@@ -206,8 +235,7 @@ def route_tokens(
     else:
         top_groups = torch.sort(query_log_probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
     key_groups = top_groups[..., 0] if query_scores is None else log_probs.argmax(dim=-1)
-    rank = state.valid_count[:, None] + valid.long().cumsum(dim=1) - 1
-    sink = valid & (rank < sink_tokens)
+    sink = _sinks(valid, state, sink_tokens)
     tokens = TokenRouting(
         log_probs=log_probs,
         top_groups=top_groups,
@@ -224,3 +252,78 @@ def route_tokens(
         key_sink=torch.cat([state.key_sink, sink], dim=1),
     )
     return tokens, new_state
+
+
+def _sinks(valid: torch.Tensor, state: RoutingState, sink_tokens: int) -> torch.Tensor:
+    """[batch, seq] whether each new token is one of its sequence's first `sink_tokens` real tokens."""
+    rank = state.valid_count[:, None] + valid.long().cumsum(dim=1) - 1
+    return valid & (rank < sink_tokens)
+
+
+def defer_tokens(
+    hidden: torch.Tensor,
+    valid: torch.Tensor,
+    state: RoutingState,
+    *,
+    query_scores: Optional[torch.Tensor],
+    top_k: int,
+    sink_tokens: int,
+) -> tuple[TokenRouting, RoutingState]:
+    """Route new tokens while deferring their key side: the hidden states wait in the state until `settle`.
+
+    A decoding step needs the new token's probes now (or nothing, when its call attends densely), but its own key
+    group only once it lies beyond the window of a later query. The caller settles the waiting tokens in one call
+    before that (or before anything else reads them), so decoding pays the key projection and the Sinkhorn
+    iterations once per block instead of once per token. Settled groups equal those routed one token at a time up
+    to float rounding (the same prefix sums, summed in another order).
+
+    Args:
+        hidden: [batch, seq, hidden_size] the new tokens' attention inputs.
+        query_scores: [batch, seq, K] scores of a separate query router, whose top-k groups the tokens probe; None
+            when the call attends densely and needs no probes (top_groups are then -1).
+
+    Returns:
+        The routing of the new tokens (no key-side `log_probs`, key group -1) and the state including them.
+    """
+    batch, seq = hidden.shape[:2]
+    query_log_probs = None
+    if query_scores is None:
+        top_groups = torch.full((batch, seq, top_k), -1, dtype=torch.long, device=hidden.device)
+    else:
+        query_log_probs = torch.log_softmax(query_scores, dim=-1)
+        if top_k == 1:
+            top_groups = query_log_probs.argmax(dim=-1, keepdim=True)
+        else:
+            top_groups = torch.sort(query_log_probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    sink = _sinks(valid, state, sink_tokens)
+    unknown = torch.full((batch, seq), -1, dtype=state.key_groups.dtype, device=hidden.device)
+    tokens = TokenRouting(
+        log_probs=None, top_groups=top_groups, sink=sink, query_log_probs=query_log_probs, own_groups=unknown
+    )
+    waiting = hidden if state.pending_hidden is None else torch.cat([state.pending_hidden, hidden], dim=1)
+    waiting_valid = valid if state.pending_valid is None else torch.cat([state.pending_valid, valid], dim=1)
+    new_state = dataclasses.replace(
+        state,
+        seen=state.seen + seq,
+        valid_count=state.valid_count + valid.long().sum(dim=1),
+        key_groups=torch.cat([state.key_groups, unknown], dim=1),
+        key_sink=torch.cat([state.key_sink, sink], dim=1),
+        pending_hidden=waiting,
+        pending_valid=waiting_valid,
+    )
+    return tokens, new_state
+
+
+def settle(state: RoutingState, key_scores: torch.Tensor, iterations: int) -> RoutingState:
+    """`state` with the key side of its waiting tokens routed, given their key scores [batch, pending, K] (the
+    router's scores of `state.pending_hidden`)."""
+    log_probs, column_lse = causal_sinkhorn(key_scores, state.pending_valid, iterations, state.column_lse)
+    routed = state.seen - state.pending
+    return RoutingState(
+        seen=state.seen,
+        valid_count=state.valid_count,
+        column_lse=column_lse,
+        key_probs=torch.cat([state.key_probs, log_probs.exp()], dim=1),
+        key_groups=torch.cat([state.key_groups[:, :routed], log_probs.argmax(dim=-1)], dim=1),
+        key_sink=state.key_sink,
+    )

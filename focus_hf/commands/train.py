@@ -277,8 +277,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dense-below",
         type=int,
         default=0,
-        help="record FocusConfig.dense_below: prompts with fewer tokens attend densely, exactly as the base model "
-        "(set it to the length below which Focus is not faster; default: 0, always route)",
+        help="record FocusConfig.dense_below: the first tokens of a text, up to this many, attend densely, exactly as "
+        "the base model (set it to the length below which Focus is not faster; default: 0, always route)",
     )
     distillation.add_argument(
         "--layerwise",

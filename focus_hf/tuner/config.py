@@ -57,10 +57,12 @@ class FocusConfig(PeftConfig):
             share it, keep full attention: speed traded for exactness where routing loses the most attention mass
             (`focus_hf.calibrate_dense_heads` picks them from a recall audit, `focus_hf.retrieval_dense_heads`
             from the heads that copy from far back).
-        dense_below: In hard mode, a call with fewer keys than this attends densely, exactly as the base model
-            (the routers still run, so a longer continuation routes from where it stands). Set it to the length
-            below which the sparse path is not faster (`focus-hf bench --model-level`): then Focus changes
-            nothing where it would not save time. 0 (the default) routes every call longer than the window.
+        dense_below: In hard mode, a query with fewer keys than this (itself and the tokens before it) attends
+            densely, exactly as the base model; later queries use the Focus pattern. Per query, not per call, so
+            a text gives the same outputs whether it is run at once, in chunks or token by token (the routers
+            still run, so a longer continuation routes from where it stands). Set it to the length below which
+            the sparse path is not faster: then Focus changes nothing where it would not save time. 0 (the
+            default) routes every query beyond the window.
         routing_mode: `"auto"` (soft while training, hard in eval mode), `"soft"` or `"hard"`.
         gate_floor: Smallest same-group probability the soft gate uses, so the log-gate stays finite.
         target_modules: Attention module names (or a regex) to route; `None` routes every supported
@@ -89,7 +91,7 @@ class FocusConfig(PeftConfig):
         default=None, metadata={"help": "[layer, kv_head] pairs that keep full attention."}
     )
     dense_below: int = field(
-        default=0, metadata={"help": "Hard mode: calls with fewer keys attend densely (0: route every call)."}
+        default=0, metadata={"help": "Hard mode: queries with fewer keys attend densely (0: route every query)."}
     )
     routing_mode: str = field(default=FOCUS_DEFAULTS["routing_mode"], metadata={"help": "'auto', 'soft' or 'hard'."})
     gate_floor: float = field(

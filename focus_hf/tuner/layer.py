@@ -13,11 +13,21 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
-from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
+from focus_hf.attention.routing import (
+    RoutingState,
+    TokenRouting,
+    defer_tokens,
+    route_tokens,
+    routing_scores,
+    settle,
+)
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.dispatch import execution_device
 
 _CACHE_ATTRIBUTE = "_focus_routing_states"
+# Decoding with a query router defers the key-side Sinkhorn of new tokens and balances them in blocks of at most
+# this many (never more than the window, so that a token's group is known before any query sees it from afar).
+PENDING_LIMIT = 64
 
 
 @dataclass
@@ -52,6 +62,8 @@ def _select_samples(state: RoutingState, index: torch.Tensor) -> RoutingState:
         key_probs=state.key_probs.index_select(0, index),
         key_groups=state.key_groups.index_select(0, index),
         key_sink=state.key_sink.index_select(0, index),
+        pending_hidden=None if state.pending_hidden is None else state.pending_hidden.index_select(0, index),
+        pending_valid=None if state.pending_valid is None else state.pending_valid.index_select(0, index),
     )
 
 
@@ -206,13 +218,16 @@ class FocusLayer(nn.Module, BaseTunerLayer):
 
     def routing_scores(self, adapter_name: str, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Key-side scores [batch, seq, K] and, with a query router, query-side scores (else None), both / tau."""
-        settings = self.focus_settings[adapter_name]
-        centroids = self.focus_centroids[adapter_name]
-        scores = routing_scores(hidden, self.focus_proj[adapter_name], centroids, settings.temperature)
         query_scores = None
         if adapter_name in self.focus_query_proj:
-            query_scores = routing_scores(hidden, self.focus_query_proj[adapter_name], centroids, settings.temperature)
-        return scores, query_scores
+            query_scores = self.router_scores(adapter_name, hidden, query_side=True)
+        return self.router_scores(adapter_name, hidden, query_side=False), query_scores
+
+    def router_scores(self, adapter_name: str, hidden: torch.Tensor, query_side: bool) -> torch.Tensor:
+        """Scores [batch, seq, K] / tau of the key-side router, or of the query router (`query_side`)."""
+        projection = (self.focus_query_proj if query_side else self.focus_proj)[adapter_name]
+        settings = self.focus_settings[adapter_name]
+        return routing_scores(hidden, projection, self.focus_centroids[adapter_name], settings.temperature)
 
     def route_tokens(
         self,
@@ -258,7 +273,31 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             return self.base_layer(*args, **kwargs)
         state = self._routing_state(cache, adapter_name, batch, settings, hidden.device)
         valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device)
-        queries, keys = self.route_tokens(adapter_name, hidden, valid, state, top_k)
+        # A hard-mode decoding step defers its key side: its own group is needed only once it lies beyond the
+        # window, so the waiting tokens are routed in blocks (`defer_tokens`, `settle`). Its probes are needed
+        # now unless the call attends densely (below dense_below), and can be had without the Sinkhorn step only
+        # from a query router. Anything else - soft mode, prefill, observers, a full block - settles first.
+        attends_densely = state.seen + q_len < settings.dense_below
+        defer = (
+            mode == "hard"
+            and q_len == 1
+            and cache is not None
+            and not self.routing_observers
+            and (attends_densely or adapter_name in self.focus_query_proj)
+            and state.pending < min(PENDING_LIMIT, settings.window)
+        )
+        if defer:
+            query_scores = None
+            if not attends_densely:
+                query_scores = self.router_scores(adapter_name, hidden, query_side=True)
+            queries, keys = defer_tokens(
+                hidden, valid, state, query_scores=query_scores, top_k=top_k, sink_tokens=settings.sink_tokens
+            )
+        else:
+            if state.pending:
+                key_scores = self.router_scores(adapter_name, state.pending_hidden, query_side=False)
+                state = settle(state, key_scores, settings.sinkhorn_iterations)
+            queries, keys = self.route_tokens(adapter_name, hidden, valid, state, top_k)
         if cache is not None:
             _attach_routing_states(cache)[(adapter_name, self.layer_index)] = keys
         for observer in self.routing_observers:

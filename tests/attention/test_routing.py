@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from focus_hf.attention.pattern import allowed_pairs, soft_gate
-from focus_hf.attention.routing import RoutingState, causal_sinkhorn, route_tokens
+from focus_hf.attention.routing import RoutingState, causal_sinkhorn, defer_tokens, route_tokens, settle
 
 
 def test_sinkhorn_rows_are_distributions():
@@ -61,6 +62,44 @@ def test_token_by_token_routing_equals_the_whole_sequence():
     torch.testing.assert_close(state.column_lse, whole_state.column_lse, atol=1e-5, rtol=0)
     assert torch.equal(torch.cat([s.top_groups for s in steps], 1), whole.top_groups)
     assert torch.equal(state.key_groups, whole_state.key_groups) and torch.equal(state.key_sink, whole_state.key_sink)
+
+
+def test_deferred_tokens_settle_to_the_routed_groups():
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(2, 40, 8, generator=generator) * 6
+    query_scores = torch.randn(2, 40, 8, generator=generator) * 6
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    options = dict(top_k=2, sink_tokens=4)
+    whole, whole_state = route_tokens(
+        scores, valid, RoutingState.empty(2, 10, 8, scores.device), iterations=10, query_scores=query_scores, **options
+    )
+    _, state = route_tokens(
+        scores[:, :30],
+        valid[:, :30],
+        RoutingState.empty(2, 10, 8, scores.device),
+        iterations=10,
+        query_scores=query_scores[:, :30],
+        **options,
+    )
+    for position in range(30, 40):
+        step, state = defer_tokens(
+            scores[:, position : position + 1],
+            valid[:, :1],
+            state,
+            query_scores=query_scores[:, position : position + 1],
+            **options,
+        )
+        assert torch.equal(step.top_groups, whole.top_groups[:, position : position + 1])
+        assert step.log_probs is None and bool((step.key_groups == -1).all())
+    assert state.pending == 10 and bool((state.key_groups[:, 30:] == -1).all()) and state.key_probs.shape[1] == 30
+    # routing.py never projects: the "hidden states" waiting here are the key scores themselves.
+    settled = settle(state, state.pending_hidden, 10)
+    assert settled.pending == 0 and torch.equal(settled.key_groups, whole_state.key_groups)
+    assert torch.equal(settled.key_sink, whole_state.key_sink)
+    torch.testing.assert_close(settled.key_probs, whole_state.key_probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(settled.column_lse, whole_state.column_lse, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="settle"):
+        route_tokens(scores[:, :1], valid[:, :1], state, iterations=10, **options)
 
 
 def test_sinkhorn_balances_a_biased_router():

@@ -152,6 +152,62 @@ def test_query_router_generate_with_cache_equals_recomputation():
     assert torch.equal(generated, sequence)
 
 
+@pytest.mark.parametrize("limit", [1, 3, 64])
+def test_deferred_key_routing_while_decoding_equals_recomputation(monkeypatch, limit):
+    # Decoding with a query router defers the new tokens' key-side Sinkhorn in blocks (FocusLayer.PENDING_LIMIT,
+    # capped by the window): greedy tokens must equal recomputing the whole sequence, across several blocks.
+    import focus_hf.tuner.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "PENDING_LIMIT", limit)
+    model = focus_model(top_k=1, query_projection=True)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    waiting = []
+    original = layer_module.defer_tokens
+
+    def watching(*args, **kwargs):
+        result = original(*args, **kwargs)
+        waiting.append(result[1].pending)
+        return result
+
+    monkeypatch.setattr(layer_module, "defer_tokens", watching)
+    prompt = tokens(seq=30)
+    generated = model.generate(input_ids=prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert waiting and max(waiting) == min(limit, WINDOW)
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(20):
+            next_token = model(input_ids=sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, next_token], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+@pytest.mark.parametrize("query_projection", [False, True])
+def test_decoding_across_dense_below_equals_recomputation(query_projection):
+    # Below dense_below a decoding step attends densely and routes nothing now (its key side waits, for shared
+    # routers too); once the cache reaches dense_below the waiting tokens are routed and decoding is sparse.
+    model = focus_model(top_k=1, query_projection=query_projection, dense_below=38)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    prompt = tokens(seq=30)
+    generated = model.generate(input_ids=prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(20):
+            next_token = model(input_ids=sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, next_token], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+def test_beam_search_with_deferred_key_routing_equals_without(monkeypatch):
+    import focus_hf.tuner.layer as layer_module
+
+    model = focus_model(top_k=2, query_projection=True)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    options = dict(max_new_tokens=14, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    deferred = model.generate(input_ids=tokens(batch=2, seq=30), **options)
+    monkeypatch.setattr(layer_module, "PENDING_LIMIT", 0)  # route every token at once
+    assert torch.equal(deferred, model.generate(input_ids=tokens(batch=2, seq=30), **options))
+
+
 def test_causal_with_query_router():
     model = focus_model(top_k=2, query_projection=True)
     for mode in ("hard", "soft"):
@@ -201,17 +257,51 @@ def test_bad_options_are_refused(options, field):
         focus_hf.FocusConfig(**options)
 
 
-def test_dense_below_runs_short_calls_as_the_base_model():
+def test_dense_below_runs_short_queries_as_the_base_model():
     ids = tokens(batch=2, seq=40)
     base = tiny_model("llama")(ids).logits
     routed = focus_model(query_projection=True)
     focus_hf.set_routing(routed, "hard")
     sparse = routed(input_ids=ids).logits
     assert not torch.allclose(sparse, base, atol=1e-3)  # the pattern does remove pairs at this length
-    for threshold, expected in ((41, base), (40, sparse), (0, sparse)):
+    for threshold in (41, 40, 25, 0):
         model = focus_model(query_projection=True, dense_below=threshold)
         focus_hf.set_routing(model, "hard")
-        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=ATOL, rtol=0)
+        logits = model(input_ids=ids).logits
+        # A query with fewer than `threshold` keys (itself included) is the base model's, whatever follows it.
+        dense_rows = max(threshold - 1, 0)
+        torch.testing.assert_close(logits[:, :dense_rows], base[:, :dense_rows], atol=ATOL, rtol=0)
+        if threshold == 0:
+            torch.testing.assert_close(logits, sparse, atol=ATOL, rtol=0)
+        elif dense_rows < 40:
+            assert not torch.allclose(logits[:, dense_rows:], base[:, dense_rows:], atol=1e-3)
+
+
+@pytest.mark.parametrize("dense_heads", [None, [[0, 1]]])
+def test_dense_below_chunked_prefill_of_a_padded_batch_equals_one_call(dense_heads):
+    from transformers import DynamicCache
+
+    model = focus_model(query_projection=True, dense_below=30, dense_heads=dense_heads)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    ids = tokens(batch=2, seq=44, seed=9)
+    mask = torch.ones(2, 44, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        cache = DynamicCache()
+        parts = []
+        for span in (slice(0, 25), slice(25, 44)):
+            out = model(
+                input_ids=ids[:, span],
+                attention_mask=mask[:, : span.stop],
+                position_ids=positions[:, span],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            parts.append(out.logits)
+    chunked = torch.cat(parts, dim=1)
+    torch.testing.assert_close(chunked[mask.bool()], whole[mask.bool()], atol=ATOL, rtol=0)
 
 
 def test_dense_below_without_a_cache_skips_routing(monkeypatch):
@@ -231,7 +321,7 @@ def test_dense_below_without_a_cache_skips_routing(monkeypatch):
     assert all(len(observed) == 1 for observed in recorder.routings().values())
 
 
-def test_dense_below_is_per_call_during_generation():
+def test_dense_below_is_per_query_during_generation():
     """A prompt below the threshold is encoded densely; decoding steps whose cache reaches it route."""
     prompt = tokens(seq=30)
     model = focus_model(top_k=1, query_projection=True, dense_below=36)
