@@ -2,9 +2,12 @@
 
 For every routed layer and kv head, over the queries that have keys beyond the window, the audit reports the
 share of the model's attention mass (from a dense pass of the base model) that lands on keys the hard pattern
-keeps: the window and sinks alone, the adapter's top-k groups on top of them, and an oracle that picks the best k
-groups for each query given the same key groups (no router with these key groups can keep more). Heads listed in
-`dense_heads` keep everything. Lost mass is where quality goes, before any perplexity is measured.
+keeps: the window and sinks alone, the adapter's top-k groups on top of them, an oracle that picks the best k
+groups for each query given the same key groups (no router with these key groups can keep more), and a key oracle
+that keeps, for each query, as many distant keys as the adapter's probes reach but the ones with the most mass
+(no selector of that density that makes one choice per layer can keep more: the gap between the two oracles is what
+grouping the keys costs). Heads listed in `dense_heads` keep everything. Lost mass is where quality goes, before
+any perplexity is measured.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class HeadRecall:
     adapter: float  # local + the adapter's probed groups (1.0 for a dense head)
     oracle: float  # local + the best top-k groups per query, given the adapter's key groups
     dense: bool = False
+    key_oracle: float = 0.0  # local + the best single keys, as many per query as the adapter's probes reach
 
 
 @dataclass
@@ -52,7 +56,7 @@ class RecallAudit:
         return sum(getattr(row, name) for row in self.rows) / max(len(self.rows), 1)
 
     def to_dict(self) -> dict:
-        summary = {name: self.mean(name) for name in ("local", "adapter", "oracle")}
+        summary = {name: self.mean(name) for name in ("local", "adapter", "oracle", "key_oracle")}
         return {
             **{k: v for k, v in asdict(self).items() if k != "rows"},
             "mean": summary,
@@ -68,18 +72,21 @@ class RecallAudit:
         layers = sorted({row.layer for row in self.rows})
         heads = sorted({row.kv_head for row in self.rows})
         by_key = {(row.layer, row.kv_head): row for row in self.rows}
-        header = "layer | " + " | ".join(f"kv{h} local/adapter/oracle" for h in heads)
+        header = "layer | " + " | ".join(f"kv{h} local/adapter/oracle/key oracle" for h in heads)
         lines = [header, "-" * len(header)]
         for layer in layers:
             cells = []
             for head in heads:
                 row = by_key[(layer, head)]
                 mark = " dense" if row.dense else ""
-                cells.append(f"{100 * row.local:5.1f} /{100 * row.adapter:5.1f} /{100 * row.oracle:5.1f}{mark}")
+                cells.append(
+                    f"{100 * row.local:5.1f} /{100 * row.adapter:5.1f} /{100 * row.oracle:5.1f}"
+                    f" /{100 * row.key_oracle:5.1f}{mark}"
+                )
             lines.append(f"{layer:5d} | " + " | ".join(cells))
         lines.append(
             f"mean  | local {100 * self.mean('local'):.1f}%  adapter top-{self.top_k} {100 * self.mean('adapter'):.1f}%"
-            f"  oracle {100 * self.mean('oracle'):.1f}%"
+            f"  oracle {100 * self.mean('oracle'):.1f}%  key oracle {100 * self.mean('key_oracle'):.1f}%"
         )
         return "\n".join(lines)
 
@@ -178,6 +185,7 @@ def audit_recall(
                 sinks=settings.sink_tokens,
                 key_groups=routing.key_groups[0],
                 num_groups=settings.num_groups,
+                keep_counts=probed_key_counts(routing, queries, settings.window, settings.sink_tokens),
             )
             probes = routing.top_groups[0, attention.queries].cpu()
             probed = torch.zeros(len(queries), settings.num_groups, dtype=torch.bool).scatter_(1, probes, True)
@@ -190,9 +198,12 @@ def audit_recall(
             per_kv = heads // kv_heads
             for kv in range(kv_heads):
                 part = slice(kv * per_kv, (kv + 1) * per_kv)
-                values = torch.stack([attention.local[part].sum(), kept[part].sum(), oracle[part].sum()]).double()
+                key_oracle = attention.local[part] + attention.best_mass[part]
+                values = torch.stack(
+                    [attention.local[part].sum(), kept[part].sum(), oracle[part].sum(), key_oracle.sum()]
+                ).double()
                 key = (layer.layer_index, kv)
-                sums[key] = sums.get(key, torch.zeros(3, dtype=torch.float64)) + values
+                sums[key] = sums.get(key, torch.zeros(4, dtype=torch.float64)) + values
                 counts[key] = counts.get(key, 0) + kept[part].numel()
             if bar is not None:
                 bar.update(1)
@@ -200,11 +211,10 @@ def audit_recall(
         bar.close()
     rows = []
     for (layer_index, kv), total in sorted(sums.items()):
-        local, kept, oracle = (total / counts[(layer_index, kv)]).tolist()
+        local, kept, oracle, key_oracle = (total / counts[(layer_index, kv)]).tolist()
         is_dense = (layer_index, kv) in dense
-        rows.append(
-            HeadRecall(layer_index, kv, local, 1.0 if is_dense else kept, 1.0 if is_dense else oracle, is_dense)
-        )
+        full = 1.0 if is_dense else None
+        rows.append(HeadRecall(layer_index, kv, local, full or kept, full or oracle, is_dense, full or key_oracle))
     return RecallAudit(
         top_k=top_k,
         num_groups=settings.num_groups,
@@ -215,6 +225,18 @@ def audit_recall(
         queries_per_sequence=queries_per_sequence or 0,
         rows=rows,
     )
+
+
+def probed_key_counts(routing, queries: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """[n] distant keys (beyond the window, not sinks) in the groups each query of `queries` probes (sample 0)."""
+    own, probes = routing.key_groups[0].cpu(), routing.top_groups[0].cpu()
+    num_groups = int(max(own.max(), probes.max())) + 1
+    member = torch.nn.functional.one_hot(own, num_groups).long()
+    member[:sinks] = 0  # sinks are always visible, not part of any probe's budget
+    before = member.cumsum(0)  # keys per group up to and including each position
+    last = queries - window - 1  # each query's last distant key
+    counts = torch.where((last >= 0)[:, None], before[last.clamp(min=0)], torch.zeros(1, dtype=torch.long))
+    return counts.gather(1, probes[queries]).sum(1)
 
 
 def calibrate_dense_heads(audit: RecallAudit, count: int) -> list[list[int]]:

@@ -171,6 +171,8 @@ class DistantAttention:
         top_keys: [heads, n, m] the m distant keys with the most mass, or None.
         top_mass: [heads, n, m] their mass, or None.
         group_mass: [heads, n, K] distant mass per key group, when key groups were given, else None.
+        best_mass: [heads, n] mass on the `keep_counts` distant keys with the most mass over all heads of the
+            layer, when keep counts were given, else None.
     """
 
     queries: torch.Tensor
@@ -178,6 +180,7 @@ class DistantAttention:
     top_keys: Optional[torch.Tensor] = None
     top_mass: Optional[torch.Tensor] = None
     group_mass: Optional[torch.Tensor] = None
+    best_mass: Optional[torch.Tensor] = None
 
 
 @torch.no_grad()
@@ -190,6 +193,7 @@ def distant_attention(
     top_m: int = 0,
     key_groups: Optional[torch.Tensor] = None,
     num_groups: Optional[int] = None,
+    keep_counts: Optional[torch.Tensor] = None,
     chunk: int = 256,
 ) -> DistantAttention:
     """Summarise the model's own attention for `queries` of one captured layer.
@@ -201,6 +205,9 @@ def distant_attention(
         top_m: keep the `top_m` distant keys with the most mass per (head, query) (0: none).
         key_groups: [seq] each key's group: report the distant mass per group (exact).
         num_groups: K, needed with `key_groups`.
+        keep_counts: [n] distant keys a selector may keep per query: report the mass on the best that many keys
+            (ranked by their mass summed over the layer's heads: one choice per layer, as Focus makes). No
+            selector that keeps that many distant keys per query, shared by the heads, keeps more.
         chunk: queries per step (memory ~ heads x chunk x seq floats).
     """
     heads = capture.query.shape[0]
@@ -209,6 +216,7 @@ def distant_attention(
     top_keys = torch.zeros(heads, n, top_m, dtype=torch.long) if top_m else None
     top_mass = torch.zeros(heads, n, top_m) if top_m else None
     group_mass = torch.zeros(heads, n, num_groups) if key_groups is not None else None
+    best_mass = torch.zeros(heads, n) if keep_counts is not None else None
     membership = None
     if key_groups is not None:
         membership = torch.nn.functional.one_hot(key_groups.to(capture.query.device), num_groups).float()
@@ -221,4 +229,10 @@ def distant_attention(
             top_keys[:, rows, : index.shape[-1]] = index.cpu()
         if membership is not None:
             group_mass[:, rows] = (distant @ membership).cpu()
-    return DistantAttention(queries.cpu(), local, top_keys, top_mass, group_mass)
+        if keep_counts is not None:
+            order = distant.sum(0).argsort(dim=-1, descending=True)  # [chunk, seq], one ranking per layer
+            ranked = distant.gather(-1, order.expand(heads, -1, -1)).cumsum(-1)
+            count = keep_counts[rows].to(ranked.device).clamp(max=ranked.shape[-1])
+            picked = ranked.gather(-1, (count - 1).clamp(min=0).view(1, -1, 1).expand(heads, -1, 1))[..., 0]
+            best_mass[:, rows] = torch.where(count > 0, picked, torch.zeros_like(picked)).cpu()
+    return DistantAttention(queries.cpu(), local, top_keys, top_mass, group_mass, best_mass)

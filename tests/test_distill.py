@@ -66,9 +66,38 @@ def test_audit_bounds_and_dense_heads():
     for layer in (0, 1):
         rows = [row for row in audit.rows if row.layer == layer and not row.dense]
         assert sum(r.oracle for r in rows) >= sum(r.adapter for r in rows) - 1e-6
+        # The key oracle keeps as many distant keys per query as the adapter, the best ones for the layer.
+        assert sum(r.key_oracle for r in rows) >= sum(r.adapter for r in rows) - 1e-6
+        assert all(r.local - 1e-6 <= r.key_oracle <= 1 + 1e-6 for r in rows)
+    assert all(row.key_oracle == 1.0 for row in audit.rows if row.dense)
     assert calibrate_dense_heads(audit, 1) == [[1, 0]]
     worst = min((row for row in audit.rows if not row.dense), key=lambda row: row.adapter)
     assert [worst.layer, worst.kv_head] in calibrate_dense_heads(audit, 2)
+
+
+def test_key_oracle_equals_a_brute_force_choice():
+    # One layer, a few queries: the best `count` distant keys by head-summed mass, checked by enumeration order.
+    from focus_hf.calibration import LayerCapture, distant_attention
+
+    generator = torch.Generator().manual_seed(0)
+    capture = LayerCapture(
+        torch.zeros(40, 8),
+        torch.randn(4, 40, 8, generator=generator),
+        torch.randn(2, 40, 8, generator=generator),
+        0.35,
+        None,
+    )
+    queries = torch.tensor([20, 31, 39])
+    counts = torch.tensor([3, 0, 7])
+    attention = distant_attention(capture, queries, window=5, sinks=2, keep_counts=counts)
+    keys = capture.key.repeat_interleave(2, dim=0)
+    for row, (position, count) in enumerate(zip(queries.tolist(), counts.tolist())):
+        logits = torch.einsum("hd,hkd->hk", capture.query[:, position], keys[:, : position + 1]) * 0.35
+        probs = torch.softmax(logits, dim=-1)
+        distant = probs[:, 2 : position - 5]  # beyond the window, sinks left out
+        best = distant.sum(0).argsort(descending=True)[:count] + 2
+        expected = probs[:, best].sum(-1)
+        torch.testing.assert_close(attention.best_mass[:, row], expected, atol=1e-6, rtol=0)
 
 
 def test_audit_report_files(tmp_path):
@@ -77,9 +106,9 @@ def test_audit_report_files(tmp_path):
     audit.save_json(tmp_path / "audit.json")
     audit.save_png(tmp_path / "audit.png")
     data = json.loads((tmp_path / "audit.json").read_text())
-    assert set(data["mean"]) == {"local", "adapter", "oracle"} and len(data["rows"]) == 4
+    assert set(data["mean"]) == {"local", "adapter", "oracle", "key_oracle"} and len(data["rows"]) == 4
     assert (tmp_path / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "oracle" in audit.table()
+    assert "oracle" in audit.table() and "key oracle" in audit.table()
 
 
 # A shared router must file a token and choose its probes with one assignment, so it gains less than a query router.
