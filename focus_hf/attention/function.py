@@ -152,23 +152,19 @@ def focus_attention_forward(
         )
     if not routing.restricts(kv_len):
         return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    dense_queries = routing.dense_queries(query.shape[2])
-    if dense_queries:
-        return _split_dense_queries(
-            module, routing, dense_queries, query, key, value, attention_mask, dropout, scaling, kwargs
-        )
-    return _routed_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
-
-
-def _routed_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):
     if routing.dense_kv_heads:
         return _split_dense_heads(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
-    return _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
+    return _routed_queries(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 
-def _split_dense_queries(module, routing, count, query, key, value, attention_mask, dropout, scaling, kwargs):
-    """The call's first `count` queries (below `dense_below`) with the base attention over the keys they can see,
-    the others with Focus; outputs joined in query order."""
+def _routed_queries(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """Focus attention for routed heads; the call's first queries below `dense_below` with the base attention.
+
+    Only ever splits queries of heads that are routed: the base attention of a query subset would be causal from
+    the wrong corner without a mask, and its dense part here is square whenever the call is."""
+    count = routing.dense_queries(query.shape[2])
+    if not count:
+        return _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     seen_by_dense = kv_len - q_len + count  # keys up to the last dense query
     dense_mask = None if attention_mask is None else attention_mask[..., :count, :seen_by_dense]
@@ -184,7 +180,7 @@ def _split_dense_queries(module, routing, count, query, key, value, attention_ma
     )
     routed_mask = None if attention_mask is None else attention_mask[..., count:, :]
     later = dataclasses.replace(routing, queries=routing.queries.select_tokens(slice(count, None)))
-    routed_output, routed_weights = _routed_heads(
+    routed_output, routed_weights = _routed_attention(
         module, later, query[:, :, count:], key, value, routed_mask, dropout, scaling, kwargs
     )
     weights = None
@@ -216,7 +212,7 @@ def _split_dense_heads(module, routing, query, key, value, attention_mask, dropo
                 module, *run, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         else:
-            output, run_weights = _routed_attention(module, routing, *run, attention_mask, dropout, scaling, kwargs)
+            output, run_weights = _routed_queries(module, routing, *run, attention_mask, dropout, scaling, kwargs)
         outputs.append(output)
         weights.append(run_weights)
         start = end

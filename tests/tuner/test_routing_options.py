@@ -181,11 +181,11 @@ def test_deferred_key_routing_while_decoding_equals_recomputation(monkeypatch, l
     assert torch.equal(generated, sequence)
 
 
-@pytest.mark.parametrize("query_projection", [False, True])
-def test_decoding_across_dense_below_equals_recomputation(query_projection):
+@pytest.mark.parametrize("query_projection, dense_heads", [(False, None), (True, None), (True, [[0, 1], [1, 0]])])
+def test_decoding_across_dense_below_equals_recomputation(query_projection, dense_heads):
     # Below dense_below a decoding step attends densely and routes nothing now (its key side waits, for shared
     # routers too); once the cache reaches dense_below the waiting tokens are routed and decoding is sparse.
-    model = focus_model(top_k=1, query_projection=query_projection, dense_below=38)
+    model = focus_model(top_k=1, query_projection=query_projection, dense_below=38, dense_heads=dense_heads)
     focus_hf.set_routing(model, "hard", backend="sdpa")
     prompt = tokens(seq=30)
     generated = model.generate(input_ids=prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
