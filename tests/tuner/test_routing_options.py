@@ -139,17 +139,22 @@ def test_query_router_padded_batch_equals_samples_alone(side, top_k):
         )
 
 
-def test_query_router_generate_with_cache_equals_recomputation():
-    model = focus_model(top_k=2, query_projection=True, dense_heads=[[0, 1]])
-    focus_hf.set_routing(model, "hard")
-    prompt = tokens(seq=30)
-    generated = model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+def assert_generation_equals_recomputation(model, prompt, new_tokens):
+    """Greedy generate() with the KV cache picks the tokens that recomputing the whole text each step picks."""
+    options = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    generated = model.generate(input_ids=prompt, **options)
     sequence = prompt
     with torch.no_grad():
-        for _ in range(12):
+        for _ in range(new_tokens):
             next_token = model(input_ids=sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
             sequence = torch.cat([sequence, next_token], dim=1)
     assert torch.equal(generated, sequence)
+
+
+def test_query_router_generate_with_cache_equals_recomputation():
+    model = focus_model(top_k=2, query_projection=True, dense_heads=[[0, 1]])
+    focus_hf.set_routing(model, "hard")
+    assert_generation_equals_recomputation(model, tokens(seq=30), 12)
 
 
 @pytest.mark.parametrize("limit", [1, 3, 64])
@@ -170,15 +175,8 @@ def test_deferred_key_routing_while_decoding_equals_recomputation(monkeypatch, l
         return result
 
     monkeypatch.setattr(layer_module, "defer_tokens", watching)
-    prompt = tokens(seq=30)
-    generated = model.generate(input_ids=prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert_generation_equals_recomputation(model, tokens(seq=30), 20)
     assert waiting and max(waiting) == min(limit, WINDOW)
-    sequence = prompt
-    with torch.no_grad():
-        for _ in range(20):
-            next_token = model(input_ids=sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-            sequence = torch.cat([sequence, next_token], dim=1)
-    assert torch.equal(generated, sequence)
 
 
 @pytest.mark.parametrize("query_projection, dense_heads", [(False, None), (True, None), (True, [[0, 1], [1, 0]])])
@@ -187,14 +185,7 @@ def test_decoding_across_dense_below_equals_recomputation(query_projection, dens
     # routers too); once the cache reaches dense_below the waiting tokens are routed and decoding is sparse.
     model = focus_model(top_k=1, query_projection=query_projection, dense_below=38, dense_heads=dense_heads)
     focus_hf.set_routing(model, "hard", backend="sdpa")
-    prompt = tokens(seq=30)
-    generated = model.generate(input_ids=prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
-    sequence = prompt
-    with torch.no_grad():
-        for _ in range(20):
-            next_token = model(input_ids=sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-            sequence = torch.cat([sequence, next_token], dim=1)
-    assert torch.equal(generated, sequence)
+    assert_generation_equals_recomputation(model, tokens(seq=30), 20)
 
 
 def test_beam_search_with_deferred_key_routing_equals_without(monkeypatch):
