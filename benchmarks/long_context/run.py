@@ -8,6 +8,7 @@ Stages (each appends to its JSON in benchmarks/long_context/results/):
     python benchmarks/long_context/run.py passkey --lengths 1024 2048 4096 8192
     python benchmarks/long_context/run.py speed --lengths 512 1024 2048 4096 8192
     python benchmarks/long_context/run.py generate --lengths 16384 --new-tokens 64
+    python benchmarks/long_context/run.py audit --windows 128 512 --dense-heads 0 --blocks 1
     python benchmarks/long_context/run.py plot
 
 "dense" is the base model without any adapter (transformers' own SDPA attention). Focus variants load the committed
@@ -171,16 +172,18 @@ def block_nll(model, ids: torch.Tensor) -> tuple[float, int, float]:
 
 
 def focus_density(model, ids: torch.Tensor, window: int, sinks: int) -> float:
-    """Share of the causal pairs the hard pattern keeps, averaged over layers and kv heads (dense heads count 1)."""
-    if len(ids) < model.peft_config["default"].dense_below:
-        return 1.0  # the whole call attends densely
+    """Share of the causal pairs the hard pattern keeps, averaged over layers and kv heads (dense heads count 1;
+    queries with fewer keys than dense_below count all of theirs)."""
+    settings = model.peft_config["default"]
+    seq = len(ids)
+    if seq < settings.dense_below:
+        return 1.0  # every query attends densely
     with torch.no_grad(), record_routing(model) as recorder:
         model(input_ids=ids[None], use_cache=False)
-    seq = len(ids)
     positions = torch.arange(seq)
-    causal = seq * (seq + 1) / 2
-    local = sum(min(i, window) + 1 + max(0, min(sinks, i - window)) for i in range(seq))
-    settings = model.peft_config["default"]
+    causal = positions + 1  # keys of query i
+    local = torch.clamp(positions, max=window) + 1 + torch.clamp(positions - window, min=0, max=sinks)
+    dense_query = causal < settings.dense_below
     kv_heads = model.config.num_key_value_heads
     dense = {tuple(p) for p in settings.dense_heads or []}
     shares = []
@@ -196,9 +199,9 @@ def focus_density(model, ids: torch.Tensor, window: int, sinks: int) -> float:
         sink_counts = F.one_hot(own[:sinks], settings.num_groups).long().sum(0) if sinks else 0
         probed = distant_counts.gather(1, probes).sum(1)
         sinks_in = (sink_counts if isinstance(sink_counts, int) else sink_counts[probes].sum(1)) * (reach >= sinks)
-        kept = local + float((probed - sinks_in).clamp(min=0).sum())
+        kept = torch.where(dense_query, causal, local + (probed - sinks_in).clamp(min=0))
         for kv in range(kv_heads):
-            shares.append(1.0 if (index, kv) in dense else kept / causal)
+            shares.append(1.0 if (index, kv) in dense else float(kept.sum()) / float(causal.sum()))
     return sum(shares) / len(shares)
 
 
@@ -405,6 +408,39 @@ def stage_generate(args) -> None:
         )
 
 
+# --- recall audit against the oracles -----------------------------------------------------------------------------
+
+
+def stage_audit(args) -> None:
+    """Attention mass kept by each Focus variant, its group oracle and its key oracle (`focus_hf.audit_recall`),
+    on --blocks held-out python-docs blocks of --seq-len tokens: what the routers lose, what better probes could win
+    back with these key groups, and what any selector of the same density could keep."""
+    from focus_hf.audit import audit_recall
+
+    _, heldout = split_texts(load_texts(args.data), heldout_fraction=0.1, seed=0)
+    model, tokenizer = load_focus(Path(args.adapter))
+    blocks = token_blocks(tokenizer, heldout, args.seq_len, max_blocks=args.blocks)
+    rows = []
+    for variant in focus_variants(model, args):
+        apply_variant(model, variant)
+        audit = audit_recall(model, list(blocks), queries_per_sequence=256, progress=False)
+        means = audit.to_dict()["mean"]
+        log(f"{variant['label']}: " + ", ".join(f"{name} {100 * value:.1f}%" for name, value in means.items()))
+        rows.append(
+            {
+                "variant": variant["label"],
+                **means,
+                "seq_len": args.seq_len,
+                "data": args.data,
+                "blocks": len(blocks),
+                "queries_per_block": 256 + 64,
+                "command": command_line(),
+                **machine(),
+            }
+        )
+    append("audit.json", rows)
+
+
 # --- plot + report ---------------------------------------------------------------------------------------------
 
 
@@ -515,6 +551,24 @@ def write_report(ppl: list[dict], speed: list[dict]) -> None:
                 f"| {row['variant']} | {len(row['cases'])} | {cells} | {row['overall']:.0%} | "
                 f"{row['answers_kept_of_dense_correct']:.0%} |"
             )
+    audit_path = RESULTS / "audit.json"
+    if audit_path.exists():
+        lines += [
+            "",
+            "## Attention mass kept beyond the window (recall audit, queries beyond the window, mean over kv heads)",
+            "",
+            "Group oracle: the best probes for these key groups. Key oracle: per query as many distant keys as the "
+            "adapter's probes reach, the ones with the most mass for the layer - what any selector of that density "
+            "could keep; the gap between the two oracles is what grouping the keys costs.",
+            "",
+            "| tokens | variant | window + sinks | adapter | group oracle | key oracle |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in json.loads(audit_path.read_text()):
+            lines.append(
+                f"| {r['seq_len']} | {r['variant']} | {r['local']:.1%} | {r['adapter']:.1%} | {r['oracle']:.1%} | "
+                f"{r['key_oracle']:.1%} |"
+            )
     if speed:
         lines += [
             "",
@@ -553,7 +607,7 @@ def main() -> None:
     global RESULTS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="stage", required=True)
-    for name in ("ppl", "passkey", "speed", "generate", "plot"):
+    for name in ("ppl", "passkey", "speed", "generate", "audit", "plot"):
         stage = sub.add_parser(name)
         stage.add_argument("--adapter", default=str(ADAPTER))
         stage.add_argument("--top-k", type=int, nargs="+", default=None, help="sweep: Focus top-k values")
@@ -583,6 +637,7 @@ def main() -> None:
     args = parser.parse_args()
     RESULTS = args.results
     stages = {"ppl": stage_ppl, "passkey": stage_passkey, "speed": stage_speed, "generate": stage_generate}
+    stages["audit"] = stage_audit
     {**stages, "plot": stage_plot}[args.stage](args)
 
 
