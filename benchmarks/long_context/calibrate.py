@@ -1,7 +1,7 @@
 """Choose the committed adapter's full-attention heads and dense_below, and record them in its adapter_config.json.
 
     python benchmarks/long_context/calibrate.py --mass-heads 9 --retrieval-heads 6
-    python benchmarks/long_context/calibrate.py --keep-heads --dense-below 6144   # after the speed stage
+    python benchmarks/long_context/calibrate.py --keep-heads --dense-below 2048   # after the speed stage
 
 Runs `focus_hf.full_attention.calibrate_full_attention` on the python-docs *training* split (one 8,192-token block for
 the recall audit, two fresh synthetic retrieval documents for the retrieval audit; nothing from the held-out text
