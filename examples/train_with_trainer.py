@@ -88,7 +88,12 @@ def main() -> None:
         train_dataset=Blocks(train_blocks),
     )
     trainer.train()
-    if not trainer.is_world_process_zero():
+    main_process = trainer.is_world_process_zero()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # End the process group the Trainer started: left to interpreter exit, gloo's threads can abort a process.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    if not main_process:
         return  # every process holds the same routers; the main one saves and evaluates
 
     # Record the original Hub id (not the local cache folder) as the base model, then save the adapter.

@@ -172,11 +172,27 @@ def distill(args: argparse.Namespace) -> dict:
     return log
 
 
+def end_process_group() -> None:
+    """Shut down the process group a multi-process launch set up (the Trainer starts one and never ends it).
+
+    Left alive, its communication threads are destroyed at interpreter exit, which now and then aborts a process
+    ("terminate called without an active exception") after the work is done and the launcher reports a failure.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run(args: argparse.Namespace) -> int:
     """`focus-hf train`: train, then print where the adapter went and how the run ended."""
     from focus_hf.files import CHECKPOINTS_DIR
 
-    log = train(args)
+    try:
+        log = train(args)
+    finally:
+        end_process_group()
     if not log:
         # A process other than the main one of a multi-process launch (torchrun): the main one saved and reports.
         return 0
