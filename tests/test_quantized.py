@@ -1,7 +1,7 @@
 """Quantized and half-precision bases (issue 15, part 2): torchao int8 weight-only through transformers'
-TorchAoConfig on CPU, and bf16 / fp16 bases. The routers stay fp32 in every case, so routing is computed in fp32
-(`routing_scores` casts the hidden states to the projection's dtype) and a saved adapter holds fp32 tensors
-whichever base dtype trained it."""
+TorchAoConfig and bitsandbytes 8-bit / 4-bit NF4 through BitsAndBytesConfig, both on CPU, and bf16 / fp16 bases.
+The routers stay fp32 in every case, so routing is computed in fp32 (`routing_scores` casts the hidden states to
+the projection's dtype) and a saved adapter holds fp32 tensors whichever base dtype trained it."""
 
 from __future__ import annotations
 
@@ -102,3 +102,102 @@ def test_half_precision_base_keeps_fp32_routers(saved, dtype, tmp_path):
     assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "half" / "adapter_model.safetensors").values())
     fp32.delete_adapter("default")
     fp32.load_adapter(tmp_path / "half")
+
+
+# --- bitsandbytes (8-bit LLM.int8 and 4-bit NF4) on its CPU backend ------------------------------------------------
+# Its CPU 4-bit kernel packs weights in blocks of 32 output rows, so this base has projections of 32 rows or more
+# (the shared tiny Llama's kv projections have 24).
+def bnb_config(bits: int):
+    from transformers import BitsAndBytesConfig
+
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def bnb_folder(tmp_path_factory):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes (test extra) cannot be installed on this platform")
+    from tiny_models import TOKENS, VOCAB
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("bnb")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        **TOKENS,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder / "base")
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), focus_hf.FocusConfig(num_groups=4, window=8))
+    with torch.no_grad():
+        for name, parameter in router_items(model).items():
+            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(len(name))))
+    model.save_pretrained(folder / "adapter")
+    return folder
+
+
+def bnb_base(folder, bits: int):
+    return AutoModelForCausalLM.from_pretrained(
+        folder / "base", quantization_config=bnb_config(bits), device_map="cpu"
+    ).eval()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bitsandbytes_base_loads_adapter_and_runs_hard_mode_exactly(bnb_folder, bits):
+    # The base's logits come from a second instance: with bitsandbytes 0.50.2, loading any PEFT adapter (LoRA
+    # too) into a 4-bit CPU base that has already run a forward shifts the base's outputs (its CPU weight packing).
+    with torch.no_grad():
+        base_logits = bnb_base(bnb_folder, bits)(input_ids=ids()).logits
+    model = bnb_base(bnb_folder, bits)
+    weight = type(model.model.layers[0].mlp.up_proj.weight).__name__
+    assert weight == ("Int8Params" if bits == 8 else "Params4bit")
+    model.load_adapter(bnb_folder / "adapter")
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in router_items(model).values())
+    with torch.no_grad():
+        # Every group probed: the hard pattern is plain causal attention, so the quantized base is unchanged.
+        focus_hf.set_routing(model, "hard", top_k=4)
+        unrestricted = model(input_ids=ids()).logits
+        focus_hf.set_routing(model, "hard", top_k=1)
+        fast = model(input_ids=ids()).logits
+        focus_hf.set_routing(model, "hard", top_k=1, backend="reference")
+        reference = model(input_ids=ids()).logits
+    torch.testing.assert_close(unrestricted, base_logits, atol=1e-4, rtol=0)
+    # The fast path on quantized projections equals the dense masked reference of the same pattern.
+    torch.testing.assert_close(fast, reference, atol=1e-4, rtol=0)
+    assert (fast - base_logits).abs().max() > 1e-3  # and top-1 routing does restrict attention
+    out = model.generate(ids()[:, :12], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 16)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_soft_router_training_on_frozen_bitsandbytes_base(bnb_folder, bits, tmp_path):
+    model = get_peft_model(
+        bnb_base(bnb_folder, bits), focus_hf.FocusConfig(num_groups=4, window=8, routing_mode="soft")
+    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and len(trainable) == len(router_items(model))
+    assert all(p.dtype == torch.float32 for p in trainable)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    before = {n: p.detach().clone() for n, p in router_items(model).items()}
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    model.train()
+    batch = ids()
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss)
+    assert all(not torch.equal(p, before[n]) for n, p in router_items(model).items())
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    model.save_pretrained(tmp_path / "trained")
+    tensors = load_file(tmp_path / "trained" / "adapter_model.safetensors")
+    assert tensors and all(t.dtype == torch.float32 for t in tensors.values())
+    # The adapter trained on the quantized base loads on the full-precision one.
+    full = AutoModelForCausalLM.from_pretrained(bnb_folder / "base").eval()
+    full.load_adapter(tmp_path / "trained")
+    assert len(router_items(full)) == len(tensors)
