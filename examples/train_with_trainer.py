@@ -28,6 +28,7 @@ import focus_hf  # registers the FOCUS adapter type with PEFT: import it before 
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import resolve_model_id
 from focus_hf.data import load_texts, split_texts, token_blocks
+from focus_hf.parallel import end_process_group
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -89,10 +90,7 @@ def main() -> None:
     )
     trainer.train()
     main_process = trainer.is_world_process_zero()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # End the process group the Trainer started: left to interpreter exit, gloo's threads can abort a process.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_process_group()  # the Trainer never ends it; left to interpreter exit, gloo's threads can abort a process
     if not main_process:
         return  # every process holds the same routers; the main one saves and evaluates
 

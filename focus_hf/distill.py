@@ -18,7 +18,9 @@ backpropagation through the model body (SeerAttention and DuoAttention distil th
    with the largest group.
 
 Because the loss of a layer depends only on that layer's inputs, layers are fitted one after another; a run can
-stop after any layer and resume (`checkpoint_dir`).
+stop after any layer and resume (`checkpoint_dir`). Under a multi-process launch each process captures and fits on
+its share of the sequences and the processes sum their gradients (`focus_hf.parallel`): every process ends with the
+routers one process would fit on all the sequences.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch import nn
 
 from focus_hf.attention.routing import causal_sinkhorn
 from focus_hf.calibration import DistantAttention, capture_layers, distant_attention, query_positions
+from focus_hf.parallel import all_sum, global_sum, is_main_process, shard, sum_gradients
 from focus_hf.tuner.controls import focus_layers
 from focus_hf.tuner.layer import FocusLayer
 
@@ -125,14 +128,17 @@ def _stack(attentions: list[DistantAttention], hiddens: list[torch.Tensor], head
 def collect_targets(
     model: nn.Module, sequences: Sequence[torch.Tensor], settings: DistillSettings, progress: bool = True
 ) -> dict[int, LayerTargets]:
-    """Run the base model over `sequences` (equal lengths) and keep every routed layer's distillation targets."""
+    """Run the base model over `sequences` (equal lengths) and keep every routed layer's distillation targets
+    (of this process's share of the sequences under a multi-process launch)."""
     layers = focus_layers(model)
     adapter = _adapter_name(layers[0])
     config = layers[0].focus_settings[adapter]
     sampled = query_sample(sequences, config.window, settings)
+    mine = shard(len(sequences))
     per_layer: dict[int, tuple[list, list]] = {layer.layer_index: ([], []) for layer in layers}
-    bar = _progress(len(sequences), "capturing attention", progress)
-    for ids, queries in zip(sequences, sampled):
+    bar = _progress(len(mine), "capturing attention", progress)
+    for index in mine:
+        ids, queries = sequences[index], sampled[index]
         captures = capture_layers(model, ids)
         for index, capture in captures.items():
             attention = distant_attention(
@@ -183,7 +189,7 @@ def _adapter_name(layer: FocusLayer) -> str:
 def _progress(total: int, description: str, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=description, disable=not enabled)
+    return tqdm(total=total, desc=description, disable=not (enabled and is_main_process()))
 
 
 def kept_mass(layer: FocusLayer, adapter: str, targets: LayerTargets) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,17 +235,24 @@ class LayerResult:
 
 
 def fit_layer(layer: FocusLayer, targets: LayerTargets, settings: DistillSettings) -> LayerResult:
-    """Fit one layer's router to its targets with Adam; the router parameters are updated in place."""
+    """Fit one layer's router to its targets with Adam; the router parameters are updated in place.
+
+    Under a multi-process launch `targets` hold this process's share of the sequences; the loss's means run over
+    every process's share and the gradients are summed before each step, so all processes take the same steps.
+    """
     adapter = _adapter_name(layer)
     num_groups = layer.focus_settings[adapter].num_groups
     parameters = _router_parameters(layer, adapter)
     saved_flags = [p.requires_grad for p in parameters]
     weight = targets.head_weight[None, :, None]
-    denominator = float(weight.sum()) * targets.local.shape[0] * targets.local.shape[-1]
+    samples, _, queries = targets.local.shape
+    samples = float(all_sum(torch.tensor(float(samples))))  # over all processes
+    denominator = float(weight.sum()) * samples * queries
+    tokens = samples * targets.hidden.shape[1]
     with torch.no_grad():
         before = _weighted_mean(kept_mass(layer, adapter, targets)[0], weight)
     optimizer = torch.optim.Adam(parameters, lr=settings.lr)
-    loss_value = math.nan
+    fit = balance = torch.tensor(math.nan)
     try:
         for p in parameters:
             p.requires_grad_(True)
@@ -248,29 +261,34 @@ def fit_layer(layer: FocusLayer, targets: LayerTargets, settings: DistillSetting
             with torch.enable_grad():
                 kept, key_probs = kept_mass(layer, adapter, targets)
                 fit = -(kept.clamp_min(1e-6).log() * weight.to(kept.device)).sum() / max(denominator, 1.0)
-                share = key_probs.mean(dim=(0, 1))
+                share = global_sum(key_probs.sum(dim=(0, 1))) / tokens
                 balance = num_groups * (share**2).sum() - 1.0
-                loss = fit + settings.balance_weight * balance
-                loss.backward()
+                (fit + settings.balance_weight * balance).backward()
+            sum_gradients(parameters)
             optimizer.step()
-            loss_value = loss.item()
     finally:
         for p, flag in zip(parameters, saved_flags):
             p.requires_grad_(flag)
             p.grad = None
+    loss_value = float(all_sum(fit)) + settings.balance_weight * float(balance)
     with torch.no_grad():
         kept, key_probs = kept_mass(layer, adapter, targets)
         groups = key_probs.argmax(-1)
-        largest = float(torch.bincount(groups.flatten(), minlength=num_groups).max()) / groups.numel()
+        sizes = all_sum(torch.bincount(groups.flatten().cpu(), minlength=num_groups))
+        largest = float(sizes.max() / sizes.sum())
     return LayerResult(layer.layer_index, before, _weighted_mean(kept, weight), largest, loss_value)
 
 
 def _weighted_mean(kept: torch.Tensor, weight: torch.Tensor) -> float:
+    """The mean of `kept` weighted by head, over every process's sequences."""
     weight = weight.to(kept.device).expand_as(kept)
-    return float((kept * weight).sum() / weight.sum().clamp_min(1.0))
+    totals = all_sum(torch.stack([(kept * weight).sum(), weight.sum()]).cpu())
+    return float(totals[0] / totals[1].clamp_min(1.0))
 
 
 def _save_checkpoint(folder: Path, layers: list[FocusLayer], adapter: str, done: list[LayerResult]) -> None:
+    if not is_main_process():
+        return  # every process holds the same routers
     folder.mkdir(parents=True, exist_ok=True)
     finished = {result.layer for result in done}
     tensors = {}
@@ -320,7 +338,8 @@ def distill_routers(
     Args:
         model: a model with an active Focus adapter (its routers are updated in place; the model stays frozen).
         sequences: calibration token ids, one tensor [seq] per sequence, all of one length: the length the
-            adapter is meant for.
+            adapter is meant for. Under a multi-process launch, give every process all of them: each works on
+            its share.
         settings: a `DistillSettings` (defaults if None).
         checkpoint_dir: where to save progress after each layer; an existing checkpoint there is resumed.
         progress: show progress bars.

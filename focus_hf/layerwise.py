@@ -42,6 +42,7 @@ from focus_hf.distill import (
     layer_targets,
     query_sample,
 )
+from focus_hf.parallel import shard
 from focus_hf.tuner.controls import focus_layers
 from focus_hf.tuner.dispatch import execution_device
 from focus_hf.tuner.layer import FocusLayer
@@ -151,7 +152,8 @@ def distill_routers_layerwise(
 
     Args:
         model: a model with an active Focus adapter (its routers are updated in place; the model stays frozen).
-        sequences: calibration token ids, one tensor [seq] per sequence, all of one length.
+        sequences: calibration token ids, one tensor [seq] per sequence, all of one length (all of them in every
+            process of a multi-process launch).
         settings: a `DistillSettings` (defaults if None).
         checkpoint_dir: where to save progress after each layer; an existing checkpoint there is resumed (the
             finished layers still run, densely, to feed the next ones).
@@ -164,7 +166,9 @@ def distill_routers_layerwise(
     layers = focus_layers(model)
     adapter = _adapter_name(layers[0])
     config = layers[0].focus_settings[adapter]
-    sampled = query_sample(sequences, config.window, settings)
+    mine = shard(len(sequences))  # under a multi-process launch, this process's share (see `distill_routers`)
+    everyone = query_sample(sequences, config.window, settings)
+    sampled = [everyone[index] for index in mine]
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
     done = _load_checkpoint(folder, layers, adapter) if folder is not None else []
     finished = {result.layer for result in done}
@@ -175,7 +179,7 @@ def distill_routers_layerwise(
         return done
     last = max(index for index, inside in enumerate(todo) if inside)
     with _dense_capturing(model, []):  # the masks the body builds are those of the capture pass
-        inputs = [_layer_inputs(body, blocks, ids) for ids in sequences]
+        inputs = [_layer_inputs(body, blocks, sequences[index]) for index in mine]
     missing = sorted({index for index in range(last + 1) for _, call in inputs if index not in call})
     if missing:
         raise RuntimeError(f"{type(body).__name__} never called its decoder layers {missing}.")

@@ -20,20 +20,30 @@ def dump(model) -> None:
     save_file(routers, os.path.join(os.environ["FOCUS_TEST_DUMP"], f"rank{rank}.safetensors"))
 
 
+def dumping(train):
+    def train_and_dump(model, *args, **kwargs):
+        result = train(model, *args, **kwargs)
+        dump(model)
+        return result
+
+    return train_and_dump
+
+
 def main() -> int:
     kind, *rest = sys.argv[1:]
     if kind == "cli":
+        import focus_hf.distill as distill
+        import focus_hf.layerwise as layerwise
         import focus_hf.training as training
         from focus_hf.cli import main as cli_main
 
-        original = training.train_adapter
-
-        def train_adapter(model, *args, **kwargs):
-            log = original(model, *args, **kwargs)
-            dump(model)
-            return log
-
-        training.train_adapter = train_adapter
+        # The training functions `focus-hf train` calls (it imports them when it runs), wrapped to dump the routers.
+        for module, name in (
+            (training, "train_adapter"),
+            (distill, "distill_routers"),
+            (layerwise, "distill_routers_layerwise"),
+        ):
+            setattr(module, name, dumping(getattr(module, name)))
         return cli_main(rest)
     from transformers import Trainer
 

@@ -1,10 +1,11 @@
-"""Multi-process (torchrun or accelerate launch, 2 CPU processes, gloo) training of `focus-hf train` and
-examples/train_with_trainer.py (issue 15, part 4): both ranks end with identical routers, equal (within TOLERANCE)
-to one process on the same global batch, the adapter is written once, and a resumed 2-process run ends where an
-uninterrupted one does.
+"""Multi-process (torchrun or accelerate launch, 2 CPU processes, gloo) training of `focus-hf train` (both
+objectives) and examples/train_with_trainer.py (issue 15, part 4): both ranks end with identical routers, equal
+(within TOLERANCE) to one process on the same global batch, the adapter is written once, and a resumed 2-process
+run ends where an uninterrupted one does.
 
-The corpus is cut to 2 blocks, so that every step's global batch holds both whatever the sampler's order: one process
-with batch 2, or two processes with batch 1 each (DDP averages their gradients).
+The LM corpus is cut to 2 blocks, so that every step's global batch holds both whatever the sampler's order: one
+process with batch 2, or two processes with batch 1 each (DDP averages their gradients). Distillation shares its
+calibration sequences between the processes and sums their gradients (`focus_hf.parallel`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess_worker.py"
 EXAMPLE = ROOT / "examples" / "train_with_trainer.py"
 # Two processes sum their gradients in another order than one process does: float32 rounding, which AdamW's
-# normalised steps carry into the routers (measured: at most 1.0e-6 after 4 steps; router entries are ~0.1).
+# normalised steps carry into the routers (measured: at most 1.0e-6 after 4 steps of the LM objective, 9e-8 after 6
+# distillation steps per layer; router entries are ~0.1).
 TOLERANCE = 1e-5
 WORDS = [f"w{i}" for i in range(60)]
 
@@ -140,3 +142,34 @@ def test_trainer_example_on_two_processes(base, tmp_path, launcher_name):
     assert_close(two, routers(tmp_path / "one"))
     assert output.count("adapter saved to") == 1
     assert_saved(tmp_path / "out-two", two)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-model", "layerwise"])
+def test_focus_hf_distill_on_two_processes(base, tmp_path, layerwise):
+    """`--objective distill`: each process captures and fits on half of the 4 calibration sequences and the
+    gradients are summed, so both ranks end with the routers of one process on all 4."""
+    model, corpus = base
+    common = ["cli", "train", "--objective", "distill", "--model", str(model), "--data", str(corpus)]
+    common += ["--seq-len", "160", "--steps", "6", "--groups", "4", "--group-dim", "8", "--window", "8"]
+    common += ["--sequences", "3", "--retrieval-documents", "1", "--queries-per-sequence", "16", "--top-m", "8"]
+    common += ["--dense-heads", "1", "--no-progress", *(["--layerwise"] if layerwise else [])]
+
+    launch(tmp_path / "one", 1, *common, "--out", str(tmp_path / "out-one"))
+    output = launch(tmp_path / "two", 2, *common, "--out", str(tmp_path / "out-two"))
+    two = assert_ranks_agree(tmp_path / "two")
+    assert_close(two, routers(tmp_path / "one"))
+    assert output.count("Focus adapter saved") == 1
+    assert_saved(tmp_path / "out-two", two)
+    logs = [json.loads((tmp_path / out / "training_log.json").read_text()) for out in ("out-one", "out-two")]
+    # The log's figures are taken over both processes' sequences: those of one process on all of them.
+    for one_layer, two_layer in zip(logs[0]["layers"], logs[1]["layers"]):
+        assert two_layer["kept_before"] == pytest.approx(one_layer["kept_before"], abs=1e-6)
+        assert two_layer["kept_after"] == pytest.approx(one_layer["kept_after"], abs=1e-4)
+    assert logs[0]["config"]["dense_heads"] == logs[1]["config"]["dense_heads"]
+
+    # Resume on two processes from the checkpoint rank 0 wrote, as if the run had stopped after layer 0.
+    state = tmp_path / "out-two" / "checkpoints" / "distill_state.json"
+    saved_state = json.loads(state.read_text())
+    state.write_text(json.dumps({"layers_done": saved_state["layers_done"][:1]}))
+    launch(tmp_path / "resumed", 2, *common, "--out", str(tmp_path / "out-two"), "--resume")
+    assert_close(assert_ranks_agree(tmp_path / "resumed"), two)

@@ -115,8 +115,10 @@ def distill(args: argparse.Namespace) -> dict:
     from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
     from focus_hf.full_attention import calibrate_full_attention
     from focus_hf.layerwise import distill_routers_layerwise
+    from focus_hf.parallel import is_main_process, start_process_group
     from focus_hf.tuner.controls import configure_adapter
 
+    start_process_group()  # under torchrun / accelerate launch each process distils on its share of the sequences
     out = Path(args.out)
     torch.manual_seed(args.seed)
     model, tokenizer = load_base(args.model)
@@ -147,9 +149,11 @@ def distill(args: argparse.Namespace) -> dict:
         mass_heads=args.dense_heads,
         retrieval_heads=args.retrieval_heads,
         seed=args.seed + 1,  # not the seed of the training documents
-        progress=not args.no_progress,
+        progress=not args.no_progress and is_main_process(),
     )
     configure_adapter(model, dense_below=args.dense_below)
+    if not is_main_process():
+        return {}  # every process holds the same adapter; the main one saves and reports
     log = save_distilled_adapter(
         model,
         out,
@@ -172,22 +176,10 @@ def distill(args: argparse.Namespace) -> dict:
     return log
 
 
-def end_process_group() -> None:
-    """Shut down the process group a multi-process launch set up (the Trainer starts one and never ends it).
-
-    Left alive, its communication threads are destroyed at interpreter exit, which now and then aborts a process
-    ("terminate called without an active exception") after the work is done and the launcher reports a failure.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def run(args: argparse.Namespace) -> int:
     """`focus-hf train`: train, then print where the adapter went and how the run ended."""
     from focus_hf.files import CHECKPOINTS_DIR
+    from focus_hf.parallel import end_process_group
 
     try:
         log = train(args)
