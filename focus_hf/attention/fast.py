@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from focus_hf.attention.backends import Kernel, select_kernel
 from focus_hf.attention.calibration import dense_below
@@ -84,6 +85,18 @@ def sparse_attention(
     return output.to(query.dtype)
 
 
+def reachable_keys(
+    query_groups: torch.Tensor, key_groups: torch.Tensor, key_sink: torch.Tensor, window: int
+) -> torch.Tensor:
+    """Bool [batch, kv]: the keys any of the call's queries (the last of the keys) may attend to - their probed
+    groups, the window before the first of them, and the sinks. For one query this is exactly its row of the
+    pattern (every key precedes it)."""
+    kv_len, q_len = key_groups.shape[1], query_groups.shape[1]
+    reachable = probes(query_groups.flatten(1).unsqueeze(1), key_groups)[:, 0] | key_sink
+    reachable[:, max(kv_len - q_len - window, 0) :] = True
+    return reachable
+
+
 def decode_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -105,8 +118,7 @@ def decode_attention(
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
     positions = torch.arange(kv_len, device=device)
-    probed = probes(query_groups.flatten(1).unsqueeze(1), key_groups)[:, 0]  # by any of the queries
-    reachable = probed | (positions >= first_query - window) | key_sink
+    reachable = reachable_keys(query_groups, key_groups, key_sink, window)
     if key_valid is not None:
         reachable &= key_valid
     sample = torch.arange(batch, device=device)[:, None]
@@ -150,6 +162,14 @@ def masked_attention(
 ) -> torch.Tensor:
     """The exact pattern (and the model's own mask) as one dense masked call: [batch, q, heads, dim]."""
     q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len == 1:
+        # A decoding step: its row of the pattern takes a few passes over the keys, and SDPA reads a boolean mask
+        # at almost no cost (a row without visible keys comes out 0, finite).
+        visible = reachable_keys(query_groups, key_groups, key_sink, window)[:, None, None]
+        if model_mask is not None:
+            visible = visible & model_mask
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling, enable_gqa=True)
+        return output.transpose(1, 2).contiguous()
     positions = torch.arange(kv_len, device=query.device)
     visible = allowed_pairs(query_groups, key_groups, key_sink, positions[kv_len - q_len :], positions, window)[:, None]
     if model_mask is not None:

@@ -4,6 +4,7 @@ level."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import focus_hf
 import focus_hf.attention.fast as fast
 import focus_hf.attention.partials as partials
 from focus_hf.attention.backends import BackendUnavailableError, flash_attn_function
+from focus_hf.attention.calibration import CROSSOVER_ENV
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import TokenRouting
@@ -85,6 +87,7 @@ def cases(draw):
         local_block=draw(st.sampled_from([1, 4, 16, 64])),
         probe_chunk=draw(st.sampled_from([1, 5, 256])),
         separate=draw(st.booleans()),
+        dense_masked=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -135,12 +138,18 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fast_equals_dense_oracle(case):
-    saved = partials.LOCAL_BLOCK, partials.PROBE_CHUNK
+    saved = partials.LOCAL_BLOCK, partials.PROBE_CHUNK, os.environ.get(CROSSOVER_ENV)
     partials.LOCAL_BLOCK, partials.PROBE_CHUNK = case["local_block"], case["probe_chunk"]
+    if case["dense_masked"]:
+        os.environ[CROSSOVER_ENV] = str(10**9)  # "auto" below its crossover: the one dense masked call
     try:
-        output, reference, rows = run_case(case)
+        output, reference, rows = run_case(case, backend="auto" if case["dense_masked"] else "sdpa")
     finally:
-        partials.LOCAL_BLOCK, partials.PROBE_CHUNK = saved
+        partials.LOCAL_BLOCK, partials.PROBE_CHUNK = saved[:2]
+        if saved[2] is None:
+            os.environ.pop(CROSSOVER_ENV, None)
+        else:
+            os.environ[CROSSOVER_ENV] = saved[2]
     assert output.shape == reference.shape
     assert torch.isfinite(output).all()
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
