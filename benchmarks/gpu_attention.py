@@ -19,6 +19,19 @@ import sys
 import time
 
 
+def timing_row(tokens: int, dense: list[tuple[float, int]], focus: list[tuple[float, int]]) -> dict:
+    """One result row from repeated (seconds, peak bytes) measurements: best times, their ratio, peak memory."""
+    dense_s, focus_s = min(t for t, _ in dense), min(t for t, _ in focus)
+    return {
+        "tokens": tokens,
+        "dense_s": dense_s,
+        "focus_s": focus_s,
+        "speedup": dense_s / focus_s,
+        "dense_peak_bytes": max(m for _, m in dense),
+        "focus_peak_bytes": max(m for _, m in focus),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536, 262144, 1048576])
@@ -85,19 +98,7 @@ def main() -> int:
                 rows.append({"tokens": n, "top_k": top_k, "error": f"out of memory: {error}"[:200]})
                 torch.cuda.empty_cache()
                 continue
-            dense_s = min(t for t, _ in dense)
-            focus_s = min(t for t, _ in focus)
-            rows.append(
-                {
-                    "tokens": n,
-                    "top_k": top_k,
-                    "dense_s": dense_s,
-                    "focus_s": focus_s,
-                    "speedup": dense_s / focus_s,
-                    "dense_peak_bytes": max(m for _, m in dense),
-                    "focus_peak_bytes": max(m for _, m in focus),
-                }
-            )
+            rows.append({**timing_row(n, dense, focus), "top_k": top_k})
             print(json.dumps(rows[-1]), flush=True)
     result = {
         "device": torch.cuda.get_device_name(),

@@ -37,6 +37,7 @@ def main() -> int:
     import importlib.util
 
     import torch
+    from gpu_attention import timing_row  # this script's folder is on the path when it runs
     from peft import PeftModel
 
     import focus_hf
@@ -96,17 +97,7 @@ def main() -> int:
             rows.append({"tokens": n, "error": f"out of memory: {error}"[:200]})
             torch.cuda.empty_cache()
             continue
-        dense_s, focus_s = min(t for t, _ in dense), min(t for t, _ in focus)
-        rows.append(
-            {
-                "tokens": n,
-                "dense_s": dense_s,
-                "focus_s": focus_s,
-                "speedup": dense_s / focus_s,
-                "dense_peak_bytes": max(m for _, m in dense),
-                "focus_peak_bytes": max(m for _, m in focus),
-            }
-        )
+        rows.append(timing_row(n, dense, focus))
         print(json.dumps(rows[-1]), flush=True)
     config = model.peft_config["default"]
     result = {

@@ -307,12 +307,27 @@ def stage_passkey(args) -> None:
 # --- speed -------------------------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def warm_up(model, variants: list[dict], ids: torch.Tensor) -> None:
+    """Run every variant once, untimed, on a prompt long enough to be routed and one decoding step after it, so that
+    "auto" measures its crossovers (once per machine and shape, `focus_hf.attention.calibration`) before any timed
+    call."""
+    from transformers import DynamicCache
+
+    for variant in variants:
+        apply_variant(model, variant)
+        prompt = ids[: variant["dense_below"] + 1024][None]
+        output = model(input_ids=prompt, past_key_values=DynamicCache(), use_cache=True)
+        model(input_ids=output.logits[:, -1:].argmax(-1), past_key_values=output.past_key_values, use_cache=True)
+
+
 def stage_speed(args) -> None:
     """Decoder prefill time, dense and every Focus variant alternating at each length (best of --repeats)."""
     _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
     dense, tokenizer = load_dense()
     model, _ = load_focus(Path(args.adapter))
     variants = focus_variants(model, args)
+    warm_up(model, variants, token_blocks(tokenizer, heldout, 8192, max_blocks=1)[0])
 
     def prefill(runner, ids) -> float:
         body = runner.get_base_model().model if hasattr(runner, "get_base_model") else runner.model
@@ -365,6 +380,7 @@ def stage_generate(args) -> None:
     dense, tokenizer = load_dense()
     model, _ = load_focus(Path(args.adapter))
     variants = focus_variants(model, args)
+    warm_up(model, variants, token_blocks(tokenizer, heldout, 8192, max_blocks=1)[0])
 
     @torch.no_grad()
     def timed(runner, ids) -> tuple[float, float]:
