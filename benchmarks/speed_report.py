@@ -5,6 +5,7 @@
 Reads (whichever exist) under benchmarks/results/:
   attention_cpu.json              `focus-hf bench --json` rows (attention level, dense vs Focus, same run)
   attention_cpu_peak_memory.json  `focus-hf bench --peak-memory --json` rows
+  attention_cpu_decode.json       `focus-hf bench --decode --json` rows (one new token against a KV cache)
   model_prefill_*.json            `python benchmarks/model_prefill.py --json` rows (SmolLM2 end to end)
 and writes speed.md (tables + the commands recorded in the rows) and attention_speedup.png (needs matplotlib:
 `pip install 'focus-hf[bench]'`). Nothing here is measured or typed in by hand: every figure comes from the JSON.
@@ -132,6 +133,26 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
     return lines
 
 
+def decode_section(rows: list[dict[str, Any]]) -> list[str]:
+    first = rows[0]
+    lines = [
+        "## Decoding (one new query against a KV cache of each length, one layer)",
+        "",
+        f"K={first['groups']}, w={first['window']}, {first['sinks']} sinks, {first['heads']}x{first['head_dim']} heads / "
+        f"{first['kv_heads']} kv, {first['dtype']}, {first['processor']}, {first['threads']} threads, backend "
+        f"{first['backend']}; median of {first['repeats']} alternating repetitions.",
+        "",
+        "| cache tokens | top_k | dense ms | Focus ms | speedup | ideal (keys read) | Focus path | load avg |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(rows, key=lambda row: (row["top_k"], row["cache_len"])):
+        lines.append(
+            f"| {row['cache_len']:,} | {row['top_k']} | {row['dense_s'] * 1e3:.3f} | {row['focus_s'] * 1e3:.3f} | "
+            f"**{row['speedup']:.2f}x** | {row['ideal_speedup']:.2f}x | {row['focus_path']} | {row['load_avg_1m']:.2f} |"
+        )
+    return lines
+
+
 def model_section(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## Model level: SmolLM2-135M-Instruct prefill, same text for every variant",
@@ -164,6 +185,7 @@ def model_section(rows: list[dict[str, Any]]) -> list[str]:
 def main() -> int:
     attention = read(RESULTS / "attention_cpu.json")
     memory = read(RESULTS / "attention_cpu_peak_memory.json")
+    decode = read(RESULTS / "attention_cpu_decode.json")
     model = sorted(
         (row for path in RESULTS.glob("model_prefill_*.json") for row in read(path)), key=lambda row: row["seq_len"]
     )
@@ -177,9 +199,11 @@ def main() -> int:
     if attention:
         plot(attention, RESULTS / PLOT)
         lines += attention_section(attention, memory) + [""]
+    if decode:
+        lines += decode_section(decode) + [""]
     if model:
         lines += model_section(model) + [""]
-    lines += ["## Commands", "", "```"] + commands(attention + memory + model) + ["```", ""]
+    lines += ["## Commands", "", "```"] + commands(attention + memory + decode + model) + ["```", ""]
     (RESULTS / "speed.md").write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {RESULTS / 'speed.md'}")
     return 0

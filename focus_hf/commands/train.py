@@ -181,10 +181,9 @@ def run(args: argparse.Namespace) -> int:
     from focus_hf.files import CHECKPOINTS_DIR
     from focus_hf.parallel import end_process_group
 
-    try:
-        log = train(args)
-    finally:
-        end_process_group()
+    log = train(args)
+    # Not on an error: a barrier there would wait for processes still inside a collective; the launcher stops them.
+    end_process_group()
     if not log:
         # A process other than the main one of a multi-process launch (torchrun): the main one saved and reports.
         return 0
