@@ -37,7 +37,7 @@ CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
 CACHE_FILE = "crossover.json"
 # Bumped whenever the speed of the sparse or the dense masked path changes, so that older crossovers are re-measured.
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -244,8 +244,16 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
         return find_crossover(time_at, lengths)
 
 
-# Crossovers already known in this process, by shape.
-_known: dict[Shape, int] = {}
+# Crossovers already known in this process, by call signature (`_call_key`): looked up on every attention call,
+# so the key is built from the tensors without the `Shape` (processor name, version strings).
+_known: dict[tuple, int] = {}
+
+
+def _call_key(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> tuple:
+    """What decides a call's `Shape` within this process (the processor and versions are fixed in it)."""
+    threads = torch.get_num_threads() if query.device.type == "cpu" else 0
+    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+    return (query.device, query.dtype, threads, heads, kv_heads, head_dim, top_k, num_groups, window, kind)
 
 
 def forced_crossover() -> Optional[int]:
@@ -268,7 +276,7 @@ def calibrate(shape: Shape, device: torch.device) -> dict:
     crossover, rows = measure(shape, device)
     entry = {"dense_below": crossover, "timings": rows, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_entry(shape, entry)
-    _known[shape] = crossover
+    _known.clear()  # later calls read the new value from the cache file
     return entry
 
 
@@ -281,17 +289,19 @@ def dense_below(
         return forced
     if calibration_disabled() or query.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
         return default_dense_below(query.device.type, top_k)
-    shape = make_shape(query, key, top_k, num_groups, window, kind)
-    known = _known.get(shape)
+    call = _call_key(query, key, top_k, num_groups, window, kind)
+    known = _known.get(call)
     if known is not None:
         return known
+    shape = make_shape(query, key, top_k, num_groups, window, kind)
     entry = read_cache().get(shape.key)
     if entry is not None and isinstance(entry.get("dense_below"), int):
-        _known[shape] = entry["dense_below"]
-        return entry["dense_below"]
-    try:
-        return calibrate(shape, query.device)["dense_below"]
-    except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
-        print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
-        _known[shape] = default_dense_below(query.device.type, top_k)
-        return _known[shape]
+        crossover = entry["dense_below"]
+    else:
+        try:
+            crossover = calibrate(shape, query.device)["dense_below"]
+        except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
+            print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
+            crossover = default_dense_below(query.device.type, top_k)
+    _known[call] = crossover
+    return crossover

@@ -55,6 +55,11 @@ from focus_hf.attention.pattern import allowed_pairs, probes
 
 # Up to this many queries against a longer cache, gathering the reachable keys beats laying out all groups.
 DECODE_MAX_QUERIES = 16
+# Up to this many reachable keys of one sample, an index_select along the token axis of each state is the cheapest
+# gather (no index to build) and one query's unmasked SDPA beats two matmuls; beyond, one index_select of rows over
+# all heads (`gather_tokens`) and the matmuls run faster (CPU, measured: gather 80 vs 94 us at 2K keys, 2.8 vs 1.8 ms
+# at 17K; attention 143 vs 157 us at 2K, 2.8 vs 2.3 ms at 17K).
+DIRECT_GATHER_MAX = 4096
 
 
 def sparse_attention(
@@ -121,17 +126,26 @@ def decode_attention(
     reachable = reachable_keys(query_groups, key_groups, key_sink, window)
     if key_valid is not None:
         reachable &= key_valid
-    sample = torch.arange(batch, device=device)[:, None]
     if batch == 1:
         index = reachable[0].nonzero().view(1, -1)
         count = None
+        if index.shape[1] <= DIRECT_GATHER_MAX:
+            keys, values = key[0].index_select(1, index[0])[None], value[0].index_select(1, index[0])[None]
+            if q_len == 1 and device.type == "cpu":
+                # The one query sees every gathered key; at this size unmasked SDPA beats the two matmuls.
+                output = F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=True)
+                return output.transpose(1, 2).contiguous()
+        else:
+            sample = torch.zeros(1, 1, dtype=torch.long, device=device)
+            keys, values = gather_tokens(key, sample, index), gather_tokens(value, sample, index)
     else:
         count = reachable.sum(dim=1)
         length = int(count.max())
         slot = torch.where(reachable, reachable.cumsum(dim=1) - 1, length)
         index = torch.zeros(batch, length + 1, dtype=torch.long, device=device)
         index = index.scatter_(1, slot, positions.expand(batch, -1))[:, :length]
-    keys, values = gather_tokens(key, sample, index), gather_tokens(value, sample, index)
+        sample = torch.arange(batch, device=device)[:, None]
+        keys, values = gather_tokens(key, sample, index), gather_tokens(value, sample, index)
     if q_len == 1:
         visible = None if count is None else (torch.arange(index.shape[1], device=device) < count[:, None])[:, None]
     else:

@@ -86,6 +86,7 @@ def cases(draw):
         token_major=draw(st.booleans()),
         local_block=draw(st.sampled_from([1, 4, 16, 64])),
         probe_chunk=draw(st.sampled_from([1, 5, 256])),
+        direct_gather=draw(st.sampled_from([0, 4096])),
         separate=draw(st.booleans()),
         dense_masked=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
@@ -138,18 +139,19 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fast_equals_dense_oracle(case):
-    saved = partials.LOCAL_BLOCK, partials.PROBE_CHUNK, os.environ.get(CROSSOVER_ENV)
+    saved = partials.LOCAL_BLOCK, partials.PROBE_CHUNK, fast.DIRECT_GATHER_MAX, os.environ.get(CROSSOVER_ENV)
     partials.LOCAL_BLOCK, partials.PROBE_CHUNK = case["local_block"], case["probe_chunk"]
+    fast.DIRECT_GATHER_MAX = case["direct_gather"]
     if case["dense_masked"]:
         os.environ[CROSSOVER_ENV] = str(10**9)  # "auto" below its crossover: the one dense masked call
     try:
         output, reference, rows = run_case(case, backend="auto" if case["dense_masked"] else "sdpa")
     finally:
-        partials.LOCAL_BLOCK, partials.PROBE_CHUNK = saved[:2]
-        if saved[2] is None:
+        partials.LOCAL_BLOCK, partials.PROBE_CHUNK, fast.DIRECT_GATHER_MAX = saved[:3]
+        if saved[3] is None:
             os.environ.pop(CROSSOVER_ENV, None)
         else:
-            os.environ[CROSSOVER_ENV] = saved[2]
+            os.environ[CROSSOVER_ENV] = saved[3]
     assert output.shape == reference.shape
     assert torch.isfinite(output).all()
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
