@@ -21,7 +21,7 @@ rather than -inf, so a partial without visible keys has a log-sum-exp near finfo
 and never produces a NaN.
 
 Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those queries can reach - their groups' keys,
-their window and the sinks - and runs one small masked attention (two matmuls on CPU). Below
+their window and the sinks - and runs one small attention over them (unmasked for one query). Below
 `calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
 one dense masked call; so does every backend when the model's mask is more than causal + padding (sliding-window
 layers), since the fast paths read only the key padding from it.
@@ -117,12 +117,13 @@ def decode_attention(
     """Few queries against many keys: gather the keys they can reach, then one masked call. [batch, q, heads, dim].
 
     One query (the common decoding step) sees exactly the keys it reaches, so it needs no pattern mask: only the
-    trailing slots of samples that reach fewer keys than the batch's most are hidden.
+    trailing slots of samples that reach fewer keys than the batch's most are hidden. One sample with at most
+    DIRECT_GATHER_MAX reachable keys (short and mid-length caches) takes the cheapest route: an index_select along
+    the token axis and, on CPU, plain SDPA.
     """
     batch, _, q_len, _ = query.shape
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
-    positions = torch.arange(kv_len, device=device)
     reachable = reachable_keys(query_groups, key_groups, key_sink, window)
     if key_valid is not None:
         reachable &= key_valid
@@ -143,14 +144,15 @@ def decode_attention(
         length = int(count.max())
         slot = torch.where(reachable, reachable.cumsum(dim=1) - 1, length)
         index = torch.zeros(batch, length + 1, dtype=torch.long, device=device)
-        index = index.scatter_(1, slot, positions.expand(batch, -1))[:, :length]
+        index = index.scatter_(1, slot, torch.arange(kv_len, device=device).expand(batch, -1))[:, :length]
         sample = torch.arange(batch, device=device)[:, None]
         keys, values = gather_tokens(key, sample, index), gather_tokens(value, sample, index)
     if q_len == 1:
         visible = None if count is None else (torch.arange(index.shape[1], device=device) < count[:, None])[:, None]
     else:
+        query_positions = torch.arange(first_query, kv_len, device=device)
         visible = allowed_pairs(
-            query_groups, key_groups.gather(1, index), key_sink.gather(1, index), positions[first_query:], index, window
+            query_groups, key_groups.gather(1, index), key_sink.gather(1, index), query_positions, index, window
         )
         if count is not None:
             visible &= (torch.arange(index.shape[1], device=device) < count[:, None]).unsqueeze(1)
