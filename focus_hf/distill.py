@@ -246,9 +246,9 @@ def fit_layer(layer: FocusLayer, targets: LayerTargets, settings: DistillSetting
     saved_flags = [p.requires_grad for p in parameters]
     weight = targets.head_weight[None, :, None]
     samples, _, queries = targets.local.shape
-    samples = float(all_sum(torch.tensor(float(samples))))  # over all processes
-    denominator = float(weight.sum()) * samples * queries
-    tokens = samples * targets.hidden.shape[1]
+    all_samples = float(all_sum(torch.tensor(float(samples))))  # over all processes
+    denominator = float(weight.sum()) * all_samples * queries
+    tokens = all_samples * targets.hidden.shape[1]
     with torch.no_grad():
         before = _weighted_mean(kept_mass(layer, adapter, targets)[0], weight)
     optimizer = torch.optim.Adam(parameters, lr=settings.lr)

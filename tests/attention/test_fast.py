@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -139,19 +140,15 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fast_equals_dense_oracle(case):
-    saved = partials.LOCAL_BLOCK, partials.PROBE_CHUNK, fast.DIRECT_GATHER_MAX, os.environ.get(CROSSOVER_ENV)
-    partials.LOCAL_BLOCK, partials.PROBE_CHUNK = case["local_block"], case["probe_chunk"]
-    fast.DIRECT_GATHER_MAX = case["direct_gather"]
-    if case["dense_masked"]:
-        os.environ[CROSSOVER_ENV] = str(10**9)  # "auto" below its crossover: the one dense masked call
-    try:
+    # "auto" below its crossover runs the one dense masked call.
+    crossover = {CROSSOVER_ENV: str(10**9)} if case["dense_masked"] else {}
+    with (
+        mock.patch.object(partials, "LOCAL_BLOCK", case["local_block"]),
+        mock.patch.object(partials, "PROBE_CHUNK", case["probe_chunk"]),
+        mock.patch.object(fast, "DIRECT_GATHER_MAX", case["direct_gather"]),
+        mock.patch.dict(os.environ, crossover),
+    ):
         output, reference, rows = run_case(case, backend="auto" if case["dense_masked"] else "sdpa")
-    finally:
-        partials.LOCAL_BLOCK, partials.PROBE_CHUNK, fast.DIRECT_GATHER_MAX = saved[:3]
-        if saved[3] is None:
-            os.environ.pop(CROSSOVER_ENV, None)
-        else:
-            os.environ[CROSSOVER_ENV] = saved[3]
     assert output.shape == reference.shape
     assert torch.isfinite(output).all()
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
