@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from focus_hf.attention.pattern import probed_mask
 from focus_hf.calibration import capture_layers, distant_attention, query_positions
 from focus_hf.tuner.controls import focus_layers
 
@@ -188,7 +189,7 @@ def audit_recall(
                 keep_counts=probed_key_counts(routing, queries, settings.window, settings.sink_tokens),
             )
             probes = routing.top_groups[0, attention.queries].cpu()
-            probed = torch.zeros(len(queries), settings.num_groups, dtype=torch.bool).scatter_(1, probes, True)
+            probed = probed_mask(probes, settings.num_groups)
             kept = attention.local + (attention.group_mass * probed).sum(-1)
             best = attention.group_mass.mean(0).topk(top_k, dim=-1).indices
             chosen = torch.zeros_like(probed).scatter_(1, best, True)
@@ -236,7 +237,7 @@ def probed_key_counts(routing, queries: torch.Tensor, window: int, sinks: int) -
     before = member.cumsum(0)  # keys per group up to and including each position
     last = queries - window - 1  # each query's last distant key
     counts = torch.where((last >= 0)[:, None], before[last.clamp(min=0)], torch.zeros(1, dtype=torch.long))
-    return counts.gather(1, probes[queries]).sum(1)
+    return (counts * probed_mask(probes[queries], num_groups)).sum(1)
 
 
 def calibrate_dense_heads(audit: RecallAudit, count: int) -> list[list[int]]:

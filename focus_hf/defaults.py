@@ -7,6 +7,7 @@ FOCUS_DEFAULTS = {
     "group_dim": 16,
     "window": 128,
     "top_k": 2,
+    "probe_mass": None,
     "sink_tokens": 4,
     "temperature": 0.1,
     "sinkhorn_iterations": 10,

@@ -402,6 +402,7 @@ def adapter_summary(folder: Path) -> dict:
                 "group_dim",
                 "window",
                 "top_k",
+                "probe_mass",
                 "sink_tokens",
                 "temperature",
                 "sinkhorn_iterations",

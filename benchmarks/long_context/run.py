@@ -42,6 +42,7 @@ from peft import PeftModel  # noqa: E402
 import focus_hf  # noqa: E402
 from focus_hf import load_model_and_tokenizer  # noqa: E402
 from focus_hf.aliases import DEFAULT_MODEL  # noqa: E402
+from focus_hf.attention.pattern import probed_mask  # noqa: E402
 from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks  # noqa: E402
 from focus_hf.evaluation import passkey_answer  # noqa: E402
 from focus_hf.interpret.groups import record_routing  # noqa: E402
@@ -97,6 +98,7 @@ def apply_variant(model, variant: dict) -> None:
     focus_hf.configure_adapter(
         model,
         top_k=variant["top_k"],
+        probe_mass=variant.get("probe_mass"),
         window=variant["window"],
         dense_heads=variant["dense_heads"] or None,
         dense_below=variant["dense_below"],
@@ -104,9 +106,12 @@ def apply_variant(model, variant: dict) -> None:
     focus_hf.set_routing(model, "hard")
 
 
-def variant_label(top_k: int, window: int, dense_heads: int, dense_below: int, saved: bool = False) -> str:
+def variant_label(
+    top_k: int, window: int, dense_heads: int, dense_below: int, saved: bool = False, probe_mass=None
+) -> str:
     below = f", dense below {dense_below}" if dense_below else ""
-    return f"focus{' as saved' if saved else ''} top-{top_k}, w={window}, {dense_heads} dense heads{below}"
+    probes = f"top-{top_k}" if probe_mass is None else f"adaptive p={probe_mass:g} (at most {top_k})"
+    return f"focus{' as saved' if saved else ''} {probes}, w={window}, {dense_heads} dense heads{below}"
 
 
 def focus_variants(model, args) -> list[dict]:
@@ -116,12 +121,15 @@ def focus_variants(model, args) -> list[dict]:
     dense heads when `--dense-heads` is not given; `--dense-below` (default 0) applies to every swept variant.
     """
     config = model.peft_config["default"]
-    if args.top_k is None and args.dense_heads is None and args.windows is None:
+    if args.top_k is None and args.dense_heads is None and args.windows is None and args.probe_mass is None:
         pairs = config.dense_heads or []
-        label = variant_label(config.top_k, config.window, len(pairs), config.dense_below, saved=True)
+        label = variant_label(
+            config.top_k, config.window, len(pairs), config.dense_below, saved=True, probe_mass=config.probe_mass
+        )
         return [
             {
                 "top_k": config.top_k,
+                "probe_mass": config.probe_mass,
                 "dense_heads": pairs,
                 "window": config.window,
                 "dense_below": config.dense_below,
@@ -140,15 +148,17 @@ def focus_variants(model, args) -> list[dict]:
                 pairs = (config.dense_heads or []) if count is None else sorted(ranked[:count])
                 if count and len(pairs) < count:
                     continue
-                variants.append(
-                    {
-                        "top_k": top_k,
-                        "dense_heads": pairs,
-                        "window": window,
-                        "dense_below": args.dense_below,
-                        "label": variant_label(top_k, window, len(pairs), args.dense_below),
-                    }
-                )
+                for mass in (args.probe_mass or [None]) if top_k > 1 else [None]:  # top-1 probes one group
+                    variants.append(
+                        {
+                            "top_k": top_k,
+                            "probe_mass": mass,
+                            "dense_heads": pairs,
+                            "window": window,
+                            "dense_below": args.dense_below,
+                            "label": variant_label(top_k, window, len(pairs), args.dense_below, probe_mass=mass),
+                        }
+                    )
     return variants
 
 
@@ -197,8 +207,11 @@ def focus_density(model, ids: torch.Tensor, window: int, sinks: int) -> float:
             reach[:, None] >= 0, before[reach.clamp(min=0)], torch.zeros_like(before)
         )  # [seq, K]
         sink_counts = F.one_hot(own[:sinks], settings.num_groups).long().sum(0) if sinks else 0
-        probed = distant_counts.gather(1, probes).sum(1)
-        sinks_in = (sink_counts if isinstance(sink_counts, int) else sink_counts[probes].sum(1)) * (reach >= sinks)
+        probed_groups = probed_mask(probes, settings.num_groups).long()  # an unprobed (repeated) slot counts once
+        probed = (distant_counts * probed_groups).sum(1)
+        sinks_in = (sink_counts if isinstance(sink_counts, int) else (sink_counts * probed_groups).sum(1)) * (
+            reach >= sinks
+        )
         kept = torch.where(dense_query, causal, local + (probed - sinks_in).clamp(min=0))
         for kv in range(kv_heads):
             shares.append(1.0 if (index, kv) in dense else float(kept.sum()) / float(causal.sum()))
@@ -356,6 +369,7 @@ def stage_speed(args) -> None:
                     "focus_s": focus_s,
                     "speedup": dense_s / focus_s,
                     "top_k": variant["top_k"],
+                    "probe_mass": variant.get("probe_mass"),
                     "window": variant["window"],
                     "dense_heads": len(variant["dense_heads"]),
                     "dense_below": variant["dense_below"],
@@ -471,10 +485,31 @@ def stage_plot(args) -> None:
     speed = json.loads((RESULTS / "speed.json").read_text()) if (RESULTS / "speed.json").exists() else []
     figure, (axis, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     markers = {"dense": "k*", "streaming": "rs", "blocks": "m^", "focus": "bo"}
+    adaptive: dict[str, list[dict]] = {}  # adaptive probing: one line per setting, from low to high probe mass
     for row in rows:
+        if row.get("probe_mass") is not None:
+            setting = f"adaptive (at most {row['top_k']}), w={row['window']}, {len(row['dense_heads'])} dense heads"
+            adaptive.setdefault(setting, []).append(row)
+            continue
         axis.plot(row["density"], row["ppl_ratio"], markers[row["kind"]], markersize=8)
         axis.annotate(
-            row["variant"], (row["density"], row["ppl_ratio"]), fontsize=6, xytext=(4, 3), textcoords="offset points"
+            baseline_label(row),
+            (row["density"], row["ppl_ratio"]),
+            fontsize=6,
+            xytext=(4, 3),
+            textcoords="offset points",
+        )
+    for setting, points in adaptive.items():
+        points.sort(key=lambda r: r["probe_mass"])
+        axis.plot([r["density"] for r in points], [r["ppl_ratio"] for r in points], "c.-", markersize=6)
+        masses = ", ".join(f"{r['probe_mass']:g}" for r in points)
+        axis.annotate(
+            f"{setting}, p = {masses}",
+            (points[-1]["density"], points[-1]["ppl_ratio"]),
+            fontsize=6,
+            color="teal",
+            xytext=(4, -8),
+            textcoords="offset points",
         )
     axis.set_xscale("log")
     axis.set_xlabel("share of causal attention pairs computed (log)")
@@ -505,7 +540,13 @@ def stage_plot(args) -> None:
     figure.savefig(RESULTS / "tradeoff.png", dpi=120)
     (RESULTS / "tradeoff.json").write_text(
         json.dumps(
-            [{k: r[k] for k in ("variant", "kind", "density", "ppl", "ppl_ratio", "seq_len", "data")} for r in rows],
+            [
+                {
+                    k: r.get(k)
+                    for k in ("variant", "kind", "density", "ppl", "ppl_ratio", "seq_len", "data", "probe_mass")
+                }
+                for r in rows
+            ],
             indent=1,
         )
         + "\n"
@@ -631,6 +672,9 @@ def main() -> None:
             "--dense-heads", type=int, nargs="+", default=None, help="sweep: numbers of dense heads (audit order)"
         )
         stage.add_argument("--dense-below", type=int, default=0, help="sweep: dense_below of every swept variant")
+        stage.add_argument(
+            "--probe-mass", type=float, nargs="+", default=None, help="sweep: adaptive probing masses (top-k caps)"
+        )
         stage.add_argument("--seq-len", type=int, default=8192)
         stage.add_argument("--blocks", type=int, default=2)
         stage.add_argument("--data", default="python-docs")

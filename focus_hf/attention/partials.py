@@ -234,14 +234,16 @@ class SortedTokens:
     def build(
         cls, groups: torch.Tensor, include: torch.Tensor, num_groups: int, first_position: int, kv_len: int
     ) -> "SortedTokens":
-        """Sort the entries of `groups` [batch, n, m] of included tokens (`include` [batch, n]); the tokens' kv
-        positions start at `first_position`."""
+        """Sort the included entries of `groups` [batch, n, m] (`include`: [batch, n] per token or [batch, n, m]
+        per entry); the tokens' kv positions start at `first_position`."""
         batch, n, m = groups.shape
         device = groups.device
         segment = torch.arange(batch, device=device)[:, None, None] * num_groups + groups
         position = first_position + torch.arange(n, device=device)[None, :, None]
         code = segment * kv_len + position
-        flat = include[..., None].expand(-1, -1, m).flatten().nonzero().squeeze(1)
+        if include.dim() == 2:
+            include = include[..., None].expand(-1, -1, m)
+        flat = include.flatten().nonzero().squeeze(1)
         code = code.flatten()[flat]
         order = code.argsort()
         counts = torch.bincount(segment.flatten()[flat], minlength=batch * num_groups)
@@ -278,7 +280,8 @@ def probe_part(
     call per segment on CPU, whose kernel wastes about half of each short causal call.
 
     Args:
-        probe_groups: [batch, q, top_k] the distinct groups each query probes (the queries are the last q keys).
+        probe_groups: [batch, q, top_k] the groups each query probes (the queries are the last q keys): distinct,
+            except that a slot repeating the first group is not probed (`routing.probed_groups`).
         key_groups: [batch, kv] each key's own group.
         key_valid: [batch, kv] False for padding keys (padding queries get an empty set).
 
@@ -290,7 +293,13 @@ def probe_part(
     first_query = kv_len - q_len
     top_k = probe_groups.shape[-1]
     keys = SortedTokens.build(key_groups[..., None], key_valid, num_groups, 0, kv_len)
-    queries = SortedTokens.build(probe_groups, key_valid[:, first_query:], num_groups, first_query, kv_len)
+    query_valid = key_valid[:, first_query:]
+    if top_k > 1:  # a slot that repeats the query's first group is not probed (adaptive probing): no entry
+        query_valid = query_valid[..., None] & torch.cat(
+            [torch.ones_like(probe_groups[..., :1], dtype=torch.bool), probe_groups[..., 1:] != probe_groups[..., :1]],
+            dim=-1,
+        )
+    queries = SortedTokens.build(probe_groups, query_valid, num_groups, first_query, kv_len)
     sorted_keys, sorted_values = keys.gather(key), keys.gather(value)
     sorted_queries = queries.gather(query)
     # Keys of the entry's segment at or before it: codes share the segment prefix, so one search finds them.
@@ -329,7 +338,7 @@ def probe_part(
         inverse = torch.empty_like(queries.flat)
         inverse[queries.flat] = torch.arange(entries, device=device)
         full_output, full_lse = output[inverse], lse[inverse]
-    else:  # padding queries have no entries: an empty set
+    else:  # padding queries and unprobed slots have no entries: an empty set
         full_output = output.new_zeros(entries, heads, dim)
         full_lse = lse.new_full((entries, heads), torch.finfo(torch.float32).min)
         full_output[queries.flat] = output

@@ -39,6 +39,12 @@ def probes(query_groups: torch.Tensor, key_groups: torch.Tensor) -> torch.Tensor
     return shared
 
 
+def probed_mask(query_groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Bool [..., num_groups]: the groups each query probes (a repeated slot counts once), from [..., top_k]."""
+    mask = torch.zeros(*query_groups.shape[:-1], num_groups, dtype=torch.bool, device=query_groups.device)
+    return mask.scatter_(-1, query_groups, True)
+
+
 def allowed_pairs(
     query_groups: torch.Tensor,
     key_groups: torch.Tensor,

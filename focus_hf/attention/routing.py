@@ -207,6 +207,30 @@ class TokenRouting:
         return self.log_probs if self.query_log_probs is None else self.query_log_probs
 
 
+def probed_groups(log_probs: torch.Tensor, top_k: int, probe_mass: Optional[float] = None) -> torch.Tensor:
+    """The groups each token probes as a query, best first: [..., top_k] from its log-probabilities [..., K].
+
+    Without `probe_mass`, the top_k most probable groups. With it (adaptive probing), a query stops once the
+    groups before a slot hold at least `probe_mass` of its probability: a confident query probes one group, an
+    unsure one up to top_k. Slots it does not probe repeat its first group, so the probed set is always the
+    distinct groups of the row and every mask built from it (`pattern.probes`) needs no other marker.
+
+    Ties (the first token's assignment is uniform) go to the lower group index, whatever top_k is: argmax returns
+    the first maximum, and the stable sort keeps index order among equals.
+    """
+    if top_k == 1:
+        return log_probs.argmax(dim=-1, keepdim=True)
+    ranked = torch.sort(log_probs, dim=-1, descending=True, stable=True)
+    groups = ranked.indices[..., :top_k]
+    if probe_mass is None:
+        return groups
+    probability = ranked.values[..., :top_k].float().exp()
+    before = probability.cumsum(dim=-1) - probability  # mass of the better slots
+    probed = before < probe_mass
+    probed[..., 0] = True
+    return torch.where(probed, groups, groups[..., :1])
+
+
 def route_tokens(
     scores: torch.Tensor,
     valid: torch.Tensor,
@@ -216,24 +240,21 @@ def route_tokens(
     top_k: int,
     sink_tokens: int,
     query_scores: Optional[torch.Tensor] = None,
+    probe_mass: Optional[float] = None,
 ) -> tuple[TokenRouting, RoutingState]:
     """Route new tokens that follow `state`, returning their routing and the state including them.
 
     Keys always take their group from the causal Sinkhorn assignment of `scores`. Queries probe the top-k groups
     of the same assignment, or, when `query_scores` is given (a separate query-side projection), of
     softmax(query_scores): a query then looks for the groups that hold the keys it needs, which need not be
-    the group it is itself filed under.
+    the group it is itself filed under. With `probe_mass`, a query probes fewer than top_k groups where the first
+    ones already hold that much of its routing probability (`probed_groups`).
     """
     if state.pending:
         raise ValueError("route_tokens after deferred tokens: settle(state, key_scores, iterations) them first.")
     log_probs, column_lse = causal_sinkhorn(scores, valid, iterations, state.column_lse)
     query_log_probs = log_probs if query_scores is None else torch.log_softmax(query_scores, dim=-1)
-    # Ties (the first token's assignment is uniform) go to the lower group index, whatever top_k is: argmax
-    # returns the first maximum, and the stable sort keeps index order among equals.
-    if top_k == 1:
-        top_groups = query_log_probs.argmax(dim=-1, keepdim=True)
-    else:
-        top_groups = torch.sort(query_log_probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    top_groups = probed_groups(query_log_probs, top_k, probe_mass)
     key_groups = top_groups[..., 0] if query_scores is None else log_probs.argmax(dim=-1)
     sink = _sinks(valid, state, sink_tokens)
     tokens = TokenRouting(
@@ -268,6 +289,7 @@ def defer_tokens(
     query_scores: Optional[torch.Tensor],
     top_k: int,
     sink_tokens: int,
+    probe_mass: Optional[float] = None,
 ) -> tuple[TokenRouting, RoutingState]:
     """Route new tokens while deferring their key side: the hidden states wait in the state until `settle`.
 
@@ -291,10 +313,7 @@ def defer_tokens(
         top_groups = torch.full((batch, seq, top_k), -1, dtype=torch.long, device=hidden.device)
     else:
         query_log_probs = torch.log_softmax(query_scores, dim=-1)
-        if top_k == 1:
-            top_groups = query_log_probs.argmax(dim=-1, keepdim=True)
-        else:
-            top_groups = torch.sort(query_log_probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
+        top_groups = probed_groups(query_log_probs, top_k, probe_mass)
     sink = _sinks(valid, state, sink_tokens)
     unknown = torch.full((batch, seq), -1, dtype=state.key_groups.dtype, device=hidden.device)
     tokens = TokenRouting(

@@ -50,6 +50,9 @@ FOCUS_OPTIONS = (
     FocusOption("--group-dim", "group_dim", int, "routing dimension d_g"),
     FocusOption("--window", "window", int, "local window w of full attention"),
     FocusOption("--top-k", "top_k", int, "groups each query probes in hard mode"),
+    FocusOption(
+        "--probe-mass", "probe_mass", float, "adaptive probing: stop once the probed groups hold this routing mass"
+    ),
     FocusOption("--sink-tokens", "sink_tokens", int, "leading tokens always visible"),
     FocusOption("--temperature", "temperature", float, "routing temperature tau"),
     FocusOption("--sinkhorn-iterations", "sinkhorn_iterations", int, "Sinkhorn iterations"),

@@ -47,6 +47,9 @@ class FocusConfig(PeftConfig):
         group_dim: Width d_g of the routing space.
         window: Keys at most `window` positions behind a query are always attended (full local attention).
         top_k: Groups each query probes in hard mode (1 <= top_k <= num_groups).
+        probe_mass: Adaptive probing: a query probes its groups best first and stops once the groups probed hold
+            at least this share of its routing probability, so confident queries probe one group and unsure ones
+            up to `top_k`. None (the default) probes exactly `top_k` groups.
         sink_tokens: Leading tokens every query may attend to (attention sinks); 0 disables them.
         temperature: Softmax temperature tau of the routing scores (cosine similarity / tau).
         sinkhorn_iterations: Causal Sinkhorn balancing iterations.
@@ -77,6 +80,10 @@ class FocusConfig(PeftConfig):
     group_dim: int = field(default=FOCUS_DEFAULTS["group_dim"], metadata={"help": "Width of the routing space d_g."})
     window: int = field(default=FOCUS_DEFAULTS["window"], metadata={"help": "Local window w of full attention."})
     top_k: int = field(default=FOCUS_DEFAULTS["top_k"], metadata={"help": "Groups each query probes in hard mode."})
+    probe_mass: Optional[float] = field(
+        default=FOCUS_DEFAULTS["probe_mass"],
+        metadata={"help": "Adaptive probing: stop once the probed groups hold this routing mass."},
+    )
     sink_tokens: int = field(
         default=FOCUS_DEFAULTS["sink_tokens"], metadata={"help": "Leading tokens always visible; 0 disables."}
     )
@@ -119,9 +126,7 @@ class FocusConfig(PeftConfig):
             value = getattr(self, name)
             if name in _INTEGER_FIELDS:
                 if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-                    raise FocusConfigError(
-                        f"FocusConfig.{name} must be an integer in [{low}, {high}], got {value!r}."
-                    )
+                    raise FocusConfigError(f"FocusConfig.{name} must be an integer in [{low}, {high}], got {value!r}.")
             elif (
                 not isinstance(value, (int, float))
                 or isinstance(value, bool)
@@ -132,6 +137,14 @@ class FocusConfig(PeftConfig):
         if not self.top_k <= self.num_groups:
             raise FocusConfigError(
                 f"FocusConfig.top_k must be between 1 and num_groups={self.num_groups}, got {self.top_k!r}."
+            )
+        if self.probe_mass is not None and (
+            not isinstance(self.probe_mass, (int, float))
+            or isinstance(self.probe_mass, bool)
+            or not 0 < self.probe_mass <= 1
+        ):
+            raise FocusConfigError(
+                f"FocusConfig.probe_mass must be None or a number in (0, 1], got {self.probe_mass!r}."
             )
         if not self.gate_floor < 1:
             raise FocusConfigError(f"FocusConfig.gate_floor must be in [1e-12, 1), got {self.gate_floor!r}.")

@@ -54,8 +54,9 @@ def set_routing(
 
 
 # Options that change what the hard pattern keeps but not what the routers learned, so a trained adapter can
-# take new values: a wider window only adds local pairs, dense heads and dense_below only add dense attention.
-RUNTIME_OPTIONS = ("window", "top_k", "dense_heads", "dense_below")
+# take new values: a wider window only adds local pairs, dense heads and dense_below only add dense attention,
+# probe_mass only changes how many of its best groups a query probes.
+RUNTIME_OPTIONS = ("window", "top_k", "probe_mass", "dense_heads", "dense_below")
 
 
 def configure_adapter(model: nn.Module, adapter_name: Optional[str] = None, **options: Any) -> FocusConfig:
@@ -67,7 +68,7 @@ def configure_adapter(model: nn.Module, adapter_name: Optional[str] = None, **op
     Args:
         model: a PeftModel or a transformers model with a Focus adapter loaded.
         adapter_name: the adapter to change; None: the active one.
-        **options: any of `window`, `top_k`, `dense_heads` (`[layer, kv_head]` pairs), `dense_below`.
+        **options: any of `window`, `top_k`, `probe_mass`, `dense_heads` (`[layer, kv_head]` pairs), `dense_below`.
 
     Returns:
         The adapter's new `FocusConfig`.

@@ -46,6 +46,7 @@ class RouterSettings:
     query_projection: bool = False
     dense_heads: Optional[list] = None
     dense_below: int = 0
+    probe_mass: Optional[float] = None
 
     @classmethod
     def from_config(cls, config: FocusConfig) -> "RouterSettings":
@@ -253,6 +254,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             top_k=top_k or self.top_k_override or settings.top_k,
             sink_tokens=settings.sink_tokens,
             query_scores=query_scores,
+            probe_mass=settings.probe_mass,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -291,7 +293,13 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             if not attends_densely:
                 query_scores = self.router_scores(adapter_name, hidden, query_side=True)
             queries, keys = defer_tokens(
-                hidden, valid, state, query_scores=query_scores, top_k=top_k, sink_tokens=settings.sink_tokens
+                hidden,
+                valid,
+                state,
+                query_scores=query_scores,
+                top_k=top_k,
+                sink_tokens=settings.sink_tokens,
+                probe_mass=settings.probe_mass,
             )
         else:
             if state.pending:

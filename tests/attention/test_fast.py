@@ -29,12 +29,13 @@ ATOL = 1e-4
 SCALING = 0.3
 
 
-def random_routing(generator, batch, seq, num_groups, top_k, skew, separate=False):
+def random_routing(generator, batch, seq, num_groups, top_k, skew, separate=False, adaptive=False):
     """Query groups [batch, seq, top_k] (distinct, best first) and key groups [batch, seq].
 
     Key groups are the queries' best groups, or with `separate` drawn on their own (a separate query router, whose
     probes need not include the token's own group). skew "one" puts every token's best group on group 0; "some"
-    leaves groups without keys.
+    leaves groups without keys. `adaptive` leaves some later slots unprobed (they repeat the first group, as
+    adaptive probing writes them).
     """
     scores = torch.rand(batch, seq, num_groups, generator=generator)
     if skew == "one":
@@ -42,6 +43,10 @@ def random_routing(generator, batch, seq, num_groups, top_k, skew, separate=Fals
     elif skew == "some":
         scores[..., : max(1, num_groups // 2)] += 1.0
     query_groups = scores.argsort(dim=-1, descending=True)[..., :top_k]
+    if adaptive:
+        unprobed = torch.rand(batch, seq, top_k, generator=generator) < 0.5
+        unprobed[..., 0] = False
+        query_groups = torch.where(unprobed, query_groups[..., :1], query_groups)
     if separate:
         return query_groups, torch.randint(num_groups, (batch, seq), generator=generator)
     return query_groups, query_groups[..., 0]
@@ -89,6 +94,7 @@ def cases(draw):
         probe_chunk=draw(st.sampled_from([1, 5, 256])),
         direct_gather=draw(st.sampled_from([0, 4096])),
         separate=draw(st.booleans()),
+        adaptive=draw(st.booleans()),
         dense_masked=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
@@ -103,7 +109,14 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
     key = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
     value = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
     query_groups, key_groups = random_routing(
-        generator, batch, seq, case["num_groups"], case["top_k"], case["skew"], case.get("separate", False)
+        generator,
+        batch,
+        seq,
+        case["num_groups"],
+        case["top_k"],
+        case["skew"],
+        case.get("separate", False),
+        case.get("adaptive", False),
     )
     valid = padding(batch, seq, case["side"], case["pad"])
     sink = valid & (valid.cumsum(dim=1) - 1 < case["sinks"])

@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from focus_hf.attention.pattern import allowed_pairs, soft_gate
-from focus_hf.attention.routing import RoutingState, causal_sinkhorn, defer_tokens, route_tokens, settle
+from focus_hf.attention.routing import (
+    RoutingState,
+    causal_sinkhorn,
+    defer_tokens,
+    probed_groups,
+    route_tokens,
+    settle,
+)
 
 
 def test_sinkhorn_rows_are_distributions():
@@ -153,3 +160,34 @@ def test_soft_gate_tends_to_the_hard_pattern():
     causal = positions[:, None] >= positions[None, :]
     assert torch.equal((gate == 0)[0] & causal, hard[0])
     assert torch.allclose(gate[0][causal & ~hard[0]], torch.tensor(1e-6).log())
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    groups=st.integers(2, 8),
+    top_k=st.integers(1, 8),
+    mass=st.floats(0.05, 1.0),
+    sharpness=st.floats(0.1, 10.0),
+    seed=st.integers(0, 999),
+)
+def test_adaptive_probes_are_the_fewest_best_groups_reaching_the_mass(groups, top_k, mass, sharpness, seed):
+    top_k = min(top_k, groups)
+    log_probs = torch.log_softmax(
+        sharpness * torch.randn(50, groups, generator=torch.Generator().manual_seed(seed)), -1
+    )
+    probed = probed_groups(log_probs, top_k, mass)
+    fixed = probed_groups(log_probs, top_k)
+    probs = log_probs.exp()
+    for row in range(50):
+        ranked = probs[row].sort(descending=True, stable=True)
+        distinct = list(dict.fromkeys(probed[row].tolist()))  # order kept, repeats removed
+
+        # The best groups, best first, stopping at the first prefix holding `mass` (or at top_k); float rounding
+        # may move a prefix that holds the mass almost exactly to either side.
+        def needed(target):
+            return next((i + 1 for i in range(top_k) if float(ranked.values[: i + 1].sum()) >= target), top_k)
+
+        assert needed(mass - 1e-6) <= len(distinct) <= needed(mass + 1e-6)
+        assert distinct == ranked.indices[: len(distinct)].tolist() == fixed[row, : len(distinct)].tolist()
+        assert all(g == distinct[0] for g in probed[row, len(distinct) :].tolist())
+    assert torch.equal(probed_groups(log_probs, top_k, None), fixed)

@@ -88,6 +88,28 @@ def test_query_router_and_dense_heads_equal_looped_reference(backend, top_k, den
         torch.testing.assert_close(output, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_adaptive_probing_equals_looped_reference(backend):
+    # probe_mass=0.6 with at most 3 probes: confident queries probe one group, others two or three.
+    # A high temperature flattens the routing probabilities, so that many queries need more than one probe.
+    options = dict(num_groups=6, top_k=3, probe_mass=0.6, temperature=0.3, query_projection=True)
+    model = focus_model(**options, dense_heads=[[1, 0]])
+    focus_hf.set_routing(model, "hard", backend=backend)
+    _, captured, probes, own = run_capturing(model, tokens(batch=2, seq=48))
+    counts = torch.cat([(probes[layer] != probes[layer][..., :1]).sum(-1).flatten() + 1 for layer in probes])
+    assert set(counts.tolist()) == {1, 2, 3}, "every number of probes up to top_k should occur"
+    for layer, (query, key, value, output) in captured.items():
+        dense_kv = tuple(head for index, head in [[1, 0]] if index == layer)
+        expected = looped_reference(query, key, value, probes[layer], own[layer], dense_kv)
+        torch.testing.assert_close(output, expected, atol=ATOL, rtol=0)
+
+
+def test_adaptive_probing_generate_with_cache_equals_recomputation():
+    model = focus_model(num_groups=6, top_k=3, probe_mass=0.6, temperature=0.3, query_projection=True)
+    focus_hf.set_routing(model, "hard")
+    assert_generation_equals_recomputation(model, tokens(seq=30), 12)
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_dense_heads_apart_from_each_other_equal_looped_reference(top_k):
     # 4 kv heads with dense heads that are not neighbours: the heads run in several runs of one kind each.
@@ -241,6 +263,10 @@ def test_weights_with_a_query_router_need_the_option(tmp_path):
         (dict(query_projection="yes"), "query_projection"),
         (dict(dense_below=-1), "dense_below"),
         (dict(dense_below=2.5), "dense_below"),
+        (dict(probe_mass=0.0), "probe_mass"),
+        (dict(probe_mass=1.5), "probe_mass"),
+        (dict(probe_mass=True), "probe_mass"),
+        (dict(probe_mass="0.9"), "probe_mass"),
     ],
 )
 def test_bad_options_are_refused(options, field):
@@ -331,11 +357,12 @@ def test_configure_adapter_changes_run_time_options_and_saves_them(tmp_path):
     config = focus_hf.configure_adapter(model, dense_heads=[[0, 0], [0, 1], [1, 0], [1, 1]], window=8)
     assert config.window == 8 and model.peft_config["default"] is config
     torch.testing.assert_close(model(input_ids=ids).logits, tiny_model("llama")(ids).logits, atol=ATOL, rtol=0)
-    focus_hf.configure_adapter(model, dense_heads=None, dense_below=100)
+    focus_hf.configure_adapter(model, dense_heads=None, dense_below=100, probe_mass=0.8)
     expected = model(input_ids=ids).logits
     model.save_pretrained(tmp_path)
     loaded = PeftModel.from_pretrained(tiny_model("llama"), tmp_path).eval()
     assert loaded.peft_config["default"].dense_below == 100
+    assert loaded.peft_config["default"].probe_mass == 0.8
     assert loaded.peft_config["default"].window == 8
     torch.testing.assert_close(loaded(input_ids=ids).logits, expected, atol=0, rtol=0)
 
