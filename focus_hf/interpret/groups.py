@@ -100,7 +100,8 @@ def group_assignments(
     Returns:
         layer index -> LongTensor [batch, seq, top_k], the groups each token probes as a query, best first. Without
         `query_projection` the first entry is also the token's own group as a key; with it, read the keys' groups
-        from `record_routing(model)` and `RoutingRecorder.key_groups()`.
+        from `record_routing(model)` and `RoutingRecorder.key_groups()`. With adaptive probing (`probe_mass`), a
+        slot the token does not probe repeats its first group.
     """
     with record_routing(model) as recorder:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
