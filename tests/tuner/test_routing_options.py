@@ -10,6 +10,7 @@ from tiny_models import VOCAB, tiny_model
 from transformers import AttentionInterface
 
 import focus_hf
+from focus_hf.files import adapter_summary
 from focus_hf.interpret.groups import record_routing
 from focus_hf.tuner.layer import FocusLayer
 
@@ -363,6 +364,7 @@ def test_configure_adapter_changes_run_time_options_and_saves_them(tmp_path):
     loaded = PeftModel.from_pretrained(tiny_model("llama"), tmp_path).eval()
     assert loaded.peft_config["default"].dense_below == 100
     assert loaded.peft_config["default"].probe_mass == 0.8
+    assert adapter_summary(tmp_path)["config"]["probe_mass"] == 0.8  # what `focus-hf info` and the model card show
     assert loaded.peft_config["default"].window == 8
     torch.testing.assert_close(loaded(input_ids=ids).logits, expected, atol=0, rtol=0)
 
