@@ -295,10 +295,9 @@ def probe_part(
     keys = SortedTokens.build(key_groups[..., None], key_valid, num_groups, 0, kv_len)
     query_valid = key_valid[:, first_query:]
     if top_k > 1:  # a slot that repeats the query's first group is not probed (adaptive probing): no entry
-        query_valid = query_valid[..., None] & torch.cat(
-            [torch.ones_like(probe_groups[..., :1], dtype=torch.bool), probe_groups[..., 1:] != probe_groups[..., :1]],
-            dim=-1,
-        )
+        probed = probe_groups != probe_groups[..., :1]
+        probed[..., 0] = True
+        query_valid = query_valid[..., None] & probed
     queries = SortedTokens.build(probe_groups, query_valid, num_groups, first_query, kv_len)
     sorted_keys, sorted_values = keys.gather(key), keys.gather(value)
     sorted_queries = queries.gather(query)

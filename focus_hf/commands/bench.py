@@ -78,6 +78,8 @@ def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> i
     """Allowed (query, key) pairs of one sample, counted in O(n K) memory instead of materialising n x n."""
     import torch
 
+    from focus_hf.attention.pattern import probed_mask
+
     groups, sink = routing.top_groups[0].cpu(), routing.sink[0].cpu()
     seq_len = groups.shape[0]
     positions = torch.arange(seq_len)
@@ -90,7 +92,7 @@ def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> i
     member = torch.zeros(seq_len, num_groups, dtype=torch.long)
     member[positions[~sink], groups[~sink, 0]] = 1
     per_group = member.cumsum(0)[distant_index]  # [n, K] non-sink keys of each group up to the farthest distant key
-    shared = per_group.gather(1, groups).sum(1) * has_distant
+    shared = (per_group * probed_mask(groups, num_groups)).sum(1) * has_distant  # a repeated slot counts once
     return int((local + sinks + shared).sum())
 
 
