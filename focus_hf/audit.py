@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from focus_hf.attention.pattern import probed_mask
+from focus_hf.attention.pattern import probed_distant_keys, probed_mask
 from focus_hf.calibration import capture_layers, distant_attention, query_positions
 from focus_hf.tuner.controls import focus_layers
 
@@ -186,7 +186,7 @@ def audit_recall(
                 sinks=settings.sink_tokens,
                 key_groups=routing.key_groups[0],
                 num_groups=settings.num_groups,
-                keep_counts=probed_key_counts(routing, queries, settings.window, settings.sink_tokens),
+                keep_counts=probed_key_counts(routing, queries, settings.window, settings.num_groups),
             )
             probes = routing.top_groups[0, attention.queries].cpu()
             probed = probed_mask(probes, settings.num_groups)
@@ -228,16 +228,10 @@ def audit_recall(
     )
 
 
-def probed_key_counts(routing, queries: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+def probed_key_counts(routing, queries: torch.Tensor, window: int, num_groups: int) -> torch.Tensor:
     """[n] distant keys (beyond the window, not sinks) in the groups each query of `queries` probes (sample 0)."""
-    own, probes = routing.key_groups[0].cpu(), routing.top_groups[0].cpu()
-    num_groups = int(max(own.max(), probes.max())) + 1
-    member = torch.nn.functional.one_hot(own, num_groups).long()
-    member[:sinks] = 0  # sinks are always visible, not part of any probe's budget
-    before = member.cumsum(0)  # keys per group up to and including each position
-    last = queries - window - 1  # each query's last distant key
-    counts = torch.where((last >= 0)[:, None], before[last.clamp(min=0)], torch.zeros(1, dtype=torch.long))
-    return (counts * probed_mask(probes[queries], num_groups)).sum(1)
+    own, probes, sink = routing.key_groups[0].cpu(), routing.top_groups[0].cpu(), routing.sink[0].cpu()
+    return probed_distant_keys(probes, own, sink, window, num_groups)[queries]
 
 
 def calibrate_dense_heads(audit: RecallAudit, count: int) -> list[list[int]]:

@@ -42,7 +42,7 @@ from peft import PeftModel  # noqa: E402
 import focus_hf  # noqa: E402
 from focus_hf import load_model_and_tokenizer  # noqa: E402
 from focus_hf.aliases import DEFAULT_MODEL  # noqa: E402
-from focus_hf.attention.pattern import probed_mask  # noqa: E402
+from focus_hf.attention.pattern import probed_distant_keys  # noqa: E402
 from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks  # noqa: E402
 from focus_hf.evaluation import passkey_answer  # noqa: E402
 from focus_hf.interpret.groups import record_routing  # noqa: E402
@@ -199,20 +199,9 @@ def focus_density(model, ids: torch.Tensor, window: int, sinks: int) -> float:
     shares = []
     for index, calls in recorder.routings().items():
         routing = calls[-1]
-        own, probes = routing.key_groups[0], routing.top_groups[0]
-        onehot = F.one_hot(own, settings.num_groups).long()
-        before = onehot.cumsum(0)  # keys per group up to and including i
-        reach = (positions - window - 1).clamp(min=-1)  # last distant key of query i
-        distant_counts = torch.where(
-            reach[:, None] >= 0, before[reach.clamp(min=0)], torch.zeros_like(before)
-        )  # [seq, K]
-        sink_counts = F.one_hot(own[:sinks], settings.num_groups).long().sum(0) if sinks else 0
-        probed_groups = probed_mask(probes, settings.num_groups).long()  # an unprobed (repeated) slot counts once
-        probed = (distant_counts * probed_groups).sum(1)
-        sinks_in = (sink_counts if isinstance(sink_counts, int) else (sink_counts * probed_groups).sum(1)) * (
-            reach >= sinks
-        )
-        kept = torch.where(dense_query, causal, local + (probed - sinks_in).clamp(min=0))
+        own, probes, sink = routing.key_groups[0], routing.top_groups[0], routing.sink[0]
+        probed = probed_distant_keys(probes, own, sink, window, settings.num_groups)
+        kept = torch.where(dense_query, causal, local + probed)
         for kv in range(kv_heads):
             shares.append(1.0 if (index, kv) in dense else float(kept.sum()) / float(causal.sum()))
     return sum(shares) / len(shares)

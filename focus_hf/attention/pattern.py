@@ -45,6 +45,25 @@ def probed_mask(query_groups: torch.Tensor, num_groups: int) -> torch.Tensor:
     return mask.scatter_(-1, query_groups, True)
 
 
+def probed_distant_keys(
+    query_groups: torch.Tensor, key_groups: torch.Tensor, key_sink: torch.Tensor, window: int, num_groups: int
+) -> torch.Tensor:
+    """Per query of one sample whose queries are its keys: how many non-sink keys farther than `window` lie in the
+    groups it probes, [n] int64, counted in O(n K) memory instead of materialising n x n.
+
+    Args:
+        query_groups: [n, top_k] (a repeated slot counts once).
+        key_groups: [n] each key's own group.
+        key_sink: [n] whether each key is a sink (sinks are counted apart: they are visible anyway).
+    """
+    positions = torch.arange(key_groups.shape[0], device=key_groups.device)
+    member = torch.zeros(key_groups.shape[0], num_groups, dtype=torch.long, device=key_groups.device)
+    member[positions[~key_sink], key_groups[~key_sink]] = 1
+    farthest = positions - window - 1  # last distant key of each query (negative: none)
+    per_group = member.cumsum(0)[farthest.clamp(min=0)] * (farthest >= 0)[:, None]
+    return (per_group * probed_mask(query_groups, num_groups)).sum(1)
+
+
 def allowed_pairs(
     query_groups: torch.Tensor,
     key_groups: torch.Tensor,

@@ -78,22 +78,15 @@ def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> i
     """Allowed (query, key) pairs of one sample, counted in O(n K) memory instead of materialising n x n."""
     import torch
 
-    from focus_hf.attention.pattern import probed_mask
+    from focus_hf.attention.pattern import probed_distant_keys
 
     groups, sink = routing.top_groups[0].cpu(), routing.sink[0].cpu()
-    seq_len = groups.shape[0]
-    positions = torch.arange(seq_len)
+    positions = torch.arange(groups.shape[0])
     local = torch.clamp(positions, max=window) + 1
-    # Keys farther than the window: sinks, plus non-sink keys whose group the query probes.
     farthest = positions - window - 1  # last distant key of each query (negative: none)
-    has_distant = farthest >= 0
-    distant_index = farthest.clamp(min=0)
-    sinks = torch.cumsum(sink.long(), 0)[distant_index] * has_distant
-    member = torch.zeros(seq_len, num_groups, dtype=torch.long)
-    member[positions[~sink], groups[~sink, 0]] = 1
-    per_group = member.cumsum(0)[distant_index]  # [n, K] non-sink keys of each group up to the farthest distant key
-    shared = (per_group * probed_mask(groups, num_groups)).sum(1) * has_distant  # a repeated slot counts once
-    return int((local + sinks + shared).sum())
+    distant_sinks = torch.cumsum(sink.long(), 0)[farthest.clamp(min=0)] * (farthest >= 0)
+    probed = probed_distant_keys(groups, groups[:, 0], sink, window, num_groups)
+    return int((local + distant_sinks + probed).sum())
 
 
 def time_call(function: Callable[[], torch.Tensor]) -> tuple[float, float]:
