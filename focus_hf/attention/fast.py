@@ -51,7 +51,7 @@ from focus_hf.attention.partials import (
     probe_part,
     sink_part,
 )
-from focus_hf.attention.pattern import allowed_pairs, probes
+from focus_hf.attention.pattern import allowed_pairs, causal_pattern, probes, probes_every_group
 
 # Up to this many queries against a longer cache, gathering the reachable keys beats laying out all groups.
 DECODE_MAX_QUERIES = 16
@@ -186,15 +186,20 @@ def masked_attention(
             visible = visible & model_mask
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling, enable_gqa=True)
         return output.transpose(1, 2).contiguous()
-    positions = torch.arange(kv_len, device=query.device)
-    visible = allowed_pairs(query_groups, key_groups, key_sink, positions[kv_len - q_len :], positions, window)[:, None]
+    if q_len == kv_len:  # the kernel's causal flag hides the pairs above the diagonal
+        visible = causal_pattern(query_groups, key_groups, key_sink, window)[:, None]
+    else:
+        positions = torch.arange(kv_len, device=query.device)
+        visible = allowed_pairs(query_groups, key_groups, key_sink, positions[kv_len - q_len :], positions, window)
+        visible = visible[:, None]
     if model_mask is not None:
         visible = visible & model_mask
     bias = hidden_bias(visible, query.dtype)
     if query.device.type == "cpu" and q_len <= DECODE_MAX_QUERIES and q_len < kv_len:
         output = few_query_attention(query, key, value, bias, scaling)  # decoding: faster than the kernel
     else:
-        # The pattern is causal, so with square shapes the kernel may also skip the blocks above the diagonal.
+        # Square calls need the causal flag (`causal_pattern` leaves the pairs above the diagonal as they fall);
+        # it also lets the kernel skip the blocks there.
         output, _ = kernel(query, key, value, causal=q_len == kv_len, bias=bias, scale=scaling)
     return output.transpose(1, 2).contiguous()
 
@@ -245,6 +250,10 @@ def fast_hard_attention(
     kernel = select_kernel(backend, query.device)
     arguments = (query_groups, key_groups, key_sink, window, scaling, kernel)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if model_mask is None and q_len in (1, kv_len) and probes_every_group(query_groups, num_groups):
+        # Every key's group is probed: the pattern is plain causal attention.
+        output = F.scaled_dot_product_attention(query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=True)
+        return output.transpose(1, 2).contiguous()
     decode = q_len <= DECODE_MAX_QUERIES and q_len < kv_len
     short = backend == "auto" and kv_len < dense_below(
         query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode)

@@ -77,15 +77,19 @@ def gather_tokens(states: torch.Tensor, sample: torch.Tensor, token: torch.Tenso
     One gather of contiguous rows: whole tokens when the states are token-major (fresh projections), per-head
     rows otherwise (a KV cache).
     """
-    heads, dim = states.shape[1], states.shape[3]
+    batch, heads, n, dim = states.shape
     rows, length = token.shape
     tokens = states.transpose(1, 2)
+    if tokens.is_contiguous():
+        # index_select of whole rows: about four times as fast as advanced indexing over (sample, token).
+        flat = (sample * n + token).flatten()
+        picked = tokens.reshape(batch * n, heads * dim).index_select(0, flat)
+        return picked.view(rows, length, heads, dim).transpose(1, 2)
     if tokens.stride(3) == 1 and tokens.stride(2) == dim and tokens.stride(1) == heads * dim:
         picked = tokens.flatten(2)[sample, token]  # [R, L, heads * dim]
         return picked.view(rows, length, heads, dim).transpose(1, 2)
     if states.is_contiguous():
         # A head-major cache: one index_select of rows, about twice as fast as advanced indexing over two dims.
-        batch, n = states.shape[0], states.shape[2]
         head = torch.arange(heads, device=states.device)
         flat = ((sample * heads).unsqueeze(1) + head.view(1, heads, 1)) * n + token.unsqueeze(1)  # [R, heads, L]
         return states.view(batch * heads * n, dim).index_select(0, flat.flatten()).view(rows, heads, length, dim)
@@ -336,12 +340,10 @@ def probe_part(
     if len(reach_list) == entries:  # no padding: every entry is sorted somewhere, one gather puts them back
         inverse = torch.empty_like(queries.flat)
         inverse[queries.flat] = torch.arange(entries, device=device)
-        full_output, full_lse = output[inverse], lse[inverse]
+        full_output, full_lse = output.index_select(0, inverse), lse.index_select(0, inverse)
     else:  # padding queries and unprobed slots have no entries: an empty set
-        full_output = output.new_zeros(entries, heads, dim)
-        full_lse = lse.new_full((entries, heads), torch.finfo(torch.float32).min)
-        full_output[queries.flat] = output
-        full_lse[queries.flat] = lse
+        full_output = output.new_zeros(entries, heads, dim).index_copy_(0, queries.flat, output)
+        full_lse = lse.new_full((entries, heads), torch.finfo(torch.float32).min).index_copy_(0, queries.flat, lse)
     full_output = full_output.view(batch, q_len, top_k, heads, dim)
     full_lse = full_lse.view(batch, q_len, top_k, heads)
     if top_k == 1:

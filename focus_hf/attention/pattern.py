@@ -39,6 +39,17 @@ def probes(query_groups: torch.Tensor, key_groups: torch.Tensor) -> torch.Tensor
     return shared
 
 
+def probes_every_group(query_groups: torch.Tensor, num_groups: int) -> bool:
+    """Whether every query [..., q, top_k] probes all `num_groups` groups (the hard pattern is then causal).
+
+    A query's probed groups are distinct, and a slot that is not probed repeats its first group
+    (`routing.probed_groups`), so it probes them all when its other top_k - 1 slots all differ from the first."""
+    if query_groups.shape[-1] < num_groups:
+        return False
+    others = (query_groups[..., 1:] != query_groups[..., :1]).sum(dim=-1)
+    return bool((others == num_groups - 1).all())
+
+
 def probed_mask(query_groups: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Bool [..., num_groups]: the groups each query probes (a repeated slot counts once), from [..., top_k]."""
     mask = torch.zeros(*query_groups.shape[:-1], num_groups, dtype=torch.bool, device=query_groups.device)
@@ -84,6 +95,26 @@ def allowed_pairs(
     """
     distance = pair_distance(query_positions, key_positions)
     return (distance >= 0) & ((distance <= window) | key_sink[:, None, :] | probes(query_groups, key_groups))
+
+
+def causal_pattern(
+    query_groups: torch.Tensor, key_groups: torch.Tensor, key_sink: torch.Tensor, window: int
+) -> torch.Tensor:
+    """Boolean [batch, n, n] mask of the pattern of a square call (queries = keys) on and below the diagonal.
+
+    Entries above the diagonal are left as they fall, for kernels that apply causality themselves; that spares
+    the [n, n] distance matrix of `allowed_pairs`: the probed groups and the sinks take k + 1 passes, and the
+    window is one strided fill of its band.
+    """
+    visible = probes(query_groups, key_groups)
+    visible |= key_sink[:, None, :]
+    batch, n = visible.shape[0], visible.shape[-1]
+    if n > window:  # (i, j) with 0 <= i - j <= window, for i >= window: row i - window of an [n - w, w + 1] view
+        offset = visible.storage_offset() + window * n
+        band = visible.as_strided((batch, n - window, window + 1), (n * n, n + 1, 1), offset)
+        band.fill_(True)
+    visible[:, :window, :window] = True
+    return visible
 
 
 def soft_gate(

@@ -17,6 +17,7 @@ from tiny_models import VOCAB, tiny_model
 import focus_hf
 import focus_hf.attention.fast as fast
 import focus_hf.attention.partials as partials
+import focus_hf.attention.pattern as pattern
 from focus_hf.attention.backends import BackendUnavailableError, flash_attn_function
 from focus_hf.attention.calibration import CROSSOVER_ENV
 from focus_hf.attention.pattern import allowed_pairs
@@ -232,6 +233,37 @@ def test_bench_pair_count_is_exact(seq, num_groups, window, sinks, seed):
     positions = torch.arange(seq)
     expected = allowed_pairs(query_groups, key_groups, sink, positions, positions, window).sum()
     assert allowed_pair_count(routing, window, num_groups) == int(expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 90),
+    num_groups=st.integers(1, 5),
+    window=st.integers(0, 100),
+    sinks=st.integers(0, 4),
+    seed=st.integers(0, 999),
+)
+def test_causal_pattern_is_the_lower_triangle_of_allowed_pairs(batch, seq, num_groups, window, sinks, seed):
+    generator = torch.Generator().manual_seed(seed)
+    top_k = 1 + seed % num_groups
+    query_groups, key_groups = random_routing(
+        generator, batch, seq, num_groups, top_k, "some", separate=seed % 3 == 0, adaptive=seed % 2 == 0
+    )
+    sink = (torch.arange(seq)[None] < sinks).expand(batch, -1)
+    positions = torch.arange(seq)
+    expected = allowed_pairs(query_groups, key_groups, sink, positions, positions, window)
+    lower = torch.ones(seq, seq, dtype=torch.bool).tril()
+    assert torch.equal(pattern.causal_pattern(query_groups, key_groups, sink, window) & lower, expected)
+
+
+def test_probes_every_group_only_when_all_groups_are_probed():
+    every = torch.tensor([[[2, 0, 1], [0, 1, 2]]])
+    assert pattern.probes_every_group(every, 3)
+    assert not pattern.probes_every_group(every, 4)
+    assert not pattern.probes_every_group(every[..., :2], 3)
+    unprobed_slot = torch.tensor([[[2, 0, 1], [0, 1, 0]]])  # adaptive probing: the last slot repeats the first
+    assert not pattern.probes_every_group(unprobed_slot, 3)
 
 
 # --- model level: every backend gives the reference's logits and greedy tokens ---
