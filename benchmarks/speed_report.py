@@ -4,7 +4,8 @@
 
 Reads (whichever exist) under benchmarks/results/:
   attention_cpu.json              `focus-hf bench --json` rows (attention level, dense vs Focus, same run)
-  attention_cpu_peak_memory.json  `focus-hf bench --peak-memory --json` rows
+  attention_cpu_peak_memory.json  `focus-hf bench --peak-memory --json` rows (dense SDPA and Focus)
+  attention_cpu_auto_K*.json      `focus-hf bench --groups K --top-k 1 2 3 4 --json` rows (backend auto, per K)
   attention_cpu_decode.json       `focus-hf bench --decode --json` rows (one new token against a KV cache)
   model_prefill_*.json            `python benchmarks/model_prefill.py --json` rows (SmolLM2 end to end)
 and writes speed.md (tables + the commands recorded in the rows) and attention_speedup.png (needs matplotlib:
@@ -103,33 +104,72 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
     if (RESULTS / PLOT).is_file():
         lines += [f"![speedup vs length]({PLOT})", ""]
     lines += [
-        "| tokens | top_k | dense s | Focus s | speedup | ideal | allowed pairs | CPU-time speedup | load avg |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| tokens | top_k | dense s | Focus s | speedup | ideal | efficiency | allowed pairs | CPU-time speedup | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda row: (row["top_k"], row["seq_len"])):
         dense = "-" if row["dense_s"] is None else f"{row['dense_s']:.4f}"
         speedup = "-" if row["speedup"] is None else f"**{row['speedup']:.2f}x**"
         cpu = "-" if row["cpu_speedup"] is None else f"{row['cpu_speedup']:.2f}x"
+        efficiency = "-" if row["speedup"] is None else f"{row['speedup'] / row['ideal_speedup']:.2f}"
         lines.append(
             f"| {row['seq_len']:,} | {row['top_k']} | {dense} | {row['focus_s']:.4f} | {speedup} | {row['ideal_speedup']:.2f}x | "
-            f"{row['pairs_fraction']:.1%} | {cpu} | {row['load_avg_1m']:.2f} |"
+            f"{efficiency} | {row['pairs_fraction']:.1%} | {cpu} | {row['load_avg_1m']:.2f} |"
         )
     lines += [
         "",
-        "Median of the repetitions in the row's JSON (`repeats`); dense and Focus are timed alternately in the same loop.",
+        "Median of the repetitions in the row's JSON (`repeats`); dense and Focus are timed alternately in the same loop. "
+        "Efficiency: speedup / ideal, the ideal being causal pairs / allowed pairs (a kernel as fast per pair as dense "
+        "SDPA's that computes only the allowed pairs).",
     ]
     if memory:
         lines += [
             "",
-            "Peak resident memory of one Focus forward (fresh process, q/k/v included):",
+            "Peak resident memory of one forward, dense causal SDPA against Focus on the same inputs (each call in a "
+            "fresh process, q/k/v included):",
             "",
-            "| tokens | top_k | RSS before the call | peak RSS |",
-            "|---|---|---|---|",
+            "| tokens | variant | top_k | RSS before the call | peak RSS | added by the call |",
+            "|---|---|---|---|---|---|",
         ]
         for row in memory:
+            added = row["peak_rss_mib"] - row["rss_before_call_mib"]
             lines.append(
-                f"| {row['seq_len']:,} | {row['top_k']} | {row['rss_before_call_mib']:.0f} MiB | {row['peak_rss_mib']:.0f} MiB |"
+                f"| {row['seq_len']:,} | {row.get('variant', 'Focus')} | {row['top_k'] or '-'} | "
+                f"{row['rss_before_call_mib']:.0f} MiB | {row['peak_rss_mib']:.0f} MiB | {added:.0f} MiB |"
             )
+    return lines
+
+
+def auto_section(rows: list[dict[str, Any]], floor: float = 0.95) -> list[str]:
+    """Speedup of backend "auto" over dense SDPA per (K, top_k) and length: the "never slower than dense" check."""
+    lengths = sorted({row["seq_len"] for row in rows})
+    configs = sorted({(row["groups"], row["top_k"]) for row in rows})
+    cell = {(row["groups"], row["top_k"], row["seq_len"]): row for row in rows}
+    first = rows[0]
+    held = sum(row["speedup"] >= floor for row in rows)
+    lines = [
+        f"## Backend auto against dense SDPA, K x top_k x length (cells below {floor:.2f}x in bold)",
+        "",
+        f"w={first['window']}, {first['sinks']} sinks, {first['heads']}x{first['head_dim']} heads / {first['kv_heads']} kv, "
+        f"{first['dtype']}, {first['processor']}, {first['threads']} threads; each cell is Focus's median time "
+        "against dense's in the same loop. `auto` runs the exact pattern as one dense masked call below its measured "
+        "crossover (`dense_below`, last column) and the sparse path above; with every group probed it runs plain "
+        f"causal SDPA. {held} of {len(rows)} cells reach {floor:.2f}x.",
+        "",
+        "| K | top_k | " + " | ".join(f"{n:,}" for n in lengths) + " | dense_below |",
+        "|---|---|" + "---|" * (len(lengths) + 1),
+    ]
+    for groups, top_k in configs:
+        cells = []
+        for n in lengths:
+            row = cell.get((groups, top_k, n))
+            if row is None:
+                cells.append("-")
+                continue
+            text = f"{row['speedup']:.2f}x"
+            cells.append(text if row["speedup"] >= floor else f"**{text}**")
+        crossover = cell.get((groups, top_k, lengths[0]), {}).get("dense_below")
+        lines.append(f"| {groups} | {top_k} | " + " | ".join(cells) + f" | {crossover if crossover else '-'} |")
     return lines
 
 
@@ -186,6 +226,7 @@ def main() -> int:
     attention = read(RESULTS / "attention_cpu.json")
     memory = read(RESULTS / "attention_cpu_peak_memory.json")
     decode = read(RESULTS / "attention_cpu_decode.json")
+    auto = [row for path in sorted(RESULTS.glob("attention_cpu_auto_K*.json")) for row in read(path)]
     model = sorted(
         (row for path in RESULTS.glob("model_prefill_*.json") for row in read(path)), key=lambda row: row["seq_len"]
     )
@@ -199,11 +240,13 @@ def main() -> int:
     if attention:
         plot(attention, RESULTS / PLOT)
         lines += attention_section(attention, memory) + [""]
+    if auto:
+        lines += auto_section(auto) + [""]
     if decode:
         lines += decode_section(decode) + [""]
     if model:
         lines += model_section(model) + [""]
-    lines += ["## Commands", "", "```"] + commands(attention + memory + decode + model) + ["```", ""]
+    lines += ["## Commands", "", "```"] + commands(attention + memory + auto + decode + model) + ["```", ""]
     (RESULTS / "speed.md").write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {RESULTS / 'speed.md'}")
     return 0

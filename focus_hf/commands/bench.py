@@ -409,30 +409,46 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
     return rows
 
 
-def peak_memory_child(args: argparse.Namespace, seq_len: int, top_k: int, queue: multiprocessing.Queue) -> None:
-    """Runs in a fresh process: one Focus call; reports RSS before it and the process's peak RSS (MiB)."""
+def peak_memory_child(
+    args: argparse.Namespace, seq_len: int, top_k: Optional[int], queue: multiprocessing.Queue
+) -> None:
+    """Runs in a fresh process: one Focus call (or with top_k None one dense causal SDPA call on the same inputs);
+    reports RSS before it and the process's peak RSS (MiB)."""
     import psutil
     import torch
+    import torch.nn.functional as F
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     with torch.inference_mode():
         case = make_case(args, seq_len, device, dtype)
-        call = focus_call(args, case, top_k)
+        if top_k is None:
+            call = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                case.query, case.key, case.value, is_causal=True, enable_gqa=True
+            )
+        else:
+            call = focus_call(args, case, top_k)
         before = psutil.Process().memory_info().rss
         call()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     queue.put(
-        {"seq_len": seq_len, "top_k": top_k, "rss_before_call_mib": before / 2**20, "peak_rss_mib": peak_kib / 2**10}
+        {
+            "seq_len": seq_len,
+            "variant": "dense SDPA" if top_k is None else "Focus",
+            "top_k": top_k,
+            "rss_before_call_mib": before / 2**20,
+            "peak_rss_mib": peak_kib / 2**10,
+        }
     )
 
 
 def peak_memory_rows(args: argparse.Namespace) -> list[dict]:
+    """Peak RSS of dense causal SDPA and of Focus at each top_k, each call in a fresh process (same inputs)."""
     context = multiprocessing.get_context("spawn")
     rows = []
     for seq_len in args.seq_lens:
-        for top_k in args.top_k:
+        for top_k in [None, *args.top_k]:
             queue = context.Queue()
             process = context.Process(target=peak_memory_child, args=(args, seq_len, top_k, queue))
             process.start()
@@ -517,7 +533,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     parser.add_argument(
-        "--peak-memory", action="store_true", help="measure peak RSS of one Focus call per length instead"
+        "--peak-memory",
+        action="store_true",
+        help="measure the peak RSS of one dense SDPA call and one Focus call per length and top_k instead",
     )
     parser.add_argument(
         "--decode",

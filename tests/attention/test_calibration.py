@@ -257,3 +257,13 @@ def test_failed_measurement_falls_back_to_the_default(calibrating, monkeypatch, 
     query, key = tensors()
     assert calibration.dense_below(query, key, 2, 8, 128) == calibration.default_dense_below("cpu", 2)
     assert "calibration failed" in capsys.readouterr().err
+
+
+def test_bench_peak_memory_measures_dense_and_focus(tmp_path):
+    path = tmp_path / "memory.json"
+    argv = ["bench", "--peak-memory", "--seq-lens", "200", "--top-k", "1", "--window", "16", "--threads", "1"]
+    assert cli_main(argv + ["--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(row["variant"], row["top_k"]) for row in rows] == [("dense SDPA", None), ("Focus", 1)]
+    for row in rows:
+        assert row["peak_rss_mib"] >= row["rss_before_call_mib"] > 0
