@@ -23,8 +23,10 @@ and never produces a NaN.
 Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those queries can reach - their groups' keys,
 their window and the sinks - and runs one small attention over them (unmasked for one query). Below
 `calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
-one dense masked call; so does every backend when the model's mask is more than causal + padding (sliding-window
-layers), since the fast paths read only the key padding from it.
+one dense masked call (its mask built by `pattern.causal_pattern` for square calls, the kernel's causal flag doing
+the rest); so does every backend when the model's mask is more than causal + padding (sliding-window layers), since
+the fast paths read only the key padding from it. When every query probes all K groups, the pattern is causal
+attention, and one causal SDPA call runs it.
 
 Forward only: the attention kernels' backward ignores the gradient of the log-sum-exp they return, which the
 merge depends on, so `attention.focus_attention_forward` sends calls that need gradients to the reference path.
