@@ -49,7 +49,7 @@ from focus_hf.attention.partials import (
     gather_tokens,
     hidden_bias,
     local_part,
-    merge_partials,
+    merge_into,
     probe_part,
     sink_part,
 )
@@ -77,18 +77,18 @@ def sparse_attention(
     scaling: float,
     kernel: Kernel,
 ) -> torch.Tensor:
-    """Sets A and B merged: [batch, q, heads, dim]."""
+    """Sets A and B merged: [batch, q, heads, dim]. Each part of B is folded into A's result as soon as it is
+    computed, so that at most one partial result is held beside it (memory)."""
     valid = key_valid
     if valid is None:
         valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool, device=query.device)
-    same_group = probe_part(query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel)
-    outputs, lses = [same_group[0]], [same_group[1]]
+    output, lse = probe_part(query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel)
     sinks = sink_part(query, key, value, query_groups, key_groups, key_sink, window, scaling)
     if sinks is not None:
-        outputs.append(sinks[0])
-        lses.append(sinks[1])
+        merge_into(output, lse, *sinks)
+    del sinks
     local = local_part(query, key, value, key_valid, query_groups, key_groups, window, scaling, kernel)
-    output, _ = merge_partials(outputs + [local[0]], lses + [local[1]])
+    merge_into(output, lse, *local)
     return output.to(query.dtype)
 
 

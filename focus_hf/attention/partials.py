@@ -48,15 +48,21 @@ def few_query_attention(
     return torch.matmul(probs, value).view(batch, heads, q_len, dim)
 
 
+def merge_into(output: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold a partial over a disjoint key set (part [..., dim], part_lse [...]) into float32 `output` and `lse`, in
+    place: o = o * exp(lse - total) + part * exp(part_lse - total), lse = total = logaddexp(lse, part_lse)."""
+    total = torch.logaddexp(lse, part_lse.float())
+    output.mul_(torch.exp(lse - total).unsqueeze(-1)).addcmul_(part, torch.exp(part_lse - total).unsqueeze(-1))
+    lse.copy_(total)
+
+
 def merge_partials(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the union of disjoint key sets from per-set results [..., dim] and log-sum-exps [...]:
-    o = sum_p o_p * exp(lse_p - lse), lse = logsumexp_p lse_p. Accumulates in float32, one pass per partial."""
-    total = lses[0].float()
-    for lse in lses[1:]:
-        total = torch.logaddexp(total, lse.float())
-    merged = outputs[0].float() * torch.exp(lses[0] - total).unsqueeze(-1)
+    float32 output and log-sum-exp, folded one partial at a time (`merge_into`)."""
+    merged = outputs[0].float().clone(memory_format=torch.contiguous_format)
+    total = lses[0].float().clone(memory_format=torch.contiguous_format)
     for output, lse in zip(outputs[1:], lses[1:]):
-        merged.addcmul_(output, torch.exp(lse - total).unsqueeze(-1))
+        merge_into(merged, total, output, lse)
     return merged, total
 
 
@@ -254,10 +260,10 @@ class SortedTokens:
         starts = [0] + counts.cumsum(0).tolist()
         return cls(flat[order], code[order], starts, m)
 
-    def gather(self, states: torch.Tensor) -> torch.Tensor:
-        """States [batch, heads, n, dim] of the sorted entries' tokens: [1, heads, count, dim]."""
+    def gather(self, states: torch.Tensor, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """States [batch, heads, n, dim] of the tokens of sorted entries start .. end - 1: [1, heads, count, dim]."""
         n = states.shape[2]
-        token = self.flat // self.entries
+        token = self.flat[start:end] // self.entries
         return gather_tokens(states, (token // n)[None], (token % n)[None])
 
 
@@ -303,47 +309,41 @@ def probe_part(
         probed[..., 0] = True
         query_valid = query_valid[..., None] & probed
     queries = SortedTokens.build(probe_groups, query_valid, num_groups, first_query, kv_len)
-    sorted_keys, sorted_values = keys.gather(key), keys.gather(value)
-    sorted_queries = queries.gather(query)
     # Keys of the entry's segment at or before it: codes share the segment prefix, so one search finds them.
     segment_start = torch.tensor(keys.starts[:-1], device=device)
     reach = torch.searchsorted(keys.code, queries.code, right=True)
     reach -= segment_start[queries.code // kv_len]
     reach_list = reach.tolist()
-    # Every entry is written below, by a call or as an empty set.
-    output = query.new_empty(len(reach_list), heads, dim, dtype=torch.float32)
-    lse = query.new_empty(len(reach_list), heads, dtype=torch.float32)
+    # Results go straight to their entries' places; entries without keys (padding queries, unprobed slots, queries
+    # before their segment's first key) keep an empty set. Queries are gathered per chunk and keys per segment, so
+    # that no sorted copy of all queries, keys or results is held at once (memory).
+    entries = batch * q_len * top_k
+    full_output = query.new_zeros(entries, heads, dim, dtype=torch.float32)
+    full_lse = query.new_full((entries, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
     for segment in range(batch * num_groups):
-        key_start = keys.starts[segment]
+        segment_keys = segment_values = None
         for start in range(queries.starts[segment], queries.starts[segment + 1], PROBE_CHUNK):
             end = min(start + PROBE_CHUNK, queries.starts[segment + 1])
             first_reach, last_reach = reach_list[start], reach_list[end - 1]
             if last_reach == 0:  # no key of this segment is old enough yet: an empty set
-                output[start:end] = 0.0
-                lse[start:end] = torch.finfo(torch.float32).min
                 continue
+            if segment_keys is None:
+                segment_keys = keys.gather(key, keys.starts[segment], keys.starts[segment + 1])
+                segment_values = keys.gather(value, keys.starts[segment], keys.starts[segment + 1])
             bias = None
             if first_reach < last_reach:
                 visible = torch.arange(last_reach, device=device) < reach[start:end, None]
                 bias = hidden_bias(visible[None, None], query.dtype)
             part, part_lse = kernel(
-                sorted_queries[:, :, start:end],
-                sorted_keys[:, :, key_start : key_start + last_reach],
-                sorted_values[:, :, key_start : key_start + last_reach],
+                queries.gather(query, start, end),
+                segment_keys[:, :, :last_reach],
+                segment_values[:, :, :last_reach],
                 causal=False,
                 bias=bias,
                 scale=scaling,
             )
-            output[start:end] = part[0].transpose(0, 1)
-            lse[start:end] = part_lse[0].transpose(0, 1)
-    entries = batch * q_len * top_k
-    if len(reach_list) == entries:  # no padding: every entry is sorted somewhere, one gather puts them back
-        inverse = torch.empty_like(queries.flat)
-        inverse[queries.flat] = torch.arange(entries, device=device)
-        full_output, full_lse = output.index_select(0, inverse), lse.index_select(0, inverse)
-    else:  # padding queries and unprobed slots have no entries: an empty set
-        full_output = output.new_zeros(entries, heads, dim).index_copy_(0, queries.flat, output)
-        full_lse = lse.new_full((entries, heads), torch.finfo(torch.float32).min).index_copy_(0, queries.flat, lse)
+            full_output.index_copy_(0, queries.flat[start:end], part[0].transpose(0, 1).float())
+            full_lse.index_copy_(0, queries.flat[start:end], part_lse[0].transpose(0, 1).float())
     full_output = full_output.view(batch, q_len, top_k, heads, dim)
     full_lse = full_lse.view(batch, q_len, top_k, heads)
     if top_k == 1:
