@@ -101,6 +101,13 @@ def time_call(function: Callable[[], torch.Tensor]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def dense_call(case: Case) -> Callable[[], torch.Tensor]:
+    """The baseline: dense causal SDPA (GQA) on the case's q/k/v."""
+    import torch.nn.functional as F
+
+    return lambda: F.scaled_dot_product_attention(case.query, case.key, case.value, is_causal=True, enable_gqa=True)
+
+
 def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[], torch.Tensor]:
     import torch
 
@@ -169,14 +176,9 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    import torch.nn.functional as F
-
     case = make_case(args, seq_len, device, dtype)
     skip = dense_skip_reason(args, seq_len, dtype, device)
-
-    def dense() -> torch.Tensor:
-        return F.scaled_dot_product_attention(case.query, case.key, case.value, is_causal=True, enable_gqa=True)
-
+    dense = dense_call(case)
     calls = {top_k: focus_call(args, case, top_k) for top_k in args.top_k}
     crossovers = {top_k: crossover_used(args, case, top_k, "shared") for top_k in args.top_k}
     dense_times: list[tuple[float, float]] = []
@@ -416,19 +418,13 @@ def peak_memory_child(
     reports RSS before it and the process's peak RSS (MiB)."""
     import psutil
     import torch
-    import torch.nn.functional as F
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     with torch.inference_mode():
         case = make_case(args, seq_len, device, dtype)
-        if top_k is None:
-            call = lambda: F.scaled_dot_product_attention(  # noqa: E731
-                case.query, case.key, case.value, is_causal=True, enable_gqa=True
-            )
-        else:
-            call = focus_call(args, case, top_k)
+        call = dense_call(case) if top_k is None else focus_call(args, case, top_k)
         before = psutil.Process().memory_info().rss
         call()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
