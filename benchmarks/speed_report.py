@@ -126,16 +126,26 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
         lines += [
             "",
             "Peak resident memory of one forward, dense causal SDPA against Focus on the same inputs (each call in a "
-            "fresh process, q/k/v included):",
+            "fresh process, q/k/v included; where the row says so, the process's peak was reset just before the call, "
+            "so that building the inputs does not count):",
             "",
-            "| tokens | variant | top_k | RSS before the call | peak RSS | added by the call |",
-            "|---|---|---|---|---|---|",
+            "| tokens | variant | top_k | RSS before the call | peak RSS | added by the call | vs dense | peak reset |",
+            "|---|---|---|---|---|---|---|---|",
         ]
+        dense_added = {
+            row["seq_len"]: row["peak_rss_mib"] - row["rss_before_call_mib"]
+            for row in memory
+            if row.get("variant") == "dense SDPA"
+        }
         for row in memory:
             added = row["peak_rss_mib"] - row["rss_before_call_mib"]
+            baseline = dense_added.get(row["seq_len"])
+            ratio = f"{added / baseline:.2f}x" if baseline else "-"
+            reset = {True: "yes", False: "no"}.get(row.get("peak_reset_before_call"), "-")
             lines.append(
                 f"| {row['seq_len']:,} | {row.get('variant', 'Focus')} | {row['top_k'] or '-'} | "
-                f"{row['rss_before_call_mib']:.0f} MiB | {row['peak_rss_mib']:.0f} MiB | {added:.0f} MiB |"
+                f"{row['rss_before_call_mib']:.0f} MiB | {row['peak_rss_mib']:.0f} MiB | {added:.0f} MiB | {ratio} | "
+                f"{reset} |"
             )
     return lines
 

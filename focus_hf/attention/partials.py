@@ -1,6 +1,6 @@
 """The partial attentions the fast hard-mode path is made of, each over one disjoint set of keys.
 
-Each returns an output and its log-sum-exp, so that `merge_partials` combines them exactly; `fast.py` describes the
+Each returns an output and its log-sum-exp, so that `merge_into` folds them together exactly; `fast.py` describes the
 split. Hidden keys carry finfo.min rather than -inf: a partial without visible keys then has a log-sum-exp near
 finfo.min, gets weight 0 in the merge and never produces a NaN.
 """
@@ -54,16 +54,6 @@ def merge_into(output: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part
     total = torch.logaddexp(lse, part_lse.float())
     output.mul_(torch.exp(lse - total).unsqueeze(-1)).addcmul_(part, torch.exp(part_lse - total).unsqueeze(-1))
     lse.copy_(total)
-
-
-def merge_partials(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention over the union of disjoint key sets from per-set results [..., dim] and log-sum-exps [...]:
-    float32 output and log-sum-exp, folded one partial at a time (`merge_into`)."""
-    merged = outputs[0].float().clone(memory_format=torch.contiguous_format)
-    total = lses[0].float().clone(memory_format=torch.contiguous_format)
-    for output, lse in zip(outputs[1:], lses[1:]):
-        merge_into(merged, total, output, lse)
-    return merged, total
 
 
 def sink_slots(key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,39 +303,47 @@ def probe_part(
     segment_start = torch.tensor(keys.starts[:-1], device=device)
     reach = torch.searchsorted(keys.code, queries.code, right=True)
     reach -= segment_start[queries.code // kv_len]
-    reach_list = reach.tolist()
-    # Results go straight to their entries' places; entries without keys (padding queries, unprobed slots, queries
-    # before their segment's first key) keep an empty set. Queries are gathered per chunk and keys per segment, so
-    # that no sorted copy of all queries, keys or results is held at once (memory).
-    entries = batch * q_len * top_k
-    full_output = query.new_zeros(entries, heads, dim, dtype=torch.float32)
-    full_lse = query.new_full((entries, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
-    for segment in range(batch * num_groups):
-        segment_keys = segment_values = None
-        for start in range(queries.starts[segment], queries.starts[segment + 1], PROBE_CHUNK):
-            end = min(start + PROBE_CHUNK, queries.starts[segment + 1])
-            first_reach, last_reach = reach_list[start], reach_list[end - 1]
-            if last_reach == 0:  # no key of this segment is old enough yet: an empty set
-                continue
-            if segment_keys is None:
-                segment_keys = keys.gather(key, keys.starts[segment], keys.starts[segment + 1])
-                segment_values = keys.gather(value, keys.starts[segment], keys.starts[segment + 1])
-            bias = None
-            if first_reach < last_reach:
-                visible = torch.arange(last_reach, device=device) < reach[start:end, None]
-                bias = hidden_bias(visible[None, None], query.dtype)
-            part, part_lse = kernel(
-                queries.gather(query, start, end),
-                segment_keys[:, :, :last_reach],
-                segment_values[:, :, :last_reach],
-                causal=False,
-                bias=bias,
-                scale=scaling,
-            )
-            full_output.index_copy_(0, queries.flat[start:end], part[0].transpose(0, 1).float())
-            full_lse.index_copy_(0, queries.flat[start:end], part_lse[0].transpose(0, 1).float())
-    full_output = full_output.view(batch, q_len, top_k, heads, dim)
-    full_lse = full_lse.view(batch, q_len, top_k, heads)
-    if top_k == 1:
-        return full_output[:, :, 0], full_lse[:, :, 0]
-    return merge_partials(list(full_output.unbind(2)), list(full_lse.unbind(2)))
+    chunks = [
+        (segment, start, min(start + PROBE_CHUNK, queries.starts[segment + 1]))
+        for segment in range(batch * num_groups)
+        for start in range(queries.starts[segment], queries.starts[segment + 1], PROBE_CHUNK)
+    ]
+    # The host needs only each chunk's first and last reach (a list of every entry's would be ~36 bytes per entry).
+    ends = torch.tensor([[start, end - 1] for _, start, end in chunks], dtype=torch.long, device=device)
+    chunk_reach = reach[ends.view(-1)].view(-1, 2).tolist()
+    # Results go straight to their queries' rows: a query's entries lie in distinct segments (its probed groups are
+    # distinct), so a chunk holds at most one entry per query and, with top_k > 1, each is folded into what the
+    # query's earlier segments left. Rows without keys (padding queries, queries before their segment's first key)
+    # keep an empty set. Queries are gathered per chunk and keys per segment, so that no sorted copy of all queries,
+    # keys or results is held at once (memory).
+    output = query.new_zeros(batch * q_len, heads, dim, dtype=torch.float32)
+    lse = query.new_full((batch * q_len, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
+    keys_of = None
+    for (segment, start, end), (first_reach, last_reach) in zip(chunks, chunk_reach):
+        if last_reach == 0:  # no key of this segment is old enough yet: an empty set
+            continue
+        if keys_of != segment:
+            keys_of, segment_keys, segment_values = segment, None, None  # the last segment's freed first
+            segment_keys = keys.gather(key, keys.starts[segment], keys.starts[segment + 1])
+            segment_values = keys.gather(value, keys.starts[segment], keys.starts[segment + 1])
+        bias = None
+        if first_reach < last_reach:
+            visible = torch.arange(last_reach, device=device) < reach[start:end, None]
+            bias = hidden_bias(visible[None, None], query.dtype)
+        part, part_lse = kernel(
+            queries.gather(query, start, end),
+            segment_keys[:, :, :last_reach],
+            segment_values[:, :, :last_reach],
+            causal=False,
+            bias=bias,
+            scale=scaling,
+        )
+        rows = queries.flat[start:end] // top_k
+        part, part_lse = part[0].transpose(0, 1).float(), part_lse[0].transpose(0, 1).float()
+        if top_k > 1:
+            row_output, row_lse = output.index_select(0, rows), lse.index_select(0, rows)
+            merge_into(row_output, row_lse, part, part_lse)
+            part, part_lse = row_output, row_lse
+        output.index_copy_(0, rows, part)
+        lse.index_copy_(0, rows, part_lse)
+    return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads)

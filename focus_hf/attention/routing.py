@@ -266,7 +266,7 @@ def route_tokens(
     )
     new_state = RoutingState(
         seen=state.seen + scores.shape[1],
-        valid_count=state.valid_count + valid.long().sum(dim=1),
+        valid_count=state.valid_count + valid.sum(dim=1),
         column_lse=column_lse,
         key_probs=torch.cat([state.key_probs, log_probs.exp()], dim=1),
         key_groups=torch.cat([state.key_groups, key_groups], dim=1),
@@ -277,6 +277,8 @@ def route_tokens(
 
 def _sinks(valid: torch.Tensor, state: RoutingState, sink_tokens: int) -> torch.Tensor:
     """[batch, seq] whether each new token is one of its sequence's first `sink_tokens` real tokens."""
+    if valid.shape[1] == 1:  # a decoding step: a real token's rank is the count before it (fewer passes)
+        return valid & (state.valid_count[:, None] < sink_tokens)
     rank = state.valid_count[:, None] + valid.long().cumsum(dim=1) - 1
     return valid & (rank < sink_tokens)
 
@@ -324,7 +326,7 @@ def defer_tokens(
     new_state = dataclasses.replace(
         state,
         seen=state.seen + seq,
-        valid_count=state.valid_count + valid.long().sum(dim=1),
+        valid_count=state.valid_count + valid.sum(dim=1),
         key_groups=torch.cat([state.key_groups, unknown], dim=1),
         key_sink=torch.cat([state.key_sink, sink], dim=1),
         pending_hidden=waiting,

@@ -202,12 +202,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
     def _routing_state(
         self, cache: Any, adapter_name: str, batch: int, settings: RouterSettings, device: torch.device
     ) -> RoutingState:
-        empty = RoutingState.empty(batch, settings.sinkhorn_iterations, settings.num_groups, device)
-        if cache is None:
-            return empty
-        cached_tokens = cache.get_seq_length(getattr(self.base_layer, "layer_idx", 0))
+        cached_tokens = 0 if cache is None else cache.get_seq_length(getattr(self.base_layer, "layer_idx", 0))
         if cached_tokens == 0:
-            return empty
+            return RoutingState.empty(batch, settings.sinkhorn_iterations, settings.num_groups, device)
         state = getattr(cache, _CACHE_ATTRIBUTE, {}).get((adapter_name, self.layer_index))
         if state is None or state.seen != cached_tokens or state.valid_count.shape[0] != batch:
             raise FocusRuntimeError(

@@ -5,6 +5,7 @@ lengths that checks only that it returns a length it measured."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -267,3 +268,5 @@ def test_bench_peak_memory_measures_dense_and_focus(tmp_path):
     assert [(row["variant"], row["top_k"]) for row in rows] == [("dense SDPA", None), ("Focus", 1)]
     for row in rows:
         assert row["peak_rss_mib"] >= row["rss_before_call_mib"] > 0
+        # The setup's own peak (inputs, routing) must not count as the call's.
+        assert row["peak_reset_before_call"] is sys.platform.startswith("linux")

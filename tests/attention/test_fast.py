@@ -93,6 +93,7 @@ def cases(draw):
         token_major=draw(st.booleans()),
         local_block=draw(st.sampled_from([1, 4, 16, 64])),
         probe_chunk=draw(st.sampled_from([1, 5, 256])),
+        stream_rows=draw(st.sampled_from([3, 16, 4096])),
         direct_gather=draw(st.sampled_from([0, 4096])),
         separate=draw(st.booleans()),
         adaptive=draw(st.booleans()),
@@ -159,6 +160,7 @@ def test_fast_equals_dense_oracle(case):
     with (
         mock.patch.object(partials, "LOCAL_BLOCK", case["local_block"]),
         mock.patch.object(partials, "PROBE_CHUNK", case["probe_chunk"]),
+        mock.patch.object(fast, "STREAM_ROWS", case["stream_rows"]),
         mock.patch.object(fast, "DIRECT_GATHER_MAX", case["direct_gather"]),
         mock.patch.dict(os.environ, crossover),
     ):
@@ -209,11 +211,23 @@ def test_auto_below_crossover_runs_dense_masked():
 
 def test_merge_of_empty_partials_is_finite():
     empty = torch.full((2, 3), torch.finfo(torch.float32).min)
-    outputs = [torch.randn(2, 3, 4), torch.randn(2, 3, 4)]
-    merged, _ = partials.merge_partials(outputs, [empty, torch.zeros(2, 3)])
-    torch.testing.assert_close(merged, outputs[1])
-    merged, _ = partials.merge_partials(outputs, [empty, empty])
-    assert torch.isfinite(merged).all()
+    part = torch.randn(2, 3, 4)
+    output, lse = torch.zeros(2, 3, 4), empty.clone()
+    partials.merge_into(output, lse, part, torch.zeros(2, 3))  # into an empty set: the part itself
+    torch.testing.assert_close(output, part)
+    torch.testing.assert_close(lse, torch.zeros(2, 3))
+    output, lse = torch.zeros(2, 3, 4), empty.clone()
+    partials.merge_into(output, lse, part, empty)  # two empty sets: finite
+    assert torch.isfinite(output).all() and torch.isfinite(lse).all()
+
+
+def test_merge_weighs_parts_by_their_mass():
+    # Two disjoint key sets of masses e^0 and e^1: the merged output is their softmax-weighted mean.
+    output, lse = torch.ones(1, 4), torch.zeros(1)
+    partials.merge_into(output, lse, torch.full((1, 4), 3.0), torch.ones(1))
+    weight = torch.sigmoid(torch.tensor(1.0))
+    torch.testing.assert_close(output, torch.full((1, 4), float(1 - weight + 3 * weight)))
+    torch.testing.assert_close(lse, torch.logaddexp(torch.zeros(1), torch.ones(1)))
 
 
 @settings(max_examples=30, deadline=None)
