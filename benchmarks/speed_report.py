@@ -7,7 +7,7 @@ Reads (whichever exist) under benchmarks/results/:
   attention_cpu_peak_memory.json  `focus-hf bench --peak-memory --json` rows (dense SDPA and Focus)
   attention_cpu_auto_K*.json      `focus-hf bench --groups K --top-k 1 2 3 4 --json` rows (backend auto, per K)
   attention_cpu_decode.json       `focus-hf bench --decode --json` rows (one new token against a KV cache)
-  model_prefill_*.json            `python benchmarks/model_prefill.py --json` rows (SmolLM2 end to end)
+  model_prefill*.json             `python benchmarks/model_prefill.py --json` rows (SmolLM2 end to end)
 and writes speed.md (tables + the commands recorded in the rows) and attention_speedup.png (needs matplotlib:
 `pip install 'focus-hf[bench]'`). Nothing here is measured or typed in by hand: every figure comes from the JSON.
 """
@@ -238,7 +238,7 @@ def main() -> int:
     decode = read(RESULTS / "attention_cpu_decode.json")
     auto = [row for path in sorted(RESULTS.glob("attention_cpu_auto_K*.json")) for row in read(path)]
     model = sorted(
-        (row for path in RESULTS.glob("model_prefill_*.json") for row in read(path)), key=lambda row: row["seq_len"]
+        (row for path in RESULTS.glob("model_prefill*.json") for row in read(path)), key=lambda row: row["seq_len"]
     )
     lines = [
         "# Speed of Focus hard mode on this CPU",
