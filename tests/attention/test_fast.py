@@ -94,6 +94,7 @@ def cases(draw):
         local_block=draw(st.sampled_from([1, 4, 16, 64])),
         probe_chunk=draw(st.sampled_from([1, 5, 256])),
         stream_rows=draw(st.sampled_from([3, 16, 4096])),
+        split_min_keys=draw(st.sampled_from([1, 8, 1024])),
         direct_gather=draw(st.sampled_from([0, 4096])),
         separate=draw(st.booleans()),
         adaptive=draw(st.booleans()),
@@ -161,6 +162,7 @@ def test_fast_equals_dense_oracle(case):
         mock.patch.object(partials, "LOCAL_BLOCK", case["local_block"]),
         mock.patch.object(partials, "PROBE_CHUNK", case["probe_chunk"]),
         mock.patch.object(fast, "STREAM_ROWS", case["stream_rows"]),
+        mock.patch.object(partials, "SPLIT_MIN_KEYS", case["split_min_keys"]),
         mock.patch.object(fast, "DIRECT_GATHER_MAX", case["direct_gather"]),
         mock.patch.dict(os.environ, crossover),
     ):
