@@ -37,7 +37,7 @@ CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
 CACHE_FILE = "crossover.json"
 # Bumped whenever the speed of the sparse or the dense masked path changes, so that older crossovers are re-measured.
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]

@@ -9,8 +9,10 @@ A (`partials.probe_part`): keys are sorted by their group and query entries (one
 they probe, each in position order; a query entry sees a prefix of its segment's keys, so each segment's entries
 go in chunks, one non-causal call per chunk over the keys the chunk reaches, masked only on the staircase between
 its first and last entry's reach (past `partials.SPLIT_MIN_KEYS` keys, the keys every entry sees go in an unmasked
-call with each kv head's query heads folded into the query axis, and the staircase in a second, small one). The
-same code serves top-1 and top-k, shared and separate query routers, and chunked prefill after a KV cache. No local
+call with each kv head's query heads folded into the query axis, and the staircase in a second, small one). Where a
+segment's entries are its own newest keys (own-group routing: every entry at top_k = 1, the first at top_k > 1),
+the staircase is a causal square and the chunk needs no mask at all. The same code serves top-1 and top-k, shared and
+separate query routers, and chunked prefill after a KV cache. No local
 pair has to be taken out of A (a call could not express "j < i - w") because B leaves the same-group pairs out
 instead.
 

@@ -18,7 +18,7 @@ import focus_hf
 import focus_hf.attention.fast as fast
 import focus_hf.attention.partials as partials
 import focus_hf.attention.pattern as pattern
-from focus_hf.attention.backends import BackendUnavailableError, flash_attn_function
+from focus_hf.attention.backends import BackendUnavailableError, cpu_kernel, flash_attn_function
 from focus_hf.attention.calibration import CROSSOVER_ENV
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
@@ -95,6 +95,7 @@ def cases(draw):
         probe_chunk=draw(st.sampled_from([1, 5, 256])),
         stream_rows=draw(st.sampled_from([3, 16, 4096])),
         split_min_keys=draw(st.sampled_from([1, 8, 1024])),
+        causal_chunk=draw(st.sampled_from([1, 6, 4096])),
         direct_gather=draw(st.sampled_from([0, 4096])),
         separate=draw(st.booleans()),
         adaptive=draw(st.booleans()),
@@ -163,6 +164,7 @@ def test_fast_equals_dense_oracle(case):
         mock.patch.object(partials, "PROBE_CHUNK", case["probe_chunk"]),
         mock.patch.object(fast, "STREAM_ROWS", case["stream_rows"]),
         mock.patch.object(partials, "SPLIT_MIN_KEYS", case["split_min_keys"]),
+        mock.patch.object(partials, "CAUSAL_CHUNK", case["causal_chunk"]),
         mock.patch.object(fast, "DIRECT_GATHER_MAX", case["direct_gather"]),
         mock.patch.dict(os.environ, crossover),
     ):
@@ -209,6 +211,47 @@ def test_general_mask_runs_dense_with_the_models_mask():
 def test_auto_below_crossover_runs_dense_masked():
     output, reference, rows = run_case(BASE_CASE, backend="auto")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+
+
+def test_consecutive_segments_are_own_group_top_1_entries():
+    generator = torch.Generator().manual_seed(5)
+    own, _ = random_routing(generator, 1, 64, 4, 1, "none")
+    valid = torch.ones(1, 64, dtype=torch.bool)
+    keys = partials.SortedTokens.build(own, valid, 4, 0, 64)
+    reach = torch.searchsorted(keys.code, keys.code, right=True) - torch.tensor(keys.starts[:-1])[keys.code // 64]
+    assert partials.consecutive_segments(reach, keys.starts) == [True] * 4
+    # A query router's entries skip keys of their segment: staircases, not causal squares.
+    separate, _ = random_routing(generator, 1, 64, 4, 1, "none")
+    queries = partials.SortedTokens.build(separate, valid, 4, 0, 64)
+    reach = torch.searchsorted(keys.code, queries.code, right=True) - torch.tensor(keys.starts[:-1])[queries.code // 64]
+    assert partials.consecutive_segments(reach, queries.starts) != [True] * 4
+    assert partials.consecutive_segments(reach[:0], [0, 0, 0]) == [False, False]
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_own_group_entries_run_as_unmasked_causal_squares(top_k):
+    generator = torch.Generator().manual_seed(6)
+    seq, heads, kv_heads = 300, 6, 2
+    groups, _ = random_routing(generator, 1, seq, 3, top_k, "none")
+    query = states(generator, 1, heads, seq, 8, True)
+    key, value = (states(generator, 1, kv_heads, seq, 8, True) for _ in range(2))
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["causal"], kwargs["bias"] is None))
+        return cpu_kernel(*args, **kwargs)
+
+    valid = torch.ones(1, seq, dtype=torch.bool)
+    arguments = (query, key, value, valid, groups, groups[..., 0], 3, SCALING)
+    with mock.patch.object(partials, "CAUSAL_CHUNK", 16):  # segments of ~100 entries: several chunks each
+        output, lse = partials.probe_part(*arguments, spy)
+    # Top-1: every call unmasked; top-2: the second probes' staircases are masked.
+    assert any(causal and unmasked for causal, unmasked in calls)
+    assert all(unmasked for _, unmasked in calls) == (top_k == 1)
+    with mock.patch.object(partials, "consecutive_segments", lambda reach, starts: [False] * (len(starts) - 1)):
+        staircase, staircase_lse = partials.probe_part(*arguments, cpu_kernel)
+    torch.testing.assert_close(output, staircase, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, staircase_lse, atol=ATOL, rtol=0)
 
 
 def test_merge_of_empty_partials_is_finite():
