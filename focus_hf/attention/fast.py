@@ -91,23 +91,48 @@ def sparse_attention(
     valid = key_valid
     if valid is None:
         valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool, device=query.device)
-    output, lse = probe_part(query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel)
+    output, lse, sinks_done = probe_part(
+        query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel, key_sink, window
+    )
     q_len, first_query = query.shape[2], key.shape[2] - query.shape[2]
+    sink_rows = q_len  # the queries that may have sink pairs left: set A did those of the queries it marks
+    if sinks_done is not None:
+        pending = (~sinks_done).any(dim=0).nonzero()
+        sink_rows = int(pending[-1]) + 1 if len(pending) else 0
+    # Rows start .. end - 1 see keys up to first_query + end only; both parts read kv_len - q_len as the first
+    # query's position, so slicing queries and keys alike is exact.
+    for start in range(0, sink_rows, STREAM_ROWS):
+        end = min(start + STREAM_ROWS, sink_rows)
+        keys_end = first_query + end
+        sinks = sink_part(
+            query[:, :, start:end],
+            key[:, :, :keys_end],
+            value[:, :, :keys_end],
+            query_groups[:, start:end],
+            key_groups[:, :keys_end],
+            key_sink[:, :keys_end],
+            window,
+            scaling,
+            None if sinks_done is None else sinks_done[:, start:end],
+        )
+        if sinks is not None:
+            merge_into(output[:, start:end], lse[:, start:end], *sinks)
+        del sinks
     for start in range(0, q_len, STREAM_ROWS):
-        # Rows start .. end - 1 see keys up to first_query + end only; both parts read kv_len - q_len as the first
-        # query's position, so slicing queries and keys alike is exact.
         end = min(start + STREAM_ROWS, q_len)
         keys_end = first_query + end
-        rows = (query[:, :, start:end], key[:, :, :keys_end], value[:, :, :keys_end])
-        row_groups, row_key_groups = query_groups[:, start:end], key_groups[:, :keys_end]
-        row_output, row_lse = output[:, start:end], lse[:, start:end]
-        sinks = sink_part(*rows, row_groups, row_key_groups, key_sink[:, :keys_end], window, scaling)
-        if sinks is not None:
-            merge_into(row_output, row_lse, *sinks)
-        del sinks
-        row_valid = None if key_valid is None else key_valid[:, :keys_end]
-        local = local_part(*rows, row_valid, row_groups, row_key_groups, window, scaling, kernel)
-        merge_into(row_output, row_lse, *local)
+        local = local_part(
+            query[:, :, start:end],
+            key[:, :, :keys_end],
+            value[:, :, :keys_end],
+            None if key_valid is None else key_valid[:, :keys_end],
+            query_groups[:, start:end],
+            key_groups[:, :keys_end],
+            window,
+            scaling,
+            kernel,
+        )
+        merge_into(output[:, start:end], lse[:, start:end], *local)
         del local
     return output.to(query.dtype)
 

@@ -174,8 +174,10 @@ def sink_part(
     key_sink: torch.Tensor,
     window: int,
     scaling: float,
+    done: Optional[torch.Tensor] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Set B's sink pairs: sinks farther than `window` whose group the query does not probe.
+    """Set B's sink pairs: sinks farther than `window` whose group the query does not probe (and, `done` [batch, q]
+    given, not for the queries it marks: `probe_part` included their sink pairs).
 
     A handful of keys: two small matmuls instead of an attention kernel, whose per-row overhead would dominate.
     Every query head is scored against the sinks of every kv head (a kv_heads-fold waste on a tiny product) so
@@ -191,6 +193,8 @@ def sink_part(
         return None
     distance = pair_distance(torch.arange(kv_len - q_len, kv_len, device=device), sink_index)  # [batch, q, sinks]
     visible = (distance > window) & sink_used[:, None, :] & ~probes(query_groups, key_groups.gather(1, sink_index))
+    if done is not None:
+        visible &= ~done[:, :, None]
     sample = torch.arange(batch, device=device)[:, None]
     sink_keys = gather_tokens(key, sample, sink_index).float() * scaling  # [batch, kv_heads, sinks, dim]
     sink_values = gather_tokens(value, sample, sink_index).float()
@@ -276,10 +280,15 @@ class SortedTokens:
         starts = [0] + counts.cumsum(0).tolist()
         return cls(flat[order], code[order], starts, m)
 
-    def gather(self, states: torch.Tensor, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
-        """States [batch, heads, n, dim] of the tokens of sorted entries start .. end - 1: [1, heads, count, dim]."""
+    def gather(
+        self, states: torch.Tensor, start: int = 0, end: Optional[int] = None, before: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """States [batch, heads, n, dim] of the tokens of sorted entries start .. end - 1: [1, heads, count, dim],
+        after those of the tokens `before` (flat sample * n + token indices), if given, in one gather."""
         n = states.shape[2]
         token = self.flat[start:end] // self.entries
+        if before is not None:
+            token = torch.cat([before, token])
         return gather_tokens(states, (token // n)[None], (token % n)[None])
 
 
@@ -377,7 +386,9 @@ def probe_part(
     num_groups: int,
     scaling: float,
     kernel: Kernel,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    key_sink: Optional[torch.Tensor] = None,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Set A: every pair (i, j), j <= i, whose key group is one of the groups query i probes.
 
     Keys are sorted by their own group and query entries (one per probed group) by the group they probe, each in
@@ -391,14 +402,22 @@ def probe_part(
     distinct, so their key sets are disjoint). Chunks also beat one causal call per segment on CPU, whose kernel
     runs short causal calls at up to half its speed per pair.
 
+    Sinks ride along at top_k = 1 (`key_sink` given): a segment of own-group entries is gathered with the sample's
+    sinks of other groups in front, and a chunk whose entries all lie more than `window` past those sinks sees them
+    in its unmasked prefix call - set B's sink pairs of its queries, at the cost of a few more keys per call instead
+    of a separate pass over every query (`sink_part`, memory-bound).
+
     Args:
         probe_groups: [batch, q, top_k] the groups each query probes (the queries are the last q keys): distinct,
             except that a slot repeating the first group is not probed (`routing.probed_groups`).
         key_groups: [batch, kv] each key's own group.
         key_valid: [batch, kv] False for padding keys (padding queries get an empty set).
+        key_sink: [batch, kv] the sink keys, or None: no sink rides along.
+        window: local window w (sinks closer than w are set B's local pairs).
 
     Returns:
-        float32 output [batch, q, heads, dim] and lse [batch, q, heads].
+        float32 output [batch, q, heads, dim], lse [batch, q, heads], and bool [batch, q] marking the queries whose
+        sink pairs (set B's) are already included, or None when none are.
     """
     batch, heads, q_len, dim = query.shape
     kv_len, device = key.shape[2], query.device
@@ -427,17 +446,27 @@ def probe_part(
         for entries in entry_sets
     ]
     consecutive = [consecutive_segments(reach, entries.starts) for reach, entries in zip(reaches, entry_sets)]
-    chunks = []  # (segment, entry set, first entry, end, consecutive), a segment's entry sets one after the other
+    riders = [None] * (batch * num_groups)
+    if top_k == 1 and key_sink is not None:
+        riders = sink_riders(key_sink, key_groups, entry_sets[0], num_groups, window, consecutive[0])
+    chunks = []  # (segment, entry set, first entry, end, consecutive, sinks ride), a segment's entry sets in turn
     for segment in range(batch * num_groups):
         for index, entries in enumerate(entry_sets):
             first, last = entries.starts[segment], entries.starts[segment + 1]
             causal = consecutive[index][segment]
             size = CAUSAL_CHUNK if causal and last - first >= 2 * CAUSAL_CHUNK else PROBE_CHUNK
-            chunks += [(segment, index, start, min(start + size, last), causal) for start in range(first, last, size)]
+            split = first if riders[segment] is None else riders[segment].split
+            for begin, stop, step, ride in (
+                (first, split, PROBE_CHUNK, False),
+                (split, last, size, riders[segment] is not None),
+            ):
+                chunks += [
+                    (segment, index, start, min(start + step, stop), causal, ride) for start in range(begin, stop, step)
+                ]
     # The host needs only each chunk's first and last reach (a list of every entry's would be ~36 bytes per entry).
     offsets = [0, len(reaches[0])]
     ends = torch.tensor(
-        [[offsets[index] + start, offsets[index] + end - 1] for _, index, start, end, _ in chunks],
+        [[offsets[index] + start, offsets[index] + end - 1] for _, index, start, end, _, _ in chunks],
         dtype=torch.long,
         device=device,
     )
@@ -449,27 +478,34 @@ def probe_part(
     # keys or results is held at once (memory).
     output = query.new_zeros(batch * q_len, heads, dim, dtype=torch.float32)
     lse = query.new_full((batch * q_len, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
+    sinks_done = torch.zeros(batch * q_len, dtype=torch.bool, device=device)
     keys_of = None
-    for (segment, index, start, end, causal), (first_reach, last_reach) in zip(chunks, chunk_reach):
+    for (segment, index, start, end, causal, ride), (first_reach, last_reach) in zip(chunks, chunk_reach):
         if last_reach == 0:  # no key of this segment is old enough yet: an empty set
             continue
         if keys_of != segment:
             keys_of, segment_keys, segment_values = segment, None, None  # the last segment's freed first
-            segment_keys = keys.gather(key, keys.starts[segment], keys.starts[segment + 1])
-            segment_values = keys.gather(value, keys.starts[segment], keys.starts[segment + 1])
+            sinks = None if riders[segment] is None else riders[segment].tokens
+            bounds = (keys.starts[segment], keys.starts[segment + 1])
+            segment_keys = keys.gather(key, *bounds, before=sinks)
+            segment_values = keys.gather(value, *bounds, before=sinks)
+        extra = 0 if sinks is None else len(sinks)  # the sinks in front, read only by chunks where they ride
+        shift = extra if ride else 0
         entries = entry_sets[index]
         part, part_lse = chunk_attention(
             entries.gather(query, start, end),
-            segment_keys,
-            segment_values,
+            segment_keys[:, :, extra - shift :],
+            segment_values[:, :, extra - shift :],
             reaches[index][start:end],
-            first_reach,
-            last_reach,
+            first_reach + shift,
+            last_reach + shift,
             causal,
             scaling,
             kernel,
         )
         rows = entries.flat[start:end] // entries.entries
+        if ride:
+            sinks_done.index_fill_(0, rows, True)
         part, part_lse = part[0].transpose(0, 1), part_lse[0].transpose(0, 1)
         if top_k > 1:
             row_output, row_lse = output.index_select(0, rows), lse.index_select(0, rows)
@@ -477,4 +513,57 @@ def probe_part(
             part, part_lse = row_output, row_lse
         output.index_copy_(0, rows, part)
         lse.index_copy_(0, rows, part_lse)
-    return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads)
+    done = None if all(rider is None for rider in riders) else sinks_done.view(batch, q_len)
+    return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads), done
+
+
+# Own-group segments shorter than this compute their sink pairs in `sink_part`: the chunk split that lets the rest
+# read the sinks costs a call (CPU, K=8 top-1, whole attention: 1K 14.5 -> 15.8 ms with every segment riding; 4K
+# 62 -> 59 ms, 16K 587 -> 568 ms).
+RIDE_MIN_ENTRIES = 512
+
+
+@dataclass
+class SinkRiders:
+    """A segment's sinks that ride along: `tokens` the flat indices (sample * kv + token) of the sample's sinks in
+    other groups, gathered in front of the segment's keys (None: there are none), and `split` the first entry that
+    lies more than the window after every sink of the sample (entries from there on read them)."""
+
+    tokens: Optional[torch.Tensor]
+    split: int
+
+
+def sink_riders(
+    key_sink: torch.Tensor,
+    key_groups: torch.Tensor,
+    entries: SortedTokens,
+    num_groups: int,
+    window: int,
+    consecutive: list[bool],
+) -> list[Optional[SinkRiders]]:
+    """Per segment (sample * K + group): how set B's sink pairs ride in its own-group chunks, or None where they do
+    not: a segment whose entries are not its own keys, or shorter than RIDE_MIN_ENTRIES (the split adds a call)."""
+    counts = [end - start for start, end in zip(entries.starts[:-1], entries.starts[1:])]
+    consecutive = [causal and count >= RIDE_MIN_ENTRIES for causal, count in zip(consecutive, counts)]
+    if not any(consecutive):
+        return [None] * len(consecutive)
+    kv_len, device = key_groups.shape[1], key_groups.device
+    sink_index, sink_used = sink_slots(key_sink)
+    none = torch.full((key_sink.shape[0], 1), -window - 1, device=device)  # no sink: every entry is past it
+    last_sink = torch.cat([torch.where(sink_used, sink_index, none), none], dim=1).amax(dim=1)
+    segments = torch.arange(len(consecutive), device=device)
+    # The first entry of each segment with position > last sink + window: codes are segment * kv + position.
+    thresholds = segments * kv_len + last_sink[segments // num_groups] + window + 1
+    splits = torch.searchsorted(entries.code, thresholds).tolist()
+    sinks = [
+        [(token, group) for token, group, used in zip(*row) if used]
+        for row in zip(sink_index.tolist(), key_groups.gather(1, sink_index).tolist(), sink_used.tolist())
+    ]
+    riders = []
+    for segment, causal in enumerate(consecutive):
+        sample, group = divmod(segment, num_groups)
+        tokens = [sample * kv_len + token for token, sink_group in sinks[sample] if sink_group != group]
+        first, last = entries.starts[segment], entries.starts[segment + 1]
+        split = min(max(splits[segment], first), last)
+        riders.append(SinkRiders(torch.tensor(tokens, device=device) if tokens else None, split) if causal else None)
+    return riders

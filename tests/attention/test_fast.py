@@ -96,6 +96,7 @@ def cases(draw):
         stream_rows=draw(st.sampled_from([3, 16, 4096])),
         split_min_keys=draw(st.sampled_from([1, 8, 1024])),
         causal_chunk=draw(st.sampled_from([1, 6, 4096])),
+        ride_min_entries=draw(st.sampled_from([0, 3, 512])),
         direct_gather=draw(st.sampled_from([0, 4096])),
         separate=draw(st.booleans()),
         adaptive=draw(st.booleans()),
@@ -165,6 +166,7 @@ def test_fast_equals_dense_oracle(case):
         mock.patch.object(fast, "STREAM_ROWS", case["stream_rows"]),
         mock.patch.object(partials, "SPLIT_MIN_KEYS", case["split_min_keys"]),
         mock.patch.object(partials, "CAUSAL_CHUNK", case["causal_chunk"]),
+        mock.patch.object(partials, "RIDE_MIN_ENTRIES", case["ride_min_entries"]),
         mock.patch.object(fast, "DIRECT_GATHER_MAX", case["direct_gather"]),
         mock.patch.dict(os.environ, crossover),
     ):
@@ -244,14 +246,37 @@ def test_own_group_entries_run_as_unmasked_causal_squares(top_k):
     valid = torch.ones(1, seq, dtype=torch.bool)
     arguments = (query, key, value, valid, groups, groups[..., 0], 3, SCALING)
     with mock.patch.object(partials, "CAUSAL_CHUNK", 16):  # segments of ~100 entries: several chunks each
-        output, lse = partials.probe_part(*arguments, spy)
+        output, lse, _ = partials.probe_part(*arguments, spy)
     # Top-1: every call unmasked; top-2: the second probes' staircases are masked.
     assert any(causal and unmasked for causal, unmasked in calls)
     assert all(unmasked for _, unmasked in calls) == (top_k == 1)
     with mock.patch.object(partials, "consecutive_segments", lambda reach, starts: [False] * (len(starts) - 1)):
-        staircase, staircase_lse = partials.probe_part(*arguments, cpu_kernel)
+        staircase, staircase_lse, _ = partials.probe_part(*arguments, cpu_kernel)
     torch.testing.assert_close(output, staircase, atol=ATOL, rtol=0)
     torch.testing.assert_close(lse, staircase_lse, atol=ATOL, rtol=0)
+
+
+def test_sinks_ride_in_own_group_chunks_beyond_the_window():
+    generator = torch.Generator().manual_seed(7)
+    seq, window = 300, 20
+    groups, _ = random_routing(generator, 2, seq, 3, 1, "none")
+    query = states(generator, 2, 6, seq, 8, True)
+    key, value = (states(generator, 2, 2, seq, 8, True) for _ in range(2))
+    valid = torch.ones(2, seq, dtype=torch.bool)
+    sink = valid & (torch.arange(seq) < 3)
+    arguments = (query, key, value, valid, groups, groups[..., 0], 3, SCALING, cpu_kernel, sink, window)
+    with mock.patch.object(partials, "CAUSAL_CHUNK", 16), mock.patch.object(partials, "RIDE_MIN_ENTRIES", 32):
+        output, lse, done = partials.probe_part(*arguments)
+    positions = torch.arange(seq).expand(2, -1)
+    assert done.any() and not done[positions <= window + 2].any()  # only queries beyond the window after the sinks
+    # Set A with the riding sinks equals set A without them merged with the sink part of the same queries.
+    plain, plain_lse, _ = partials.probe_part(*arguments[:9])
+    sinks, sinks_lse = partials.sink_part(query, key, value, groups, groups[..., 0], sink, window, SCALING)
+    expected, expected_lse = plain.clone(), plain_lse.clone()
+    partials.merge_into(expected, expected_lse, sinks, sinks_lse)
+    torch.testing.assert_close(output[done], expected[done], atol=ATOL, rtol=0)
+    torch.testing.assert_close(output[~done], plain[~done], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse[~done], plain_lse[~done], atol=ATOL, rtol=0)
 
 
 def test_merge_of_empty_partials_is_finite():
