@@ -60,14 +60,29 @@ def make_case(args: argparse.Namespace, seq_len: int, device: torch.device, dtyp
     projection = torch.randn(hidden_size, defaults.group_dim, generator=generator) / math.sqrt(hidden_size)
     centroids = F.normalize(torch.randn(args.groups, defaults.group_dim, generator=generator), dim=-1)
     scores = routing_scores(hidden, projection, centroids, defaults.temperature)
+    query_scores = None
+    if args.query_router:  # a separate query-side projection: queries probe groups other than their own
+        query_projection = torch.randn(hidden_size, defaults.group_dim, generator=generator) / math.sqrt(hidden_size)
+        query_scores = routing_scores(hidden, query_projection, centroids, defaults.temperature)
     valid = torch.ones(1, seq_len, dtype=torch.bool)
     routing = {}
     for top_k in args.top_k:
         state = RoutingState.empty(1, defaults.sinkhorn_iterations, args.groups, torch.device("cpu"))
         tokens, _ = route_tokens(
-            scores, valid, state, iterations=defaults.sinkhorn_iterations, top_k=top_k, sink_tokens=args.sinks
+            scores,
+            valid,
+            state,
+            iterations=defaults.sinkhorn_iterations,
+            top_k=top_k,
+            sink_tokens=args.sinks,
+            query_scores=query_scores,
         )
-        routing[top_k] = TokenRouting(tokens.log_probs, tokens.top_groups.to(device), tokens.sink.to(device))
+        routing[top_k] = TokenRouting(
+            tokens.log_probs,
+            tokens.top_groups.to(device),
+            tokens.sink.to(device),
+            own_groups=None if tokens.own_groups is None else tokens.own_groups.to(device),
+        )
 
     def states(heads: int) -> torch.Tensor:
         return torch.randn(1, seq_len, heads, args.head_dim, generator=generator).to(device, dtype).transpose(1, 2)
@@ -81,12 +96,12 @@ def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> i
 
     from focus_hf.attention.pattern import probed_distant_keys
 
-    groups, sink = routing.top_groups[0].cpu(), routing.sink[0].cpu()
+    groups, key_groups, sink = routing.top_groups[0].cpu(), routing.key_groups[0].cpu(), routing.sink[0].cpu()
     positions = torch.arange(groups.shape[0])
     local = torch.clamp(positions, max=window) + 1
     farthest = positions - window - 1  # last distant key of each query (negative: none)
     distant_sinks = torch.cumsum(sink.long(), 0)[farthest.clamp(min=0)] * (farthest >= 0)
-    probed = probed_distant_keys(groups, groups[:, 0], sink, window, num_groups)
+    probed = probed_distant_keys(groups, key_groups, sink, window, num_groups)
     return int((local + distant_sinks + probed).sum())
 
 
@@ -118,7 +133,7 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
 
     routing = case.routing[top_k]
     scaling = args.head_dim**-0.5
-    key_groups = routing.top_groups[..., 0]
+    key_groups = routing.key_groups
     if args.backend == "reference":
         positions = torch.arange(case.query.shape[2], device=case.query.device)
         return lambda: dense_attention(
@@ -177,11 +192,18 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    from focus_hf.attention.fast import path_kind
+
     case = make_case(args, seq_len, device, dtype)
     skip = dense_skip_reason(args, seq_len, dtype, device)
     dense = dense_call(case)
     calls = {top_k: focus_call(args, case, top_k) for top_k in args.top_k}
-    crossovers = {top_k: crossover_used(args, case, top_k, "shared") for top_k in args.top_k}
+    crossovers = {
+        top_k: crossover_used(
+            args, case, top_k, path_kind(case.routing[top_k].top_groups, case.routing[top_k].key_groups, False)
+        )
+        for top_k in args.top_k
+    }
     dense_times: list[tuple[float, float]] = []
     focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
     if seq_len <= 16384:  # warm-up (allocator, kernels); too expensive to repeat at long lengths
@@ -222,6 +244,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "kv_heads": args.kv_heads,
                 "head_dim": args.head_dim,
                 "dtype": args.dtype,
+                "query_router": args.query_router,
                 "dense_below": crossovers[top_k],
                 **machine_fields(device),
             }
@@ -289,7 +312,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
             case.value,
             None,
             query_groups=routing.top_groups[:, -1:],
-            key_groups=routing.top_groups[..., 0],
+            key_groups=routing.key_groups,
             key_sink=routing.sink,
             num_groups=args.groups,
             window=args.window,
@@ -317,7 +340,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
         routing = case.routing[top_k]
         focus_s, focus_cpu_s = medians(focus_times[top_k])
         # Keys the new token may attend to: its probed groups, the window and the sinks.
-        reachable = probes(routing.top_groups[:, -1:], routing.top_groups[..., 0])[0, 0]
+        reachable = probes(routing.top_groups[:, -1:], routing.key_groups)[0, 0]
         reachable |= (positions >= cache_len - 1 - args.window) | routing.sink[0]
         fraction = float(reachable.float().mean())
         crossover = crossovers[top_k]
@@ -569,6 +592,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="measure where 'auto' switches from dense to sparse attention on this machine (per --top-k), store it "
         "in the crossover cache and print it",
+    )
+    parser.add_argument(
+        "--query-router",
+        action="store_true",
+        help="route queries with a separate query-side projection (as adapters with query_projection=True do) "
+        "instead of by their own key group",
     )
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     parser.add_argument("--seed", type=int, default=0, help="random seed")

@@ -401,13 +401,15 @@ def test_flash_backend_without_flash_attn_says_how_to_install():
         focus_hf.set_routing(focus_llama(1), "hard", backend="flash")
 
 
-def test_bench_command_writes_rows(tmp_path):
+@pytest.mark.parametrize("router", [[], ["--query-router"]], ids=["own-group", "query-router"])
+def test_bench_command_writes_rows(tmp_path, router):
     path = tmp_path / "bench.json"
     argv = ["bench", "--seq-lens", "300", "--top-k", "1", "2", "--window", "16", "--repeats", "1", "--backend", "sdpa"]
-    assert cli_main(argv + ["--json", str(path)]) == 0
+    assert cli_main(argv + router + ["--json", str(path)]) == 0
     rows = json.loads(path.read_text())
     assert [row["top_k"] for row in rows] == [1, 2]
     for row in rows:
+        assert row["query_router"] == bool(router)
         assert row["speedup"] == pytest.approx(row["dense_s"] / row["focus_s"])
         assert 0 < row["pairs_fraction"] <= 1 and row["ideal_speedup"] == pytest.approx(1 / row["pairs_fraction"])
 
