@@ -4,6 +4,7 @@
 
 Reads (whichever exist) under benchmarks/results/:
   attention_cpu.json              `focus-hf bench --json` rows (attention level, dense vs Focus, same run)
+  attention_cpu_query_router.json the same with `--query-router` (queries routed by a separate projection)
   attention_cpu_peak_memory.json  `focus-hf bench --peak-memory --json` rows (dense SDPA and Focus)
   attention_cpu_auto_K*.json      `focus-hf bench --groups K --top-k 1 2 3 4 --json` rows (backend auto, per K)
   attention_cpu_decode.json       `focus-hf bench --decode --json` rows (one new token against a KV cache)
@@ -104,23 +105,27 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
     if (RESULTS / PLOT).is_file():
         lines += [f"![speedup vs length]({PLOT})", ""]
     lines += [
-        "| tokens | top_k | dense s | Focus s | speedup | ideal | efficiency | allowed pairs | CPU-time speedup | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| routing | tokens | top_k | dense s | Focus s | speedup | ideal | efficiency | allowed pairs | CPU-time speedup "
+        "| load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(rows, key=lambda row: (row["top_k"], row["seq_len"])):
+    for row in sorted(rows, key=lambda row: (bool(row.get("query_router")), row["top_k"], row["seq_len"])):
         dense = "-" if row["dense_s"] is None else f"{row['dense_s']:.4f}"
         speedup = "-" if row["speedup"] is None else f"**{row['speedup']:.2f}x**"
         cpu = "-" if row["cpu_speedup"] is None else f"{row['cpu_speedup']:.2f}x"
         efficiency = "-" if row["speedup"] is None else f"{row['speedup'] / row['ideal_speedup']:.2f}"
+        routing = "query router" if row.get("query_router") else "own group"
         lines.append(
-            f"| {row['seq_len']:,} | {row['top_k']} | {dense} | {row['focus_s']:.4f} | {speedup} | {row['ideal_speedup']:.2f}x | "
+            f"| {routing} | {row['seq_len']:,} | {row['top_k']} | {dense} | {row['focus_s']:.4f} | {speedup} | {row['ideal_speedup']:.2f}x | "
             f"{efficiency} | {row['pairs_fraction']:.1%} | {cpu} | {row['load_avg_1m']:.2f} |"
         )
     lines += [
         "",
         "Median of the repetitions in the row's JSON (`repeats`); dense and Focus are timed alternately in the same loop. "
         "Efficiency: speedup / ideal, the ideal being causal pairs / allowed pairs (a kernel as fast per pair as dense "
-        "SDPA's that computes only the allowed pairs).",
+        "SDPA's that computes only the allowed pairs). Routing: queries probe their own key group first (own "
+        "group; set A's chunks are causal squares and need no mask) or the groups a separate query projection picks "
+        "(query router, as in adapters trained with `query_projection=True`; set A's chunks are masked staircases).",
     ]
     if memory:
         lines += [
@@ -233,7 +238,8 @@ def model_section(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main() -> int:
-    attention = read(RESULTS / "attention_cpu.json")
+    own_group = read(RESULTS / "attention_cpu.json")
+    attention = own_group + read(RESULTS / "attention_cpu_query_router.json")
     memory = read(RESULTS / "attention_cpu_peak_memory.json")
     decode = read(RESULTS / "attention_cpu_decode.json")
     auto = [row for path in sorted(RESULTS.glob("attention_cpu_auto_K*.json")) for row in read(path)]
@@ -248,7 +254,7 @@ def main() -> int:
         "",
     ]
     if attention:
-        plot(attention, RESULTS / PLOT)
+        plot(own_group, RESULTS / PLOT)
         lines += attention_section(attention, memory) + [""]
     if auto:
         lines += auto_section(auto) + [""]

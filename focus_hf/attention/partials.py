@@ -429,48 +429,26 @@ def probe_part(
         probed = probe_groups != probe_groups[..., :1]
         probed[..., 0] = True
         query_valid = query_valid[..., None] & probed
-    # Own-group routing: a query's first entry is in its own key's segment, one key further than the previous one
-    # there, so those entries, sorted apart from the others, run as causal squares (`consecutive_segments`).
-    own_first = top_k > 1 and torch.equal(probe_groups[..., 0], key_groups[:, first_query:])
-    slots = [slice(0, 1), slice(1, top_k)] if own_first else [slice(0, top_k)]
-    if query_valid.dim() == 2:
-        query_valid = query_valid[..., None].expand(-1, -1, top_k)
-    entry_sets = [
-        SortedTokens.build(probe_groups[..., slot], query_valid[..., slot], num_groups, first_query, kv_len)
-        for slot in slots
-    ]
+    queries = SortedTokens.build(probe_groups, query_valid, num_groups, first_query, kv_len)
     # Keys of the entry's segment at or before it: codes share the segment prefix, so one search finds them.
     segment_start = torch.tensor(keys.starts[:-1], device=device)
-    reaches = [
-        torch.searchsorted(keys.code, entries.code, right=True) - segment_start[entries.code // kv_len]
-        for entries in entry_sets
-    ]
-    consecutive = [consecutive_segments(reach, entries.starts) for reach, entries in zip(reaches, entry_sets)]
+    reach = torch.searchsorted(keys.code, queries.code, right=True)
+    reach -= segment_start[queries.code // kv_len]
+    consecutive = consecutive_segments(reach, queries.starts)
     riders = [None] * (batch * num_groups)
     if top_k == 1 and key_sink is not None:
-        riders = sink_riders(key_sink, key_groups, entry_sets[0], num_groups, window, consecutive[0])
-    chunks = []  # (segment, entry set, first entry, end, consecutive, sinks ride), a segment's entry sets in turn
-    for segment in range(batch * num_groups):
-        for index, entries in enumerate(entry_sets):
-            first, last = entries.starts[segment], entries.starts[segment + 1]
-            causal = consecutive[index][segment]
-            size = CAUSAL_CHUNK if causal and last - first >= 2 * CAUSAL_CHUNK else PROBE_CHUNK
-            split = first if riders[segment] is None else riders[segment].split
-            for begin, stop, step, ride in (
-                (first, split, PROBE_CHUNK, False),
-                (split, last, size, riders[segment] is not None),
-            ):
-                chunks += [
-                    (segment, index, start, min(start + step, stop), causal, ride) for start in range(begin, stop, step)
-                ]
+        riders = sink_riders(key_sink, key_groups, queries, num_groups, window, consecutive)
+    chunks = []  # (segment, first entry, end, consecutive, sinks ride)
+    for segment, causal in enumerate(consecutive):
+        first, last = queries.starts[segment], queries.starts[segment + 1]
+        size = CAUSAL_CHUNK if causal and last - first >= 2 * CAUSAL_CHUNK else PROBE_CHUNK
+        rider = riders[segment]
+        split = first if rider is None else rider.split  # entries from split on read the riding sinks
+        for begin, stop, step, ride in (first, split, PROBE_CHUNK, False), (split, last, size, rider is not None):
+            chunks += [(segment, start, min(start + step, stop), causal, ride) for start in range(begin, stop, step)]
     # The host needs only each chunk's first and last reach (a list of every entry's would be ~36 bytes per entry).
-    offsets = [0, len(reaches[0])]
-    ends = torch.tensor(
-        [[offsets[index] + start, offsets[index] + end - 1] for _, index, start, end, _, _ in chunks],
-        dtype=torch.long,
-        device=device,
-    )
-    chunk_reach = torch.cat(reaches)[ends.view(-1)].view(-1, 2).tolist()
+    ends = torch.tensor([[start, end - 1] for _, start, end, _, _ in chunks], dtype=torch.long, device=device)
+    chunk_reach = reach[ends.view(-1)].view(-1, 2).tolist()
     # Results go straight to their queries' rows: a query's entries lie in distinct segments (its probed groups are
     # distinct), so a chunk holds at most one entry per query and, with top_k > 1, each is folded into what the
     # query's earlier segments left. Rows without keys (padding queries, queries before their segment's first key)
@@ -480,7 +458,7 @@ def probe_part(
     lse = query.new_full((batch * q_len, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
     sinks_done = torch.zeros(batch * q_len, dtype=torch.bool, device=device)
     keys_of = None
-    for (segment, index, start, end, causal, ride), (first_reach, last_reach) in zip(chunks, chunk_reach):
+    for (segment, start, end, causal, ride), (first_reach, last_reach) in zip(chunks, chunk_reach):
         if last_reach == 0:  # no key of this segment is old enough yet: an empty set
             continue
         if keys_of != segment:
@@ -491,19 +469,18 @@ def probe_part(
             segment_values = keys.gather(value, *bounds, before=sinks)
         extra = 0 if sinks is None else len(sinks)  # the sinks in front, read only by chunks where they ride
         shift = extra if ride else 0
-        entries = entry_sets[index]
         part, part_lse = chunk_attention(
-            entries.gather(query, start, end),
+            queries.gather(query, start, end),
             segment_keys[:, :, extra - shift :],
             segment_values[:, :, extra - shift :],
-            reaches[index][start:end],
+            reach[start:end],
             first_reach + shift,
             last_reach + shift,
             causal,
             scaling,
             kernel,
         )
-        rows = entries.flat[start:end] // entries.entries
+        rows = queries.flat[start:end] // top_k
         if ride:
             sinks_done.index_fill_(0, rows, True)
         part, part_lse = part[0].transpose(0, 1), part_lse[0].transpose(0, 1)
