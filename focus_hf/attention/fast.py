@@ -11,9 +11,10 @@ go in chunks, one non-causal call per chunk over the keys the chunk reaches, mas
 its first and last entry's reach (past `partials.SPLIT_MIN_KEYS` keys, the keys every entry sees go in an unmasked
 call with each kv head's query heads folded into the query axis, and the staircase in a second, small one). Where a
 segment's entries are its own newest keys (own-group routing at top_k = 1), the staircase is a causal square and the
-chunk needs no mask at all; the sinks then ride in front of the segment's keys instead of a separate pass. The same
-code serves top-1 and top-k, shared and separate query routers, and chunked prefill after a KV cache. No local pair
-has to be taken out of A (a call could not express "j < i - w") because B leaves the same-group pairs out instead.
+chunk needs no mask at all. At top_k = 1 the sinks ride in front of each segment's keys instead of a separate
+pass. The same code serves top-1 and top-k, shared and separate query routers, and chunked prefill after a KV cache.
+No local pair has to be taken out of A (a call could not express "j < i - w") because B leaves the same-group pairs
+out instead.
 
 B is split in two: the local pairs - queries in blocks of `partials.LOCAL_BLOCK` read the `window` keys before
 their block and the block itself, as overlapping strided views of the keys, under a [block, window + block] mask -

@@ -402,9 +402,9 @@ def probe_part(
     distinct, so their key sets are disjoint). Chunks also beat one causal call per segment on CPU, whose kernel
     runs short causal calls at up to half its speed per pair.
 
-    Sinks ride along at top_k = 1 (`key_sink` given): a segment of own-group entries is gathered with the sample's
-    sinks of other groups in front, and a chunk whose entries all lie more than `window` past those sinks sees them
-    in its unmasked prefix call - set B's sink pairs of its queries, at the cost of a few more keys per call instead
+    Sinks ride along at top_k = 1 (`key_sink` given): a segment's keys are gathered with the sample's sinks of other
+    groups in front, and a chunk whose entries all lie more than `window` past those sinks sees them as the first
+    keys of its prefix (unmasked) - set B's sink pairs of its queries, at the cost of a few more keys per call instead
     of a separate pass over every query (`sink_part`, memory-bound).
 
     Args:
@@ -437,7 +437,7 @@ def probe_part(
     consecutive = consecutive_segments(reach, queries.starts)
     riders = [None] * (batch * num_groups)
     if top_k == 1 and key_sink is not None:
-        riders = sink_riders(key_sink, key_groups, queries, num_groups, window, consecutive)
+        riders = sink_riders(key_sink, key_groups, queries, num_groups, window)
     chunks = []  # (segment, first entry, end, consecutive, sinks ride)
     for segment, causal in enumerate(consecutive):
         first, last = queries.starts[segment], queries.starts[segment + 1]
@@ -473,7 +473,7 @@ def probe_part(
             queries.gather(query, start, end),
             segment_keys[:, :, extra - shift :],
             segment_values[:, :, extra - shift :],
-            reach[start:end],
+            reach[start:end] + shift,
             first_reach + shift,
             last_reach + shift,
             causal,
@@ -494,8 +494,8 @@ def probe_part(
     return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads), done
 
 
-# Own-group segments shorter than this compute their sink pairs in `sink_part`: the chunk split that lets the rest
-# read the sinks costs a call (CPU, K=8 top-1, whole attention: 1K 14.5 -> 15.8 ms with every segment riding; 4K
+# Segments with fewer query entries than this leave their sink pairs to `sink_part`: the chunk split that lets the
+# rest read the sinks costs a call (CPU, K=8 top-1, whole attention: 1K 14.5 -> 15.8 ms with every segment riding; 4K
 # 62 -> 59 ms, 16K 587 -> 568 ms).
 RIDE_MIN_ENTRIES = 512
 
@@ -511,24 +511,19 @@ class SinkRiders:
 
 
 def sink_riders(
-    key_sink: torch.Tensor,
-    key_groups: torch.Tensor,
-    entries: SortedTokens,
-    num_groups: int,
-    window: int,
-    consecutive: list[bool],
+    key_sink: torch.Tensor, key_groups: torch.Tensor, entries: SortedTokens, num_groups: int, window: int
 ) -> list[Optional[SinkRiders]]:
-    """Per segment (sample * K + group): how set B's sink pairs ride in its own-group chunks, or None where they do
-    not: a segment whose entries are not its own keys, or shorter than RIDE_MIN_ENTRIES (the split adds a call)."""
-    counts = [end - start for start, end in zip(entries.starts[:-1], entries.starts[1:])]
-    consecutive = [causal and count >= RIDE_MIN_ENTRIES for causal, count in zip(consecutive, counts)]
-    if not any(consecutive):
-        return [None] * len(consecutive)
+    """Per segment (sample * K + group) of top-1 query entries: how set B's sink pairs ride in its chunks, or None
+    where they do not (fewer than RIDE_MIN_ENTRIES entries: the split adds a call). A top-1 query probes one group,
+    so every sink of another group more than `window` before it is one of its set B sink pairs."""
+    riding = [end - start >= RIDE_MIN_ENTRIES for start, end in zip(entries.starts[:-1], entries.starts[1:])]
+    if not any(riding):
+        return [None] * len(riding)
     kv_len, device = key_groups.shape[1], key_groups.device
     sink_index, sink_used = sink_slots(key_sink)
     none = torch.full((key_sink.shape[0], 1), -window - 1, device=device)  # no sink: every entry is past it
     last_sink = torch.cat([torch.where(sink_used, sink_index, none), none], dim=1).amax(dim=1)
-    segments = torch.arange(len(consecutive), device=device)
+    segments = torch.arange(len(riding), device=device)
     # The first entry of each segment with position > last sink + window: codes are segment * kv + position.
     thresholds = segments * kv_len + last_sink[segments // num_groups] + window + 1
     splits = torch.searchsorted(entries.code, thresholds).tolist()
@@ -537,10 +532,10 @@ def sink_riders(
         for row in zip(sink_index.tolist(), key_groups.gather(1, sink_index).tolist(), sink_used.tolist())
     ]
     riders = []
-    for segment, causal in enumerate(consecutive):
+    for segment, rides in enumerate(riding):
         sample, group = divmod(segment, num_groups)
         tokens = [sample * kv_len + token for token, sink_group in sinks[sample] if sink_group != group]
         first, last = entries.starts[segment], entries.starts[segment + 1]
         split = min(max(splits[segment], first), last)
-        riders.append(SinkRiders(torch.tensor(tokens, device=device) if tokens else None, split) if causal else None)
+        riders.append(SinkRiders(torch.tensor(tokens, device=device) if tokens else None, split) if rides else None)
     return riders
