@@ -42,7 +42,7 @@ STREAM_ROWS queries' partial results.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -99,11 +99,7 @@ def sparse_attention(
     if sinks_done is not None:
         pending = (~sinks_done).any(dim=0).nonzero()
         sink_rows = int(pending[-1]) + 1 if len(pending) else 0
-    # Rows start .. end - 1 see keys up to first_query + end only; both parts read kv_len - q_len as the first
-    # query's position, so slicing queries and keys alike is exact.
-    for start in range(0, sink_rows, STREAM_ROWS):
-        end = min(start + STREAM_ROWS, sink_rows)
-        keys_end = first_query + end
+    for start, end, keys_end in row_blocks(sink_rows, first_query):
         sinks = sink_part(
             query[:, :, start:end],
             key[:, :, :keys_end],
@@ -118,9 +114,7 @@ def sparse_attention(
         if sinks is not None:
             merge_into(output[:, start:end], lse[:, start:end], *sinks)
         del sinks
-    for start in range(0, q_len, STREAM_ROWS):
-        end = min(start + STREAM_ROWS, q_len)
-        keys_end = first_query + end
+    for start, end, keys_end in row_blocks(q_len, first_query):
         local = local_part(
             query[:, :, start:end],
             key[:, :, :keys_end],
@@ -135,6 +129,15 @@ def sparse_attention(
         merge_into(output[:, start:end], lse[:, start:end], *local)
         del local
     return output.to(query.dtype)
+
+
+def row_blocks(rows: int, first_query: int) -> Iterator[tuple[int, int, int]]:
+    """(start, end, keys_end) of each block of STREAM_ROWS of the first `rows` queries. Rows start .. end - 1 see keys
+    up to keys_end = first_query + end only; the parts read kv_len - q_len as the first query's position, so slicing
+    queries and keys alike is exact."""
+    for start in range(0, rows, STREAM_ROWS):
+        end = min(start + STREAM_ROWS, rows)
+        yield start, end, first_query + end
 
 
 def reachable_keys(
