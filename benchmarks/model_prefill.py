@@ -131,11 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         input_ids = held_out_sequence(tokenizer, seq_len)
         full = None
         for top_k in ["full", None, *args.top_k]:
-            variant = {
-                "full": "full attention (adapter disabled)",
-                None: f"Focus hard as saved ({saved_setting(model)})",
-            }
-            variant = variant.get(top_k, f"Focus hard top-{top_k} (otherwise as saved)")
+            names = {"full": "full attention (adapter disabled)", None: f"Focus hard as saved ({saved_setting(model)})"}
+            variant = names.get(top_k, f"Focus hard top-{top_k} (otherwise as saved)")
             log(f"{seq_len:,} tokens: {variant} ...")
             result = measure(model, input_ids, top_k, args.repeats, args.backend)
             full = full or result
