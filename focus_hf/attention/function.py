@@ -122,6 +122,32 @@ def base_attention(
     return output, weights if kwargs.get("output_attentions") else None
 
 
+def filled_slots(
+    key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor], filled: int, q_len: int
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The first `filled` key slots [batch, kv_heads, filled, dim] and the mask's columns for them.
+
+    A pre-allocated KV cache (`StaticCache`, `cache_implementation="static"`) hands the attention all its slots,
+    token t in slot t and the slots not written yet hidden by the model's mask; Focus routed only the tokens so far,
+    which are the first slots, so the rest can be left out. Any other layout is refused rather than misread.
+    """
+    if attention_mask is None and q_len == filled:
+        # transformers leaves the mask out of a prefill into an empty static cache: SDPA's causal flag aligns the
+        # queries with the first slots, which are exactly the filled ones.
+        return key[:, :, :filled], value[:, :, :filled], None
+    allowed = as_bool_mask(attention_mask)
+    if allowed is not None and allowed.shape[-1] == key.shape[2]:
+        # Rows that see every slot are padding queries that transformers unmasks (SDPA would give them NaN).
+        tail_seen = allowed[..., filled:].any(dim=-1) & ~allowed.all(dim=-1)
+        if not bool(tail_seen.any()):
+            return key[:, :, :filled], value[:, :, :filled], attention_mask[..., :filled]
+    raise FocusRuntimeError(
+        f"The attention received {key.shape[2]} keys but only {filled} tokens were routed, and the model's mask "
+        f"does not hide the slots after the first {filled}: this KV cache layout is not supported. Use the default "
+        "DynamicCache or a StaticCache."
+    )
+
+
 def focus_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -143,13 +169,10 @@ def focus_attention_forward(
     routing.consumed = True
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise FocusRuntimeError("Focus does not support models with learned attention-sink logits (s_aux) yet.")
-    kv_len = key.shape[2]
     keys = routing.keys
-    if kv_len > keys.seen:
-        raise FocusRuntimeError(
-            f"The attention received {kv_len} keys but only {keys.seen} tokens were routed: static or "
-            "pre-allocated KV caches are not supported. Use the default DynamicCache."
-        )
+    if key.shape[2] > keys.seen:
+        key, value, attention_mask = filled_slots(key, value, attention_mask, keys.seen, query.shape[2])
+    kv_len = key.shape[2]
     if not routing.restricts(kv_len):
         return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if routing.dense_kv_heads:

@@ -107,15 +107,18 @@ def _attach_routing_states(cache: Any) -> dict:
 
 
 def query_validity(
-    attention_mask: Optional[torch.Tensor], batch: int, q_len: int, device: torch.device
+    attention_mask: Optional[torch.Tensor], batch: int, q_len: int, device: torch.device, cached_tokens: int = 0
 ) -> torch.Tensor:
-    """[batch, q] True for real tokens: a token is padding iff the model's mask hides it from itself."""
+    """[batch, q] True for real tokens: a token is padding iff the model's mask hides it from itself.
+
+    A query's own column is after the cached tokens', or, where a sliding-window cache keeps fewer, last; a static
+    cache's mask also has columns for the slots not written yet, after the queries'."""
     mask = as_bool_mask(attention_mask)
     if mask is None:
         return torch.ones(batch, q_len, dtype=torch.bool, device=device)
-    kv_len = mask.shape[-1]
+    first_query = min(cached_tokens, mask.shape[-1] - q_len)
     diagonal = torch.arange(q_len, device=device)
-    valid = mask[:, 0, diagonal, kv_len - q_len + diagonal]
+    valid = mask[:, 0, diagonal, first_query + diagonal]
     return valid.expand(batch, q_len)
 
 
@@ -202,7 +205,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
     def _routing_state(
         self, cache: Any, adapter_name: str, batch: int, settings: RouterSettings, device: torch.device
     ) -> RoutingState:
-        cached_tokens = 0 if cache is None else cache.get_seq_length(getattr(self.base_layer, "layer_idx", 0))
+        # int(): a StaticCache counts its tokens in a tensor.
+        cached_tokens = 0 if cache is None else int(cache.get_seq_length(getattr(self.base_layer, "layer_idx", 0)))
         if cached_tokens == 0:
             return RoutingState.empty(batch, settings.sinkhorn_iterations, settings.num_groups, device)
         state = getattr(cache, _CACHE_ATTRIBUTE, {}).get((adapter_name, self.layer_index))
@@ -271,7 +275,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             # `focus-hf inspect`): routing it would only cost time.
             return self.base_layer(*args, **kwargs)
         state = self._routing_state(cache, adapter_name, batch, settings, hidden.device)
-        valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device)
+        valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device, state.seen)
         # A hard-mode decoding step defers its key side: its own group is needed only once it lies beyond the
         # window, so the waiting tokens are routed in blocks (`defer_tokens`, `settle`). Its probes are needed
         # now unless the call attends densely (below dense_below), and can be had without the Sinkhorn step only

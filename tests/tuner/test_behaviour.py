@@ -160,6 +160,39 @@ def test_generate_with_cache_equals_recomputation(architecture):
     assert torch.equal(generated, sequence)
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_static_cache_generates_as_dynamic(architecture):
+    # A StaticCache hands the attention every pre-allocated slot (the unwritten ones masked) and a mask as wide: the
+    # routed tokens are its first slots. Padded batches and the sliding-window layers of gemma2 (24) and mistral
+    # (40), whose static buffers fill up and roll within these 46 tokens, included.
+    model = focus_model(architecture)
+    focus_hf.set_routing(model, "hard")
+    short, long = tokens(batch=1, seq=21, seed=3), tokens(batch=1, seq=30, seed=4)
+    ids = torch.cat([torch.cat([torch.zeros(1, 9, dtype=torch.long), short], 1), long])
+    mask = torch.cat([torch.cat([torch.zeros(1, 9), torch.ones(1, 21)], 1), torch.ones(1, 30)]).long()
+    options = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+    for inputs in (dict(input_ids=long), dict(input_ids=ids, attention_mask=mask)):
+        dynamic = model.generate(**inputs, **options)
+        static = model.generate(**inputs, cache_implementation="static", **options)
+        assert torch.equal(static, dynamic)
+
+
+def test_unwritten_slots_must_be_masked():
+    from focus_hf.attention.function import filled_slots
+    from focus_hf.errors import FocusRuntimeError
+
+    key = value = torch.zeros(1, 2, 12, 4)
+    mask = torch.ones(1, 1, 1, 12, dtype=torch.bool)
+    mask[..., 8:] = False
+    sliced = filled_slots(key, value, mask, filled=8, q_len=1)
+    assert sliced[0].shape[2] == 8 and sliced[2].shape[-1] == 8
+    mask[..., 9] = True  # a slot past the routed tokens that a query may see: not a static cache's layout
+    with pytest.raises(FocusRuntimeError, match="does not hide the slots after the first 8"):
+        filled_slots(key, value, mask, filled=8, q_len=1)
+    with pytest.raises(FocusRuntimeError, match="12 keys but only 8 tokens were routed"):
+        filled_slots(key, value, None, filled=8, q_len=1)
+
+
 @pytest.mark.parametrize("architecture", ["llama", "gpt2", "mistral"])
 def test_padded_generate_matches_unpadded(architecture):
     model = focus_model(architecture)
