@@ -8,6 +8,9 @@ queries against a longer cache, `fast.decode_attention`). On first use of a shap
 random inputs at lengths 256, 512, ... until the sparse path wins twice in a row (a few seconds at most; never
 beyond MAX_LENGTH) and stores the first of those two lengths in `<cache>/crossover.json`
 (`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`), where every later process finds it.
+A CPU measurement taken while other processes kept more than OTHER_CORES_MAX cores busy (from /proc/stat) is used by
+this process only and not stored: under load the many small calls of the sparse path slow down more than the one
+dense call (a decode crossover measured so came out at 16K keys instead of 2K), and a stored value would stay wrong.
 
 Environment:
   FOCUS_HF_CROSSOVER=<tokens>   use this crossover for every shape (no measurement);
@@ -36,14 +39,20 @@ from focus_hf.aliases import default_cache_dir
 CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
 CACHE_FILE = "crossover.json"
-# Bumped whenever the speed of the sparse or the dense masked path changes, so that older crossovers are re-measured.
-CACHE_VERSION = 7
+# Bumped whenever the speed of the sparse or the dense masked path changes, or how it is measured, so that older
+# crossovers are re-measured (8: entries measured without the load check may have been taken under load).
+CACHE_VERSION = 8
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
 # Stop measuring (and keep the dense call up to the last length measured) once a calibration has taken this long.
 BUDGET_S = 8.0
 SINKS = 4
+# Cores that other processes may keep busy, on average, while a CPU crossover is measured for it to be stored; the
+# load is averaged over at least WATCH_MIN_S (a short measurement waits out the rest, so that the reading is not
+# just the kernel's 10 ms accounting ticks).
+OTHER_CORES_MAX = 0.3
+WATCH_MIN_S = 0.5
 
 # Without a measurement: key counts below which "auto" runs the dense masked call, per device type and top_k (other
 # top_k: PER_PROBE * top_k). Conservative: on the 2-core CPUs measured so far the sparse path won at top_k = 1
@@ -271,10 +280,54 @@ def calibration_disabled() -> bool:
     return os.environ.get(NO_CALIBRATION_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
+def cpu_counters() -> Optional[tuple[float, float, float]]:
+    """(CPU seconds the whole machine has been busy, this process's CPU seconds, wall clock); None without
+    /proc/stat. Busy: every state but idle and iowait; a VM's steal time counts, as the host's other guests."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = [int(value) for value in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    if fields[0] != "cpu" or len(ticks) < 8:
+        return None
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
+
+
+def other_cores_meter() -> Callable[[], Optional[float]]:
+    """Start watching the machine; the returned function gives the average number of cores other processes kept
+    busy since (over at least WATCH_MIN_S), or None where that cannot be read."""
+    start = cpu_counters()
+
+    def stop() -> Optional[float]:
+        if start is None:
+            return None
+        time.sleep(max(0.0, WATCH_MIN_S - (time.perf_counter() - start[2])))
+        end = cpu_counters()
+        if end is None:
+            return None
+        busy, own, wall = (after - before for before, after in zip(start, end))
+        return max(0.0, (busy - own) / wall)
+
+    return stop
+
+
 def calibrate(shape: Shape, device: torch.device) -> dict:
-    """Measure `shape` now, store the result in the cache file and in this process; returns the cache entry."""
+    """Measure `shape` now, store the result in the cache file (unless other processes loaded the CPU meanwhile)
+    and in this process; returns the cache entry."""
+    meter = other_cores_meter() if device.type == "cpu" else None
     crossover, rows = measure(shape, device)
     entry = {"dense_below": crossover, "timings": rows, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    other_cores = None if meter is None else meter()
+    if other_cores is not None:
+        entry["other_cores_busy"] = round(other_cores, 2)
+        if other_cores > OTHER_CORES_MAX:
+            print(
+                f"focus_hf: other processes kept {other_cores:.1f} CPU cores busy while the {shape.kind} crossover "
+                f"was measured ({crossover} keys); it is used in this process only and measured again in the next",
+                file=sys.stderr,
+            )
+            return entry
     write_entry(shape, entry)
     _known.clear()  # later calls read the new value from the cache file
     return entry

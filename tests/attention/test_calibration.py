@@ -1,11 +1,15 @@
 """The measured dense/sparse crossover of backend "auto" (`focus_hf.attention.calibration`): search, cache, env
 overrides. No assertion depends on a timing: measurements are faked, except one run of the real timer on tiny
-lengths that checks only that it returns a length it measured."""
+lengths that checks only that it returns a length it measured, and one reading of the machine's load while a child
+process spins."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +77,7 @@ def calibrating(monkeypatch, tmp_path):
         return crossover, [{"length": crossover, "dense_s": 1.0, "sparse_s": 0.5}]
 
     monkeypatch.setattr(calibration, "measure", fake_measure)
+    monkeypatch.setattr(calibration, "other_cores_meter", lambda: lambda: 0.0)  # an idle machine, no waiting
     return calls
 
 
@@ -100,6 +105,43 @@ def test_calibration_runs_once_per_shape_and_is_reused(calibrating, tmp_path):
     assert calibration.dense_below(*tensors(heads=6, kv_heads=2), 1, 8, 128, "shared") == 512
     assert len(calibrating) == 4
     assert len(json.loads((tmp_path / calibration.CACHE_FILE).read_text())["entries"]) == 4
+
+
+def test_measurement_under_load_is_not_stored(calibrating, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "other_cores_meter", lambda: lambda: 1.4)
+    query, key = tensors()
+    assert calibration.dense_below(query, key, 1, 8, 128, "decode") == 513
+    assert calibration.dense_below(query, key, 1, 8, 128, "decode") == 513  # this process keeps it
+    assert len(calibrating) == 1 and not (tmp_path / calibration.CACHE_FILE).exists()
+    assert "other processes kept 1.4 CPU cores busy" in capsys.readouterr().err
+    # The next process measures again; on an idle machine the result is stored, with the load it saw.
+    calibration._known.clear()
+    monkeypatch.setattr(calibration, "other_cores_meter", lambda: lambda: 0.1)
+    assert calibration.dense_below(query, key, 1, 8, 128, "decode") == 513
+    assert len(calibrating) == 2
+    (entry,) = json.loads((tmp_path / calibration.CACHE_FILE).read_text())["entries"].values()
+    assert entry["other_cores_busy"] == 0.1
+
+
+def test_other_cores_are_the_machine_s_busy_time_less_our_own(monkeypatch):
+    # (machine busy s, own CPU s, wall s) at start and stop: 3 busy seconds in 2 wall seconds, 1 of them ours.
+    readings = iter([(100.0, 10.0, 50.0), (103.0, 11.0, 52.0)])
+    monkeypatch.setattr(calibration, "cpu_counters", lambda: next(readings))
+    assert calibration.other_cores_meter()() == pytest.approx(1.0)
+    monkeypatch.setattr(calibration, "cpu_counters", lambda: None)  # no /proc/stat
+    assert calibration.other_cores_meter()() is None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_other_cores_meter_sees_a_spinning_process():
+    spinning = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # the child has started
+        busy = calibration.other_cores_meter()()  # waits WATCH_MIN_S, using no CPU itself
+    finally:
+        spinning.kill()
+        spinning.wait()
+    assert busy is not None and busy > 0.5  # the child alone keeps one core busy
 
 
 def test_shape_key_names_the_machine_and_the_call():
