@@ -57,6 +57,7 @@ from focus_hf.attention.partials import (
     merge_into,
     probe_part,
     sink_part,
+    slot_buffer,
 )
 from focus_hf.attention.pattern import allowed_pairs, causal_pattern, probes, probes_every_group
 
@@ -181,7 +182,8 @@ def decode_attention(
         index = reachable[0].nonzero().view(1, -1)
         count = None
         if index.shape[1] <= DIRECT_GATHER_MAX:
-            keys, values = key[0].index_select(1, index[0])[None], value[0].index_select(1, index[0])[None]
+            keys = slot_buffer(key)[0].index_select(1, index[0])[None]
+            values = slot_buffer(value)[0].index_select(1, index[0])[None]
             if q_len == 1 and device.type == "cpu":
                 # The one query sees every gathered key; at this size unmasked SDPA beats the two matmuls.
                 output = F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=True)

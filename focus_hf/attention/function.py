@@ -80,6 +80,8 @@ def is_causal_padding_mask(mask: Optional[torch.Tensor], q_len: int, kv_len: int
         return True
     if mask.shape[1] != 1 or mask.shape[-2:] != (q_len, kv_len):
         return False
+    if q_len == 1:  # a decoding step: its one row is the key padding by definition (no pass over it needed)
+        return True
     query_positions, key_positions = causal_positions(q_len, kv_len, mask.device)
     causal = pair_distance(query_positions, key_positions) >= 0
     key_valid = mask[:, 0, -1, :]

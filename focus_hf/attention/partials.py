@@ -67,6 +67,21 @@ def sink_slots(key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return index[:, :sinks], torch.arange(sinks, device=key_sink.device) < count[:, None]
 
 
+def slot_buffer(states: torch.Tensor) -> torch.Tensor:
+    """Head-major `states` [batch, heads, n, dim] or, when they are the first n slots of longer rows (a static KV
+    cache's filled slots: `function.filled_slots`), those whole rows [batch, heads, slots, dim] - the same tokens at
+    the same indices, but a tensor whose per-head rows are contiguous, so that a gather along the tokens does not
+    first copy the whole cache (index_select does so with a non-contiguous input: 14 ms per step at 8K tokens)."""
+    batch, heads, n, dim = states.shape
+    if states.is_contiguous() or states.stride(3) != 1 or states.stride(2) != dim or states.stride(1) % dim:
+        return states
+    slots = states.stride(1) // dim
+    end = states.storage_offset() + (batch - 1) * states.stride(0) + heads * states.stride(1)
+    if slots <= n or end * states.element_size() > states.untyped_storage().nbytes():
+        return states
+    return states.as_strided((batch, heads, slots, dim), states.stride(), states.storage_offset())
+
+
 def gather_tokens(states: torch.Tensor, sample: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """States [batch, heads, n, dim] of tokens `token` [R, L] in samples `sample` [R, 1] -> [R, heads, L, dim].
 
@@ -84,6 +99,8 @@ def gather_tokens(states: torch.Tensor, sample: torch.Tensor, token: torch.Tenso
     if tokens.stride(3) == 1 and tokens.stride(2) == dim and tokens.stride(1) == heads * dim:
         picked = tokens.flatten(2)[sample, token]  # [R, L, heads * dim]
         return picked.view(rows, length, heads, dim).transpose(1, 2)
+    states = slot_buffer(states)
+    n = states.shape[2]
     if states.is_contiguous():
         # A head-major cache: one index_select of rows, about twice as fast as advanced indexing over two dims.
         head = torch.arange(heads, device=states.device)

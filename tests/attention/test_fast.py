@@ -202,6 +202,22 @@ def test_prefill_and_cached_steps(q_len, side):
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
+def test_gathers_from_a_static_cache_prefix_read_its_buffer():
+    from focus_hf.attention.partials import gather_tokens, slot_buffer
+
+    buffer = torch.randn(2, 3, 40, 8)  # a static cache: 40 slots, the first 25 written
+    filled = buffer[:, :, :25]
+    whole = slot_buffer(filled)
+    assert whole.shape == (2, 3, 40, 8) and whole.is_contiguous() and whole.data_ptr() == buffer.data_ptr()
+    heads = slot_buffer(filled[:, 1:])  # a run of heads (dense heads split off): rows contiguous per head
+    assert heads.shape == (2, 2, 40, 8) and heads[0].is_contiguous()
+    token_major = filled.transpose(1, 2).contiguous().transpose(1, 2)  # fresh projections: left as they are
+    assert slot_buffer(buffer) is buffer and slot_buffer(token_major) is token_major
+    sample, token = torch.tensor([[1], [0]]), torch.tensor([[24, 3, 0], [7, 7, 12]])
+    expected = torch.stack([filled[1][:, [24, 3, 0]], filled[0][:, [7, 7, 12]]])
+    torch.testing.assert_close(gather_tokens(filled, sample, token), expected, atol=0, rtol=0)
+
+
 def test_general_mask_runs_dense_with_the_models_mask():
     # A sliding-window layer's mask hides more than padding; the fast path must then apply it in full.
     positions = torch.arange(BASE_CASE["seq"])

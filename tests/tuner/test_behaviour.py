@@ -160,13 +160,15 @@ def test_generate_with_cache_equals_recomputation(architecture):
     assert torch.equal(generated, sequence)
 
 
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_static_cache_generates_as_dynamic(architecture):
+def test_static_cache_generates_as_dynamic(architecture, backend):
     # A StaticCache hands the attention every pre-allocated slot (the unwritten ones masked) and a mask as wide: the
     # routed tokens are its first slots. Padded batches and the sliding-window layers of gemma2 (24) and mistral
-    # (40), whose static buffers fill up and roll within these 46 tokens, included.
+    # (40), whose static buffers fill up and roll within these 46 tokens, included. "auto" runs these short calls
+    # as one masked call, "sdpa" the sparse paths, whose gathers read the cache's buffer (`partials.slot_buffer`).
     model = focus_model(architecture)
-    focus_hf.set_routing(model, "hard")
+    focus_hf.set_routing(model, "hard", backend=backend)
     short, long = tokens(batch=1, seq=21, seed=3), tokens(batch=1, seq=30, seed=4)
     ids = torch.cat([torch.cat([torch.zeros(1, 9, dtype=torch.long), short], 1), long])
     mask = torch.cat([torch.cat([torch.zeros(1, 9), torch.ones(1, 21)], 1), torch.ones(1, 30)]).long()
