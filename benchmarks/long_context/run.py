@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # benchmarks/: model_decode's timed generate()
 
 import baselines  # noqa: E402
 from peft import PeftModel  # noqa: E402
@@ -374,10 +375,10 @@ def stage_speed(args) -> None:
 def stage_generate(args) -> None:
     """Model-level decoding after a long prompt, dense vs Focus: prefill seconds and greedy decode tokens/s.
 
-    The loop generate() runs, timed in two parts: one forward over the prompt that fills a KV cache, then
-    --new-tokens single-token forwards against it (greedy), each model in turn on the same prompt.
+    `generate()` itself, timed by `model_decode.timed_generate` (a streamer stamps every new token): the prefill up
+    to the first new token, then --new-tokens greedy steps, each model in turn on the same prompt.
     """
-    from transformers import DynamicCache
+    from model_decode import timed_generate
 
     _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
     dense, tokenizer = load_dense()
@@ -385,17 +386,9 @@ def stage_generate(args) -> None:
     variants = focus_variants(model, args)
     warm_up(model, variants, token_blocks(tokenizer, heldout, 8192, max_blocks=1)[0])
 
-    @torch.no_grad()
     def timed(runner, ids) -> tuple[float, float]:
-        started = time.perf_counter()
-        output = runner(input_ids=ids[None], past_key_values=DynamicCache(), use_cache=True)
-        prefill = time.perf_counter() - started
-        token = output.logits[:, -1:].argmax(-1)
-        started = time.perf_counter()
-        for _ in range(args.new_tokens):
-            output = runner(input_ids=token, past_key_values=output.past_key_values, use_cache=True)
-            token = output.logits[:, -1:].argmax(-1)
-        return prefill, args.new_tokens / (time.perf_counter() - started)
+        result = timed_generate(runner, ids[None], args.new_tokens + 1, "dynamic")
+        return result["prefill_s"], result["tokens_per_s"]
 
     for length in args.lengths:
         ids = token_blocks(tokenizer, heldout, length, max_blocks=1)[0]

@@ -1,0 +1,57 @@
+"""benchmarks/model_decode.py's measuring parts on a tiny model: the token clock, teacher forcing, the comparison."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import get_peft_model
+from tiny_models import VOCAB, tiny_model
+
+import focus_hf
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def model_decode():
+    spec = importlib.util.spec_from_file_location("model_decode", BENCHMARKS / "model_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(BENCHMARKS))  # the script puts benchmarks/ on the path for model_prefill
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_teacher_forced_generation_follows_the_reference(model_decode, cache):
+    model = get_peft_model(tiny_model("llama"), focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8)).eval()
+    model.generation_config.pad_token_id = 0
+    prompt = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    with model.disable_adapter():
+        full = model_decode.timed_generate(model, prompt, 6, cache)
+    assert len(full["tokens"]) == 6 and full["log_probs"].shape == (6, model.config.vocab_size)
+    assert full["prefill_s"] > 0 and full["tokens_per_s"] > 0
+    # Greedy: the noted distributions' argmaxes are the tokens generated.
+    assert full["log_probs"].argmax(-1).tolist() == full["tokens"]
+
+    reference = [5, 6, 7, 8, 9, 10]
+    forced = model_decode.generate_variant(model, prompt, "focus", 6, "sdpa", cache, reference)
+    assert forced["tokens"] == reference
+    agreement = model_decode.step_agreement(forced["log_probs"], forced["log_probs"])
+    assert agreement == {"argmax_agree": 6, "mean_kl": 0.0, "max_kl": 0.0}
+
+
+def test_step_agreement_counts_argmaxes_and_ignores_banned_tokens(model_decode):
+    reference = torch.log(torch.tensor([[0.7, 0.3, 0.0], [0.5, 0.5, 0.0]]))  # token 2 banned (probability 0)
+    other = torch.log(torch.tensor([[0.6, 0.4, 0.0], [0.1, 0.9, 0.0]]))
+    agreement = model_decode.step_agreement(other, reference)
+    expected_kl = torch.tensor(
+        [0.7 * math.log(0.7 / 0.6) + 0.3 * math.log(0.3 / 0.4), 0.5 * math.log(0.5 / 0.1) + 0.5 * math.log(0.5 / 0.9)]
+    )
+    assert agreement["argmax_agree"] == 1
+    assert agreement["mean_kl"] == pytest.approx(float(expected_kl.mean()), abs=1e-5)
+    assert agreement["max_kl"] == pytest.approx(float(expected_kl.max()), abs=1e-5)
