@@ -26,9 +26,7 @@ processor, threads, load average.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -47,7 +45,15 @@ from focus_hf.evaluation import routing_mode
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from model_prefill import DEFAULT_ADAPTER, held_out_sequence, log, saved_setting  # noqa: E402
+from model_prefill import (  # noqa: E402
+    DEFAULT_ADAPTER,
+    command_line,
+    held_out_sequence,
+    log,
+    saved_setting,
+    setting_fields,
+    write_rows,
+)
 
 
 class TokenClock(BaseStreamer):
@@ -192,14 +198,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "decode_step_ms": round(result["step_ms"], 2),
                     "speedup": round(result["tokens_per_s"] / full["tokens_per_s"], 3),
                     **step_agreement(result["log_probs"], full["log_probs"]),
-                    "backend": "sdpa (transformers)" if variant == "full" else args.backend,
-                    "repeats": args.repeats,
-                    "adapter": os.path.relpath(args.adapter, HERE.parent),
-                    "text": "python-source held-out split (seed 0), first tokens",
-                    "model_max_positions": model.config.max_position_embeddings,
+                    **setting_fields(args, model, variant == "full"),
                     **machine_fields(torch.device("cpu")),
-                    "command": "python benchmarks/model_decode.py "
-                    + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "command": command_line("model_decode.py", argv),
                     "focus_hf": focus_hf.__version__,
                 }
             )
@@ -207,9 +208,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"  decode speedup {rows[-1]['speedup']:.2f}x; Focus's greedy token agrees with full attention's at "
             f"{rows[-1]['argmax_agree']} of {args.new_tokens} steps, mean KL {rows[-1]['mean_kl']:.4f} nats"
         )
-        if args.json:  # after every length, so an interrupted run keeps what it measured
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        write_rows(args.json, rows)
     return 0
 
 

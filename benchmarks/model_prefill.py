@@ -107,6 +107,29 @@ def saved_setting(model: PeftModel) -> str:
     return ", ".join(parts)
 
 
+def setting_fields(args: argparse.Namespace, model: PeftModel, full_attention: bool) -> dict:
+    """Row fields that name what was run: backend, repeats, adapter, text and the model's trained positions."""
+    return {
+        "backend": "sdpa (transformers)" if full_attention else args.backend,
+        "repeats": args.repeats,
+        "adapter": os.path.relpath(args.adapter, HERE.parent),
+        "text": "python-source held-out split (seed 0), first tokens",
+        "model_max_positions": model.config.max_position_embeddings,
+    }
+
+
+def command_line(script: str, argv: Optional[list[str]]) -> str:
+    """The command that produced a row, as recorded in it."""
+    return f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
+def write_rows(path: Optional[Path], rows: list[dict]) -> None:
+    """Write the rows measured so far (after every measurement, so that an interrupted run keeps them)."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384])
@@ -144,24 +167,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "ppl": round(result["ppl"], 4),
                 "speedup": round(full["seconds"] / result["seconds"], 3),
                 "ppl_vs_full": round(result["ppl"] / full["ppl"], 4),
-                "backend": "sdpa (transformers)" if top_k == "full" else args.backend,
-                "repeats": args.repeats,
-                "adapter": os.path.relpath(args.adapter, HERE.parent),
-                "text": "python-source held-out split (seed 0), first tokens",
-                "model_max_positions": model.config.max_position_embeddings,
+                **setting_fields(args, model, top_k == "full"),
                 "threads": torch.get_num_threads(),
                 "load_avg_1m": round(os.getloadavg()[0], 2),
                 "peak_rss_mib_so_far": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                 "device": f"cpu ({platform.processor() or platform.machine()})",
                 "torch": torch.__version__,
-                "command": "python benchmarks/model_prefill.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "command": command_line("model_prefill.py", argv),
                 "focus_hf": focus_hf.__version__,
             }
             rows.append(row)
             log(f"  {row['seconds']:.1f} s, PPL {row['ppl']:.3f}, speedup {row['speedup']:.2f}x")
-            if args.json:  # after every row, so an interrupted run keeps what it measured
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+            write_rows(args.json, rows)
     return 0
 
 
