@@ -41,12 +41,12 @@ import focus_hf
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
 from focus_hf.commands.bench import machine_fields
-from focus_hf.evaluation import routing_mode
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from model_prefill import (  # noqa: E402
     DEFAULT_ADAPTER,
+    attention_variant,
     command_line,
     held_out_sequence,
     log,
@@ -126,10 +126,7 @@ def generate_variant(
     reference: Optional[list[int]] = None,
 ) -> dict:
     """`timed_generate` with the adapter disabled ("full") or in hard mode as saved ("focus")."""
-    if variant == "full":
-        with model.disable_adapter():
-            return timed_generate(model, input_ids, new_tokens, cache, reference)
-    with routing_mode(model, "hard", None, backend):
+    with attention_variant(model, "full" if variant == "full" else None, backend):
         return timed_generate(model, input_ids, new_tokens, cache, reference)
 
 

@@ -28,7 +28,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import ContextManager, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -87,14 +87,18 @@ def perplexity_of(model: PeftModel, hidden: torch.Tensor, input_ids: torch.Tenso
     return math.exp(nll / targets.numel())
 
 
-def measure(model: PeftModel, input_ids: torch.Tensor, top_k: Optional[int], repeats: int, backend: str) -> dict:
-    """Time and score one variant: top_k "full" for the adapter disabled, None for the adapter as saved."""
-    if top_k == "full":
-        with model.disable_adapter():
-            seconds, hidden = timed_prefill(model, input_ids, repeats)
-    else:
-        with routing_mode(model, "hard", top_k, backend):
-            seconds, hidden = timed_prefill(model, input_ids, repeats)
+def attention_variant(model: PeftModel, top_k: Union[str, int, None], backend: str) -> ContextManager:
+    """Run `model` with top_k "full": the adapter disabled (full attention); else Focus hard mode with that top_k
+    (None: the adapter as saved)."""
+    return model.disable_adapter() if top_k == "full" else routing_mode(model, "hard", top_k, backend)
+
+
+def measure(
+    model: PeftModel, input_ids: torch.Tensor, top_k: Union[str, int, None], repeats: int, backend: str
+) -> dict:
+    """Time and score one variant (`attention_variant`)."""
+    with attention_variant(model, top_k, backend):
+        seconds, hidden = timed_prefill(model, input_ids, repeats)
     return {"seconds": seconds, "ppl": perplexity_of(model, hidden, input_ids)}
 
 
