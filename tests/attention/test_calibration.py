@@ -47,6 +47,15 @@ def test_a_single_sparse_win_is_not_a_crossover():
     assert crossover == 4096 and measured[-1] == 8192
 
 
+def test_a_win_within_the_margin_is_not_a_win():
+    def barely_faster(length):  # sparse ahead by less than WIN_MARGIN below 4,096 keys, by more from there
+        return 1.0, (0.5 if length >= 4096 else 0.99 / calibration.WIN_MARGIN + 0.01)
+
+    crossover, rows = calibration.find_crossover(barely_faster)
+    assert all(row["sparse_s"] < row["dense_s"] for row in rows)
+    assert crossover == 4096
+
+
 def test_sparse_never_winning_keeps_dense_up_to_the_longest_length():
     time_at, measured = fake_timer(10**9)
     crossover, _ = calibration.find_crossover(time_at)
