@@ -139,9 +139,10 @@ def filled_slots(
         return key[:, :, :filled], value[:, :, :filled], None
     allowed = as_bool_mask(attention_mask)
     if allowed is not None and allowed.shape[-1] == key.shape[2]:
-        # Rows that see every slot are padding queries that transformers unmasks (SDPA would give them NaN).
-        tail_seen = allowed[..., filled:].any(dim=-1) & ~allowed.all(dim=-1)
-        if not bool(tail_seen.any()):
+        tail = allowed[..., filled:]
+        # Rows that see every slot are padding queries that transformers unmasks (SDPA would give them NaN); the
+        # common case, no row seeing an unwritten slot, takes one pass over the tail only.
+        if not bool(tail.any()) or not bool((tail.any(dim=-1) & ~allowed.all(dim=-1)).any()):
             return key[:, :, :filled], value[:, :, :filled], attention_mask[..., :filled]
     raise FocusRuntimeError(
         f"The attention received {key.shape[2]} keys but only {filled} tokens were routed, and the model's mask "

@@ -76,9 +76,11 @@ def routing_scores(
     Returns:
         float32 scores of shape [batch, seq, num_groups].
     """
-    projected = hidden.to(projection.dtype) @ projection
-    similarity = F.normalize(projected.float(), dim=-1) @ F.normalize(centroids.float(), dim=-1).T
-    return similarity / temperature
+    projected = (hidden.to(projection.dtype) @ projection).float()
+    directions = F.normalize(centroids.float(), dim=-1).T
+    # cos = (p . c) / |p|: the projection's norm divides the K scores rather than its group_dim coordinates, as
+    # F.normalize would (fewer passes: this runs in every routed layer at every decoding step).
+    return (projected @ directions) / (projected.norm(dim=-1, keepdim=True).clamp_min(1e-12) * temperature)
 
 
 # Largest |score| for which exp(score) and its prefix sums stay well inside float64's range, so the iteration can

@@ -117,6 +117,8 @@ def query_validity(
     if mask is None:
         return torch.ones(batch, q_len, dtype=torch.bool, device=device)
     first_query = min(cached_tokens, mask.shape[-1] - q_len)
+    if q_len == 1:  # a decoding step: one element, read as a view (this runs in every layer at every step)
+        return mask[:, 0, :, first_query].expand(batch, 1)
     diagonal = torch.arange(q_len, device=device)
     valid = mask[:, 0, diagonal, first_query + diagonal]
     return valid.expand(batch, q_len)
