@@ -268,7 +268,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         hidden = args[0] if args else kwargs["hidden_states"]
         batch, q_len = hidden.shape[:2]
         top_k = self.top_k_override or settings.top_k
-        cache = kwargs.get("past_key_values")
+        # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before, deprecated until 5.40).
+        cache = kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
         mode = self.mode_override or settings.routing_mode
         if mode == "auto":
             mode = "soft" if self.training else "hard"
