@@ -41,8 +41,9 @@ CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
 CACHE_FILE = "crossover.json"
 # Bumped whenever the speed of the sparse or the dense masked path changes, or how it is measured, so that older
-# crossovers are re-measured (9: a win needs WIN_MARGIN, timings are medians).
-CACHE_VERSION = 9
+# crossovers are re-measured (9: a win needs WIN_MARGIN, timings are medians; 10: decoding steps read a group-sorted
+# copy of the distant keys).
+CACHE_VERSION = 10
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -216,6 +217,7 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
     """Time the dense masked call against the sparse path of `shape.kind` on random inputs; see `find_crossover`."""
     from focus_hf.attention.backends import select_kernel
     from focus_hf.attention.fast import decode_attention, masked_attention, sparse_attention
+    from focus_hf.attention.grouped_keys import one_step_behind
 
     kernel = select_kernel("sdpa", device)
     generator = torch.Generator().manual_seed(0)
@@ -239,9 +241,13 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
         def dense() -> torch.Tensor:
             return masked_attention(query, key, value, None, *arguments)
 
+        if shape.kind == "decode":  # the path of a decoding step with a KV cache (see bench's decode timing)
+            grouped, rewind = one_step_behind(key, value, key_groups, sink, shape.num_groups, shape.window)
+
         def sparse() -> torch.Tensor:
             if shape.kind == "decode":
-                return decode_attention(query, key, value, None, *arguments)
+                rewind()
+                return decode_attention(query, key, value, None, *arguments, grouped=grouped)
             return sparse_attention(
                 query, key, value, None, groups, key_groups, sink, shape.num_groups, shape.window, scaling, kernel
             )

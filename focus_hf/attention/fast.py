@@ -25,7 +25,9 @@ rather than -inf, so a partial without visible keys has a log-sum-exp near finfo
 and never produces a NaN.
 
 Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those queries can reach - their groups' keys,
-their window and the sinks - and runs one small attention over them (unmasked for one query). Below
+their window and the sinks - and runs one small attention over them (unmasked for one query). A one-query step of
+one sample whose layer keeps a group-sorted copy of the distant keys (`grouped_keys.GroupedKeys`, kept per KV cache
+by `tuner.layer`) reads its probed groups from that copy and its window from the cache, as slices: no gather. Below
 `calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
 one dense masked call (its mask built by `pattern.causal_pattern` for square calls, the kernel's causal flag doing
 the rest); so does every backend when the model's mask is more than causal + padding (sliding-window layers), since
@@ -49,6 +51,7 @@ import torch.nn.functional as F
 
 from focus_hf.attention.backends import Kernel, select_kernel
 from focus_hf.attention.calibration import dense_below
+from focus_hf.attention.grouped_keys import GroupedKeys
 from focus_hf.attention.partials import (
     few_query_attention,
     gather_tokens,
@@ -164,6 +167,7 @@ def decode_attention(
     window: int,
     scaling: float,
     kernel: Kernel,
+    grouped: Optional[GroupedKeys] = None,
 ) -> torch.Tensor:
     """Few queries against many keys: gather the keys they can reach, then one masked call. [batch, q, heads, dim].
 
@@ -171,8 +175,16 @@ def decode_attention(
     trailing slots of samples that reach fewer keys than the batch's most are hidden. One sample with at most
     DIRECT_GATHER_MAX reachable keys (short and mid-length caches) takes the cheapest route: an index_select along
     the token axis and, on CPU, plain SDPA.
+
+    With `grouped` (one sample, one query), the distant keys come from its group-sorted copy (`grouped_decode`).
     """
     batch, _, q_len, _ = query.shape
+    if grouped is not None and batch == 1 and q_len == 1:
+        output = grouped_decode(
+            query, key, value, key_valid, query_groups, key_groups, key_sink, window, scaling, grouped
+        )
+        if output is not None:
+            return output
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
     reachable = reachable_keys(query_groups, key_groups, key_sink, window)
@@ -214,6 +226,36 @@ def decode_attention(
     else:
         output, _ = kernel(query, keys, values, causal=False, bias=bias, scale=scaling)
     return output.transpose(1, 2).contiguous()
+
+
+def grouped_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+    grouped: GroupedKeys,
+) -> Optional[torch.Tensor]:
+    """One query of one sample [1, heads, 1, dim] over its window (a slice of the cache) and the distant keys of its
+    probed groups and the sinks (slices of `grouped`, first brought up to the keys now beyond the window):
+    [1, 1, heads, dim]. None where `grouped` cannot serve the step exactly (padding inside the window, a distant
+    key not yet routed); the caller then gathers."""
+    kv_len = key.shape[2]
+    first_window = kv_len - 1 - window  # keys before it are farther than the window
+    if first_window <= 0 or grouped.filled > first_window:  # the latter: the window grew since (configure_adapter)
+        return None
+    if key_valid is not None and not bool(key_valid[0, first_window:].all()):
+        return None
+    valid = None if key_valid is None else key_valid[0]
+    if not grouped.extend(key[0], value[0], key_groups[0], key_sink[0], valid, first_window):
+        return None
+    probed = list(dict.fromkeys(query_groups[0, 0].tolist()))  # distinct, best first
+    output = grouped.attend(query[0, :, 0], key[0, :, first_window:], value[0, :, first_window:], probed, scaling)
+    return output.view(1, 1, *output.shape)
 
 
 def masked_attention(
@@ -280,6 +322,7 @@ def fast_hard_attention(
     scaling: float,
     backend: str,
     mask_is_padding: bool = True,
+    grouped: Optional[GroupedKeys] = None,
 ) -> torch.Tensor:
     """Hard-mode Focus attention on backend "sdpa", "flash" or "auto" (see `backends`).
 
@@ -295,6 +338,8 @@ def fast_hard_attention(
         backend: "sdpa", "flash" or "auto".
         mask_is_padding: False when the model's mask may hide more than future and padding keys (sliding-window
             layers); the pattern then runs as one dense masked call that applies the model's mask in full.
+        grouped: the group-sorted copy of this sample's distant keys that a one-query decoding step reads instead
+            of gathering (`grouped_keys`); None: gather.
 
     Returns:
         [batch, q, heads, dim]; rows of padding queries are finite and meaningless.
@@ -315,7 +360,7 @@ def fast_hard_attention(
     # The last query follows every key, so its row of a causal + padding mask hides exactly the padding keys.
     key_valid = None if model_mask is None else model_mask[:, 0, -1, :].expand(query.shape[0], -1)
     if decode:
-        return decode_attention(query, key, value, key_valid, *arguments)
+        return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
     return sparse_attention(
         query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
     )

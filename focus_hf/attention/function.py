@@ -17,6 +17,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from focus_hf.attention.fast import fast_hard_attention
+from focus_hf.attention.grouped_keys import GroupedKeys
 from focus_hf.attention.pattern import allowed_pairs, pair_distance, soft_gate
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import RoutingState, TokenRouting
@@ -42,6 +43,9 @@ class LayerRouting:
     consumed: bool = False
     dense_kv_heads: tuple[int, ...] = ()  # kv heads of this layer that keep full attention
     dense_below: int = 0  # hard mode: queries with fewer keys (themselves included) attend densely
+    # Group-sorted copies of the distant keys of the layer's KV cache, by run of kv heads (start, end), for one-query
+    # decoding steps (`fast.grouped_decode`); None where there is no cache to keep them with.
+    grouped_keys: Optional[dict[tuple[int, int], GroupedKeys]] = None
 
     def restricts(self, kv_len: int) -> bool:
         """Whether the pattern removes any causal pair among `kv_len` keys (otherwise attention is dense)."""
@@ -50,6 +54,14 @@ class LayerRouting:
         if self.mode == "hard" and kv_len < self.dense_below:
             return False
         return self.mode == "soft" or self.top_k < self.num_groups
+
+    def grouped_for(self, heads: tuple[int, int]) -> Optional[GroupedKeys]:
+        """The group-sorted copy of kv heads start .. end - 1 (created empty on first use), or None."""
+        if self.grouped_keys is None:
+            return None
+        if heads not in self.grouped_keys:
+            self.grouped_keys[heads] = GroupedKeys(self.num_groups)
+        return self.grouped_keys[heads]
 
     def dense_queries(self, q_len: int) -> int:
         """How many of the call's first queries attend densely under `dense_below`: a query sees itself and every
@@ -183,14 +195,16 @@ def focus_attention_forward(
     return _routed_queries(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 
-def _routed_queries(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):
+def _routed_queries(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs, kv_heads=None):
     """Focus attention for routed heads; the call's first queries below `dense_below` with the base attention.
 
     Only ever splits queries of heads that are routed: the base attention of a query subset would be causal from
     the wrong corner without a mask, and its dense part here is square whenever the call is."""
     count = routing.dense_queries(query.shape[2])
     if not count:
-        return _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs)
+        return _routed_attention(
+            module, routing, query, key, value, attention_mask, dropout, scaling, kwargs, kv_heads=kv_heads
+        )
     q_len, kv_len = query.shape[2], key.shape[2]
     seen_by_dense = kv_len - q_len + count  # keys up to the last dense query
     dense_mask = None if attention_mask is None else attention_mask[..., :count, :seen_by_dense]
@@ -207,7 +221,7 @@ def _routed_queries(module, routing, query, key, value, attention_mask, dropout,
     routed_mask = None if attention_mask is None else attention_mask[..., count:, :]
     later = dataclasses.replace(routing, queries=routing.queries.select_tokens(slice(count, None)))
     routed_output, routed_weights = _routed_attention(
-        module, later, query[:, :, count:], key, value, routed_mask, dropout, scaling, kwargs
+        module, later, query[:, :, count:], key, value, routed_mask, dropout, scaling, kwargs, kv_heads=kv_heads
     )
     weights = None
     if kwargs.get("output_attentions"):
@@ -238,7 +252,9 @@ def _split_dense_heads(module, routing, query, key, value, attention_mask, dropo
                 module, *run, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         else:
-            output, run_weights = _routed_queries(module, routing, *run, attention_mask, dropout, scaling, kwargs)
+            output, run_weights = _routed_queries(
+                module, routing, *run, attention_mask, dropout, scaling, kwargs, kv_heads=(start, end)
+            )
         outputs.append(output)
         weights.append(run_weights)
         start = end
@@ -246,7 +262,8 @@ def _split_dense_heads(module, routing, query, key, value, attention_mask, dropo
     return torch.cat(outputs, dim=2), joined_weights
 
 
-def _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs):
+def _routed_attention(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs, kv_heads=None):
+    """Focus attention of the routed heads (kv heads `kv_heads` = (start, end) of the layer's; None: all of them)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     keys = routing.keys
 
@@ -284,6 +301,8 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             # runs as one dense masked call that applies it in full.
             mask_is_padding=kwargs.get("sliding_window") is None
             and is_causal_padding_mask(base_allowed, q_len, kv_len),
+            # Positions of the copy are the cache's slots: only while the cache holds every token since the first.
+            grouped=routing.grouped_for(kv_heads or (0, key.shape[1])) if q_len == 1 and start == 0 else None,
         )
         return output, None
     query_positions = torch.arange(keys.seen - q_len, keys.seen, device=query.device)

@@ -294,6 +294,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     import torch.nn.functional as F
 
     from focus_hf.attention.fast import fast_hard_attention
+    from focus_hf.attention.grouped_keys import one_step_behind
     from focus_hf.attention.pattern import probes
 
     case = make_case(args, cache_len, device, dtype)
@@ -306,19 +307,30 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
 
     def focus_for(top_k: int) -> Callable[[], torch.Tensor]:
         routing = case.routing[top_k]
-        return lambda: fast_hard_attention(
-            case.query,
-            case.key,
-            case.value,
-            None,
-            query_groups=routing.top_groups[:, -1:],
-            key_groups=routing.key_groups,
-            key_sink=routing.sink,
-            num_groups=args.groups,
-            window=args.window,
-            scaling=scaling,
-            backend=args.backend,
+        # As in generate(): the group-sorted copy of the distant keys lacks the key that has just left the window,
+        # which each timed step appends.
+        grouped, rewind = one_step_behind(
+            case.key, case.value, routing.key_groups, routing.sink, args.groups, args.window
         )
+
+        def step() -> torch.Tensor:
+            rewind()
+            return fast_hard_attention(
+                case.query,
+                case.key,
+                case.value,
+                None,
+                query_groups=routing.top_groups[:, -1:],
+                key_groups=routing.key_groups,
+                key_sink=routing.sink,
+                num_groups=args.groups,
+                window=args.window,
+                scaling=scaling,
+                backend=args.backend,
+                grouped=grouped,
+            )
+
+        return step
 
     crossovers = {top_k: crossover_used(args, case, top_k, "decode", decode=True) for top_k in args.top_k}
     calls = {top_k: focus_for(top_k) for top_k in args.top_k}

@@ -25,6 +25,8 @@ from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.dispatch import execution_device
 
 _CACHE_ATTRIBUTE = "_focus_routing_states"
+# Group-sorted copies of each routed layer's distant keys (`attention.grouped_keys`), by (adapter, layer).
+_GROUPED_ATTRIBUTE = "_focus_grouped_keys"
 # Decoding with a query router defers the key-side Sinkhorn of new tokens and balances them in blocks of at most
 # this many (never more than the window, so that a token's group is known before any query sees it from afar).
 PENDING_LIMIT = 64
@@ -93,6 +95,7 @@ def _attach_routing_states(cache: Any) -> dict:
             result = original(*args, **kwargs)
             for key, state in list(states.items()):
                 states[key] = _select_samples(state, index_of(state, *args, **kwargs))
+            getattr(cache, _GROUPED_ATTRIBUTE, {}).clear()  # copies of the old samples' keys: rebuilt when needed
             return result
 
         setattr(cache, method_name, wrapped)
@@ -104,6 +107,18 @@ def _attach_routing_states(cache: Any) -> dict:
         lambda state, repeats: torch.arange(state.valid_count.shape[0]).repeat_interleave(repeats),
     )
     return states
+
+
+def _grouped_keys(cache: Any, layer_key: tuple[str, int], fresh: bool) -> dict:
+    """The group-sorted key copies of one layer's routing on `cache` (by run of kv heads), emptied when the routing
+    starts afresh on it (an empty or reset cache): they hold the cache's keys, so they live and die with them."""
+    stores = getattr(cache, _GROUPED_ATTRIBUTE, None)
+    if stores is None:
+        stores = {}
+        setattr(cache, _GROUPED_ATTRIBUTE, stores)
+    if fresh or layer_key not in stores:
+        stores[layer_key] = {}
+    return stores[layer_key]
 
 
 def query_validity(
@@ -310,8 +325,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 key_scores = self.router_scores(adapter_name, state.pending_hidden, query_side=False)
                 state = settle(state, key_scores, settings.sinkhorn_iterations)
             queries, keys = self.route_tokens(adapter_name, hidden, valid, state, top_k)
+        grouped_keys = None
         if cache is not None:
             _attach_routing_states(cache)[(adapter_name, self.layer_index)] = keys
+            if mode == "hard":
+                grouped_keys = _grouped_keys(cache, (adapter_name, self.layer_index), fresh=state.seen == 0)
         for observer in self.routing_observers:
             observer(self, queries)
         if mode == "hard" and self.training and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
@@ -332,6 +350,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             queries=queries,
             keys=keys,
             dense_below=settings.dense_below,
+            grouped_keys=grouped_keys,
             dense_kv_heads=tuple(
                 sorted({head for layer, head in (settings.dense_heads or []) if layer == self.layer_index})
             ),

@@ -1,0 +1,179 @@
+"""A group-sorted copy of the distant keys and values, so that a decoding step reads its probed groups as slices.
+
+A decoding step of one sample may attend to its window (the last `window + 1` keys, a slice of the KV cache), the
+sinks, and the distant keys of the groups it probes. In the KV cache those distant keys are scattered, and gathering
+them costs a read and a write of each (plus a pass to find them) - about as much as attending to all keys until the
+cache is long. `GroupedKeys` keeps, for each group, the sinks followed by that group's keys and values in position
+order, for every position farther than the window from the newest query. Each step appends the one position that
+has just left the window (amortised growth), so a step reads exactly the keys it may attend to, with no gather and
+no mask: its probed groups' buffers and the window slice, joined in one softmax.
+
+One `GroupedKeys` serves one sample (batch 1: the common decoding case) and one run of kv heads of one layer. It
+costs a second copy of those keys and values (up to GROWTH times their size while a buffer grows). The copy is a
+pure function of the cache's keys, the routing's key groups, sinks and the key padding, all of which are fixed once
+a position is farther than the window; whoever holds it must drop it when the cache is cropped, reordered or reset
+(`tuner.layer` ties it to the routing state of one cache).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+# Buffers grow to this factor of what they must hold (amortised appends), and start at MIN_CAPACITY slots.
+GROWTH = 1.5
+MIN_CAPACITY = 256
+
+
+class GroupedKeys:
+    """Keys and values [kv_heads, slots, dim] of every group, each buffer being the sinks, then the group's keys,
+    in position order, for positions below `filled` (padding left out).
+
+    Args:
+        num_groups: K.
+    """
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.filled = 0  # positions taken in (each appended to its group's buffer, or left out as padding)
+        self.sinks = 0  # sinks at the front of every buffer
+        self.counts = [0] * num_groups  # filled slots of each buffer, sinks included
+        self.keys: list[Optional[torch.Tensor]] = [None] * num_groups
+        self.values: list[Optional[torch.Tensor]] = [None] * num_groups
+
+    def mark(self) -> tuple[int, int, tuple[int, ...]]:
+        """The fill level, for `reset_to`."""
+        return self.filled, self.sinks, tuple(self.counts)
+
+    def reset_to(self, mark: tuple[int, int, tuple[int, ...]]) -> None:
+        """Return to an earlier fill level (slots beyond it are overwritten by the next `extend`). Benchmarks use it
+        to time the same decoding step, its append included, again and again."""
+        self.filled, self.sinks, counts = mark
+        self.counts = list(counts)
+
+    def extend(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_groups: torch.Tensor,
+        key_sink: torch.Tensor,
+        key_valid: Optional[torch.Tensor],
+        upto: int,
+    ) -> bool:
+        """Take in positions `filled` .. `upto` - 1 of one sample's key/value [kv_heads, n, dim] with their groups,
+        sink flags and validity [n] (None: all valid).
+
+        Returns False, taking in nothing, where that cannot be done exactly: a group not yet routed (-1), or a sink
+        after other keys; the caller then attends another way."""
+        first = self.filled
+        if upto <= first:
+            return True
+        span = slice(first, upto)
+        groups, sink = key_groups[span], key_sink[span]
+        real = torch.ones_like(sink) if key_valid is None else key_valid[span]
+        if upto - first == 1:  # a decoding step: one position, read in one host transfer
+            group, is_sink, is_real = torch.stack([groups[0], sink[0].long(), real[0].long()]).tolist()
+            if not is_real:
+                self.filled = upto
+                return True
+            if is_sink:
+                if not self._append_sinks(key[:, span], value[:, span]):
+                    return False
+            elif group < 0:
+                return False
+            else:
+                self._append(group, key[:, span], value[:, span])
+            self.filled = upto
+            return True
+        sinks = (sink & real).nonzero().flatten()
+        members = (~sink & real).nonzero().flatten()
+        if len(members) and int(groups[members].min()) < 0:
+            return False
+        if len(sinks):
+            if len(members) and int(members[0]) < int(sinks[-1]):
+                return False
+            position = sinks + first
+            if not self._append_sinks(key.index_select(1, position), value.index_select(1, position)):
+                return False
+        member_groups = groups[members]
+        order = torch.sort(member_groups, stable=True).indices
+        position = members[order] + first
+        sorted_keys, sorted_values = key.index_select(1, position), value.index_select(1, position)
+        start = 0
+        for group, count in enumerate(torch.bincount(member_groups, minlength=self.num_groups).tolist()):
+            if count:
+                self._append(group, sorted_keys[:, start : start + count], sorted_values[:, start : start + count])
+                start += count
+        self.filled = upto
+        return True
+
+    def _append_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Sinks go in front of every buffer, so they must come before any group's keys."""
+        if any(count != self.sinks for count in self.counts):
+            return False
+        for group in range(self.num_groups):
+            self._append(group, keys, values)
+        self.sinks += keys.shape[1]
+        return True
+
+    def _append(self, group: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        count, added = self.counts[group], keys.shape[1]
+        buffer = self.keys[group]
+        if buffer is None or count + added > buffer.shape[1]:
+            capacity = max(MIN_CAPACITY, int((count + added) * GROWTH))
+            for store in (self.keys, self.values):
+                grown = keys.new_empty(keys.shape[0], capacity, keys.shape[2])
+                if store[group] is not None:
+                    grown[:, :count] = store[group][:, :count]
+                store[group] = grown
+        self.keys[group][:, count : count + added] = keys
+        self.values[group][:, count : count + added] = values
+        self.counts[group] = count + added
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        window_keys: torch.Tensor,
+        window_values: torch.Tensor,
+        groups: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        """One query [heads, dim] over the distant keys of `groups` (distinct; sinks counted once) and the window's
+        keys/values [kv_heads, w, dim]: [heads, dim]. Scores of all parts share one float32 softmax."""
+        kv_heads, dim = window_keys.shape[0], window_keys.shape[2]
+        rows = query.reshape(kv_heads, query.shape[0] // kv_heads, dim)  # the query heads of each kv head
+        parts = [(window_keys, window_values)]
+        for rank, group in enumerate(groups):
+            start = 0 if rank == 0 else self.sinks
+            if self.counts[group] > start:
+                parts.append(
+                    (self.keys[group][:, start : self.counts[group]], self.values[group][:, start : self.counts[group]])
+                )
+        scores = torch.cat([torch.bmm(rows, keys.transpose(1, 2)) for keys, _ in parts], dim=-1)
+        probs = torch.softmax(scores.float().mul_(scale), dim=-1).to(query.dtype)
+        output, start = None, 0
+        for keys, values in parts:
+            share = probs[..., start : start + keys.shape[1]]
+            output = torch.bmm(share, values) if output is None else output.baddbmm_(share, values)
+            start += keys.shape[1]
+        return output.view(query.shape)
+
+
+def one_step_behind(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    num_groups: int,
+    window: int,
+) -> tuple[GroupedKeys, Callable[[], None]]:
+    """For timing a decoding step of one sample (key/value [1, kv_heads, n, dim], groups and sinks [1, n], the query
+    the n-th token): a `GroupedKeys` holding every key beyond the window but the newest of them, and a function that
+    returns it there - so that each timed step appends that key, as a step of generate() does."""
+    grouped = GroupedKeys(num_groups)
+    behind = key.shape[2] - 2 - window
+    if behind > 0:
+        grouped.extend(key[0], value[0], key_groups[0], key_sink[0], None, behind)
+    mark = grouped.mark()
+    return grouped, lambda: grouped.reset_to(mark)

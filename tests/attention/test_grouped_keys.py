@@ -1,0 +1,169 @@
+"""Decoding steps that read a group-sorted copy of the distant keys (`focus_hf.attention.grouped_keys`), against the
+dense oracle, step after step on one copy; and at model level, generate() against recomputing every token."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import focus_hf
+import focus_hf.attention.fast as fast
+from focus_hf.attention.grouped_keys import GroupedKeys, one_step_behind
+from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.reference import dense_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_fast import ATOL, SCALING, random_routing  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tuner"))
+from test_behaviour import focus_model, tokens  # noqa: E402
+
+
+def decoding_case(seed, seq, kv_heads, gqa, dim, num_groups, top_k, sinks, pad, separate, adaptive):
+    """One sample's states [1, heads, seq, dim], routing and left-padding validity [1, seq] (a KV cache's layout)."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, kv_heads * gqa, seq, dim, generator=generator)
+    key = torch.randn(1, kv_heads, seq, dim, generator=generator)
+    value = torch.randn(1, kv_heads, seq, dim, generator=generator)
+    query_groups, key_groups = random_routing(generator, 1, seq, num_groups, top_k, "none", separate, adaptive)
+    valid = torch.ones(1, seq, dtype=torch.bool)
+    valid[0, :pad] = False
+    sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
+    return query, key, value, query_groups, key_groups, sink, valid
+
+
+def step(case, grouped, position, window, num_groups):
+    """The decoding step of the token at `position` (its cache: every token up to it) and the oracle's output."""
+    query, key, value, query_groups, key_groups, sink, valid = case
+    end = position + 1
+    model_mask = valid[:, None, None, :end]
+    output = fast.fast_hard_attention(
+        query[:, :, position:end],
+        key[:, :, :end],
+        value[:, :, :end],
+        model_mask,
+        query_groups=query_groups[:, position:end],
+        key_groups=key_groups[:, :end],
+        key_sink=sink[:, :end],
+        num_groups=num_groups,
+        window=window,
+        scaling=SCALING,
+        backend="sdpa",
+        grouped=grouped,
+    )
+    positions = torch.arange(end)
+    allowed = allowed_pairs(
+        query_groups[:, position:end], key_groups[:, :end], sink[:, :end], positions[position:], positions, window
+    )
+    reference = dense_attention(
+        query[:, :, position:end], key[:, :, :end], value[:, :, :end], allowed[:, None] & model_mask, scaling=SCALING
+    )
+    return output, reference
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seq=st.integers(2, 90),
+    first=st.floats(0.0, 1.0),
+    kv_heads=st.integers(1, 2),
+    gqa=st.sampled_from([1, 3]),
+    dim=st.sampled_from([4, 8]),
+    num_groups=st.integers(1, 6),
+    top_k=st.integers(1, 6),
+    window=st.integers(0, 30),
+    sinks=st.integers(0, 4),
+    pad=st.integers(0, 20),
+    separate=st.booleans(),
+    adaptive=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_decoding_steps_on_one_copy_equal_the_dense_oracle(
+    seq, first, kv_heads, gqa, dim, num_groups, top_k, window, sinks, pad, separate, adaptive, seed
+):
+    top_k = min(top_k, num_groups)
+    pad = min(pad, seq - 1)
+    case = decoding_case(seed, seq, kv_heads, gqa, dim, num_groups, top_k, sinks, pad, separate, adaptive)
+    valid = case[-1]
+    grouped = GroupedKeys(num_groups)
+    served = 0
+    # The first step takes in many keys at once (a prompt's), each later one the key that has just left the window.
+    for position in range(int(first * (seq - 1)), seq):
+        output, reference = step(case, grouped, position, window, num_groups)
+        if valid[0, position]:
+            torch.testing.assert_close(output, reference, atol=ATOL, rtol=0)
+        first_window = position - window
+        if first_window > 0 and bool(valid[0, first_window:].all()):
+            served += 1  # a step the copy can serve: it holds exactly the keys beyond the window
+            assert grouped.filled == first_window
+            assert sum(grouped.counts) == grouped.sinks * num_groups + int((valid & ~case[5])[0, :first_window].sum())
+    if seq - 1 - window > pad:
+        assert served
+
+
+def test_window_grown_mid_generation_falls_back_until_the_copy_is_beyond_it():
+    case = decoding_case(7, 60, 2, 3, 8, 4, 1, 2, 0, True, False)
+    grouped = GroupedKeys(4)
+    for position in range(30, 40):
+        step(case, grouped, position, 5, 4)
+    assert grouped.filled == 34
+    for position in range(40, 60):  # window 12: keys 28 .. 33 are in the copy and in the window until 46
+        output, reference = step(case, grouped, position, 12, 4)
+        torch.testing.assert_close(output, reference, atol=ATOL, rtol=0)
+        assert grouped.filled == (34 if position < 47 else position - 12)
+
+
+def test_one_step_behind_times_the_same_step_again():
+    query, key, value, query_groups, key_groups, sink, _ = decoding_case(3, 50, 1, 3, 8, 4, 1, 4, 0, False, False)
+    grouped, rewind = one_step_behind(key, value, key_groups, sink, 4, 8)
+    assert grouped.filled == 50 - 2 - 8
+    outputs = []
+    for _ in range(2):
+        rewind()
+        outputs.append(step((query, key, value, query_groups, key_groups, sink, sink | True), grouped, 49, 8, 4)[0])
+        assert grouped.filled == 50 - 1 - 8
+    torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(top_k=2, query_projection=True), dict(dense_heads=[[0, 0], [1, 1]])],
+    ids=["shared", "query-router-top-2", "dense-heads"],
+)
+def test_generate_reading_the_copy_equals_recomputation(architecture, options):
+    model = focus_model(architecture, **options)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    prompt = tokens(batch=1, seq=30)
+    new_tokens = 12
+    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
+        generated = model.generate(
+            input_ids=prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    assert grouped_decode.call_count >= new_tokens - 1
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(input_ids=sequence, use_cache=False).logits[:, -1]
+            sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+def test_step_logits_equal_a_forward_without_cache():
+    # Closer than the argmax: every decoding step's logits against a forward over the whole sequence.
+    model = focus_model("llama", top_k=2)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    sequence = tokens(batch=1, seq=44)
+    with torch.no_grad():
+        whole = model(input_ids=sequence, use_cache=False).logits
+        output = model(input_ids=sequence[:, :30], use_cache=True)
+        cache, steps = output.past_key_values, []
+        for position in range(30, 44):
+            steps.append(model(input_ids=sequence[:, position : position + 1], past_key_values=cache).logits)
+    assert getattr(cache, "_focus_grouped_keys")  # the steps read the copies
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole[:, 30:], atol=1e-5, rtol=0)
