@@ -29,7 +29,11 @@ def focus_layers(model: nn.Module) -> list[FocusLayer]:
 
 
 def set_routing(
-    model: nn.Module, mode: str = "hard", top_k: Optional[int] = None, backend: Optional[str] = None
+    model: nn.Module,
+    mode: str = "hard",
+    top_k: Optional[int] = None,
+    backend: Optional[str] = None,
+    decode_copy: Optional[bool] = None,
 ) -> None:
     """Switch the routing of every Focus layer without reloading the adapter.
 
@@ -42,6 +46,10 @@ def set_routing(
             oracle), `"sdpa"` (two standard attention calls merged by log-sum-exp, CPU and CUDA), `"flash"`
             (the same on flash-attn, CUDA only), or `None`/`"auto"`: the fastest available, dense masked on
             short sequences.
+        decode_copy: whether a hard-mode decoding step of one sample reads its probed groups from a group-sorted copy
+            of the distant keys and values kept beside the KV cache (True, the default: no gather, several times
+            faster on long caches, at the memory of a second copy of the routed heads' cache) or gathers them from
+            the cache (False); None keeps the current choice.
 
     Raises:
         BackendUnavailableError: `backend="flash"` without CUDA or without flash-attn installed.
@@ -50,7 +58,7 @@ def set_routing(
     if backend is not None:
         check_backend(backend, next(model.parameters()).device)
     for layer in layers:
-        layer.set_routing(mode, top_k, backend)
+        layer.set_routing(mode, top_k, backend, decode_copy)
 
 
 # Options that change what the hard pattern keeps but not what the routers learned, so a trained adapter can

@@ -164,6 +164,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.mode_override: Optional[str] = None
         self.top_k_override: Optional[int] = None
         self.backend = "auto"
+        self.decode_copy = True  # decoding steps read a group-sorted copy of the distant keys (`grouped_keys`)
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
         self._active_adapter = adapter_name
@@ -195,8 +196,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             )
         super().set_adapter(adapter_names, inference_mode=inference_mode)
 
-    def set_routing(self, mode: Optional[str], top_k: Optional[int], backend: Optional[str]) -> None:
-        """Override the routing mode / top-k / backend of every adapter of this layer (None: keep config)."""
+    def set_routing(
+        self, mode: Optional[str], top_k: Optional[int], backend: Optional[str], decode_copy: Optional[bool] = None
+    ) -> None:
+        """Override the routing mode / top-k / backend of every adapter of this layer (None: keep config), and
+        choose whether decoding keeps a group-sorted copy of the distant keys (None: keep the current choice)."""
         if mode is not None and mode not in ROUTING_MODES:
             raise FocusConfigError(f"Unknown routing mode {mode!r}; expected one of {ROUTING_MODES}.")
         if backend is not None and backend not in BACKENDS:
@@ -207,6 +211,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.mode_override = None if mode == "auto" else mode
         self.top_k_override = top_k
         self.backend = backend or "auto"
+        if decode_copy is not None:
+            self.decode_copy = bool(decode_copy)
 
     def _active_router(self) -> Optional[str]:
         if self.disable_adapters:
@@ -328,7 +334,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         grouped_keys = None
         if cache is not None:
             _attach_routing_states(cache)[(adapter_name, self.layer_index)] = keys
-            if mode == "hard":
+            if mode == "hard" and self.decode_copy:
                 grouped_keys = _grouped_keys(cache, (adapter_name, self.layer_index), fresh=state.seen == 0)
         for observer in self.routing_observers:
             observer(self, queries)

@@ -167,3 +167,19 @@ def test_step_logits_equal_a_forward_without_cache():
             steps.append(model(input_ids=sequence[:, position : position + 1], past_key_values=cache).logits)
     assert getattr(cache, "_focus_grouped_keys")  # the steps read the copies
     torch.testing.assert_close(torch.cat(steps, dim=1), whole[:, 30:], atol=1e-5, rtol=0)
+
+
+def test_decode_copy_off_gathers_with_the_same_tokens():
+    model = focus_model("llama")
+    prompt = tokens(batch=1, seq=30)
+    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=False)
+    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
+        gathered = model.generate(input_ids=prompt, **options)
+    assert grouped_decode.call_count == 0
+    focus_hf.set_routing(model, "hard", backend="sdpa")  # None keeps the choice
+    assert all(not layer.decode_copy for layer in focus_hf.tuner.controls.focus_layers(model))
+    focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=True)
+    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
+        assert torch.equal(model.generate(input_ids=prompt, **options), gathered)
+    assert grouped_decode.call_count > 0
