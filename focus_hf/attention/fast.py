@@ -39,7 +39,8 @@ merge depends on, so `attention.focus_attention_forward` sends calls that need g
 
 Costs (n tokens, K groups, window w, top-k probes): A ~ k n^2 / 2K (+ n PROBE_CHUNK / 2 on the staircases),
 B ~ n (w + partials.LOCAL_BLOCK); memory: the float32 output and log-sum-exp, one segment's keys and one block of
-STREAM_ROWS queries' partial results.
+STREAM_ROWS queries' partial results. A decoding step reads ~ k n / K + w keys; the group-sorted copy it reads them
+from holds the routed heads' distant keys and values a second time (off with `set_routing(decode_copy=False)`).
 """
 
 from __future__ import annotations

@@ -356,7 +356,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
         reachable |= (positions >= cache_len - 1 - args.window) | routing.sink[0]
         fraction = float(reachable.float().mean())
         crossover = crossovers[top_k]
-        path = "dense-masked" if crossover is not None and cache_len < crossover else "decode"
+        path = "dense-masked" if crossover is not None and cache_len < crossover else "group-sorted copy"
         rows.append(
             {
                 "mode": "decode",
@@ -369,7 +369,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 "cpu_speedup": dense_cpu_s / focus_cpu_s if focus_cpu_s else None,
                 "keys_fraction": fraction,
                 "ideal_speedup": 1.0 / fraction,
-                "focus_path": path if args.backend == "auto" else "decode",
+                "focus_path": path if args.backend == "auto" else "group-sorted copy",
                 "dense_below": crossover,
                 "repeats": repeats,
                 "backend": args.backend,

@@ -282,7 +282,7 @@ def test_bench_decode_writes_rows(tmp_path):
         assert row["mode"] == "decode" and row["speedup"] == pytest.approx(row["dense_s"] / row["focus_s"])
         assert 0 < row["keys_fraction"] <= 1 and row["processor"] and row["threads"] >= 1
         # The suite runs without calibration: the default crossover decides the path.
-        assert row["focus_path"] == ("dense-masked" if row["cache_len"] < row["dense_below"] else "decode")
+        assert row["focus_path"] == ("dense-masked" if row["cache_len"] < row["dense_below"] else "group-sorted copy")
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

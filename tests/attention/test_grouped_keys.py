@@ -1,28 +1,17 @@
 """Decoding steps that read a group-sorted copy of the distant keys (`focus_hf.attention.grouped_keys`), against the
-dense oracle, step after step on one copy; and at model level, generate() against recomputing every token."""
+dense oracle, step after step on one copy (generate() with the copy: tests/tuner/test_behaviour.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-from unittest import mock
-
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_fast import ATOL, SCALING, random_routing
 
-import focus_hf
 import focus_hf.attention.fast as fast
 from focus_hf.attention.grouped_keys import GroupedKeys, one_step_behind
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_fast import ATOL, SCALING, random_routing  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tuner"))
-from test_behaviour import focus_model, tokens  # noqa: E402
 
 
 def decoding_case(seed, seq, kv_heads, gqa, dim, num_groups, top_k, sinks, pad, separate, adaptive):
@@ -128,58 +117,3 @@ def test_one_step_behind_times_the_same_step_again():
         outputs.append(step((query, key, value, query_groups, key_groups, sink, sink | True), grouped, 49, 8, 4)[0])
         assert grouped.filled == 50 - 1 - 8
     torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("architecture", ["llama", "gpt2", "qwen3"])
-@pytest.mark.parametrize(
-    "options",
-    [dict(), dict(top_k=2, query_projection=True), dict(dense_heads=[[0, 0], [1, 1]])],
-    ids=["shared", "query-router-top-2", "dense-heads"],
-)
-def test_generate_reading_the_copy_equals_recomputation(architecture, options):
-    model = focus_model(architecture, **options)
-    focus_hf.set_routing(model, "hard", backend="sdpa")
-    prompt = tokens(batch=1, seq=30)
-    new_tokens = 12
-    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
-        generated = model.generate(
-            input_ids=prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-    assert grouped_decode.call_count >= new_tokens - 1
-    sequence = prompt
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            logits = model(input_ids=sequence, use_cache=False).logits[:, -1]
-            sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(generated, sequence)
-
-
-def test_step_logits_equal_a_forward_without_cache():
-    # Closer than the argmax: every decoding step's logits against a forward over the whole sequence.
-    model = focus_model("llama", top_k=2)
-    focus_hf.set_routing(model, "hard", backend="sdpa")
-    sequence = tokens(batch=1, seq=44)
-    with torch.no_grad():
-        whole = model(input_ids=sequence, use_cache=False).logits
-        output = model(input_ids=sequence[:, :30], use_cache=True)
-        cache, steps = output.past_key_values, []
-        for position in range(30, 44):
-            steps.append(model(input_ids=sequence[:, position : position + 1], past_key_values=cache).logits)
-    assert getattr(cache, "_focus_grouped_keys")  # the steps read the copies
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole[:, 30:], atol=1e-5, rtol=0)
-
-
-def test_decode_copy_off_gathers_with_the_same_tokens():
-    model = focus_model("llama")
-    prompt = tokens(batch=1, seq=30)
-    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
-    focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=False)
-    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
-        gathered = model.generate(input_ids=prompt, **options)
-    assert grouped_decode.call_count == 0
-    focus_hf.set_routing(model, "hard", backend="sdpa")  # None keeps the choice
-    assert all(not layer.decode_copy for layer in focus_hf.tuner.controls.focus_layers(model))
-    focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=True)
-    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
-        assert torch.equal(model.generate(input_ids=prompt, **options), gathered)
-    assert grouped_decode.call_count > 0

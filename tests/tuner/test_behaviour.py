@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -10,6 +12,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import focus_hf
+import focus_hf.attention.fast as fast
 
 SEQ = 64
 ATOL = 1e-5
@@ -206,3 +209,61 @@ def test_padded_generate_matches_unpadded(architecture):
     batched = model.generate(input_ids=ids, attention_mask=mask, **options)
     assert torch.equal(batched[0, 9:], model.generate(input_ids=short, **options)[0])
     assert torch.equal(batched[1], model.generate(input_ids=long, **options)[0])
+
+
+# --- decoding steps that read the group-sorted copy of the distant keys (attention/grouped_keys.py) ---
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(top_k=2, query_projection=True), dict(dense_heads=[[0, 0], [1, 1]])],
+    ids=["shared", "query-router-top-2", "dense-heads"],
+)
+def test_generate_reading_the_copy_equals_recomputation(architecture, options):
+    model = focus_model(architecture, **options)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    prompt = tokens(batch=1, seq=30)
+    new_tokens = 12
+    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
+        generated = model.generate(
+            input_ids=prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    assert grouped_decode.call_count >= new_tokens - 1
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(input_ids=sequence, use_cache=False).logits[:, -1]
+            sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+def test_step_logits_equal_a_forward_without_cache():
+    # Closer than the argmax: every decoding step's logits against a forward over the whole sequence.
+    model = focus_model("llama", top_k=2)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    sequence = tokens(batch=1, seq=44)
+    with torch.no_grad():
+        whole = model(input_ids=sequence, use_cache=False).logits
+        output = model(input_ids=sequence[:, :30], use_cache=True)
+        cache, steps = output.past_key_values, []
+        for position in range(30, 44):
+            steps.append(model(input_ids=sequence[:, position : position + 1], past_key_values=cache).logits)
+    assert getattr(cache, "_focus_grouped_keys")  # the steps read the copies
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole[:, 30:], atol=1e-5, rtol=0)
+
+
+def test_decode_copy_off_gathers_with_the_same_tokens():
+    model = focus_model("llama")
+    prompt = tokens(batch=1, seq=30)
+    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=False)
+    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
+        gathered = model.generate(input_ids=prompt, **options)
+    assert grouped_decode.call_count == 0
+    focus_hf.set_routing(model, "hard", backend="sdpa")  # None keeps the choice
+    assert all(not layer.decode_copy for layer in focus_hf.tuner.controls.focus_layers(model))
+    focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=True)
+    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
+        assert torch.equal(model.generate(input_ids=prompt, **options), gathered)
+    assert grouped_decode.call_count > 0
