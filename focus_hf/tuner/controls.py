@@ -49,7 +49,8 @@ def set_routing(
         decode_copy: whether a hard-mode decoding step of one sample reads its probed groups from a group-sorted copy
             of the distant keys and values kept beside the KV cache (True, the default: no gather, several times
             faster on long caches, at the memory of a second copy of the routed heads' cache) or gathers them from
-            the cache (False); None keeps the current choice.
+            the cache (False); None keeps the current choice. A cache that offloads its layers
+            (`DynamicCache(offloading=True)`) never gets the copy.
 
     Raises:
         BackendUnavailableError: `backend="flash"` without CUDA or without flash-attn installed.

@@ -109,9 +109,14 @@ def _attach_routing_states(cache: Any) -> dict:
     return states
 
 
-def _grouped_keys(cache: Any, layer_key: tuple[str, int], fresh: bool) -> dict:
+def _grouped_keys(cache: Any, layer_key: tuple[str, int], fresh: bool) -> Optional[dict]:
     """The group-sorted key copies of one layer's routing on `cache` (by run of kv heads), emptied when the routing
-    starts afresh on it (an empty or reset cache): they hold the cache's keys, so they live and die with them."""
+    starts afresh on it (an empty or reset cache): they hold the cache's keys, so they live and die with them.
+
+    None for a cache that offloads its layers to save accelerator memory: copies of every layer's keys kept on the
+    accelerator would undo that, so decoding gathers from the cache instead."""
+    if getattr(cache, "offloading", False):
+        return None
     stores = getattr(cache, _GROUPED_ATTRIBUTE, None)
     if stores is None:
         stores = {}

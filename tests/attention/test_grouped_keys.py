@@ -117,3 +117,15 @@ def test_one_step_behind_times_the_same_step_again():
         outputs.append(step((query, key, value, query_groups, key_groups, sink, sink | True), grouped, 49, 8, 4)[0])
         assert grouped.filled == 50 - 1 - 8
     torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
+
+
+def test_no_copy_beside_a_cache_that_offloads_its_layers():
+    from types import SimpleNamespace
+
+    from focus_hf.tuner.layer import _grouped_keys
+
+    assert _grouped_keys(SimpleNamespace(offloading=True), ("default", 0), fresh=True) is None
+    cache = SimpleNamespace(offloading=False)
+    stores = _grouped_keys(cache, ("default", 0), fresh=True)
+    assert stores == {} and _grouped_keys(cache, ("default", 0), fresh=False) is stores
+    assert _grouped_keys(cache, ("default", 0), fresh=True) is not stores  # a reset cache: new copies
