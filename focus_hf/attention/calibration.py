@@ -247,7 +247,7 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
         def sparse() -> torch.Tensor:
             if shape.kind == "decode":
                 rewind()
-                return decode_attention(query, key, value, None, *arguments, grouped=grouped)
+                return decode_attention(query, key, value, None, *arguments, grouped=[grouped])
             return sparse_attention(
                 query, key, value, None, groups, key_groups, sink, shape.num_groups, shape.window, scaling, kernel
             )

@@ -25,9 +25,9 @@ rather than -inf, so a partial without visible keys has a log-sum-exp near finfo
 and never produces a NaN.
 
 Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those queries can reach - their groups' keys,
-their window and the sinks - and runs one small attention over them (unmasked for one query). A one-query step of
-one sample whose layer keeps a group-sorted copy of the distant keys (`grouped_keys.GroupedKeys`, kept per KV cache
-by `tuner.layer`) reads its probed groups from that copy and its window from the cache, as slices: no gather. Below
+their window and the sinks - and runs one small attention over them (unmasked for one query). A one-query step
+whose layer keeps group-sorted copies of each sample's distant keys (`grouped_keys.GroupedKeys`, kept per KV cache
+by `tuner.layer`) reads its probed groups from the copy and its window from the cache, as slices: no gather. Below
 `calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
 one dense masked call (its mask built by `pattern.causal_pattern` for square calls, the kernel's causal flag doing
 the rest); so does every backend when the model's mask is more than causal + padding (sliding-window layers), since
@@ -168,7 +168,7 @@ def decode_attention(
     window: int,
     scaling: float,
     kernel: Kernel,
-    grouped: Optional[GroupedKeys] = None,
+    grouped: Optional[list[GroupedKeys]] = None,
 ) -> torch.Tensor:
     """Few queries against many keys: gather the keys they can reach, then one masked call. [batch, q, heads, dim].
 
@@ -177,10 +177,11 @@ def decode_attention(
     DIRECT_GATHER_MAX reachable keys (short and mid-length caches) takes the cheapest route: an index_select along
     the token axis and, on CPU, plain SDPA.
 
-    With `grouped` (one sample, one query), the distant keys come from its group-sorted copy (`grouped_decode`).
+    With `grouped` (one query; a copy per sample), the distant keys come from the group-sorted copies
+    (`grouped_decode`).
     """
     batch, _, q_len, _ = query.shape
-    if grouped is not None and batch == 1 and q_len == 1:
+    if grouped is not None and q_len == 1 and len(grouped) == batch:
         output = grouped_decode(
             query, key, value, key_valid, query_groups, key_groups, key_sink, window, scaling, grouped
         )
@@ -239,24 +240,30 @@ def grouped_decode(
     key_sink: torch.Tensor,
     window: int,
     scaling: float,
-    grouped: GroupedKeys,
+    grouped: list[GroupedKeys],
 ) -> Optional[torch.Tensor]:
-    """One query of one sample [1, heads, 1, dim] over its window (a slice of the cache) and the distant keys of its
-    probed groups and the sinks (slices of `grouped`, first brought up to the keys now beyond the window):
-    [1, 1, heads, dim]. None where `grouped` cannot serve the step exactly (padding inside the window, a distant
-    key not yet routed); the caller then gathers."""
+    """One query per sample [batch, heads, 1, dim] over its window (a slice of the cache) and the distant keys of its
+    probed groups and the sinks (slices of its sample's copy in `grouped`, first brought up to the keys now beyond
+    the window): [batch, 1, heads, dim]. None where the copies cannot serve the step exactly (padding inside the
+    window, a distant key not yet routed, a window grown since with `configure_adapter`); the caller then gathers."""
     kv_len = key.shape[2]
     first_window = kv_len - 1 - window  # keys before it are farther than the window
-    if first_window <= 0 or grouped.filled > first_window:  # the latter: the window grew since (configure_adapter)
+    if first_window <= 0 or any(copy.filled > first_window for copy in grouped):
         return None
-    if key_valid is not None and not bool(key_valid[0, first_window:].all()):
+    if key_valid is not None and not bool(key_valid[:, first_window:].all()):
         return None
-    valid = None if key_valid is None else key_valid[0]
-    if not grouped.extend(key[0], value[0], key_groups[0], key_sink[0], valid, first_window):
-        return None
-    probed = list(dict.fromkeys(query_groups[0, 0].tolist()))  # distinct, best first
-    output = grouped.attend(query[0, :, 0], key[0, :, first_window:], value[0, :, first_window:], probed, scaling)
-    return output.view(1, 1, *output.shape)
+    probes = query_groups[:, 0].tolist()
+    outputs = []
+    for sample, copy in enumerate(grouped):
+        valid = None if key_valid is None else key_valid[sample]
+        if not copy.extend(key[sample], value[sample], key_groups[sample], key_sink[sample], valid, first_window):
+            return None
+        probed = list(dict.fromkeys(probes[sample]))  # distinct, best first
+        window_keys, window_values = key[sample, :, first_window:], value[sample, :, first_window:]
+        outputs.append(copy.attend(query[sample, :, 0], window_keys, window_values, probed, scaling))
+    if len(outputs) == 1:
+        return outputs[0].view(1, 1, *outputs[0].shape)
+    return torch.stack(outputs).unsqueeze(1)
 
 
 def masked_attention(
@@ -323,7 +330,7 @@ def fast_hard_attention(
     scaling: float,
     backend: str,
     mask_is_padding: bool = True,
-    grouped: Optional[GroupedKeys] = None,
+    grouped: Optional[list[GroupedKeys]] = None,
 ) -> torch.Tensor:
     """Hard-mode Focus attention on backend "sdpa", "flash" or "auto" (see `backends`).
 
@@ -339,8 +346,8 @@ def fast_hard_attention(
         backend: "sdpa", "flash" or "auto".
         mask_is_padding: False when the model's mask may hide more than future and padding keys (sliding-window
             layers); the pattern then runs as one dense masked call that applies the model's mask in full.
-        grouped: the group-sorted copy of this sample's distant keys that a one-query decoding step reads instead
-            of gathering (`grouped_keys`); None: gather.
+        grouped: the group-sorted copies of each sample's distant keys that a one-query decoding step reads
+            instead of gathering (`grouped_keys`), one per sample; None: gather.
 
     Returns:
         [batch, q, heads, dim]; rows of padding queries are finite and meaningless.

@@ -43,9 +43,9 @@ class LayerRouting:
     consumed: bool = False
     dense_kv_heads: tuple[int, ...] = ()  # kv heads of this layer that keep full attention
     dense_below: int = 0  # hard mode: queries with fewer keys (themselves included) attend densely
-    # Group-sorted copies of the distant keys of the layer's KV cache, by run of kv heads (start, end), for one-query
-    # decoding steps (`fast.grouped_decode`); None where there is no cache to keep them with.
-    grouped_keys: Optional[dict[tuple[int, int], GroupedKeys]] = None
+    # Group-sorted copies of the distant keys of the layer's KV cache, one per sample, by run of kv heads (start, end),
+    # for one-query decoding steps (`fast.grouped_decode`); None where there is no cache to keep them with.
+    grouped_keys: Optional[dict[tuple[int, int], list[GroupedKeys]]] = None
 
     def restricts(self, kv_len: int) -> bool:
         """Whether the pattern removes any causal pair among `kv_len` keys (otherwise attention is dense)."""
@@ -55,13 +55,15 @@ class LayerRouting:
             return False
         return self.mode == "soft" or self.top_k < self.num_groups
 
-    def grouped_for(self, heads: tuple[int, int]) -> Optional[GroupedKeys]:
-        """The group-sorted copy of kv heads start .. end - 1 (created empty on first use), or None."""
+    def grouped_for(self, heads: tuple[int, int], batch: int) -> Optional[list[GroupedKeys]]:
+        """The group-sorted copies of kv heads start .. end - 1, one per sample (created empty on first use), or
+        None."""
         if self.grouped_keys is None:
             return None
         if heads not in self.grouped_keys:
-            self.grouped_keys[heads] = GroupedKeys(self.num_groups)
-        return self.grouped_keys[heads]
+            self.grouped_keys[heads] = [GroupedKeys(self.num_groups) for _ in range(batch)]
+        copies = self.grouped_keys[heads]
+        return copies if len(copies) == batch else None
 
     def dense_queries(self, q_len: int) -> int:
         """How many of the call's first queries attend densely under `dense_below`: a query sees itself and every
@@ -302,7 +304,9 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             mask_is_padding=kwargs.get("sliding_window") is None
             and is_causal_padding_mask(base_allowed, q_len, kv_len),
             # Positions of the copy are the cache's slots: only while the cache holds every token since the first.
-            grouped=routing.grouped_for(kv_heads or (0, key.shape[1])) if q_len == 1 and start == 0 else None,
+            grouped=routing.grouped_for(kv_heads or (0, key.shape[1]), query.shape[0])
+            if q_len == 1 and start == 0
+            else None,
         )
         return output, None
     query_positions = torch.arange(keys.seen - q_len, keys.seen, device=query.device)

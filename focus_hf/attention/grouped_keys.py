@@ -8,11 +8,11 @@ order, for every position farther than the window from the newest query. Each st
 has just left the window (amortised growth), so a step reads exactly the keys it may attend to, with no gather and
 no mask: its probed groups' buffers and the window slice, joined in one softmax.
 
-One `GroupedKeys` serves one sample (batch 1: the common decoding case) and one run of kv heads of one layer. It
+One `GroupedKeys` serves one sample and one run of kv heads of one layer (a batch keeps one per sample). It
 costs a second copy of those keys and values (up to GROWTH times their size while a buffer grows). The copy is a
 pure function of the cache's keys, the routing's key groups, sinks and the key padding, all of which are fixed once
 a position is farther than the window; whoever holds it must drop it when the cache is cropped, reordered or reset
-(`tuner.layer` ties it to the routing state of one cache).
+(`tuner.layer` ties it to one cache and stops using it once the cache reorders its samples).
 """
 
 from __future__ import annotations

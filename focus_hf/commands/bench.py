@@ -327,7 +327,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 window=args.window,
                 scaling=scaling,
                 backend=args.backend,
-                grouped=grouped,
+                grouped=[grouped],
             )
 
         return step

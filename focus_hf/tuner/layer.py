@@ -27,6 +27,8 @@ from focus_hf.tuner.dispatch import execution_device
 _CACHE_ATTRIBUTE = "_focus_routing_states"
 # Group-sorted copies of each routed layer's distant keys (`attention.grouped_keys`), by (adapter, layer).
 _GROUPED_ATTRIBUTE = "_focus_grouped_keys"
+# Stands in for them once the cache has reordered its samples: decoding then gathers until the cache starts afresh.
+_REORDERED = "reordered"
 # Decoding with a query router defers the key-side Sinkhorn of new tokens and balances them in blocks of at most
 # this many (never more than the window, so that a token's group is known before any query sees it from afar).
 PENDING_LIMIT = 64
@@ -95,7 +97,8 @@ def _attach_routing_states(cache: Any) -> dict:
             result = original(*args, **kwargs)
             for key, state in list(states.items()):
                 states[key] = _select_samples(state, index_of(state, *args, **kwargs))
-            getattr(cache, _GROUPED_ATTRIBUTE, {}).clear()  # copies of the old samples' keys: rebuilt when needed
+            # The group-sorted copies hold the old samples' keys; beam search would reorder them every step.
+            setattr(cache, _GROUPED_ATTRIBUTE, _REORDERED)
             return result
 
         setattr(cache, method_name, wrapped)
@@ -113,11 +116,16 @@ def _grouped_keys(cache: Any, layer_key: tuple[str, int], fresh: bool) -> Option
     """The group-sorted key copies of one layer's routing on `cache` (by run of kv heads), emptied when the routing
     starts afresh on it (an empty or reset cache): they hold the cache's keys, so they live and die with them.
 
-    None for a cache that offloads its layers to save accelerator memory: copies of every layer's keys kept on the
-    accelerator would undo that, so decoding gathers from the cache instead."""
+    None for a cache that offloads its layers to save accelerator memory (copies of every layer's keys kept on the
+    accelerator would undo that) and for one that has reordered its samples (beam or contrastive search) until it
+    starts afresh: decoding gathers from the cache there."""
     if getattr(cache, "offloading", False):
         return None
     stores = getattr(cache, _GROUPED_ATTRIBUTE, None)
+    if stores is _REORDERED:
+        if not fresh:
+            return None
+        stores = None
     if stores is None:
         stores = {}
         setattr(cache, _GROUPED_ATTRIBUTE, stores)

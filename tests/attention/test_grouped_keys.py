@@ -44,7 +44,7 @@ def step(case, grouped, position, window, num_groups):
         window=window,
         scaling=SCALING,
         backend="sdpa",
-        grouped=grouped,
+        grouped=[grouped],
     )
     positions = torch.arange(end)
     allowed = allowed_pairs(
@@ -119,7 +119,7 @@ def test_one_step_behind_times_the_same_step_again():
     torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
 
 
-def test_no_copy_beside_a_cache_that_offloads_its_layers():
+def test_no_copy_beside_an_offloading_or_reordered_cache():
     from types import SimpleNamespace
 
     from focus_hf.tuner.layer import _grouped_keys
@@ -129,3 +129,6 @@ def test_no_copy_beside_a_cache_that_offloads_its_layers():
     stores = _grouped_keys(cache, ("default", 0), fresh=True)
     assert stores == {} and _grouped_keys(cache, ("default", 0), fresh=False) is stores
     assert _grouped_keys(cache, ("default", 0), fresh=True) is not stores  # a reset cache: new copies
+    cache._focus_grouped_keys = "reordered"  # what a reorder of the cache's samples leaves
+    assert _grouped_keys(cache, ("default", 0), fresh=False) is None
+    assert _grouped_keys(cache, ("default", 0), fresh=True) == {}  # until the cache starts afresh

@@ -267,3 +267,42 @@ def test_decode_copy_off_gathers_with_the_same_tokens():
     with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
         assert torch.equal(model.generate(input_ids=prompt, **options), gathered)
     assert grouped_decode.call_count > 0
+
+
+def test_batched_generate_reads_a_copy_per_sample():
+    # Left padding: each sample's sinks and distant keys are its own; the copies leave its padding out.
+    model = focus_model("llama", top_k=2, query_projection=True)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    short, long = tokens(batch=1, seq=21, seed=3), tokens(batch=1, seq=30, seed=4)
+    ids = torch.cat([torch.cat([torch.zeros(1, 9, dtype=torch.long), short], 1), long])
+    mask = torch.cat([torch.cat([torch.zeros(1, 9), torch.ones(1, 21)], 1), torch.ones(1, 30)]).long()
+    options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    served = []
+    original = fast.grouped_decode
+
+    def spy(query, *args):
+        output = original(query, *args)
+        served.append(query.shape[0] == 2 and output is not None)
+        return output
+
+    with mock.patch.object(fast, "grouped_decode", spy):
+        batched = model.generate(input_ids=ids, attention_mask=mask, **options)
+    assert any(served)  # steps of both samples read their copies
+    assert torch.equal(batched[0, 9:], model.generate(input_ids=short, **options)[0])
+    assert torch.equal(batched[1], model.generate(input_ids=long, **options)[0])
+
+
+def test_beam_search_stops_using_the_copies_once_the_cache_reorders():
+    from transformers import DynamicCache
+
+    model = focus_model("llama")
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    prompt = tokens(batch=1, seq=30)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    gathered = model.generate(input_ids=prompt, num_beams=3, **options)
+    cache = DynamicCache(config=model.config)
+    beams = model.generate(input_ids=prompt, num_beams=3, past_key_values=cache, **options)
+    assert getattr(cache, "_focus_grouped_keys") == "reordered"
+    focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=False)
+    assert torch.equal(beams, model.generate(input_ids=prompt, num_beams=3, **options))
+    assert torch.equal(beams, gathered)
