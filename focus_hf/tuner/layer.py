@@ -122,7 +122,7 @@ def _grouped_keys(cache: Any, layer_key: tuple[str, int], fresh: bool) -> Option
     if getattr(cache, "offloading", False):
         return None
     stores = getattr(cache, _GROUPED_ATTRIBUTE, None)
-    if stores is _REORDERED:
+    if stores == _REORDERED:
         if not fresh:
             return None
         stores = None
