@@ -42,8 +42,8 @@ NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
 CACHE_FILE = "crossover.json"
 # Bumped whenever the speed of the sparse or the dense masked path changes, or how it is measured, so that older
 # crossovers are re-measured (9: a win needs WIN_MARGIN, timings are medians; 10: decoding steps read a group-sorted
-# copy of the distant keys).
-CACHE_VERSION = 10
+# copy of the distant keys; 11: the dense masked call's bias is written in one gather).
+CACHE_VERSION = 11
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -239,7 +239,7 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
         arguments = (groups, key_groups, sink, shape.window, scaling, kernel)
 
         def dense() -> torch.Tensor:
-            return masked_attention(query, key, value, None, *arguments)
+            return masked_attention(query, key, value, None, *arguments, shape.num_groups)
 
         if shape.kind == "decode":  # the path of a decoding step with a KV cache (see bench's decode timing)
             grouped, rewind = one_step_behind(key, value, key_groups, sink, shape.num_groups, shape.window)

@@ -29,7 +29,7 @@ their window and the sinks - and runs one small attention over them (unmasked fo
 whose layer keeps group-sorted copies of each sample's distant keys (`grouped_keys.GroupedKeys`, kept per KV cache
 by `tuner.layer`) reads its probed groups from the copy and its window from the cache, as slices: no gather. Below
 `calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
-one dense masked call (its mask built by `pattern.causal_pattern` for square calls, the kernel's causal flag doing
+one dense masked call (its bias built by `pattern.causal_pattern_bias` for square calls, the kernel's causal flag doing
 the rest); so does every backend when the model's mask is more than causal + padding (sliding-window layers), since
 the fast paths read only the key padding from it. When every query probes all K groups, the pattern is causal
 attention, and one causal SDPA call runs it.
@@ -63,7 +63,7 @@ from focus_hf.attention.partials import (
     sink_part,
     slot_buffer,
 )
-from focus_hf.attention.pattern import allowed_pairs, causal_pattern, probes, probes_every_group
+from focus_hf.attention.pattern import allowed_pairs, causal_pattern_bias, probes, probes_every_group
 
 # Up to this many queries against a longer cache, gathering the reachable keys beats laying out all groups.
 DECODE_MAX_QUERIES = 16
@@ -277,6 +277,7 @@ def masked_attention(
     window: int,
     scaling: float,
     kernel: Kernel,
+    num_groups: int,
 ) -> torch.Tensor:
     """The exact pattern (and the model's own mask) as one dense masked call: [batch, q, heads, dim]."""
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -289,19 +290,21 @@ def masked_attention(
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling, enable_gqa=True)
         return output.transpose(1, 2).contiguous()
     if q_len == kv_len:  # the kernel's causal flag hides the pairs above the diagonal
-        visible = causal_pattern(query_groups, key_groups, key_sink, window)[:, None]
+        bias = causal_pattern_bias(query_groups, key_groups, key_sink, window, num_groups, query.dtype)[:, None]
+        if model_mask is not None:
+            bias = bias.masked_fill(~model_mask, torch.finfo(query.dtype).min)
     else:
         positions = torch.arange(kv_len, device=query.device)
         visible = allowed_pairs(query_groups, key_groups, key_sink, positions[kv_len - q_len :], positions, window)
         visible = visible[:, None]
-    if model_mask is not None:
-        visible = visible & model_mask
-    bias = hidden_bias(visible, query.dtype)
+        if model_mask is not None:
+            visible = visible & model_mask
+        bias = hidden_bias(visible, query.dtype)
     if query.device.type == "cpu" and q_len <= DECODE_MAX_QUERIES and q_len < kv_len:
         output = few_query_attention(query, key, value, bias, scaling)  # decoding: faster than the kernel
     else:
-        # Square calls need the causal flag (`causal_pattern` leaves the pairs above the diagonal as they fall);
-        # it also lets the kernel skip the blocks there.
+        # Square calls need the causal flag (`causal_pattern_bias` leaves the pairs above the diagonal as they
+        # fall); it also lets the kernel skip the blocks there.
         output, _ = kernel(query, key, value, causal=q_len == kv_len, bias=bias, scale=scaling)
     return output.transpose(1, 2).contiguous()
 
@@ -364,7 +367,7 @@ def fast_hard_attention(
         query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode)
     )
     if short or (model_mask is not None and not mask_is_padding):
-        return masked_attention(query, key, value, model_mask, *arguments)
+        return masked_attention(query, key, value, model_mask, *arguments, num_groups)
     # The last query follows every key, so its row of a causal + padding mask hides exactly the padding keys.
     key_valid = None if model_mask is None else model_mask[:, 0, -1, :].expand(query.shape[0], -1)
     if decode:

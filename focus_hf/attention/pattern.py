@@ -97,24 +97,35 @@ def allowed_pairs(
     return (distance >= 0) & ((distance <= window) | key_sink[:, None, :] | probes(query_groups, key_groups))
 
 
-def causal_pattern(
-    query_groups: torch.Tensor, key_groups: torch.Tensor, key_sink: torch.Tensor, window: int
+def causal_pattern_bias(
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    num_groups: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Boolean [batch, n, n] mask of the pattern of a square call (queries = keys) on and below the diagonal.
+    """Additive bias [batch, n, n] of the pattern of a square call (queries = keys): 0 where the pair is allowed,
+    finfo(dtype).min where it is hidden, on and below the diagonal.
 
-    Entries above the diagonal are left as they fall, for kernels that apply causality themselves; that spares
-    the [n, n] distance matrix of `allowed_pairs`: the probed groups and the sinks take k + 1 passes, and the
-    window is one strided fill of its band.
+    Entries above the diagonal are left as they fall, for kernels that apply causality themselves. The bias is
+    written in one gather from a [batch, n, K + 2] table of each query's row over the groups (column K: sinks, seen by
+    all; column K + 1: keys or queries not routed yet, group -1, which see each other as `probes` says), then the
+    window's band is one strided fill: a single pass over n x n whatever top_k is, where comparing groups takes one
+    pass per probe and converting a boolean mask to a bias another.
     """
-    visible = probes(query_groups, key_groups)
-    visible |= key_sink[:, None, :]
-    batch, n = visible.shape[0], visible.shape[-1]
+    batch, n, _ = query_groups.shape
+    sink_column, unrouted_column = num_groups, num_groups + 1
+    rows = torch.full((batch, n, num_groups + 2), torch.finfo(dtype).min, dtype=dtype, device=query_groups.device)
+    rows.scatter_(2, torch.where(query_groups < 0, unrouted_column, query_groups), 0.0)
+    rows[:, :, sink_column] = 0.0
+    columns = torch.where(key_sink, sink_column, torch.where(key_groups < 0, unrouted_column, key_groups))
+    bias = rows.gather(2, columns[:, None, :].expand(batch, n, n))
     if n > window:  # (i, j) with 0 <= i - j <= window, for i >= window: row i - window of an [n - w, w + 1] view
-        offset = visible.storage_offset() + window * n
-        band = visible.as_strided((batch, n - window, window + 1), (n * n, n + 1, 1), offset)
-        band.fill_(True)
-    visible[:, :window, :window] = True
-    return visible
+        offset = bias.storage_offset() + window * n
+        bias.as_strided((batch, n - window, window + 1), (n * n, n + 1, 1), offset).fill_(0.0)
+    bias[:, :window, :window] = 0.0
+    return bias
 
 
 def soft_gate(

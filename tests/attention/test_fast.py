@@ -349,17 +349,23 @@ def test_bench_pair_count_is_exact(seq, num_groups, window, sinks, seed):
     sinks=st.integers(0, 4),
     seed=st.integers(0, 999),
 )
-def test_causal_pattern_is_the_lower_triangle_of_allowed_pairs(batch, seq, num_groups, window, sinks, seed):
+def test_causal_pattern_bias_is_the_lower_triangle_of_allowed_pairs(batch, seq, num_groups, window, sinks, seed):
     generator = torch.Generator().manual_seed(seed)
     top_k = 1 + seed % num_groups
     query_groups, key_groups = random_routing(
         generator, batch, seq, num_groups, top_k, "some", separate=seed % 3 == 0, adaptive=seed % 2 == 0
     )
     sink = (torch.arange(seq)[None] < sinks).expand(batch, -1)
+    if seed % 4 == 0:  # the newest tokens not routed yet (`routing.defer_tokens`): group -1
+        unrouted = seed % 7
+        query_groups, key_groups = query_groups.clone(), key_groups.clone()
+        query_groups[:, seq - unrouted :], key_groups[:, seq - unrouted :] = -1, -1
     positions = torch.arange(seq)
     expected = allowed_pairs(query_groups, key_groups, sink, positions, positions, window)
     lower = torch.ones(seq, seq, dtype=torch.bool).tril()
-    assert torch.equal(pattern.causal_pattern(query_groups, key_groups, sink, window) & lower, expected)
+    bias = pattern.causal_pattern_bias(query_groups, key_groups, sink, window, num_groups, torch.float32)
+    assert set(bias.unique().tolist()) <= {0.0, torch.finfo(torch.float32).min}
+    assert torch.equal((bias == 0) & lower, expected)
 
 
 def test_probes_every_group_only_when_all_groups_are_probed():
