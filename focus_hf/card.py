@@ -290,9 +290,7 @@ def render_model_card(
     # characters everywhere, and values in the usage snippet are written as Python string literals. Only the YAML
     # block that huggingface_hub serialised is inserted as is.
     context["card_data"] = markupsafe.Markup(context["card_data"])
-    environment = jinja2.Environment(
-        keep_trailing_newline=True, undefined=jinja2.ChainableUndefined, autoescape=True
-    )
+    environment = jinja2.Environment(keep_trailing_newline=True, undefined=jinja2.ChainableUndefined, autoescape=True)
     environment.filters["python_string"] = python_string_literal
     content = environment.from_string(TEMPLATE_PATH.read_text(encoding="utf-8")).render(**context)
     while "\n\n\n" in content:
