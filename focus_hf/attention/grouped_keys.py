@@ -69,23 +69,24 @@ class GroupedKeys:
         first = self.filled
         if upto <= first:
             return True
-        span = slice(first, upto)
-        groups, sink = key_groups[span], key_sink[span]
-        real = torch.ones_like(sink) if key_valid is None else key_valid[span]
-        if upto - first == 1:  # a decoding step: one position, read in one host transfer
-            group, is_sink, is_real = torch.stack([groups[0], sink[0].long(), real[0].long()]).tolist()
-            if not is_real:
+        if upto - first == 1:  # a decoding step: one position, its flags read as Python values (no extra tensors)
+            if key_valid is not None and not bool(key_valid[first]):
                 self.filled = upto
                 return True
-            if is_sink:
+            span = slice(first, upto)
+            if bool(key_sink[first]):
                 if not self._append_sinks(key[:, span], value[:, span]):
                     return False
-            elif group < 0:
-                return False
             else:
+                group = int(key_groups[first])
+                if group < 0:
+                    return False
                 self._append(group, key[:, span], value[:, span])
             self.filled = upto
             return True
+        span = slice(first, upto)
+        groups, sink = key_groups[span], key_sink[span]
+        real = torch.ones_like(sink) if key_valid is None else key_valid[span]
         sinks = (sink & real).nonzero().flatten()
         members = (~sink & real).nonzero().flatten()
         if len(members) and int(groups[members].min()) < 0:
@@ -142,21 +143,28 @@ class GroupedKeys:
         """One query [heads, dim] over the distant keys of `groups` (distinct; sinks counted once) and the window's
         keys/values [kv_heads, w, dim]: [heads, dim]. Scores of all parts share one float32 softmax."""
         kv_heads, dim = window_keys.shape[0], window_keys.shape[2]
-        rows = query.reshape(kv_heads, query.shape[0] // kv_heads, dim)  # the query heads of each kv head
-        parts = [(window_keys, window_values)]
+        rows = query.reshape(kv_heads, -1, dim)  # the query heads of each kv head
+        keys, values = [window_keys], [window_values]
         for rank, group in enumerate(groups):
-            start = 0 if rank == 0 else self.sinks
-            if self.counts[group] > start:
-                parts.append(
-                    (self.keys[group][:, start : self.counts[group]], self.values[group][:, start : self.counts[group]])
-                )
-        scores = torch.cat([torch.bmm(rows, keys.transpose(1, 2)) for keys, _ in parts], dim=-1)
-        probs = torch.softmax(scores.float().mul_(scale), dim=-1).to(query.dtype)
+            start, end = (0 if rank == 0 else self.sinks), self.counts[group]
+            if end > start:
+                keys.append(self.keys[group][:, start:end])
+                values.append(self.values[group][:, start:end])
+        scores = torch.cat([torch.bmm(rows, part.mT) for part in keys], dim=-1)
+        if scores.dtype != torch.float32:
+            scores = scores.float()
+        probs = torch.softmax(scores.mul_(scale), dim=-1)
+        if probs.dtype != query.dtype:
+            probs = probs.to(query.dtype)
         output, start = None, 0
-        for keys, values in parts:
-            share = probs[..., start : start + keys.shape[1]]
-            output = torch.bmm(share, values) if output is None else output.baddbmm_(share, values)
-            start += keys.shape[1]
+        for part, part_values in zip(keys, values):
+            end = start + part.shape[1]
+            output = (
+                torch.bmm(probs[..., start:end], part_values)
+                if output is None
+                else output.baddbmm_(probs[..., start:end], part_values)
+            )
+            start = end
         return output.view(query.shape)
 
 

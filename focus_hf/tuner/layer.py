@@ -16,6 +16,7 @@ from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeEr
 from focus_hf.attention.routing import (
     RoutingState,
     TokenRouting,
+    centroid_directions,
     defer_tokens,
     route_tokens,
     routing_scores,
@@ -55,6 +56,15 @@ class RouterSettings:
     @classmethod
     def from_config(cls, config: FocusConfig) -> "RouterSettings":
         return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+    @functools.cached_property
+    def dense_kv_heads(self) -> dict[int, tuple[int, ...]]:
+        """The kv heads of each layer that keep full attention, sorted (`dense_heads` by layer; read at every
+        call of every routed layer, so worked out once - settings are replaced, never edited, when options change)."""
+        by_layer: dict[int, set[int]] = {}
+        for layer, head in self.dense_heads or []:
+            by_layer.setdefault(layer, set()).add(head)
+        return {layer: tuple(sorted(heads)) for layer, heads in by_layer.items()}
 
 
 def _select_samples(state: RoutingState, index: torch.Tensor) -> RoutingState:
@@ -177,6 +187,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.mode_override: Optional[str] = None
         self.top_k_override: Optional[int] = None
         self.backend = "auto"
+        self._directions: dict[str, tuple[tuple, torch.Tensor]] = {}  # `_centroid_directions`, by adapter
         self.decode_copy = True  # decoding steps read a group-sorted copy of the distant keys (`grouped_keys`)
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
@@ -265,7 +276,25 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         """Scores [batch, seq, K] / tau of the key-side router, or of the query router (`query_side`)."""
         projection = (self.focus_query_proj if query_side else self.focus_proj)[adapter_name]
         settings = self.focus_settings[adapter_name]
-        return routing_scores(hidden, projection, self.focus_centroids[adapter_name], settings.temperature)
+        centroids = self.focus_centroids[adapter_name]
+        return routing_scores(
+            hidden, projection, centroids, settings.temperature, self._centroid_directions(adapter_name, centroids)
+        )
+
+    def _centroid_directions(self, adapter_name: str, centroids: torch.Tensor) -> Optional[torch.Tensor]:
+        """`routing.centroid_directions` of the adapter, kept between calls that need no gradient (every routed
+        layer needs it at every decoding step); None where the call differentiates through the centroids."""
+        if torch.is_grad_enabled() and centroids.requires_grad:
+            return None
+        temperature = self.focus_settings[adapter_name].temperature
+        # Any change to the centroids - an optimizer step, loading, replacing the parameter - changes this key.
+        key = (id(centroids), centroids.data_ptr(), centroids._version, centroids.device, temperature)
+        kept = self._directions.get(adapter_name)
+        if kept is None or kept[0] != key:
+            with torch.no_grad():
+                kept = (key, centroid_directions(centroids, temperature))
+            self._directions[adapter_name] = kept
+        return kept[1]
 
     def route_tokens(
         self,
@@ -370,9 +399,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             keys=keys,
             dense_below=settings.dense_below,
             grouped_keys=grouped_keys,
-            dense_kv_heads=tuple(
-                sorted({head for layer, head in (settings.dense_heads or []) if layer == self.layer_index})
-            ),
+            dense_kv_heads=settings.dense_kv_heads.get(self.layer_index, ()),
         )
         self.base_layer._focus_routing = routing
         try:
