@@ -62,17 +62,8 @@ class RoutingState:
         )
 
 
-def centroid_directions(centroids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[group_dim, K] the unit centroids divided by the temperature, the matrix `routing_scores` projects onto."""
-    return F.normalize(centroids.float(), dim=-1).T / temperature
-
-
 def routing_scores(
-    hidden: torch.Tensor,
-    projection: torch.Tensor,
-    centroids: torch.Tensor,
-    temperature: float,
-    directions: Optional[torch.Tensor] = None,
+    hidden: torch.Tensor, projection: torch.Tensor, centroids: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """Cosine similarity of each projected token to each centroid, divided by the temperature.
 
@@ -81,18 +72,15 @@ def routing_scores(
         projection: [hidden_size, group_dim] router projection W_g.
         centroids: [num_groups, group_dim].
         temperature: tau.
-        directions: `centroid_directions(centroids, temperature)` if the caller keeps it (it changes only with the
-            centroids), else None.
 
     Returns:
         float32 scores of shape [batch, seq, num_groups].
     """
     projected = (hidden.to(projection.dtype) @ projection).float()
-    if directions is None:
-        directions = centroid_directions(centroids, temperature)
+    directions = F.normalize(centroids.float(), dim=-1).T
     # cos = (p . c) / |p|: the projection's norm divides the K scores rather than its group_dim coordinates, as
     # F.normalize would (fewer passes: this runs in every routed layer at every decoding step).
-    return (projected @ directions) / projected.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return (projected @ directions) / (projected.norm(dim=-1, keepdim=True).clamp_min(1e-12) * temperature)
 
 
 # Largest |score| for which exp(score) and its prefix sums stay well inside float64's range, so the iteration can

@@ -16,7 +16,6 @@ from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeEr
 from focus_hf.attention.routing import (
     RoutingState,
     TokenRouting,
-    centroid_directions,
     defer_tokens,
     route_tokens,
     routing_scores,
@@ -187,7 +186,6 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.mode_override: Optional[str] = None
         self.top_k_override: Optional[int] = None
         self.backend = "auto"
-        self._directions: dict[str, tuple[tuple, torch.Tensor]] = {}  # `_centroid_directions`, by adapter
         self.decode_copy = True  # decoding steps read a group-sorted copy of the distant keys (`grouped_keys`)
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
@@ -276,25 +274,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         """Scores [batch, seq, K] / tau of the key-side router, or of the query router (`query_side`)."""
         projection = (self.focus_query_proj if query_side else self.focus_proj)[adapter_name]
         settings = self.focus_settings[adapter_name]
-        centroids = self.focus_centroids[adapter_name]
-        return routing_scores(
-            hidden, projection, centroids, settings.temperature, self._centroid_directions(adapter_name, centroids)
-        )
-
-    def _centroid_directions(self, adapter_name: str, centroids: torch.Tensor) -> Optional[torch.Tensor]:
-        """`routing.centroid_directions` of the adapter, kept between calls that need no gradient (every routed
-        layer needs it at every decoding step); None where the call differentiates through the centroids."""
-        if torch.is_grad_enabled() and centroids.requires_grad:
-            return None
-        temperature = self.focus_settings[adapter_name].temperature
-        # Any change to the centroids - an optimizer step, loading, replacing the parameter - changes this key.
-        key = (id(centroids), centroids.data_ptr(), centroids._version, centroids.device, temperature)
-        kept = self._directions.get(adapter_name)
-        if kept is None or kept[0] != key:
-            with torch.no_grad():
-                kept = (key, centroid_directions(centroids, temperature))
-            self._directions[adapter_name] = kept
-        return kept[1]
+        return routing_scores(hidden, projection, self.focus_centroids[adapter_name], settings.temperature)
 
     def route_tokens(
         self,
