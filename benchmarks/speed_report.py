@@ -10,6 +10,7 @@ Reads (whichever exist) under benchmarks/results/:
   attention_cpu_decode.json       `focus-hf bench --decode --json` rows (one new token against a KV cache)
   model_prefill*.json             `python benchmarks/model_prefill.py --json` rows (SmolLM2 end to end)
   model_decode*.json              `python benchmarks/model_decode.py --json` rows (SmolLM2 generate() after a prompt)
+  model_steps*.json               `python benchmarks/model_decode_steps.py --json` rows (decoding steps, in turn)
 and writes speed.md (tables + the commands recorded in the rows) and attention_speedup.png (needs matplotlib:
 `pip install 'focus-hf[bench]'`). Nothing here is measured or typed in by hand: every figure comes from the JSON.
 """
@@ -276,6 +277,29 @@ def model_decode_section(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def model_steps_section(rows: list[dict[str, Any]]) -> list[str]:
+    first = rows[0]
+    lines = [
+        "## Model level: SmolLM2-135M-Instruct decoding steps, the two variants stepped in turn",
+        "",
+        "| prompt tokens | KV cache | variant | median ms per step | speedup vs full | steps | load avg |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['prompt_len']:,} | {row['cache']} | {row['variant']} | {row['step_ms']:.1f} | "
+            f"**{row['speedup']:.2f}x** | {row['steps']} | {row['load_avg_1m']:.2f} |"
+        )
+    lines += [
+        "",
+        f"Adapter `{first['adapter']}`; {first['processor']}, {first['threads']} threads, torch {first['torch']}. Each "
+        "variant reads the prompt into a cache of its own, then one decoding step of full attention and one of Focus "
+        "alternate, so that both see the same machine from moment to moment (whole generate() calls, above, run one "
+        "after the other).",
+    ]
+    return lines
+
+
 def main() -> int:
     own_group = read(RESULTS / "attention_cpu.json")
     attention = own_group + read(RESULTS / "attention_cpu_query_router.json")
@@ -287,6 +311,10 @@ def main() -> int:
     )
     generation = sorted(
         (row for path in RESULTS.glob("model_decode*.json") for row in read(path)),
+        key=lambda row: (row["prompt_len"], row["cache"]),
+    )
+    steps = sorted(
+        (row for path in RESULTS.glob("model_steps*.json") for row in read(path)),
         key=lambda row: (row["prompt_len"], row["cache"]),
     )
     lines = [
@@ -307,7 +335,9 @@ def main() -> int:
         lines += model_section(model) + [""]
     if generation:
         lines += model_decode_section(generation) + [""]
-    lines += ["## Commands", "", "```"] + commands(attention + memory + auto + decode + model + generation)
+    if steps:
+        lines += model_steps_section(steps) + [""]
+    lines += ["## Commands", "", "```"] + commands(attention + memory + auto + decode + model + generation + steps)
     lines += ["```", ""]
     (RESULTS / "speed.md").write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {RESULTS / 'speed.md'}")

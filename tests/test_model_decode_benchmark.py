@@ -55,3 +55,19 @@ def test_step_agreement_counts_argmaxes_and_ignores_banned_tokens(model_decode):
     assert agreement["argmax_agree"] == 1
     assert agreement["mean_kl"] == pytest.approx(float(expected_kl.mean()), abs=1e-5)
     assert agreement["max_kl"] == pytest.approx(float(expected_kl.max()), abs=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decoding_steps_in_turn_keep_each_variant_on_its_own_cache(cache):
+    spec = importlib.util.spec_from_file_location("model_decode_steps", BENCHMARKS / "model_decode_steps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.path.remove(str(BENCHMARKS))
+    model = get_peft_model(tiny_model("llama"), focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8)).eval()
+    prompt = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    times = module.alternate_steps(model, prompt, cache, steps=4)
+    assert set(times) == {"full", "focus"} and all(len(seconds) == 4 and min(seconds) > 0 for seconds in times.values())
+    # Each variant's cache was read by that variant only: a Focus step on a cache that full attention had extended
+    # would find its routing behind the cache and raise.
+    focus_cache, _ = module.prefilled(model, prompt, "focus", cache, steps=4)
+    assert int(focus_cache.get_seq_length()) == 40 + 2

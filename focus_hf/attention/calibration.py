@@ -42,8 +42,9 @@ NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
 CACHE_FILE = "crossover.json"
 # Bumped whenever the speed of the sparse or the dense masked path changes, or how it is measured, so that older
 # crossovers are re-measured (9: a win needs WIN_MARGIN, timings are medians; 10: decoding steps read a group-sorted
-# copy of the distant keys; 11: the dense masked call's bias is written in one gather).
-CACHE_VERSION = 11
+# copy of the distant keys; 11: the dense masked call's bias is written in one gather; 12: prefill lengths are
+# timed three times each).
+CACHE_VERSION = 12
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -252,8 +253,9 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
                 query, key, value, None, groups, key_groups, sink, shape.num_groups, shape.window, scaling, kernel
             )
 
-        # Decode calls take a fraction of a millisecond: many repetitions; long prefills: one (after a warm-up).
-        repeats = 31 if shape.kind == "decode" else max(1, min(3, 2048 // length))
+        # Decode calls take a fraction of a millisecond: many repetitions; prefills: the median of three (one timing
+        # at 4K and beyond once put a crossover where the sparse path then ran 0.68x of dense), within BUDGET_S.
+        repeats = 31 if shape.kind == "decode" else 3
         dense(), sparse()
         dense_times, sparse_times = [], []
         for _ in range(repeats):  # alternating, so that both see the same machine
