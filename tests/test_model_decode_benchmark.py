@@ -17,13 +17,21 @@ import focus_hf
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the script puts benchmarks/ on the path for model_prefill; taken off again)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if str(BENCHMARKS) in sys.path:
+            sys.path.remove(str(BENCHMARKS))
+    return module
+
+
 @pytest.fixture(scope="module")
 def model_decode():
-    spec = importlib.util.spec_from_file_location("model_decode", BENCHMARKS / "model_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(BENCHMARKS))  # the script puts benchmarks/ on the path for model_prefill
+    return load_benchmark("model_decode")
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -59,10 +67,7 @@ def test_step_agreement_counts_argmaxes_and_ignores_banned_tokens(model_decode):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_decoding_steps_in_turn_keep_each_variant_on_its_own_cache(cache):
-    spec = importlib.util.spec_from_file_location("model_decode_steps", BENCHMARKS / "model_decode_steps.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.path.remove(str(BENCHMARKS))
+    module = load_benchmark("model_decode_steps")
     model = get_peft_model(tiny_model("llama"), focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8)).eval()
     prompt = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     times = module.alternate_steps(model, prompt, cache, steps=4)
