@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 # Buffers grow to this factor of what they must hold (amortised appends), and start at MIN_CAPACITY slots.
 GROWTH = 1.5
@@ -73,15 +74,15 @@ class GroupedKeys:
             if key_valid is not None and not bool(key_valid[first]):
                 self.filled = upto
                 return True
-            span = slice(first, upto)
+            one_key, one_value = key.narrow(1, first, 1), value.narrow(1, first, 1)
             if bool(key_sink[first]):
-                if not self._append_sinks(key[:, span], value[:, span]):
+                if not self._append_sinks(one_key, one_value):
                     return False
             else:
                 group = int(key_groups[first])
                 if group < 0:
                     return False
-                self._append(group, key[:, span], value[:, span])
+                self._append(group, one_key, one_value)
             self.filled = upto
             return True
         span = slice(first, upto)
@@ -120,17 +121,23 @@ class GroupedKeys:
 
     def _append(self, group: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         count, added = self.counts[group], keys.shape[1]
-        buffer = self.keys[group]
-        if buffer is None or count + added > buffer.shape[1]:
-            capacity = max(MIN_CAPACITY, int((count + added) * GROWTH))
-            for store in (self.keys, self.values):
-                grown = keys.new_empty(keys.shape[0], capacity, keys.shape[2])
-                if store[group] is not None:
-                    grown[:, :count] = store[group][:, :count]
-                store[group] = grown
-        self.keys[group][:, count : count + added] = keys
-        self.values[group][:, count : count + added] = values
+        self._reserve(group, count + added, keys)
+        self.keys[group].narrow(1, count, added).copy_(keys)
+        self.values[group].narrow(1, count, added).copy_(values)
         self.counts[group] = count + added
+
+    def _reserve(self, group: int, slots: int, like: torch.Tensor) -> None:
+        """Grow the group's buffers (amortised) until they hold at least `slots`, keeping the filled slots."""
+        buffer = self.keys[group]
+        if buffer is not None and slots <= buffer.shape[1]:
+            return
+        capacity = max(MIN_CAPACITY, int(slots * GROWTH))
+        count = self.counts[group]
+        for store in (self.keys, self.values):
+            grown = like.new_empty(like.shape[0], capacity, like.shape[2])
+            if store[group] is not None:
+                grown[:, :count] = store[group][:, :count]
+            store[group] = grown
 
     def attend(
         self,
@@ -141,29 +148,41 @@ class GroupedKeys:
         scale: float,
     ) -> torch.Tensor:
         """One query [heads, dim] over the distant keys of `groups` (distinct; sinks counted once) and the window's
-        keys/values [kv_heads, w, dim]: [heads, dim]. Scores of all parts share one float32 softmax."""
-        kv_heads, dim = window_keys.shape[0], window_keys.shape[2]
-        rows = query.reshape(kv_heads, -1, dim)  # the query heads of each kv head
-        keys, values = [window_keys], [window_values]
-        for rank, group in enumerate(groups):
-            start, end = (0 if rank == 0 else self.sinks), self.counts[group]
+        keys/values [kv_heads, w, dim]: [heads, dim].
+
+        The window is copied behind the first group's keys, into free slots of its buffer (the next append
+        overwrites them), so that the first group and the window are one run of keys: with one group the step is
+        one attention call. Scores of several parts share one float32 softmax."""
+        kv_heads, width, dim = window_keys.shape
+        first = groups[0]
+        count = self.counts[first]
+        self._reserve(first, count + width, window_keys)
+        keys = self.keys[first].narrow(1, 0, count + width)
+        values = self.values[first].narrow(1, 0, count + width)
+        keys.narrow(1, count, width).copy_(window_keys)
+        values.narrow(1, count, width).copy_(window_values)
+        parts = [(keys, values)]
+        for group in groups[1:]:
+            start, end = self.sinks, self.counts[group]
             if end > start:
-                keys.append(self.keys[group][:, start:end])
-                values.append(self.values[group][:, start:end])
-        scores = torch.cat([torch.bmm(rows, part.mT) for part in keys], dim=-1)
+                parts.append((self.keys[group][:, start:end], self.values[group][:, start:end]))
+        if len(parts) == 1:
+            output = F.scaled_dot_product_attention(
+                query.reshape(1, -1, 1, dim), keys.unsqueeze(0), values.unsqueeze(0), scale=scale, enable_gqa=True
+            )
+            return output.view(query.shape)
+        rows = query.reshape(kv_heads, -1, dim)  # the query heads of each kv head
+        scores = torch.cat([torch.bmm(rows, part_keys.mT) for part_keys, _ in parts], dim=-1)
         if scores.dtype != torch.float32:
             scores = scores.float()
         probs = torch.softmax(scores.mul_(scale), dim=-1)
         if probs.dtype != query.dtype:
             probs = probs.to(query.dtype)
         output, start = None, 0
-        for part, part_values in zip(keys, values):
-            end = start + part.shape[1]
-            output = (
-                torch.bmm(probs[..., start:end], part_values)
-                if output is None
-                else output.baddbmm_(probs[..., start:end], part_values)
-            )
+        for part_keys, part_values in parts:
+            end = start + part_keys.shape[1]
+            share = probs[..., start:end]
+            output = torch.bmm(share, part_values) if output is None else output.baddbmm_(share, part_values)
             start = end
         return output.view(query.shape)
 
