@@ -44,7 +44,7 @@ CACHE_FILE = "crossover.json"
 # crossovers are re-measured (9: a win needs WIN_MARGIN, timings are medians; 10: decoding steps read a group-sorted
 # copy of the distant keys; 11: the dense masked call's bias is written in one gather; 12: prefill lengths are
 # timed three times each).
-CACHE_VERSION = 12
+CACHE_VERSION = 13
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
