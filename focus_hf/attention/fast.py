@@ -29,9 +29,9 @@ their window and the sinks - and runs one small attention over them (unmasked fo
 whose layer keeps group-sorted copies of each sample's distant keys (`grouped_keys.GroupedKeys`, kept per KV cache
 by `tuner.layer`) reads its probed groups from the copy and its window from the cache, as slices: no gather. Below
 `calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
-one dense masked call (its bias built by `pattern.causal_pattern_bias` for square calls, the kernel's causal flag doing
-the rest); so does every backend when the model's mask is more than causal + padding (sliding-window layers), since
-the fast paths read only the key padding from it. When every query probes all K groups, the pattern is causal
+one dense masked call (its bias built by `pattern.pattern_bias`, the kernel's causal flag hiding the future keys of
+square calls); so does every backend when the model's mask is more than causal + padding (sliding-window layers),
+since the fast paths read only the key padding from it. When every query probes all K groups, the pattern is causal
 attention, and one causal SDPA call runs it.
 
 Forward only: the attention kernels' backward ignores the gradient of the log-sum-exp they return, which the
@@ -63,7 +63,7 @@ from focus_hf.attention.partials import (
     sink_part,
     slot_buffer,
 )
-from focus_hf.attention.pattern import allowed_pairs, causal_pattern_bias, probes, probes_every_group
+from focus_hf.attention.pattern import allowed_pairs, pattern_bias, probes, probes_every_group
 
 # Up to this many queries against a longer cache, gathering the reachable keys beats laying out all groups.
 DECODE_MAX_QUERIES = 16
@@ -289,23 +289,17 @@ def masked_attention(
             visible = visible & model_mask
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling, enable_gqa=True)
         return output.transpose(1, 2).contiguous()
-    if q_len == kv_len:  # the kernel's causal flag hides the pairs above the diagonal
-        bias = causal_pattern_bias(query_groups, key_groups, key_sink, window, num_groups, query.dtype)[:, None]
-        if model_mask is not None:
-            bias = bias.masked_fill(~model_mask, torch.finfo(query.dtype).min)
-    else:
-        positions = torch.arange(kv_len, device=query.device)
-        visible = allowed_pairs(query_groups, key_groups, key_sink, positions[kv_len - q_len :], positions, window)
-        visible = visible[:, None]
-        if model_mask is not None:
-            visible = visible & model_mask
-        bias = hidden_bias(visible, query.dtype)
+    square = q_len == kv_len  # the kernel's causal flag then hides the future keys
+    bias = pattern_bias(query_groups, key_groups, key_sink, window, num_groups, query.dtype, hide_future=not square)
+    bias = bias[:, None]
+    if model_mask is not None:
+        bias = bias.masked_fill(~model_mask, torch.finfo(query.dtype).min)
     if query.device.type == "cpu" and q_len <= DECODE_MAX_QUERIES and q_len < kv_len:
         output = few_query_attention(query, key, value, bias, scaling)  # decoding: faster than the kernel
     else:
-        # Square calls need the causal flag (`causal_pattern_bias` leaves the pairs above the diagonal as they
+        # Square calls need the causal flag (`pattern_bias` leaves the pairs above the diagonal as they
         # fall); it also lets the kernel skip the blocks there.
-        output, _ = kernel(query, key, value, causal=q_len == kv_len, bias=bias, scale=scaling)
+        output, _ = kernel(query, key, value, causal=square, bias=bias, scale=scaling)
     return output.transpose(1, 2).contiguous()
 
 

@@ -97,34 +97,47 @@ def allowed_pairs(
     return (distance >= 0) & ((distance <= window) | key_sink[:, None, :] | probes(query_groups, key_groups))
 
 
-def causal_pattern_bias(
+def pattern_bias(
     query_groups: torch.Tensor,
     key_groups: torch.Tensor,
     key_sink: torch.Tensor,
     window: int,
     num_groups: int,
     dtype: torch.dtype,
+    hide_future: bool = True,
 ) -> torch.Tensor:
-    """Additive bias [batch, n, n] of the pattern of a square call (queries = keys): 0 where the pair is allowed,
-    finfo(dtype).min where it is hidden, on and below the diagonal.
+    """Additive bias [batch, q, kv] of the pattern of a call whose queries are the last q of its kv keys: 0 where the
+    pair is allowed, finfo(dtype).min where it is hidden.
 
-    Entries above the diagonal are left as they fall, for kernels that apply causality themselves. The bias is
-    written in one gather from a [batch, n, K + 2] table of each query's row over the groups (column K: sinks, seen by
-    all; column K + 1: keys or queries not routed yet, group -1, which see each other as `probes` says), then the
-    window's band is one strided fill: a single pass over n x n whatever top_k is, where comparing groups takes one
-    pass per probe and converting a boolean mask to a bias another.
+    With `hide_future=False` the entries of future keys are left as they fall, for a square call whose kernel applies
+    causality itself. The bias is written in one gather from a [batch, q, K + 2] table of each query's row over the
+    groups (column K: sinks, seen by all; column K + 1: keys or queries not routed yet, group -1, which see each other
+    as `probes` says), then the window's band is one strided fill (and the future one masked fill): a single pass
+    over q x kv whatever top_k is, where comparing groups takes one pass per probe and converting a boolean mask to
+    a bias another.
     """
-    batch, n, _ = query_groups.shape
+    batch, q_len, _ = query_groups.shape
+    kv_len = key_groups.shape[1]
+    first = kv_len - q_len  # the first query's position
+    hidden = torch.finfo(dtype).min
     sink_column, unrouted_column = num_groups, num_groups + 1
-    rows = torch.full((batch, n, num_groups + 2), torch.finfo(dtype).min, dtype=dtype, device=query_groups.device)
+    rows = torch.full((batch, q_len, num_groups + 2), hidden, dtype=dtype, device=query_groups.device)
     rows.scatter_(2, torch.where(query_groups < 0, unrouted_column, query_groups), 0.0)
     rows[:, :, sink_column] = 0.0
     columns = torch.where(key_sink, sink_column, torch.where(key_groups < 0, unrouted_column, key_groups))
-    bias = rows.gather(2, columns[:, None, :].expand(batch, n, n))
-    if n > window:  # (i, j) with 0 <= i - j <= window, for i >= window: row i - window of an [n - w, w + 1] view
-        offset = bias.storage_offset() + window * n
-        bias.as_strided((batch, n - window, window + 1), (n * n, n + 1, 1), offset).fill_(0.0)
-    bias[:, :window, :window] = 0.0
+    bias = rows.gather(2, columns[:, None, :].expand(batch, q_len, kv_len))
+    # Query i (position first + i) sees keys first + i - window .. first + i in its window; for the leading rows that
+    # band starts at key 0 and is cut there.
+    leading = min(max(window - first, 0), q_len)
+    if q_len > leading:  # row i's band is row i of a strided [q - leading, window + 1] view: one step further a row
+        offset = bias.storage_offset() + leading * kv_len + first + leading - window
+        band = bias.as_strided((batch, q_len - leading, window + 1), (q_len * kv_len, kv_len + 1, 1), offset)
+        band.fill_(0.0)
+    if leading:  # also zeroes keys after some of these rows' own positions: hidden below, or by a causal kernel
+        bias[:, :leading, : first + leading] = 0.0
+    if hide_future and q_len > 1:
+        future = torch.ones(q_len, kv_len, dtype=torch.bool, device=bias.device).triu_(first + 1)
+        bias.masked_fill_(future, hidden)
     return bias
 
 

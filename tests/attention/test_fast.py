@@ -340,16 +340,19 @@ def test_bench_pair_count_is_exact(seq, num_groups, window, sinks, seed):
     assert allowed_pair_count(routing, window, num_groups) == int(expected)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     batch=st.integers(1, 3),
     seq=st.integers(1, 90),
+    queries=st.integers(1, 90),
     num_groups=st.integers(1, 5),
     window=st.integers(0, 100),
     sinks=st.integers(0, 4),
     seed=st.integers(0, 999),
 )
-def test_causal_pattern_bias_is_the_lower_triangle_of_allowed_pairs(batch, seq, num_groups, window, sinks, seed):
+def test_pattern_bias_is_allowed_pairs(batch, seq, queries, num_groups, window, sinks, seed):
+    """Square calls (future keys left to the kernel's causal flag) and the last `queries` of the keys as queries
+    (a chunk after a KV cache: future keys hidden in the bias)."""
     generator = torch.Generator().manual_seed(seed)
     top_k = 1 + seed % num_groups
     query_groups, key_groups = random_routing(
@@ -361,11 +364,21 @@ def test_causal_pattern_bias_is_the_lower_triangle_of_allowed_pairs(batch, seq, 
         query_groups, key_groups = query_groups.clone(), key_groups.clone()
         query_groups[:, seq - unrouted :], key_groups[:, seq - unrouted :] = -1, -1
     positions = torch.arange(seq)
+    hidden = torch.finfo(torch.float32).min
+
     expected = allowed_pairs(query_groups, key_groups, sink, positions, positions, window)
     lower = torch.ones(seq, seq, dtype=torch.bool).tril()
-    bias = pattern.causal_pattern_bias(query_groups, key_groups, sink, window, num_groups, torch.float32)
-    assert set(bias.unique().tolist()) <= {0.0, torch.finfo(torch.float32).min}
+    bias = pattern.pattern_bias(query_groups, key_groups, sink, window, num_groups, torch.float32, hide_future=False)
+    assert set(bias.unique().tolist()) <= {0.0, hidden}
     assert torch.equal((bias == 0) & lower, expected)
+
+    q_len = min(queries, seq)
+    last = query_groups[:, seq - q_len :]
+    expected = allowed_pairs(last, key_groups, sink, positions[seq - q_len :], positions, window)
+    bias = pattern.pattern_bias(last, key_groups, sink, window, num_groups, torch.float32)
+    assert bias.shape == (batch, q_len, seq)
+    assert set(bias.unique().tolist()) <= {0.0, hidden}
+    assert torch.equal(bias == 0, expected)
 
 
 def test_probes_every_group_only_when_all_groups_are_probed():
