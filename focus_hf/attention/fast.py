@@ -253,6 +253,8 @@ def grouped_decode(
     if key_valid is not None and not bool(key_valid[:, first_window:].all()):
         return None
     probes = query_groups[:, 0].tolist()
+    if min(min(sample) for sample in probes) < 0:  # a query not routed yet (group -1): `pattern.probes` applies
+        return None
     outputs = []
     for sample, copy in enumerate(grouped):
         valid = None if key_valid is None else key_valid[sample]

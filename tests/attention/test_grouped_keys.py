@@ -107,6 +107,19 @@ def test_window_grown_mid_generation_falls_back_until_the_copy_is_beyond_it():
         assert grouped.filled == (34 if position < 47 else position - 12)
 
 
+def test_unrouted_query_is_served_by_the_gather_not_the_copy():
+    """A query not routed yet (group -1) sees, as `pattern.probes` says, the keys of group -1 only: the copy, whose
+    buffers are indexed by group, must not serve it (index -1 would read the last group)."""
+    query, key, value, query_groups, key_groups, sink, valid = decoding_case(5, 40, 2, 2, 8, 4, 1, 2, 0, False, False)
+    query_groups = query_groups.clone()
+    query_groups[:, 39] = -1
+    case = (query, key, value, query_groups, key_groups, sink, valid)
+    grouped = GroupedKeys(4)
+    for position in range(20, 40):
+        output, reference = step(case, grouped, position, 6, 4)
+        torch.testing.assert_close(output, reference, atol=ATOL, rtol=0)
+
+
 def test_one_step_behind_times_the_same_step_again():
     query, key, value, query_groups, key_groups, sink, _ = decoding_case(3, 50, 1, 3, 8, 4, 1, 4, 0, False, False)
     grouped, rewind = one_step_behind(key, value, key_groups, sink, 4, 8)
