@@ -252,16 +252,18 @@ def grouped_decode(
         return None
     if key_valid is not None and not bool(key_valid[:, first_window:].all()):
         return None
-    probes = query_groups[:, 0].tolist()
+    probes = [rows[0] for rows in query_groups.tolist()]  # [batch][top_k]: the one query's probes
     if min(min(sample) for sample in probes) < 0:  # a query not routed yet (group -1): `pattern.probes` applies
         return None
     outputs = []
     for sample, copy in enumerate(grouped):
         valid = None if key_valid is None else key_valid[sample]
-        if not copy.extend(key[sample], value[sample], key_groups[sample], key_sink[sample], valid, first_window):
+        keys, values = key[sample], value[sample]
+        if not copy.extend(keys, values, key_groups[sample], key_sink[sample], valid, first_window):
             return None
         probed = list(dict.fromkeys(probes[sample]))  # distinct, best first
-        window_keys, window_values = key[sample, :, first_window:], value[sample, :, first_window:]
+        width = kv_len - first_window
+        window_keys, window_values = keys.narrow(1, first_window, width), values.narrow(1, first_window, width)
         outputs.append(copy.attend(query[sample, :, 0], window_keys, window_values, probed, scaling))
     if len(outputs) == 1:
         return outputs[0].view(1, 1, *outputs[0].shape)
