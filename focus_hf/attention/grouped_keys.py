@@ -23,6 +23,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from focus_hf.attention.native import attend_runs
+
 # Buffers grow to this factor of what they must hold (amortised appends), and start at MIN_CAPACITY slots.
 GROWTH = 1.5
 MIN_CAPACITY = 256
@@ -151,22 +153,27 @@ class GroupedKeys:
         """One query [heads, dim] over the distant keys of `groups` (distinct; sinks counted once) and the window's
         keys/values [kv_heads, w, dim]: [heads, dim].
 
-        The window is copied behind the first group's keys, into free slots of its buffer (the next append
-        overwrites them), so that the first group and the window are one run of keys: with one group the step is
-        one attention call. Scores of several parts share one float32 softmax."""
+        The CPU kernel (`native.attend_runs`) reads the groups' buffers and the window where they lie. Otherwise the
+        window is copied behind the first group's keys, into free slots of its buffer (the next append overwrites
+        them), so that the first group and the window are one run of keys: with one group the step is one attention
+        call. Scores of several parts share one float32 softmax."""
         kv_heads, width, dim = window_keys.shape
         first = groups[0]
         count = self.counts[first]
+        spans = [(group, slice(self.sinks, self.counts[group])) for group in groups[1:]]
+        others = [  # the sinks are read once, with the first group
+            (self.keys[group][:, span], self.values[group][:, span]) for group, span in spans if span.stop > span.start
+        ]
+        own = [(self.keys[first].narrow(1, 0, count), self.values[first].narrow(1, 0, count))] if count else []
+        output = attend_runs(query, [*own, *others, (window_keys, window_values)], scale)
+        if output is not None:
+            return output
         self._reserve(first, count + width, window_keys)
         keys = self.keys[first].narrow(1, 0, count + width)
         values = self.values[first].narrow(1, 0, count + width)
         keys.narrow(1, count, width).copy_(window_keys)
         values.narrow(1, count, width).copy_(window_values)
-        parts = [(keys, values)]
-        for group in groups[1:]:
-            start, end = self.sinks, self.counts[group]
-            if end > start:
-                parts.append((self.keys[group][:, start:end], self.values[group][:, start:end]))
+        parts = [(keys, values), *others]
         if len(parts) == 1:
             output = F.scaled_dot_product_attention(
                 query.reshape(1, -1, 1, dim), keys.unsqueeze(0), values.unsqueeze(0), scale=scale, enable_gqa=True

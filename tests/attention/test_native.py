@@ -1,0 +1,138 @@
+"""The CPU decoding kernel (`focus_hf.attention.native`): one query over several runs of keys against a float64
+softmax, the torch path it stands in for, and what happens where it cannot be built or used."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import focus_hf.attention.native as native
+from focus_hf.attention.grouped_keys import GroupedKeys
+
+needs_kernel = pytest.mark.skipif(native.decode_kernel() is None, reason="no C compiler to build the kernel with")
+
+
+def oracle(query, runs, scale):
+    """float64 softmax over the concatenated runs, query head h reading kv head h // (heads // kv_heads)."""
+    keys = torch.cat([keys for keys, _ in runs], dim=1).double()
+    values = torch.cat([values for _, values in runs], dim=1).double()
+    sharing = query.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(sharing, 0), values.repeat_interleave(sharing, 0)
+    weights = torch.softmax(torch.einsum("hd,hnd->hn", query.double(), keys) * scale, dim=-1)
+    return torch.einsum("hn,hnd->hd", weights, values)
+
+
+def cache_slice(generator, kv_heads, length, dim, offset):
+    """Keys and values [kv_heads, length, dim] as a slice of a longer head-major cache (a KV cache's window)."""
+    keys = torch.randn(kv_heads, offset + length + 3, dim, generator=generator)
+    values = torch.randn(kv_heads, offset + length + 3, dim, generator=generator)
+    return keys.narrow(1, offset, length), values.narrow(1, offset, length)
+
+
+@needs_kernel
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kv_heads=st.integers(1, 4),
+    sharing=st.sampled_from([1, 2, 3, 4, 7, 16]),
+    dim=st.sampled_from([16, 32, 64, 80, 128]),
+    lengths=st.lists(st.sampled_from([0, 1, 2, 17, 63, 64, 65, 130, 300]), min_size=1, max_size=4),
+    offset=st.integers(0, 5),
+    magnitude=st.sampled_from([0.1, 1.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_runs_equal_a_float64_softmax(kv_heads, sharing, dim, lengths, offset, magnitude, seed):
+    if sum(lengths) == 0:
+        lengths = [*lengths[:-1], 1]
+    generator = torch.Generator().manual_seed(seed)
+    # Large magnitudes give peaked softmaxes: the running maximum must rescale what came before it.
+    query = torch.randn(kv_heads * sharing, dim, generator=generator) * magnitude
+    runs = [cache_slice(generator, kv_heads, length, dim, offset) for length in lengths]
+    scale = dim**-0.5
+    output = native.attend_runs(query, runs, scale)
+    assert output is not None and output.shape == query.shape and output.dtype == torch.float32
+    torch.testing.assert_close(output.double(), oracle(query, runs, scale), atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+def test_a_grouped_step_equals_the_torch_path(monkeypatch):
+    """The same `GroupedKeys.attend` calls with the kernel and with it turned off (top-1 and top-3, sinks)."""
+    generator = torch.Generator().manual_seed(3)
+    kv_heads, heads, dim, groups = 3, 9, 64, 5
+    keys, values = torch.randn(kv_heads, 700, dim, generator=generator), torch.randn(kv_heads, 700, dim)
+    key_groups = torch.randint(0, groups, (700,), generator=generator)
+    sink = torch.arange(700) < 4
+    query = torch.randn(heads, dim, generator=generator)
+    outputs = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(native, "decode_kernel", native.decode_kernel if enabled else lambda: None)
+        copy = GroupedKeys(groups)
+        assert copy.extend(keys, values, key_groups, sink, None, 560)
+        window = (keys[:, 560:], values[:, 560:])
+        outputs[enabled] = [copy.attend(query, *window, probed, 0.125) for probed in ([2], [4, 0, 1])]
+    for with_kernel, without in zip(outputs[True], outputs[False]):
+        torch.testing.assert_close(with_kernel, without, atol=2e-6, rtol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"dim": 40},  # not a multiple of 16
+        {"dim": 144},  # beyond 128
+        {"sharing": 17},  # more query heads per kv head than the kernel holds
+        {"dtype": torch.float64},
+        {"dtype": torch.bfloat16},
+        {"strided_rows": True},  # rows not contiguous
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_calls_it_does_not_take_return_none(change):
+    dim, sharing, dtype = change.get("dim", 64), change.get("sharing", 2), change.get("dtype", torch.float32)
+    query = torch.randn(2 * sharing, dim).to(dtype)
+    keys = torch.randn(2, 10, dim).to(dtype)
+    if change.get("strided_rows"):
+        keys = torch.randn(2, 10, dim * 2)[..., ::2]
+    assert native.attend_runs(query, [(keys, keys)], 0.1) is None
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    native.decode_kernel.cache_clear()
+    try:
+        assert native.decode_kernel() is None
+        assert native.attend_runs(torch.randn(2, 16), [(torch.randn(1, 3, 16), torch.randn(1, 3, 16))], 0.25) is None
+    finally:
+        monkeypatch.delenv(native.NATIVE_ENV)
+        native.decode_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"], ids=["missing", "failing"])
+def test_no_compiler_or_a_failed_build_falls_back_with_a_message(cc, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
+    native.decode_kernel.cache_clear()
+    try:
+        assert native.decode_kernel() is None
+    finally:
+        native.decode_kernel.cache_clear()
+    message = capsys.readouterr().err
+    assert "using torch operations" in message or "no C compiler found" in message
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob(".build-*"))
+
+
+@needs_kernel
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """A library linked with -ffast-math would set flush-to-zero for the whole process on load."""
+    code = (
+        "import sys, torch\n"
+        "from focus_hf.attention.native import decode_kernel\n"
+        "assert decode_kernel() is not None\n"
+        "assert sys.float_info.min / 2 > 0 and float(torch.tensor(1e-40) * 1) > 0\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
