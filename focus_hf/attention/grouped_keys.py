@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.native import attend_runs
+from focus_hf.attention.native import attend_runs, copy_row
 
 # Buffers grow to this factor of what they must hold (amortised appends), and start at MIN_CAPACITY slots.
 GROWTH = 1.5
@@ -77,15 +77,19 @@ class GroupedKeys:
             if key_valid is not None and not bool(key_valid[first]):
                 self.filled = upto
                 return True
-            one_key, one_value = key.narrow(1, first, 1), value.narrow(1, first, 1)
             if bool(key_sink[first]):
-                if not self._append_sinks(one_key, one_value):
+                if not self._append_sinks(key.narrow(1, first, 1), value.narrow(1, first, 1)):
                     return False
             else:
                 group = int(key_groups[first])
                 if group < 0:
                     return False
-                self._append(group, one_key, one_value)
+                count = self.counts[group]
+                self._reserve(group, count + 1, key)
+                if not copy_row(self.keys[group], self.values[group], count, key, value, first):
+                    self.keys[group].narrow(1, count, 1).copy_(key.narrow(1, first, 1))
+                    self.values[group].narrow(1, count, 1).copy_(value.narrow(1, first, 1))
+                self.counts[group] = count + 1
             self.filled = upto
             return True
         span = slice(first, upto)

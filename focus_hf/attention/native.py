@@ -40,7 +40,7 @@ BUILD_TIMEOUT_S = 120
 
 
 class DecodeKernel:
-    """The loaded library: `supports(heads, kv_heads, dim)` and `attend(...)` (see csrc/decode.c)."""
+    """The loaded library: `supports(heads, kv_heads, dim)`, `attend(...)` and `copy_row(...)` (csrc/decode.c)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         size, pointer = ctypes.c_int64, ctypes.c_void_p
@@ -51,6 +51,9 @@ class DecodeKernel:
         # query, heads, kv_heads, dim, scale, runs, keys, values, lengths, head_strides, out
         self.attend.argtypes = [pointer, size, size, size, ctypes.c_float, size, *[pointer] * 5]
         self.attend.restype = ctypes.c_int
+        self.copy_row = library.focus_copy_row
+        self.copy_row.argtypes = [pointer, pointer, size, pointer, pointer, size, size, size]
+        self.copy_row.restype = None
 
 
 def native_disabled() -> bool:
@@ -173,3 +176,35 @@ def attend_runs(
         output.data_ptr(),
     )
     return output if status == 0 else None
+
+
+def copy_row(
+    keys: torch.Tensor, values: torch.Tensor, slot: int, new_keys: torch.Tensor, new_values: torch.Tensor, position: int
+) -> bool:
+    """Write row `position` of new_keys/new_values [kv_heads, n, dim] into row `slot` of keys/values (same dtype,
+    rows contiguous, keys and values strided alike): one call instead of four tensor operations. False (nothing
+    written) where the kernel is not available or the layouts differ; the caller then copies with torch."""
+    kernel = decode_kernel()
+    if (
+        kernel is None
+        or keys.device.type != "cpu"
+        or new_keys.device != keys.device
+        or new_keys.dtype != keys.dtype
+        or keys.stride() != values.stride()
+        or new_keys.stride() != new_values.stride()
+        or keys.stride(2) != 1
+        or new_keys.stride(2) != 1
+    ):
+        return False
+    size = keys.element_size()
+    kernel.copy_row(
+        keys.data_ptr() + slot * keys.stride(1) * size,
+        values.data_ptr() + slot * values.stride(1) * size,
+        keys.stride(0) * size,
+        new_keys.data_ptr() + position * new_keys.stride(1) * size,
+        new_values.data_ptr() + position * new_values.stride(1) * size,
+        new_keys.stride(0) * size,
+        keys.shape[0],
+        keys.shape[2] * size,
+    )
+    return True

@@ -79,6 +79,30 @@ def test_a_grouped_step_equals_the_torch_path(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_key_appends_equal_the_torch_copy(monkeypatch, dtype):
+    """Decoding steps append one key at a time (`copy_row`), through buffer growth; any dtype."""
+    generator = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 400, 24, generator=generator).to(dtype)
+    values = torch.randn(2, 400, 24, generator=generator).to(dtype)
+    key_groups = torch.randint(0, 3, (400,), generator=generator)
+    sink = torch.arange(400) < 2
+    copies = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(native, "decode_kernel", native.decode_kernel if enabled else lambda: None)
+        copy = GroupedKeys(3)
+        for upto in [5, *range(6, 400)]:  # a prompt's keys at once, then one at a time
+            assert copy.extend(keys, values, key_groups, sink, None, upto)
+        copies[enabled] = copy
+    assert copies[True].counts == copies[False].counts
+    for group, count in enumerate(copies[True].counts):
+        for store in ("keys", "values"):
+            assert torch.equal(
+                getattr(copies[True], store)[group][:, :count], getattr(copies[False], store)[group][:, :count]
+            )
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     "change",
     [

@@ -115,3 +115,14 @@ int focus_decode_f32(const float* query, int64_t heads, int64_t kv_heads, int64_
     }
     return 0;
 }
+
+/* One row of `row_bytes` bytes per head, from src + h * src_head_stride to dst + h * dst_head_stride (strides in
+   bytes): a decoding step's one-key append to a group's buffer, keys and values in one call. */
+void focus_copy_row(char* dst_keys, char* dst_values, int64_t dst_head_stride, const char* src_keys,
+                    const char* src_values, int64_t src_head_stride, int64_t heads, int64_t row_bytes)
+{
+    for (int64_t h = 0; h < heads; ++h) {
+        memcpy(dst_keys + h * dst_head_stride, src_keys + h * src_head_stride, row_bytes);
+        memcpy(dst_values + h * dst_head_stride, src_values + h * src_head_stride, row_bytes);
+    }
+}
