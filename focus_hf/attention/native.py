@@ -3,12 +3,13 @@
 A decoding step of one query costs a few dozen microseconds of eager tensor operations on CPU (copying the window
 next to the group's keys, the attention call, the output's reshapes), as much as dense attention over a 1K cache.
 `attend_runs` does the step's attention in one C call that reads the probed groups' keys and the window where they
-lie. The library is built once per machine (`cc -O3 -march=native`, well under a second) into
-`<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no build step at install, no dependency.
+lie. The library is built once per machine (`cc -O3 -march=native`, well under a second; without `-march=native`
+where the compiler refuses it) into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no
+build step at install, no dependency.
 
 Where it cannot run - no C compiler (`$CC`, else `cc`, `gcc` or `clang` on the PATH), a failed build, a dtype other
-than float32, a head shape it does not take - `attend_runs` returns None and the caller runs its torch path, which
-gives the same result. `FOCUS_HF_NATIVE=0` turns the kernel off.
+than float32, bfloat16 and float16, a head shape it does not take - `attend_runs` returns None and the caller runs
+its torch path, which gives the same result. `FOCUS_HF_NATIVE=0` turns the kernel off.
 """
 
 from __future__ import annotations
@@ -34,9 +35,14 @@ SOURCE = Path(__file__).with_name("csrc") / "decode.c"
 # -ffast-math lets the compiler vectorise the sums and exp; it is given to the compile step only, because linking
 # with it adds a start-up routine that sets flush-to-zero for the whole process (denormals would read as 0 in torch,
 # numpy and Python floats alike).
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-c")
+COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC", "-c")
 LINK_FLAGS = ("-shared",)
+# Tried in turn: this processor's instruction set, else the compiler's default target (vectors of 16 floats are
+# then split into what the target has).
+TARGETS = (("-march=native",), ())
 BUILD_TIMEOUT_S = 120
+# The kernel's element types (csrc/decode.c): each call reads and writes one of them, accumulating in float32.
+ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class DecodeKernel:
@@ -45,11 +51,11 @@ class DecodeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         size, pointer = ctypes.c_int64, ctypes.c_void_p
         self.supports = library.focus_decode_supports
-        self.supports.argtypes = [size, size, size]
+        self.supports.argtypes = [size, size, size, ctypes.c_int]
         self.supports.restype = ctypes.c_int
-        self.attend = library.focus_decode_f32
-        # query, heads, kv_heads, dim, scale, runs, keys, values, lengths, head_strides, out
-        self.attend.argtypes = [pointer, size, size, size, ctypes.c_float, size, *[pointer] * 5]
+        self.attend = library.focus_decode
+        # query, heads, kv_heads, dim, scale, runs, keys, values, lengths, head_strides, out, element type
+        self.attend.argtypes = [pointer, size, size, size, ctypes.c_float, size, *[pointer] * 5, ctypes.c_int]
         self.attend.restype = ctypes.c_int
         self.copy_row = library.focus_copy_row
         self.copy_row.argtypes = [pointer, pointer, size, pointer, pointer, size, size, size]
@@ -84,13 +90,13 @@ def machine_tag() -> str:
     return tag
 
 
-def library_path(source: bytes, cc: str) -> Path:
-    parts = [source, cc, " ".join(COMPILE_FLAGS + LINK_FLAGS), machine_tag()]
+def library_path(source: bytes, cc: str, target: tuple[str, ...]) -> Path:
+    parts = [source, cc, " ".join(COMPILE_FLAGS + LINK_FLAGS + target), machine_tag()]
     digest = hashlib.sha256(b"\0".join(part if isinstance(part, bytes) else part.encode() for part in parts))
     return default_cache_dir() / "kernels" / f"focus-decode-{digest.hexdigest()[:16]}.so"
 
 
-def build(cc: str, path: Path) -> None:
+def build(cc: str, target: tuple[str, ...], path: Path) -> None:
     """Compile the kernel to `path` (into a temporary file first, so that a concurrent process never loads half)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
@@ -98,7 +104,7 @@ def build(cc: str, path: Path) -> None:
     objects = temporary + ".o"
     try:
         for command in (
-            [cc, *COMPILE_FLAGS, str(SOURCE), "-o", objects],
+            [cc, *COMPILE_FLAGS, *target, str(SOURCE), "-o", objects],
             [cc, *LINK_FLAGS, objects, "-o", temporary, "-lm"],
         ):
             subprocess.run(command, check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
@@ -119,15 +125,18 @@ def decode_kernel() -> Optional[DecodeKernel]:
     if cc is None:
         print("focus_hf: no C compiler found (set $CC); decoding steps use torch operations", file=sys.stderr)
         return None
-    path = library_path(SOURCE.read_bytes(), cc)
-    try:
-        if not path.exists():
-            build(cc, path)
-        return DecodeKernel(ctypes.CDLL(str(path)))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or error
-        print(f"focus_hf: could not build the CPU decoding kernel ({detail}); using torch operations", file=sys.stderr)
-        return None
+    source = SOURCE.read_bytes()
+    failure: object = None
+    for target in TARGETS:
+        path = library_path(source, cc, target)
+        try:
+            if not path.exists():
+                build(cc, target, path)
+            return DecodeKernel(ctypes.CDLL(str(path)))
+        except (OSError, subprocess.SubprocessError) as error:
+            failure = getattr(error, "stderr", None) or error
+    print(f"focus_hf: could not build the CPU decoding kernel ({failure}); using torch operations", file=sys.stderr)
+    return None
 
 
 def rows_contiguous(tensor: torch.Tensor) -> bool:
@@ -141,18 +150,19 @@ def attend_runs(
     """One query [heads, dim] over the concatenation of `runs` of (keys, values) [kv_heads, n_r, dim], with one
     softmax: [heads, dim]. Query head h reads kv head h // (heads // kv_heads), as in transformers' GQA. None where
     the kernel cannot take the call (see the module docstring): the caller then computes it with torch."""
-    if query.dtype != torch.float32 or query.device.type != "cpu" or query.requires_grad:
+    element_type = ELEMENT_TYPES.get(query.dtype)
+    if element_type is None or query.device.type != "cpu" or query.requires_grad:
         return None
     kernel = decode_kernel()
     if kernel is None:
         return None
     heads, dim = query.shape
     kv_heads = runs[0][0].shape[0]
-    if not kernel.supports(heads, kv_heads, dim):
+    if not kernel.supports(heads, kv_heads, dim, element_type):
         return None
     for keys, values in runs:
         if (
-            keys.dtype != torch.float32
+            keys.dtype != query.dtype
             or keys.stride() != values.stride()
             or not rows_contiguous(keys)
             or keys.shape != values.shape
@@ -174,6 +184,7 @@ def attend_runs(
         sizes(*(keys.shape[1] for keys, _ in runs)),
         sizes(*(keys.stride(0) for keys, _ in runs)),
         output.data_ptr(),
+        element_type,
     )
     return output if status == 0 else None
 

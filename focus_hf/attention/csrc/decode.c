@@ -3,7 +3,8 @@
    A Focus decoding step attends to its probed groups' keys (slices of `grouped_keys.GroupedKeys`) and its window (a
    slice of the KV cache). This kernel reads each run where it lies - no copy into one buffer, no gather - and keeps
    a running softmax over blocks of BLOCK keys, so keys and values are read once and nothing of size n is written.
-   The query heads that share a kv head (GQA) share each key and value row read.
+   The query heads that share a kv head (GQA) share each key and value row read. float32, bfloat16 and float16
+   inputs; scores, softmax and sums in float32.
 
    Compiled on first use with -O3 -march=native -ffast-math: the scores are finite (the running maximum starts at
    -FLT_MAX, never at -inf) and exp is only taken of values <= 0. */
@@ -13,43 +14,89 @@
 #include <string.h>
 
 typedef float vec __attribute__((vector_size(64)));  /* 16 floats: one AVX-512 register, two AVX2 ones */
+typedef uint16_t half_bits __attribute__((vector_size(32)));
+typedef uint32_t word_bits __attribute__((vector_size(64)));
 #define LANES 16
 #define MAX_SHARING 16   /* query heads per kv head */
 #define MAX_VECTORS 8    /* head_dim up to 128 */
 #define BLOCK 64         /* keys per running-softmax update */
 
-static inline vec load(const float* p) { vec v; memcpy(&v, p, sizeof v); return v; }
-static inline void store(float* p, vec v) { memcpy(p, &v, sizeof v); }
+/* Element types of the query, keys, values and output (one per call): float32, bfloat16, float16. */
+enum { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2 };
+#ifdef __FLT16_MAX__ /* the compiler has _Float16 */
+typedef _Float16 half16 __attribute__((vector_size(32)));
+#define HAS_FLOAT16 1
+#else
+#define HAS_FLOAT16 0
+#endif
+
+/* 16 elements at p + index (in elements of `type`) as floats; `type` is a constant after inlining. */
+static inline __attribute__((always_inline)) vec load(const void* p, int64_t index, const int type)
+{
+    vec v;
+    if (type == BFLOAT16) { /* a bfloat16 is the high half of a float32 */
+        half_bits h;
+        memcpy(&h, (const uint16_t*)p + index, sizeof h);
+        word_bits w = __builtin_convertvector(h, word_bits) << 16;
+        memcpy(&v, &w, sizeof v);
+#if HAS_FLOAT16
+    } else if (type == FLOAT16) {
+        half16 h;
+        memcpy(&h, (const uint16_t*)p + index, sizeof h);
+        v = __builtin_convertvector(h, vec);
+#endif
+    } else {
+        memcpy(&v, (const float*)p + index, sizeof v);
+    }
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store(void* p, int64_t index, vec v, const int type)
+{
+    if (type == BFLOAT16) { /* round to nearest even, as torch does */
+        word_bits w;
+        memcpy(&w, &v, sizeof w);
+        w += 0x7fff + ((w >> 16) & 1);
+        half_bits h = __builtin_convertvector(w >> 16, half_bits);
+        memcpy((uint16_t*)p + index, &h, sizeof h);
+#if HAS_FLOAT16
+    } else if (type == FLOAT16) {
+        half16 h = __builtin_convertvector(v, half16);
+        memcpy((uint16_t*)p + index, &h, sizeof h);
+#endif
+    } else {
+        memcpy((float*)p + index, &v, sizeof v);
+    }
+}
+
 static inline float lane_sum(vec v) { float s = 0.f; for (int i = 0; i < LANES; ++i) s += v[i]; return s; }
 
 /* The `sharing` query heads of kv head `head`: query and out point at the first of them ([sharing, dim]). */
 static inline __attribute__((always_inline)) void attend_kv_head(
-    const int vectors, int64_t sharing, int64_t dim, const float* query, float scale, int64_t runs,
-    const float* const* keys, const float* const* values, const int64_t* lengths, const int64_t* head_strides,
-    int64_t head, float* out)
+    const int vectors, const int type, int64_t sharing, int64_t dim, const void* query, int64_t first_row,
+    float scale, int64_t runs, const void* const* keys, const void* const* values, const int64_t* lengths,
+    const int64_t* head_strides, int64_t head, void* out)
 {
     vec q[MAX_SHARING][MAX_VECTORS], acc[MAX_SHARING][MAX_VECTORS];
     float running_max[MAX_SHARING], running_sum[MAX_SHARING], weights[MAX_SHARING][BLOCK];
     for (int64_t g = 0; g < sharing; ++g) {
         for (int i = 0; i < vectors; ++i) {
-            q[g][i] = load(query + g * dim + i * LANES) * scale;
+            q[g][i] = load(query, (first_row + g) * dim + i * LANES, type) * scale;
             acc[g][i] = (vec){0};
         }
         running_max[g] = -FLT_MAX;
         running_sum[g] = 0.f;
     }
     for (int64_t r = 0; r < runs; ++r) {
-        const float* run_keys = keys[r] + head * head_strides[r];
-        const float* run_values = values[r] + head * head_strides[r];
+        const int64_t run_start = head * head_strides[r];
         for (int64_t start = 0; start < lengths[r]; start += BLOCK) {
             const int64_t rows = lengths[r] - start < BLOCK ? lengths[r] - start : BLOCK;
-            const float* block_keys = run_keys + start * dim;
-            const float* block_values = run_values + start * dim;
+            const int64_t block_start = run_start + start * dim;
             float block_max[MAX_SHARING];
             for (int64_t g = 0; g < sharing; ++g) block_max[g] = -FLT_MAX;
             for (int64_t j = 0; j < rows; ++j) {
                 vec k[MAX_VECTORS];
-                for (int i = 0; i < vectors; ++i) k[i] = load(block_keys + j * dim + i * LANES);
+                for (int i = 0; i < vectors; ++i) k[i] = load(keys[r], block_start + j * dim + i * LANES, type);
                 for (int64_t g = 0; g < sharing; ++g) {
                     vec dot = q[g][0] * k[0];
                     for (int i = 1; i < vectors; ++i) dot += q[g][i] * k[i];
@@ -74,7 +121,7 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             }
             for (int64_t j = 0; j < rows; ++j) {
                 vec v[MAX_VECTORS];
-                for (int i = 0; i < vectors; ++i) v[i] = load(block_values + j * dim + i * LANES);
+                for (int i = 0; i < vectors; ++i) v[i] = load(values[r], block_start + j * dim + i * LANES, type);
                 for (int64_t g = 0; g < sharing; ++g) {
                     const float w = weights[g][j];
                     for (int i = 0; i < vectors; ++i) acc[g][i] += w * v[i];
@@ -84,33 +131,37 @@ static inline __attribute__((always_inline)) void attend_kv_head(
     }
     for (int64_t g = 0; g < sharing; ++g) {
         const float inverse = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;
-        for (int i = 0; i < vectors; ++i) store(out + g * dim + i * LANES, acc[g][i] * inverse);
+        for (int i = 0; i < vectors; ++i) store(out, (first_row + g) * dim + i * LANES, acc[g][i] * inverse, type);
     }
 }
 
-/* 1 if focus_decode_f32 takes this head shape, else 0. */
-int focus_decode_supports(int64_t heads, int64_t kv_heads, int64_t dim)
+/* 1 if focus_decode takes this head shape and element type, else 0. */
+int focus_decode_supports(int64_t heads, int64_t kv_heads, int64_t dim, int type)
 {
     return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= MAX_SHARING && dim > 0 && dim % LANES == 0 &&
-           dim <= MAX_VECTORS * LANES;
+           dim <= MAX_VECTORS * LANES && (type == FLOAT32 || type == BFLOAT16 || (type == FLOAT16 && HAS_FLOAT16));
 }
 
-/* query, out: [heads, dim] contiguous float32; run r: `lengths[r]` rows of keys and values, row j of kv head h at
-   keys[r] + h * head_strides[r] + j * dim (rows contiguous). Returns 0, or 1 for a head shape it does not take. */
-int focus_decode_f32(const float* query, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t runs,
-                     const float* const* keys, const float* const* values, const int64_t* lengths,
-                     const int64_t* head_strides, float* out)
+#define ATTEND(vectors, type) \
+    attend_kv_head(vectors, type, sharing, dim, query, h * sharing, scale, runs, keys, values, lengths, head_strides, h, out)
+
+/* query, out: [heads, dim] contiguous; run r: `lengths[r]` rows of keys and values, row j of kv head h at element
+   h * head_strides[r] + j * dim of keys[r] / values[r] (rows contiguous); every tensor of element type `type`,
+   accumulated in float32. Returns 0, or 1 for a call focus_decode_supports refuses. */
+int focus_decode(const void* query, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t runs,
+                 const void* const* keys, const void* const* values, const int64_t* lengths,
+                 const int64_t* head_strides, void* out, int type)
 {
-    if (!focus_decode_supports(heads, kv_heads, dim)) return 1;
+    if (!focus_decode_supports(heads, kv_heads, dim, type)) return 1;
     const int64_t sharing = heads / kv_heads;
     for (int64_t h = 0; h < kv_heads; ++h) {
-        const float* q = query + h * sharing * dim;
-        float* o = out + h * sharing * dim;
-        switch (dim / LANES) { /* constant vector counts for the common head sizes 64 and 128: unrolled loops */
-            case 4: attend_kv_head(4, sharing, dim, q, scale, runs, keys, values, lengths, head_strides, h, o); break;
-            case 8: attend_kv_head(8, sharing, dim, q, scale, runs, keys, values, lengths, head_strides, h, o); break;
-            default:
-                attend_kv_head(dim / LANES, sharing, dim, q, scale, runs, keys, values, lengths, head_strides, h, o);
+        /* constant vector counts for the common head sizes 64 and 128 (unrolled loops), constant element types */
+        if (type == FLOAT32) {
+            if (dim == 64) ATTEND(4, FLOAT32); else if (dim == 128) ATTEND(8, FLOAT32); else ATTEND(dim / LANES, FLOAT32);
+        } else if (type == BFLOAT16) {
+            if (dim == 64) ATTEND(4, BFLOAT16); else if (dim == 128) ATTEND(8, BFLOAT16); else ATTEND(dim / LANES, BFLOAT16);
+        } else {
+            if (dim == 64) ATTEND(4, FLOAT16); else if (dim == 128) ATTEND(8, FLOAT16); else ATTEND(dim / LANES, FLOAT16);
         }
     }
     return 0;
