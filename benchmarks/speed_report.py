@@ -197,7 +197,8 @@ def decode_section(rows: list[dict[str, Any]]) -> list[str]:
         "",
         f"K={first['groups']}, w={first['window']}, {first['sinks']} sinks, {first['heads']}x{first['head_dim']} heads / "
         f"{first['kv_heads']} kv, {first['dtype']}, {first['processor']}, {first['threads']} threads, backend "
-        f"{first['backend']}; median of {first['repeats']} alternating repetitions.",
+        f"{first['backend']}; median of {first['repeats']} alternating repetitions; a step's attention in "
+        f"{'the C kernel (attention/native.py)' if first.get('decode_kernel') == 'C' else 'torch operations'}.",
         "",
         "| cache tokens | top_k | dense ms | Focus ms | speedup | ideal (keys read) | Focus path | load avg |",
         "|---|---|---|---|---|---|---|---|",

@@ -139,6 +139,17 @@ def decode_kernel() -> Optional[DecodeKernel]:
     return None
 
 
+def serves(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether decoding steps of this dtype and head shape run in the kernel on CPU (building it if needed)."""
+    kernel = decode_kernel()
+    element_type = ELEMENT_TYPES.get(dtype)
+    return (
+        kernel is not None
+        and element_type is not None
+        and bool(kernel.supports(heads, kv_heads, head_dim, element_type))
+    )
+
+
 def rows_contiguous(tensor: torch.Tensor) -> bool:
     """Whether [kv_heads, n, dim] has contiguous rows one after another within each head."""
     return tensor.stride(2) == 1 and (tensor.shape[1] <= 1 or tensor.stride(1) == tensor.shape[2])

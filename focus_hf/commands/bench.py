@@ -295,6 +295,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
 
     from focus_hf.attention.fast import fast_hard_attention
     from focus_hf.attention.grouped_keys import one_step_behind
+    from focus_hf.attention.native import serves
     from focus_hf.attention.pattern import probes
 
     case = make_case(args, cache_len, device, dtype)
@@ -348,6 +349,9 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     dense_s, dense_cpu_s = medians(dense_times)
     rows = []
     positions = torch.arange(cache_len, device=device)
+    # What the group-sorted copy's attention runs on: the C kernel of `attention/native.py`, or torch operations.
+    native = device.type == "cpu" and serves(dtype, args.heads, args.kv_heads, args.head_dim)
+    kernel = "C" if native else "torch"
     for top_k in args.top_k:
         routing = case.routing[top_k]
         focus_s, focus_cpu_s = medians(focus_times[top_k])
@@ -370,6 +374,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 "keys_fraction": fraction,
                 "ideal_speedup": 1.0 / fraction,
                 "focus_path": path if args.backend == "auto" else "group-sorted copy",
+                "decode_kernel": kernel,
                 "dense_below": crossover,
                 "repeats": repeats,
                 "backend": args.backend,
