@@ -27,7 +27,8 @@ and never produces a NaN.
 Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those queries can reach - their groups' keys,
 their window and the sinks - and runs one small attention over them (unmasked for one query). A one-query step
 whose layer keeps group-sorted copies of each sample's distant keys (`grouped_keys.GroupedKeys`, kept per KV cache
-by `tuner.layer`) reads its probed groups from the copy and its window from the cache, as slices: no gather. Below
+by `tuner.layer`) reads its probed groups from the copy and its window from the cache, as slices: no gather (on CPU
+in one call of the C kernel of `native`, where it could be built). Below
 `calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
 one dense masked call (its bias built by `pattern.pattern_bias`, the kernel's causal flag hiding the future keys of
 square calls); so does every backend when the model's mask is more than causal + padding (sliding-window layers),

@@ -174,6 +174,9 @@ def attend_runs(
     for keys, values in runs:
         if (
             keys.dtype != query.dtype
+            or keys.device != query.device
+            or keys.shape[0] != kv_heads
+            or keys.shape[2] != dim
             or keys.stride() != values.stride()
             or not rows_contiguous(keys)
             or keys.shape != values.shape

@@ -123,6 +123,7 @@ def test_one_key_appends_equal_the_torch_copy(monkeypatch, dtype):
         {"dtype": torch.float64},
         {"strided_rows": True},  # rows not contiguous
         {"mixed_dtypes": True},  # keys of another dtype than the query
+        {"mismatched_runs": True},  # a run with another kv head count or head size than the first
     ],
     ids=lambda change: next(iter(change)),
 )
@@ -134,7 +135,11 @@ def test_calls_it_does_not_take_return_none(change):
         keys = torch.randn(2, 10, dim * 2)[..., ::2]
     if change.get("mixed_dtypes"):
         keys = keys.to(torch.bfloat16)
-    assert native.attend_runs(query, [(keys, keys)], 0.1) is None
+    runs = [(keys, keys)]
+    if change.get("mismatched_runs"):
+        runs += [(torch.randn(1, 10, dim), torch.randn(1, 10, dim)), (torch.randn(2, 4, dim // 2),) * 2]
+        assert native.attend_runs(query, runs[::2], 0.1) is None
+    assert native.attend_runs(query, runs, 0.1) is None
 
 
 def test_turned_off_by_the_environment(monkeypatch):
