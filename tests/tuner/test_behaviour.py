@@ -13,6 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import focus_hf
 import focus_hf.attention.fast as fast
+import focus_hf.attention.function as function
 import focus_hf.attention.grouped_keys as grouped_keys
 from focus_hf.attention import native
 
@@ -240,28 +241,43 @@ def test_generate_reading_the_copy_equals_recomputation(architecture, options):
     assert torch.equal(generated, sequence)
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
-def test_steps_in_the_c_decoding_kernel_equal_a_forward_without_cache(top_k):
+@pytest.mark.parametrize(
+    "options",
+    [dict(top_k=1), dict(top_k=2), dict(top_k=1, dense_heads=[[0, 0], [1, 1]])],
+    ids=["top-1", "top-2", "dense-heads"],
+)
+def test_steps_in_the_c_decoding_kernel_equal_a_forward_without_cache(options):
     """head_dim 16 (the tiny models' 12 is not a size the kernel takes): the steps' attention runs in the C kernel
-    (`attention/native.py`), sinks, window and dense below included."""
+    (`attention/native.py`) - routed heads over their groups and window, dense heads over the whole cache."""
     if not native.serves(torch.float32, 4, 2, 16):
         pytest.skip("no C compiler to build the decoding kernel with")
     torch.manual_seed(0)
     config = CONFIGS["llama"]()
     config.head_dim = 16
     base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    focus = focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8, top_k=top_k, sink_tokens=2)
+    focus = focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8, sink_tokens=2, **options)
     model = get_peft_model(base, focus).eval()
     focus_hf.set_routing(model, "hard", backend="sdpa")
     sequence = tokens(batch=1, seq=44)
     served = []
-    with torch.no_grad(), mock.patch.object(grouped_keys, "attend_runs", wraps=native.attend_runs) as kernel:
-        kernel.side_effect = lambda *args: served.append(native.attend_runs(*args)) or served[-1]
+
+    def recorded(query, runs, scale):
+        served.append((len(runs), native.attend_runs(query, runs, scale)))
+        return served[-1][1]
+
+    with (
+        torch.no_grad(),
+        mock.patch.object(grouped_keys, "attend_runs", recorded),
+        mock.patch.object(function, "attend_runs", recorded),
+    ):
         whole = model(input_ids=sequence, use_cache=False).logits
         cache, steps = model(input_ids=sequence[:, :30], use_cache=True).past_key_values, []
         for position in range(30, 44):
             steps.append(model(input_ids=sequence[:, position : position + 1], past_key_values=cache).logits)
-    assert len(served) >= 14 * 2 and all(output is not None for output in served)  # every step, both layers
+    # Every step of both layers: one call per run of routed heads, and per run of dense heads (one run: the cache).
+    calls_per_step = 4 if "dense_heads" in options else 2
+    assert len(served) == 14 * calls_per_step and all(output is not None for _, output in served)
+    assert any(runs == 1 for runs, _ in served) == ("dense_heads" in options)
     torch.testing.assert_close(torch.cat(steps, dim=1), whole[:, 30:], atol=1e-5, rtol=0)
 
 
