@@ -3,9 +3,10 @@
 A decoding step of one query costs a few dozen microseconds of eager tensor operations on CPU (copying the window
 next to the group's keys, the attention call, the output's reshapes), as much as dense attention over a 1K cache.
 `attend_runs` does the step's attention in one C call that reads the probed groups' keys and the window where they
-lie. The library is built once per machine (`cc -O3 -march=native`, well under a second; without `-march=native`
-where the compiler refuses it) into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no
-build step at install, no dependency.
+lie; calls over many keys split them among torch's OpenMP threads. The library is built once per machine (`cc -O3
+-march=native`, well under a second; without `-march=native` where the compiler refuses it, without `-fopenmp` where
+torch does not run GNU OpenMP) into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no build
+step at install, no dependency.
 
 Where it cannot run - no C compiler (`$CC`, else `cc`, `gcc` or `clang` on the PATH), a failed build, a dtype other
 than float32, bfloat16 and float16, a head shape it does not take - `attend_runs` returns None and the caller runs
@@ -38,7 +39,7 @@ SOURCE = Path(__file__).with_name("csrc") / "decode.c"
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC", "-c")
 LINK_FLAGS = ("-shared",)
 # Tried in turn: this processor's instruction set, else the compiler's default target (vectors of 16 floats are
-# then split into what the target has).
+# then split into what the target has); each with OpenMP first where torch runs on GNU OpenMP (`openmp_flags`).
 TARGETS = (("-march=native",), ())
 BUILD_TIMEOUT_S = 120
 # The kernel's element types (csrc/decode.c): each call reads and writes one of them, accumulating in float32.
@@ -90,6 +91,16 @@ def machine_tag() -> str:
     return tag
 
 
+def openmp_flags() -> tuple[tuple[str, ...], ...]:
+    """(("-fopenmp",), ()) where this process already runs GNU OpenMP (torch's pip wheels bundle libgomp.so.1, and a
+    library linked with -fopenmp then shares torch's thread pool instead of starting a second one); else ((),)."""
+    try:
+        shared = any("libgomp" in line for line in Path("/proc/self/maps").read_text().splitlines())
+    except OSError:
+        shared = False
+    return (("-fopenmp",), ()) if shared else ((),)
+
+
 def library_path(source: bytes, cc: str, target: tuple[str, ...]) -> Path:
     parts = [source, cc, " ".join(COMPILE_FLAGS + LINK_FLAGS + target), machine_tag()]
     digest = hashlib.sha256(b"\0".join(part if isinstance(part, bytes) else part.encode() for part in parts))
@@ -97,7 +108,8 @@ def library_path(source: bytes, cc: str, target: tuple[str, ...]) -> Path:
 
 
 def build(cc: str, target: tuple[str, ...], path: Path) -> None:
-    """Compile the kernel to `path` (into a temporary file first, so that a concurrent process never loads half)."""
+    """Compile the kernel to `path` (into a temporary file first, so that a concurrent process never loads half).
+    `target` goes to both steps: -fopenmp at the link step links the OpenMP runtime."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
     os.close(handle)
@@ -105,7 +117,7 @@ def build(cc: str, target: tuple[str, ...], path: Path) -> None:
     try:
         for command in (
             [cc, *COMPILE_FLAGS, *target, str(SOURCE), "-o", objects],
-            [cc, *LINK_FLAGS, objects, "-o", temporary, "-lm"],
+            [cc, *LINK_FLAGS, *target, objects, "-o", temporary, "-lm"],
         ):
             subprocess.run(command, check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         os.replace(temporary, path)
@@ -127,7 +139,7 @@ def decode_kernel() -> Optional[DecodeKernel]:
         return None
     source = SOURCE.read_bytes()
     failure: object = None
-    for target in TARGETS:
+    for target in (arch + openmp for arch in TARGETS for openmp in openmp_flags()):
         path = library_path(source, cc, target)
         try:
             if not path.exists():

@@ -68,6 +68,22 @@ def test_runs_equal_a_float64_softmax(kv_heads, sharing, dim, lengths, offset, m
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("dim", [64, 128])
+def test_long_calls_split_among_threads_equal_a_float64_softmax(dim, dtype):
+    """Past PARALLEL_ROWS key rows a call goes in pieces of PIECE_ROWS keys, merged in order (csrc/decode.c)."""
+    generator = torch.Generator().manual_seed(dim)
+    query = torch.randn(9, dim, generator=generator).to(dtype) * 3
+    runs = [
+        tuple(part.to(dtype) for part in cache_slice(generator, 3, length, dim, 2)) for length in (2000, 1, 1024, 700)
+    ]
+    output = native.attend_runs(query, runs, dim**-0.5)
+    assert output is not None
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(output.double(), oracle(query, runs, dim**-0.5), atol=tolerance, rtol=tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
 def test_a_grouped_step_equals_the_torch_path(monkeypatch, dtype):
     """The same `GroupedKeys.attend` calls with the kernel and with it turned off (top-1 and top-3, sinks)."""
     generator = torch.Generator().manual_seed(3)

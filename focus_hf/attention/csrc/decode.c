@@ -11,6 +11,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float vec __attribute__((vector_size(64)));  /* 16 floats: one AVX-512 register, two AVX2 ones */
@@ -20,6 +21,8 @@ typedef uint32_t word_bits __attribute__((vector_size(64)));
 #define MAX_SHARING 16   /* query heads per kv head */
 #define MAX_VECTORS 8    /* head_dim up to 128 */
 #define BLOCK 64         /* keys per running-softmax update */
+#define PIECE_ROWS 1024  /* keys per parallel task */
+#define PARALLEL_ROWS 4096 /* key rows (all kv heads) from which a call runs on several threads */
 
 /* Element types of the query, keys, values and output (one per call): float32, bfloat16, float16. */
 enum { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2 };
@@ -71,67 +74,95 @@ static inline __attribute__((always_inline)) void store(void* p, int64_t index, 
 
 static inline float lane_sum(vec v) { float s = 0.f; for (int i = 0; i < LANES; ++i) s += v[i]; return s; }
 
-/* The `sharing` query heads of kv head `head`: query and out point at the first of them ([sharing, dim]). */
-static inline __attribute__((always_inline)) void attend_kv_head(
+/* What the query heads of one kv head have summed over some keys: running maximum, sum of exp and weighted values. */
+typedef struct {
+    float max[MAX_SHARING], sum[MAX_SHARING];
+    float acc[MAX_SHARING][MAX_VECTORS * LANES];
+} Partial;
+
+static void partial_init(Partial* part, int64_t sharing, int64_t dim)
+{
+    for (int64_t g = 0; g < sharing; ++g) {
+        part->max[g] = -FLT_MAX;
+        part->sum[g] = 0.f;
+        memset(part->acc[g], 0, sizeof(float) * dim);
+    }
+}
+
+/* Fold rows [begin, end) of one run of kv head `head` into `part`, for its `sharing` query heads (query points at
+   the first of them, [sharing, dim] at element first_row * dim). */
+static inline __attribute__((always_inline)) void attend_rows(
     const int vectors, const int type, int64_t sharing, int64_t dim, const void* query, int64_t first_row,
-    float scale, int64_t runs, const void* const* keys, const void* const* values, const int64_t* lengths,
-    const int64_t* head_strides, int64_t head, void* out)
+    float scale, const void* keys, const void* values, int64_t head_offset, int64_t begin, int64_t end, Partial* part)
 {
     vec q[MAX_SHARING][MAX_VECTORS], acc[MAX_SHARING][MAX_VECTORS];
-    float running_max[MAX_SHARING], running_sum[MAX_SHARING], weights[MAX_SHARING][BLOCK];
-    for (int64_t g = 0; g < sharing; ++g) {
+    float weights[MAX_SHARING][BLOCK];
+    for (int64_t g = 0; g < sharing; ++g)
         for (int i = 0; i < vectors; ++i) {
             q[g][i] = load(query, (first_row + g) * dim + i * LANES, type) * scale;
-            acc[g][i] = (vec){0};
+            acc[g][i] = load(part->acc[g], i * LANES, FLOAT32);
         }
-        running_max[g] = -FLT_MAX;
-        running_sum[g] = 0.f;
-    }
-    for (int64_t r = 0; r < runs; ++r) {
-        const int64_t run_start = head * head_strides[r];
-        for (int64_t start = 0; start < lengths[r]; start += BLOCK) {
-            const int64_t rows = lengths[r] - start < BLOCK ? lengths[r] - start : BLOCK;
-            const int64_t block_start = run_start + start * dim;
-            float block_max[MAX_SHARING];
-            for (int64_t g = 0; g < sharing; ++g) block_max[g] = -FLT_MAX;
-            for (int64_t j = 0; j < rows; ++j) {
-                vec k[MAX_VECTORS];
-                for (int i = 0; i < vectors; ++i) k[i] = load(keys[r], block_start + j * dim + i * LANES, type);
-                for (int64_t g = 0; g < sharing; ++g) {
-                    vec dot = q[g][0] * k[0];
-                    for (int i = 1; i < vectors; ++i) dot += q[g][i] * k[i];
-                    const float score = lane_sum(dot);
-                    weights[g][j] = score;
-                    block_max[g] = score > block_max[g] ? score : block_max[g];
-                }
-            }
+    for (int64_t start = begin; start < end; start += BLOCK) {
+        const int64_t rows = end - start < BLOCK ? end - start : BLOCK;
+        const int64_t block_start = head_offset + start * dim;
+        float block_max[MAX_SHARING];
+        for (int64_t g = 0; g < sharing; ++g) block_max[g] = -FLT_MAX;
+        for (int64_t j = 0; j < rows; ++j) {
+            vec k[MAX_VECTORS];
+            for (int i = 0; i < vectors; ++i) k[i] = load(keys, block_start + j * dim + i * LANES, type);
             for (int64_t g = 0; g < sharing; ++g) {
-                const float top = block_max[g] > running_max[g] ? block_max[g] : running_max[g];
-                const float rescale = expf(running_max[g] - top);
-                float sum = 0.f;
-                running_max[g] = top;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < rows; ++j) {
-                    const float e = expf(weights[g][j] - top);
-                    weights[g][j] = e;
-                    sum += e;
-                }
-                running_sum[g] = running_sum[g] * rescale + sum;
-                for (int i = 0; i < vectors; ++i) acc[g][i] *= rescale;
+                vec dot = q[g][0] * k[0];
+                for (int i = 1; i < vectors; ++i) dot += q[g][i] * k[i];
+                const float score = lane_sum(dot);
+                weights[g][j] = score;
+                block_max[g] = score > block_max[g] ? score : block_max[g];
             }
+        }
+        for (int64_t g = 0; g < sharing; ++g) {
+            const float top = block_max[g] > part->max[g] ? block_max[g] : part->max[g];
+            const float rescale = expf(part->max[g] - top);
+            float sum = 0.f;
+            part->max[g] = top;
+#pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < rows; ++j) {
-                vec v[MAX_VECTORS];
-                for (int i = 0; i < vectors; ++i) v[i] = load(values[r], block_start + j * dim + i * LANES, type);
-                for (int64_t g = 0; g < sharing; ++g) {
-                    const float w = weights[g][j];
-                    for (int i = 0; i < vectors; ++i) acc[g][i] += w * v[i];
-                }
+                const float e = expf(weights[g][j] - top);
+                weights[g][j] = e;
+                sum += e;
+            }
+            part->sum[g] = part->sum[g] * rescale + sum;
+            for (int i = 0; i < vectors; ++i) acc[g][i] *= rescale;
+        }
+        for (int64_t j = 0; j < rows; ++j) {
+            vec v[MAX_VECTORS];
+            for (int i = 0; i < vectors; ++i) v[i] = load(values, block_start + j * dim + i * LANES, type);
+            for (int64_t g = 0; g < sharing; ++g) {
+                const float w = weights[g][j];
+                for (int i = 0; i < vectors; ++i) acc[g][i] += w * v[i];
             }
         }
     }
+    for (int64_t g = 0; g < sharing; ++g)
+        for (int i = 0; i < vectors; ++i) store(part->acc[g], i * LANES, acc[g][i], FLOAT32);
+}
+
+/* Fold `other` into `part` (both over disjoint keys of the same query heads). */
+static void partial_merge(Partial* part, const Partial* other, int64_t sharing, int64_t dim)
+{
     for (int64_t g = 0; g < sharing; ++g) {
-        const float inverse = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;
-        for (int i = 0; i < vectors; ++i) store(out, (first_row + g) * dim + i * LANES, acc[g][i] * inverse, type);
+        const float top = other->max[g] > part->max[g] ? other->max[g] : part->max[g];
+        const float mine = expf(part->max[g] - top), theirs = expf(other->max[g] - top);
+        part->max[g] = top;
+        part->sum[g] = part->sum[g] * mine + other->sum[g] * theirs;
+        for (int64_t d = 0; d < dim; ++d) part->acc[g][d] = part->acc[g][d] * mine + other->acc[g][d] * theirs;
+    }
+}
+
+static void partial_store(const Partial* part, int64_t sharing, int64_t dim, void* out, int64_t first_row, int type)
+{
+    for (int64_t g = 0; g < sharing; ++g) {
+        const float inverse = part->sum[g] > 0.f ? 1.f / part->sum[g] : 0.f;
+        for (int64_t i = 0; i < dim / LANES; ++i)
+            store(out, (first_row + g) * dim + i * LANES, load(part->acc[g], i * LANES, FLOAT32) * inverse, type);
     }
 }
 
@@ -142,28 +173,74 @@ int focus_decode_supports(int64_t heads, int64_t kv_heads, int64_t dim, int type
            dim <= MAX_VECTORS * LANES && (type == FLOAT32 || type == BFLOAT16 || (type == FLOAT16 && HAS_FLOAT16));
 }
 
-#define ATTEND(vectors, type) \
-    attend_kv_head(vectors, type, sharing, dim, query, h * sharing, scale, runs, keys, values, lengths, head_strides, h, out)
+/* One piece of work: rows [begin, end) of run `run` for kv head `head`. */
+typedef struct {
+    int64_t head, run, begin, end;
+} Piece;
+
+#define ROWS(vectors, type)                                                                                       \
+    attend_rows(vectors, type, sharing, dim, query, piece.head * sharing, scale, keys[piece.run], values[piece.run], \
+                piece.head * head_strides[piece.run], piece.begin, piece.end, part)
+
+static void attend_piece(Piece piece, int64_t sharing, int64_t dim, const void* query, float scale,
+                         const void* const* keys, const void* const* values, const int64_t* head_strides, int type,
+                         Partial* part)
+{
+    /* constant vector counts for the common head sizes 64 and 128 (unrolled loops), constant element types */
+    if (type == FLOAT32) {
+        if (dim == 64) ROWS(4, FLOAT32); else if (dim == 128) ROWS(8, FLOAT32); else ROWS(dim / LANES, FLOAT32);
+    } else if (type == BFLOAT16) {
+        if (dim == 64) ROWS(4, BFLOAT16); else if (dim == 128) ROWS(8, BFLOAT16); else ROWS(dim / LANES, BFLOAT16);
+    } else {
+        if (dim == 64) ROWS(4, FLOAT16); else if (dim == 128) ROWS(8, FLOAT16); else ROWS(dim / LANES, FLOAT16);
+    }
+}
 
 /* query, out: [heads, dim] contiguous; run r: `lengths[r]` rows of keys and values, row j of kv head h at element
    h * head_strides[r] + j * dim of keys[r] / values[r] (rows contiguous); every tensor of element type `type`,
-   accumulated in float32. Returns 0, or 1 for a call focus_decode_supports refuses. */
+   accumulated in float32. Calls that read at least PARALLEL_ROWS rows (over all kv heads) go in pieces of up to
+   PIECE_ROWS rows on the OpenMP threads (built with -fopenmp: torch's own pool), merged in order. Returns 0, or 1 for
+   a call focus_decode_supports refuses (or out of memory). */
 int focus_decode(const void* query, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t runs,
                  const void* const* keys, const void* const* values, const int64_t* lengths,
                  const int64_t* head_strides, void* out, int type)
 {
     if (!focus_decode_supports(heads, kv_heads, dim, type)) return 1;
     const int64_t sharing = heads / kv_heads;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-        /* constant vector counts for the common head sizes 64 and 128 (unrolled loops), constant element types */
-        if (type == FLOAT32) {
-            if (dim == 64) ATTEND(4, FLOAT32); else if (dim == 128) ATTEND(8, FLOAT32); else ATTEND(dim / LANES, FLOAT32);
-        } else if (type == BFLOAT16) {
-            if (dim == 64) ATTEND(4, BFLOAT16); else if (dim == 128) ATTEND(8, BFLOAT16); else ATTEND(dim / LANES, BFLOAT16);
-        } else {
-            if (dim == 64) ATTEND(4, FLOAT16); else if (dim == 128) ATTEND(8, FLOAT16); else ATTEND(dim / LANES, FLOAT16);
-        }
+    int64_t rows = 0, count = 0;
+    for (int64_t r = 0; r < runs; ++r) {
+        rows += lengths[r];
+        count += (lengths[r] + PIECE_ROWS - 1) / PIECE_ROWS;
     }
+    if (rows * kv_heads < PARALLEL_ROWS) {
+        Partial part;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            partial_init(&part, sharing, dim);
+            for (int64_t r = 0; r < runs; ++r) {
+                const Piece piece = {h, r, 0, lengths[r]};
+                attend_piece(piece, sharing, dim, query, scale, keys, values, head_strides, type, &part);
+            }
+            partial_store(&part, sharing, dim, out, h * sharing, type);
+        }
+        return 0;
+    }
+    Partial* parts = malloc(sizeof(Partial) * count * kv_heads);
+    if (!parts) return 1;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < count * kv_heads; ++task) {
+        const int64_t h = task / count;
+        int64_t index = task % count, r = 0;
+        while (index >= (lengths[r] + PIECE_ROWS - 1) / PIECE_ROWS) index -= (lengths[r++] + PIECE_ROWS - 1) / PIECE_ROWS;
+        const int64_t begin = index * PIECE_ROWS, end = begin + PIECE_ROWS < lengths[r] ? begin + PIECE_ROWS : lengths[r];
+        const Piece piece = {h, r, begin, end};
+        partial_init(&parts[task], sharing, dim);
+        attend_piece(piece, sharing, dim, query, scale, keys, values, head_strides, type, &parts[task]);
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t index = 1; index < count; ++index) partial_merge(&parts[h * count], &parts[h * count + index], sharing, dim);
+        partial_store(&parts[h * count], sharing, dim, out, h * sharing, type);
+    }
+    free(parts);
     return 0;
 }
 
