@@ -22,6 +22,7 @@ typedef uint32_t word_bits __attribute__((vector_size(64)));
 #define MAX_VECTORS 8    /* head_dim up to 128 */
 #define BLOCK 64         /* keys per running-softmax update */
 #define PIECE_ROWS 1024  /* keys per parallel task */
+#define MAX_RUNS 64      /* runs of one call: the probed groups and the window */
 #define PARALLEL_ROWS 4096 /* key rows (all kv heads) from which a call runs on several threads */
 
 /* Element types of the query, keys, values and output (one per call): float32, bfloat16, float16. */
@@ -89,11 +90,17 @@ static void partial_init(Partial* part, int64_t sharing, int64_t dim)
     }
 }
 
-/* Fold rows [begin, end) of one run of kv head `head` into `part`, for its `sharing` query heads (query points at
-   the first of them, [sharing, dim] at element first_row * dim). */
+/* One piece of work: rows [begin, end) of run `run` for kv head `head`. */
+typedef struct {
+    int64_t head, run, begin, end;
+} Piece;
+
+/* Fold `count` pieces of one kv head into `part`, for its `sharing` query heads (query points at the first of
+   them, [sharing, dim] at element first_row * dim); the query stays in registers across the pieces. */
 static inline __attribute__((always_inline)) void attend_rows(
     const int vectors, const int type, int64_t sharing, int64_t dim, const void* query, int64_t first_row,
-    float scale, const void* keys, const void* values, int64_t head_offset, int64_t begin, int64_t end, Partial* part)
+    float scale, const void* const* keys_of_run, const void* const* values_of_run, const int64_t* head_strides,
+    const Piece* pieces, int64_t count, Partial* part)
 {
     vec q[MAX_SHARING][MAX_VECTORS], acc[MAX_SHARING][MAX_VECTORS];
     float weights[MAX_SHARING][BLOCK];
@@ -102,42 +109,47 @@ static inline __attribute__((always_inline)) void attend_rows(
             q[g][i] = load(query, (first_row + g) * dim + i * LANES, type) * scale;
             acc[g][i] = load(part->acc[g], i * LANES, FLOAT32);
         }
-    for (int64_t start = begin; start < end; start += BLOCK) {
-        const int64_t rows = end - start < BLOCK ? end - start : BLOCK;
-        const int64_t block_start = head_offset + start * dim;
-        float block_max[MAX_SHARING];
-        for (int64_t g = 0; g < sharing; ++g) block_max[g] = -FLT_MAX;
-        for (int64_t j = 0; j < rows; ++j) {
-            vec k[MAX_VECTORS];
-            for (int i = 0; i < vectors; ++i) k[i] = load(keys, block_start + j * dim + i * LANES, type);
-            for (int64_t g = 0; g < sharing; ++g) {
-                vec dot = q[g][0] * k[0];
-                for (int i = 1; i < vectors; ++i) dot += q[g][i] * k[i];
-                const float score = lane_sum(dot);
-                weights[g][j] = score;
-                block_max[g] = score > block_max[g] ? score : block_max[g];
-            }
-        }
-        for (int64_t g = 0; g < sharing; ++g) {
-            const float top = block_max[g] > part->max[g] ? block_max[g] : part->max[g];
-            const float rescale = expf(part->max[g] - top);
-            float sum = 0.f;
-            part->max[g] = top;
-#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < count; ++p) {
+        const void* keys = keys_of_run[pieces[p].run];
+        const void* values = values_of_run[pieces[p].run];
+        const int64_t head_offset = pieces[p].head * head_strides[pieces[p].run], end = pieces[p].end;
+        for (int64_t start = pieces[p].begin; start < end; start += BLOCK) {
+            const int64_t rows = end - start < BLOCK ? end - start : BLOCK;
+            const int64_t block_start = head_offset + start * dim;
+            float block_max[MAX_SHARING];
+            for (int64_t g = 0; g < sharing; ++g) block_max[g] = -FLT_MAX;
             for (int64_t j = 0; j < rows; ++j) {
-                const float e = expf(weights[g][j] - top);
-                weights[g][j] = e;
-                sum += e;
+                vec k[MAX_VECTORS];
+                for (int i = 0; i < vectors; ++i) k[i] = load(keys, block_start + j * dim + i * LANES, type);
+                for (int64_t g = 0; g < sharing; ++g) {
+                    vec dot = q[g][0] * k[0];
+                    for (int i = 1; i < vectors; ++i) dot += q[g][i] * k[i];
+                    const float score = lane_sum(dot);
+                    weights[g][j] = score;
+                    block_max[g] = score > block_max[g] ? score : block_max[g];
+                }
             }
-            part->sum[g] = part->sum[g] * rescale + sum;
-            for (int i = 0; i < vectors; ++i) acc[g][i] *= rescale;
-        }
-        for (int64_t j = 0; j < rows; ++j) {
-            vec v[MAX_VECTORS];
-            for (int i = 0; i < vectors; ++i) v[i] = load(values, block_start + j * dim + i * LANES, type);
             for (int64_t g = 0; g < sharing; ++g) {
-                const float w = weights[g][j];
-                for (int i = 0; i < vectors; ++i) acc[g][i] += w * v[i];
+                const float top = block_max[g] > part->max[g] ? block_max[g] : part->max[g];
+                const float rescale = expf(part->max[g] - top);
+                float sum = 0.f;
+                part->max[g] = top;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t j = 0; j < rows; ++j) {
+                    const float e = expf(weights[g][j] - top);
+                    weights[g][j] = e;
+                    sum += e;
+                }
+                part->sum[g] = part->sum[g] * rescale + sum;
+                for (int i = 0; i < vectors; ++i) acc[g][i] *= rescale;
+            }
+            for (int64_t j = 0; j < rows; ++j) {
+                vec v[MAX_VECTORS];
+                for (int i = 0; i < vectors; ++i) v[i] = load(values, block_start + j * dim + i * LANES, type);
+                for (int64_t g = 0; g < sharing; ++g) {
+                    const float w = weights[g][j];
+                    for (int i = 0; i < vectors; ++i) acc[g][i] += w * v[i];
+                }
             }
         }
     }
@@ -173,18 +185,14 @@ int focus_decode_supports(int64_t heads, int64_t kv_heads, int64_t dim, int type
            dim <= MAX_VECTORS * LANES && (type == FLOAT32 || type == BFLOAT16 || (type == FLOAT16 && HAS_FLOAT16));
 }
 
-/* One piece of work: rows [begin, end) of run `run` for kv head `head`. */
-typedef struct {
-    int64_t head, run, begin, end;
-} Piece;
+#define ROWS(vectors, type)                                                                                    \
+    attend_rows(vectors, type, sharing, dim, query, pieces[0].head * sharing, scale, keys, values, head_strides, \
+                pieces, count, part)
 
-#define ROWS(vectors, type)                                                                                       \
-    attend_rows(vectors, type, sharing, dim, query, piece.head * sharing, scale, keys[piece.run], values[piece.run], \
-                piece.head * head_strides[piece.run], piece.begin, piece.end, part)
-
-static void attend_piece(Piece piece, int64_t sharing, int64_t dim, const void* query, float scale,
-                         const void* const* keys, const void* const* values, const int64_t* head_strides, int type,
-                         Partial* part)
+/* Pieces of one kv head, in order, folded into `part`. */
+static void attend_pieces(const Piece* pieces, int64_t count, int64_t sharing, int64_t dim, const void* query,
+                          float scale, const void* const* keys, const void* const* values,
+                          const int64_t* head_strides, int type, Partial* part)
 {
     /* constant vector counts for the common head sizes 64 and 128 (unrolled loops), constant element types */
     if (type == FLOAT32) {
@@ -214,12 +222,12 @@ int focus_decode(const void* query, int64_t heads, int64_t kv_heads, int64_t dim
     }
     if (rows * kv_heads < PARALLEL_ROWS) {
         Partial part;
+        Piece whole[MAX_RUNS];
+        if (runs > MAX_RUNS) return 1;
         for (int64_t h = 0; h < kv_heads; ++h) {
+            for (int64_t r = 0; r < runs; ++r) whole[r] = (Piece){h, r, 0, lengths[r]};
             partial_init(&part, sharing, dim);
-            for (int64_t r = 0; r < runs; ++r) {
-                const Piece piece = {h, r, 0, lengths[r]};
-                attend_piece(piece, sharing, dim, query, scale, keys, values, head_strides, type, &part);
-            }
+            attend_pieces(whole, runs, sharing, dim, query, scale, keys, values, head_strides, type, &part);
             partial_store(&part, sharing, dim, out, h * sharing, type);
         }
         return 0;
@@ -234,7 +242,7 @@ int focus_decode(const void* query, int64_t heads, int64_t kv_heads, int64_t dim
         const int64_t begin = index * PIECE_ROWS, end = begin + PIECE_ROWS < lengths[r] ? begin + PIECE_ROWS : lengths[r];
         const Piece piece = {h, r, begin, end};
         partial_init(&parts[task], sharing, dim);
-        attend_piece(piece, sharing, dim, query, scale, keys, values, head_strides, type, &parts[task]);
+        attend_pieces(&piece, 1, sharing, dim, query, scale, keys, values, head_strides, type, &parts[task]);
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t index = 1; index < count; ++index) partial_merge(&parts[h * count], &parts[h * count + index], sharing, dim);
