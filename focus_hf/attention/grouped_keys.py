@@ -77,19 +77,15 @@ class GroupedKeys:
             if key_valid is not None and not bool(key_valid[first]):
                 self.filled = upto
                 return True
+            one_key, one_value = key.narrow(1, first, 1), value.narrow(1, first, 1)
             if bool(key_sink[first]):
-                if not self._append_sinks(key.narrow(1, first, 1), value.narrow(1, first, 1)):
+                if not self._append_sinks(one_key, one_value):
                     return False
             else:
                 group = int(key_groups[first])
                 if group < 0:
                     return False
-                count = self.counts[group]
-                self._reserve(group, count + 1, key)
-                if not copy_row(self.keys[group], self.values[group], count, key, value, first):
-                    self.keys[group].narrow(1, count, 1).copy_(key.narrow(1, first, 1))
-                    self.values[group].narrow(1, count, 1).copy_(value.narrow(1, first, 1))
-                self.counts[group] = count + 1
+                self._append(group, one_key, one_value)
             self.filled = upto
             return True
         span = slice(first, upto)
@@ -129,8 +125,10 @@ class GroupedKeys:
     def _append(self, group: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         count, added = self.counts[group], keys.shape[1]
         self._reserve(group, count + added, keys)
-        self.keys[group].narrow(1, count, added).copy_(keys)
-        self.values[group].narrow(1, count, added).copy_(values)
+        # A decoding step's one key: one C call for keys and values (four tensor operations otherwise).
+        if added != 1 or not copy_row(self.keys[group], self.values[group], count, keys, values, 0):
+            self.keys[group].narrow(1, count, added).copy_(keys)
+            self.values[group].narrow(1, count, added).copy_(values)
         self.counts[group] = count + added
 
     def _reserve(self, group: int, slots: int, like: torch.Tensor) -> None:
