@@ -6,8 +6,8 @@ them costs a read and a write of each (plus a pass to find them) - about as much
 cache is long. `GroupedKeys` keeps, for each group, the sinks followed by that group's keys and values in position
 order, for every position farther than the window from the newest query. Each step appends the one position that
 has just left the window (amortised growth), so a step reads exactly the keys it may attend to, with no gather and
-no mask: its probed groups' buffers and the window, which is copied behind the first group's keys so that the two are
-one attention call.
+no mask: its probed groups' buffers and the window, read where they lie by one call of the C kernel of `native` (or,
+without it, the window copied behind the first group's keys so that the two are one attention call).
 
 One `GroupedKeys` serves one sample and one run of kv heads of one layer (a batch keeps one per sample). It
 costs a second copy of those keys and values (up to GROWTH times their size while a buffer grows). The copy is a

@@ -173,15 +173,9 @@ def attend_runs(
     """One query [heads, dim] over the concatenation of `runs` of (keys, values) [kv_heads, n_r, dim], with one
     softmax: [heads, dim]. Query head h reads kv head h // (heads // kv_heads), as in transformers' GQA. None where
     the kernel cannot take the call (see the module docstring): the caller then computes it with torch."""
-    element_type = ELEMENT_TYPES.get(query.dtype)
-    if element_type is None or query.device.type != "cpu" or query.requires_grad:
-        return None
-    kernel = decode_kernel()
-    if kernel is None:
-        return None
     heads, dim = query.shape
     kv_heads = runs[0][0].shape[0]
-    if not kernel.supports(heads, kv_heads, dim, element_type):
+    if query.device.type != "cpu" or query.requires_grad or not serves(query.dtype, heads, kv_heads, dim):
         return None
     for keys, values in runs:
         if (
@@ -197,6 +191,7 @@ def attend_runs(
     query = query.contiguous()
     output = torch.empty_like(query)
     count = len(runs)
+    kernel = decode_kernel()
     pointers, sizes = ctypes.c_void_p * count, ctypes.c_int64 * count
     status = kernel.attend(
         query.data_ptr(),
@@ -210,7 +205,7 @@ def attend_runs(
         sizes(*(keys.shape[1] for keys, _ in runs)),
         sizes(*(keys.stride(0) for keys, _ in runs)),
         output.data_ptr(),
-        element_type,
+        ELEMENT_TYPES[query.dtype],
     )
     return output if status == 0 else None
 
