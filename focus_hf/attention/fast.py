@@ -11,14 +11,16 @@ go in chunks, one non-causal call per chunk over the keys the chunk reaches, mas
 its first and last entry's reach (past `partials.SPLIT_MIN_KEYS` keys, the keys every entry sees go in an unmasked
 call with each kv head's query heads folded into the query axis, and the staircase in a second, small one). Where a
 segment's entries are its own newest keys (own-group routing at top_k = 1), the staircase is a causal square and the
-chunk needs no mask at all. At top_k = 1 the sinks ride in front of each segment's keys instead of a separate
-pass. The same code serves top-1 and top-k, shared and separate query routers, and chunked prefill after a KV cache.
-No local pair has to be taken out of A (a call could not express "j < i - w") because B leaves the same-group pairs
-out instead.
+chunk needs no mask at all. At top_k = 1 the sinks of other groups ride in front of each segment's keys: every query
+after the last sink reads its set B sink pairs there, near or far, and the local part leaves the sinks out of its
+window - no separate pass. The same code serves top-1 and top-k, shared and separate query routers, and chunked
+prefill after a KV cache. No local pair has to be taken out of A (a call could not express "j < i - w") because B
+leaves the same-group pairs out instead.
 
 B is split in two: the local pairs - queries in blocks of `partials.LOCAL_BLOCK` read the `window` keys before
 their block and the block itself, as overlapping strided views of the keys, under a [block, window + block] mask -
-and the pairs with sinks farther than the window, a handful of keys done with two small matmuls.
+and the pairs with sinks farther than the window that did not ride in A (top_k > 1, and the few queries before the
+last sink), a handful of keys done with two small matmuls.
 
 The partial results of a query (A, local, sinks) are merged exactly by log-sum-exp. Hidden keys carry finfo.min
 rather than -inf, so a partial without visible keys has a log-sum-exp near finfo.min, gets weight 0 in the merge
@@ -98,12 +100,12 @@ def sparse_attention(
     if valid is None:
         valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool, device=query.device)
     output, lse, sinks_done = probe_part(
-        query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel, key_sink, window
+        query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel, key_sink
     )
     q_len, first_query = query.shape[2], key.shape[2] - query.shape[2]
     sink_rows = q_len  # the queries that may have sink pairs left: set A did those of the queries it marks
-    if sinks_done is not None:
-        pending = (~sinks_done).any(dim=0).nonzero()
+    if sinks_done is not None:  # padding queries' outputs are meaningless: no sink pass for them
+        pending = (~sinks_done & valid[:, first_query:]).any(dim=0).nonzero()
         sink_rows = int(pending[-1]) + 1 if len(pending) else 0
     for start, end, keys_end in row_blocks(sink_rows, first_query):
         sinks = sink_part(
@@ -131,6 +133,8 @@ def sparse_attention(
             window,
             scaling,
             kernel,
+            key_sink[:, :keys_end],
+            None if sinks_done is None else sinks_done[:, start:end],
         )
         merge_into(output[:, start:end], lse[:, start:end], *local)
         del local

@@ -141,9 +141,12 @@ def local_part(
     window: int,
     scaling: float,
     kernel: Kernel,
+    key_sink: Optional[torch.Tensor] = None,
+    sinks_done: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Set B's local pairs: output [batch, q, heads, dim] and lse [batch, q, heads] over the keys at most `window`
-    before each query whose group the query does not probe.
+    before each query whose group the query does not probe - and that are not sinks (`key_sink` [batch, kv]) for
+    the queries that `sinks_done` [batch, q] marks (their sink pairs rode in set A, `probe_part`).
 
     Queries go in blocks of LOCAL_BLOCK; block t reads the keys from `window` before its first query to its last,
     as overlapping strided views of the keys (no per-block copies).
@@ -169,6 +172,10 @@ def local_part(
     block_groups = query_groups[:, query_index].view(batch, blocks, LOCAL_BLOCK, -1)
     window_groups = key_groups[:, key_index].unfold(1, size, LOCAL_BLOCK)  # [batch, blocks, size]
     visible = local & key_ok.unfold(1, size, LOCAL_BLOCK).unsqueeze(2) & ~probes(block_groups, window_groups)
+    if sinks_done is not None and key_sink is not None:
+        window_sinks = (key_sink[:, key_index] & key_ok).unfold(1, size, LOCAL_BLOCK)  # [batch, blocks, size]
+        done = sinks_done[:, query_index].view(batch, blocks, LOCAL_BLOCK, 1)
+        visible &= ~(window_sinks.unsqueeze(2) & done)
     output, lse = kernel(
         queries.transpose(1, 2),
         keys.transpose(1, 2),
@@ -235,6 +242,11 @@ PROBE_CHUNK = 256
 # (`chunk_attention`); CPU, K=8 top-1, one layer: 64K tokens 7.1-8.7 s -> 5.9 s for set A, while at 4K (every
 # prefix shorter) the split alone made set A 45 -> 52 ms.
 SPLIT_MIN_KEYS = 1024
+
+
+# A causal chunk whose entries all see at most this many keys before its square runs them in the square's call
+# behind as many stand-in query rows (`probe_part`), instead of a second call for them.
+LEAD_MAX_KEYS = 16
 
 
 # Query entries per call in a segment of at least 2 * CAUSAL_CHUNK entries that are its newest keys
@@ -404,7 +416,6 @@ def probe_part(
     scaling: float,
     kernel: Kernel,
     key_sink: Optional[torch.Tensor] = None,
-    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Set A: every pair (i, j), j <= i, whose key group is one of the groups query i probes.
 
@@ -420,9 +431,10 @@ def probe_part(
     runs short causal calls at up to half its speed per pair.
 
     Sinks ride along at top_k = 1 (`key_sink` given): a segment's keys are gathered with the sample's sinks of other
-    groups in front, and a chunk whose entries all lie more than `window` past those sinks sees them as the first
-    keys of its prefix (unmasked) - set B's sink pairs of its queries, at the cost of a few more keys per call instead
-    of a separate pass over every query (`sink_part`, memory-bound).
+    groups in front, and a chunk whose entries all lie past those sinks sees them as the first keys of its prefix
+    (unmasked) - all set B's sink pairs of its queries, near or far (`sink_riders`; `local_part` then leaves the
+    sinks out of their window), at the cost of a few more keys per call instead of a separate pass over every query
+    (`sink_part`, memory-bound: 12 of 69 ms at 4K tokens, CPU, K=8 top-1).
 
     Args:
         probe_groups: [batch, q, top_k] the groups each query probes (the queries are the last q keys): distinct,
@@ -430,7 +442,6 @@ def probe_part(
         key_groups: [batch, kv] each key's own group.
         key_valid: [batch, kv] False for padding keys (padding queries get an empty set).
         key_sink: [batch, kv] the sink keys, or None: no sink rides along.
-        window: local window w (sinks closer than w are set B's local pairs).
 
     Returns:
         float32 output [batch, q, heads, dim], lse [batch, q, heads], and bool [batch, q] marking the queries whose
@@ -452,9 +463,9 @@ def probe_part(
     reach = torch.searchsorted(keys.code, queries.code, right=True)
     reach -= segment_start[queries.code // kv_len]
     consecutive = consecutive_segments(reach, queries.starts)
-    riders = [None] * (batch * num_groups)
+    riders: list[Optional[SinkRiders]] = [None] * (batch * num_groups)
     if top_k == 1 and key_sink is not None:
-        riders = sink_riders(key_sink, key_groups, queries, num_groups, window)
+        riders = sink_riders(key_sink, key_groups, queries, num_groups)
     chunks = []  # (segment, first entry, end, consecutive, sinks ride)
     for segment, causal in enumerate(consecutive):
         first, last = queries.starts[segment], queries.starts[segment + 1]
@@ -486,17 +497,23 @@ def probe_part(
             segment_values = keys.gather(value, *bounds, before=sinks)
         extra = 0 if sinks is None else len(sinks)  # the sinks in front, read only by chunks where they ride
         shift = extra if ride else 0
+        # A causal chunk whose prefix is a few keys (the riding sinks, and the segment's first keys where its
+        # first entries are sinks themselves) runs as one causal call: as many stand-in query rows in front make
+        # the prefix and the square one square, instead of a second call for the prefix alone.
+        lead = first_reach + shift - 1 if causal and first_reach + shift - 1 <= LEAD_MAX_KEYS else 0
+        stand_ins = queries.flat[start : start + 1].div(top_k, rounding_mode="floor").expand(lead) if lead else None
         part, part_lse = chunk_attention(
-            queries.gather(query, start, end),
+            queries.gather(query, start, end, before=stand_ins),
             segment_keys[:, :, extra - shift :],
             segment_values[:, :, extra - shift :],
             reach[start:end] + shift,
-            first_reach + shift,
+            first_reach + shift - lead,
             last_reach + shift,
             causal,
             scaling,
             kernel,
         )
+        part, part_lse = part[:, :, lead:], part_lse[:, :, lead:]
         rows = queries.flat[start:end] // top_k
         if ride:
             sinks_done.index_fill_(0, rows, True)
@@ -511,48 +528,40 @@ def probe_part(
     return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads), done
 
 
-# Segments with fewer query entries than this leave their sink pairs to `sink_part`: the chunk split that lets the
-# rest read the sinks costs a call (CPU, K=8 top-1, whole attention: 1K 14.5 -> 15.8 ms with every segment riding; 4K
-# 62 -> 59 ms, 16K 587 -> 568 ms).
-RIDE_MIN_ENTRIES = 512
-
-
 @dataclass
 class SinkRiders:
     """A segment's sinks that ride along: `tokens` the flat indices (sample * kv + token) of the sample's sinks in
     other groups, gathered in front of the segment's keys (None: there are none), and `split` the first entry that
-    lies more than the window after every sink of the sample (entries from there on read them)."""
+    lies after every sink of the sample (entries from there on read them)."""
 
     tokens: Optional[torch.Tensor]
     split: int
 
 
 def sink_riders(
-    key_sink: torch.Tensor, key_groups: torch.Tensor, entries: SortedTokens, num_groups: int, window: int
-) -> list[Optional[SinkRiders]]:
-    """Per segment (sample * K + group) of top-1 query entries: how set B's sink pairs ride in its chunks, or None
-    where they do not (fewer than RIDE_MIN_ENTRIES entries: the split adds a call). A top-1 query probes one group,
-    so every sink of another group more than `window` before it is one of its set B sink pairs."""
-    riding = [end - start >= RIDE_MIN_ENTRIES for start, end in zip(entries.starts[:-1], entries.starts[1:])]
-    if not any(riding):
-        return [None] * len(riding)
+    key_sink: torch.Tensor, key_groups: torch.Tensor, entries: SortedTokens, num_groups: int
+) -> list[SinkRiders]:
+    """Per segment (sample * K + group) of top-1 query entries: how the sink pairs of its queries ride in its
+    chunks. A top-1 query probes one group, so every sink of another group before it is one of its set B pairs,
+    near or far: the entries after the sample's last sink read all of them in front of their segment's keys (the
+    local part then leaves the sinks out of their window), the few before it leave theirs to set B."""
     kv_len, device = key_groups.shape[1], key_groups.device
     sink_index, sink_used = sink_slots(key_sink)
-    none = torch.full((key_sink.shape[0], 1), -window - 1, device=device)  # no sink: every entry is past it
+    none = torch.full((key_sink.shape[0], 1), -1, device=device)  # no sink: every entry is past it
     last_sink = torch.cat([torch.where(sink_used, sink_index, none), none], dim=1).amax(dim=1)
-    segments = torch.arange(len(riding), device=device)
-    # The first entry of each segment with position > last sink + window: codes are segment * kv + position.
-    thresholds = segments * kv_len + last_sink[segments // num_groups] + window + 1
+    segments = torch.arange(len(entries.starts) - 1, device=device)
+    # The first entry of each segment with position > last sink: codes are segment * kv + position.
+    thresholds = segments * kv_len + last_sink[segments // num_groups] + 1
     splits = torch.searchsorted(entries.code, thresholds).tolist()
     sinks = [
         [(token, group) for token, group, used in zip(*row) if used]
         for row in zip(sink_index.tolist(), key_groups.gather(1, sink_index).tolist(), sink_used.tolist())
     ]
     riders = []
-    for segment, rides in enumerate(riding):
+    for segment in range(len(entries.starts) - 1):
         sample, group = divmod(segment, num_groups)
         tokens = [sample * kv_len + token for token, sink_group in sinks[sample] if sink_group != group]
         first, last = entries.starts[segment], entries.starts[segment + 1]
         split = min(max(splits[segment], first), last)
-        riders.append(SinkRiders(torch.tensor(tokens, device=device) if tokens else None, split) if rides else None)
+        riders.append(SinkRiders(torch.tensor(tokens, device=device) if tokens else None, split))
     return riders

@@ -96,7 +96,7 @@ def cases(draw):
         stream_rows=draw(st.sampled_from([3, 16, 4096])),
         split_min_keys=draw(st.sampled_from([1, 8, 1024])),
         causal_chunk=draw(st.sampled_from([1, 6, 4096])),
-        ride_min_entries=draw(st.sampled_from([0, 3, 512])),
+        lead_max_keys=draw(st.sampled_from([0, 3, 16])),
         direct_gather=draw(st.sampled_from([0, 4096])),
         separate=draw(st.booleans()),
         adaptive=draw(st.booleans()),
@@ -166,7 +166,7 @@ def test_fast_equals_dense_oracle(case):
         mock.patch.object(fast, "STREAM_ROWS", case["stream_rows"]),
         mock.patch.object(partials, "SPLIT_MIN_KEYS", case["split_min_keys"]),
         mock.patch.object(partials, "CAUSAL_CHUNK", case["causal_chunk"]),
-        mock.patch.object(partials, "RIDE_MIN_ENTRIES", case["ride_min_entries"]),
+        mock.patch.object(partials, "LEAD_MAX_KEYS", case["lead_max_keys"]),
         mock.patch.object(fast, "DIRECT_GATHER_MAX", case["direct_gather"]),
         mock.patch.dict(os.environ, crossover),
     ):
@@ -270,27 +270,27 @@ def test_own_group_top_1_runs_unmasked_causal_squares():
 
 
 @pytest.mark.parametrize("separate", [False, True], ids=["own-group", "query-router"])
-def test_sinks_ride_in_top_1_chunks_beyond_the_window(separate):
+def test_sinks_ride_in_top_1_chunks_after_the_last_sink(separate):
     generator = torch.Generator().manual_seed(7)
-    seq, window = 300, 20
+    seq = 300
     groups, key_groups = random_routing(generator, 2, seq, 3, 1, "none", separate=separate)
     query = states(generator, 2, 6, seq, 8, True)
     key, value = (states(generator, 2, 2, seq, 8, True) for _ in range(2))
     valid = torch.ones(2, seq, dtype=torch.bool)
     sink = valid & (torch.arange(seq) < 3)
-    arguments = (query, key, value, valid, groups, key_groups, 3, SCALING, cpu_kernel, sink, window)
+    arguments = (query, key, value, valid, groups, key_groups, 3, SCALING, cpu_kernel, sink)
     with (
         mock.patch.object(partials, "CAUSAL_CHUNK", 16),
         mock.patch.object(partials, "PROBE_CHUNK", 16),
         mock.patch.object(partials, "SPLIT_MIN_KEYS", 40),  # staircase chunks take both of their paths
-        mock.patch.object(partials, "RIDE_MIN_ENTRIES", 32),
     ):
         output, lse, done = partials.probe_part(*arguments)
     positions = torch.arange(seq).expand(2, -1)
-    assert done.any() and not done[positions <= window + 2].any()  # only queries beyond the window after the sinks
-    # Set A with the riding sinks equals set A without them merged with the sink part of the same queries.
+    assert done[positions > 2].all() and not done[positions <= 2].any()  # every query after the last sink
+    # Set A with the riding sinks equals set A without them merged with all the sink pairs of the same queries,
+    # near or far (a window of -1: `local_part` leaves the sinks out of these queries' windows).
     plain, plain_lse, _ = partials.probe_part(*arguments[:9])
-    sinks, sinks_lse = partials.sink_part(query, key, value, groups, key_groups, sink, window, SCALING)
+    sinks, sinks_lse = partials.sink_part(query, key, value, groups, key_groups, sink, -1, SCALING)
     expected, expected_lse = plain.clone(), plain_lse.clone()
     partials.merge_into(expected, expected_lse, sinks, sinks_lse)
     torch.testing.assert_close(output[done], expected[done], atol=ATOL, rtol=0)
