@@ -11,6 +11,7 @@ Reads (whichever exist) under benchmarks/results/:
   model_prefill*.json             `python benchmarks/model_prefill.py --json` rows (SmolLM2 end to end)
   model_decode*.json              `python benchmarks/model_decode.py --json` rows (SmolLM2 generate() after a prompt)
   model_steps*.json               `python benchmarks/model_decode_steps.py --json` rows (decoding steps, in turn)
+  arithmetic_ceiling.json         `python benchmarks/arithmetic_ceiling.py --json` rows (GEMM rate, attention calls)
 and writes speed.md (tables + the commands recorded in the rows) and attention_speedup.png (needs matplotlib:
 `pip install 'focus-hf[bench]'`). Nothing here is measured or typed in by hand: every figure comes from the JSON.
 """
@@ -211,6 +212,28 @@ def decode_section(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def ceiling_section(rows: list[dict[str, Any]]) -> list[str]:
+    first = rows[0]
+    lines = [
+        "## Arithmetic ceiling (how fast this CPU multiplies, and how close attention calls come to it)",
+        "",
+        f"{first['processor']}, {first['threads']} threads, float32, one process; useful GFLOP/s = 4 x head_dim flops "
+        "per visible query-key pair and head (q.k and p.v) / median time. The efficiency targets compare Focus with "
+        "dense SDPA's rate per pair: where dense already runs near the GEMM rate, Focus's short calls (one group's "
+        "queries, the local blocks) cannot run faster per pair than the kernel runs them here.",
+        "",
+        "| call | shape | ms | useful GFLOP/s | of the GEMM rate | ns per pair and head | load avg |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        per_pair = "-" if row["ns_per_pair_head"] is None else f"{row['ns_per_pair_head']:.2f}"
+        lines.append(
+            f"| {row['call']} | {row['shape']} | {row['ms']:.2f} | {row['gflops']:.0f} | "
+            f"**{row['fraction_of_gemm']:.0%}** | {per_pair} | {row['load_avg_1m']:.2f} |"
+        )
+    return lines
+
+
 def model_section(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## Model level: SmolLM2-135M-Instruct prefill, same text for every variant",
@@ -318,6 +341,7 @@ def main() -> int:
         (row for path in RESULTS.glob("model_steps*.json") for row in read(path)),
         key=lambda row: (row["prompt_len"], row["cache"]),
     )
+    ceiling = read(RESULTS / "arithmetic_ceiling.json")
     lines = [
         "# Speed of Focus hard mode on this CPU",
         "",
@@ -328,6 +352,8 @@ def main() -> int:
     if attention:
         plot(own_group, RESULTS / PLOT)
         lines += attention_section(attention, memory) + [""]
+    if ceiling:
+        lines += ceiling_section(ceiling) + [""]
     if auto:
         lines += auto_section(auto) + [""]
     if decode:
@@ -338,7 +364,9 @@ def main() -> int:
         lines += model_decode_section(generation) + [""]
     if steps:
         lines += model_steps_section(steps) + [""]
-    lines += ["## Commands", "", "```"] + commands(attention + memory + auto + decode + model + generation + steps)
+    lines += ["## Commands", "", "```"] + commands(
+        attention + memory + ceiling + auto + decode + model + generation + steps
+    )
     lines += ["```", ""]
     (RESULTS / "speed.md").write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {RESULTS / 'speed.md'}")

@@ -1,4 +1,5 @@
-"""benchmarks/model_decode.py's measuring parts on a tiny model: the token clock, teacher forcing, the comparison."""
+"""The benchmarks' measuring parts on tiny inputs: model_decode.py's token clock, teacher forcing and comparison,
+arithmetic_ceiling.py's pair counts."""
 
 from __future__ import annotations
 
@@ -76,3 +77,15 @@ def test_decoding_steps_in_turn_keep_each_variant_on_its_own_cache(cache):
     # would find its routing behind the cache and raise.
     focus_cache, _ = module.prefilled(model, prompt, "focus", cache, steps=4)
     assert int(focus_cache.get_seq_length()) == 40 + 2
+
+
+def test_arithmetic_ceiling_counts_the_pairs_its_calls_attend():
+    ceiling = load_benchmark("arithmetic_ceiling")
+    generator = torch.Generator().manual_seed(0)
+    _, causal_pairs = ceiling.causal_call(64, generator)
+    assert causal_pairs == ceiling.HEADS * 64 * 65 / 2
+    call, local_pairs = ceiling.local_blocks(128, window=16, block=32, generator=generator)
+    # Each of the 128 queries sees itself and the 16 keys before it (the first block reads keys before the text too).
+    assert local_pairs == ceiling.HEADS * 128 * 17
+    output, lse = call()
+    assert output.shape == (4, ceiling.HEADS, 32, ceiling.DIM) and torch.isfinite(lse).all()
