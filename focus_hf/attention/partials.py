@@ -501,7 +501,7 @@ def probe_part(
         # first entries are sinks themselves) runs as one causal call: as many stand-in query rows in front make
         # the prefix and the square one square, instead of a second call for the prefix alone.
         lead = first_reach + shift - 1 if causal and first_reach + shift - 1 <= LEAD_MAX_KEYS else 0
-        stand_ins = queries.flat[start : start + 1].div(top_k, rounding_mode="floor").expand(lead) if lead else None
+        stand_ins = (queries.flat[start : start + 1] // top_k).expand(lead) if lead else None
         part, part_lse = chunk_attention(
             queries.gather(query, start, end, before=stand_ins),
             segment_keys[:, :, extra - shift :],
