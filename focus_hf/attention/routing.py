@@ -8,7 +8,6 @@ continue the very same computation token by token: the running column sums are c
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,7 +62,11 @@ class RoutingState:
 
 
 def routing_scores(
-    hidden: torch.Tensor, projection: torch.Tensor, centroids: torch.Tensor, temperature: float
+    hidden: torch.Tensor,
+    projection: torch.Tensor,
+    centroids: torch.Tensor,
+    temperature: float,
+    directions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Cosine similarity of each projected token to each centroid, divided by the temperature.
 
@@ -72,15 +75,26 @@ def routing_scores(
         projection: [hidden_size, group_dim] router projection W_g.
         centroids: [num_groups, group_dim].
         temperature: tau.
+        directions: `scaled_directions(centroids, temperature)` where the caller keeps it (inference: it changes
+            only with the centroids); None: computed here.
 
     Returns:
         float32 scores of shape [batch, seq, num_groups].
     """
-    projected = (hidden.to(projection.dtype) @ projection).float()
-    directions = F.normalize(centroids.float(), dim=-1).T
+    projected = hidden.to(projection.dtype) @ projection
+    if projected.dtype != torch.float32:
+        projected = projected.float()
+    if directions is None:
+        directions = scaled_directions(centroids, temperature)
     # cos = (p . c) / |p|: the projection's norm divides the K scores rather than its group_dim coordinates, as
-    # F.normalize would (fewer passes: this runs in every routed layer at every decoding step).
-    return (projected @ directions) / (projected.norm(dim=-1, keepdim=True).clamp_min(1e-12) * temperature)
+    # F.normalize would (fewer operations: this runs in every routed layer at every decoding step).
+    norm = torch.linalg.vector_norm(projected, dim=-1, keepdim=True).clamp_min(1e-12)
+    return (projected @ directions) / norm
+
+
+def scaled_directions(centroids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[group_dim, num_groups] float32: each centroid's unit direction divided by the temperature, as columns."""
+    return (F.normalize(centroids.float(), dim=-1) / temperature).T
 
 
 # Largest |score| for which exp(score) and its prefix sums stay well inside float64's range, so the iteration can
@@ -319,17 +333,23 @@ def defer_tokens(
         query_log_probs = torch.log_softmax(query_scores, dim=-1)
         top_groups = probed_groups(query_log_probs, top_k, probe_mass)
     sink = _sinks(valid, state, sink_tokens)
-    unknown = torch.full((batch, seq), -1, dtype=state.key_groups.dtype, device=hidden.device)
+    key_groups = F.pad(state.key_groups, (0, seq), value=-1)  # the new tokens' groups are unknown (-1) until settled
     tokens = TokenRouting(
-        log_probs=None, top_groups=top_groups, sink=sink, query_log_probs=query_log_probs, own_groups=unknown
+        log_probs=None,
+        top_groups=top_groups,
+        sink=sink,
+        query_log_probs=query_log_probs,
+        own_groups=key_groups[:, -seq:],
     )
     waiting = hidden if state.pending_hidden is None else torch.cat([state.pending_hidden, hidden], dim=1)
     waiting_valid = valid if state.pending_valid is None else torch.cat([state.pending_valid, valid], dim=1)
-    new_state = dataclasses.replace(
-        state,
+    # The constructor rather than dataclasses.replace: this runs in every routed layer at every decoding step.
+    new_state = RoutingState(
         seen=state.seen + seq,
         valid_count=state.valid_count + valid.sum(dim=1),
-        key_groups=torch.cat([state.key_groups, unknown], dim=1),
+        column_lse=state.column_lse,
+        key_probs=state.key_probs,
+        key_groups=key_groups,
         key_sink=torch.cat([state.key_sink, sink], dim=1),
         pending_hidden=waiting,
         pending_valid=waiting_valid,

@@ -19,6 +19,7 @@ from focus_hf.attention.routing import (
     defer_tokens,
     route_tokens,
     routing_scores,
+    scaled_directions,
     settle,
 )
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
@@ -189,6 +190,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.decode_copy = True  # decoding steps read a group-sorted copy of the distant keys (`grouped_keys`)
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
+        self._directions: dict[str, tuple[tuple, torch.Tensor]] = {}  # `_kept_directions`, by adapter
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
 
@@ -273,8 +275,28 @@ class FocusLayer(nn.Module, BaseTunerLayer):
     def router_scores(self, adapter_name: str, hidden: torch.Tensor, query_side: bool) -> torch.Tensor:
         """Scores [batch, seq, K] / tau of the key-side router, or of the query router (`query_side`)."""
         projection = (self.focus_query_proj if query_side else self.focus_proj)[adapter_name]
-        settings = self.focus_settings[adapter_name]
-        return routing_scores(hidden, projection, self.focus_centroids[adapter_name], settings.temperature)
+        centroids = self.focus_centroids[adapter_name]
+        temperature = self.focus_settings[adapter_name].temperature
+        return routing_scores(
+            hidden, projection, centroids, temperature, self._kept_directions(adapter_name, centroids, temperature)
+        )
+
+    def _kept_directions(
+        self, adapter_name: str, centroids: torch.Tensor, temperature: float
+    ) -> Optional[torch.Tensor]:
+        """The centroids' `scaled_directions`, worked out once per state of the centroids (decoding routes one token
+        per layer per step, where their normalisation is half the router's operations); None where autograd must
+        see them computed."""
+        if centroids.requires_grad and torch.is_grad_enabled():
+            return None
+        # In-place updates (optimizer steps, loading) bump the version; `.to()` and replacing the parameter change
+        # its storage or identity.
+        state = (id(centroids), centroids._version, centroids.data_ptr(), centroids.device, temperature)
+        kept = self._directions.get(adapter_name)
+        if kept is None or kept[0] != state:
+            kept = (state, scaled_directions(centroids.detach(), temperature))
+            self._directions[adapter_name] = kept
+        return kept[1]
 
     def route_tokens(
         self,

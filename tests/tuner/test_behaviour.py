@@ -16,6 +16,7 @@ import focus_hf.attention.fast as fast
 import focus_hf.attention.function as function
 import focus_hf.attention.grouped_keys as grouped_keys
 from focus_hf.attention import native
+from focus_hf.tuner.layer import FocusLayer
 
 SEQ = 64
 ATOL = 1e-5
@@ -349,3 +350,31 @@ def test_beam_search_stops_using_the_copies_once_the_cache_reorders():
     focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=False)
     assert torch.equal(beams, model.generate(input_ids=prompt, num_beams=3, **options))
     assert torch.equal(beams, gathered)
+
+
+def test_kept_centroid_directions_follow_the_centroids():
+    # Inference keeps the centroids' normalised directions between calls (`FocusLayer._kept_directions`); an
+    # in-place update (an optimizer step, loading weights) or a replaced parameter must be seen at the next call.
+    model = focus_model("llama")
+    layer = next(module for module in model.modules() if isinstance(module, FocusLayer))
+    hidden = torch.randn(1, 5, layer.focus_proj["default"].shape[0], generator=torch.Generator().manual_seed(0))
+
+    def fresh_scores():
+        centroids = layer.focus_centroids["default"]
+        directions = torch.nn.functional.normalize(centroids.detach().float(), dim=-1).T
+        projected = hidden @ layer.focus_proj["default"].detach()
+        return (
+            (projected @ directions)
+            / projected.norm(dim=-1, keepdim=True)
+            / layer.focus_settings["default"].temperature
+        )
+
+    with torch.no_grad():
+        torch.testing.assert_close(layer.router_scores("default", hidden, query_side=False), fresh_scores())
+        layer.focus_centroids["default"].mul_(-1).add_(0.5)  # in place
+        torch.testing.assert_close(layer.router_scores("default", hidden, query_side=False), fresh_scores())
+        layer.focus_centroids["default"] = torch.nn.Parameter(torch.randn_like(layer.focus_centroids["default"]))
+        torch.testing.assert_close(layer.router_scores("default", hidden, query_side=False), fresh_scores())
+    # With gradients the directions are computed in the graph: the centroids get a gradient.
+    layer.router_scores("default", hidden, query_side=False).sum().backward()
+    assert layer.focus_centroids["default"].grad is not None
