@@ -166,6 +166,11 @@ def test_bitsandbytes_base_loads_adapter_and_runs_hard_mode_exactly(bnb_folder, 
     assert weight == ("Int8Params" if bits == 8 else "Params4bit")
     model.load_adapter(bnb_folder / "adapter")
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in router_items(model).values())
+    # The first layer's attention output (what its o_proj reads): its inputs are the same in every run.
+    attention_outputs = []
+    model.model.layers[0].self_attn.base_layer.o_proj.register_forward_pre_hook(
+        lambda module, args: attention_outputs.append(args[0].clone())
+    )
     with torch.no_grad():
         # Every group probed: the hard pattern is plain causal attention, so the quantized base is unchanged.
         focus_hf.set_routing(model, "hard", top_k=4)
@@ -176,7 +181,10 @@ def test_bitsandbytes_base_loads_adapter_and_runs_hard_mode_exactly(bnb_folder, 
         reference = model(input_ids=ids()).logits
     torch.testing.assert_close(unrestricted, base_logits, atol=1e-4, rtol=0)
     # The fast path on quantized projections equals the dense masked reference of the same pattern.
-    torch.testing.assert_close(fast, reference, atol=1e-4, rtol=0)
+    torch.testing.assert_close(attention_outputs[1], attention_outputs[2], atol=1e-6, rtol=0)
+    # LLM.int8 also rounds every projection's input to int8 per row, so a difference in the last float32 bit of
+    # an attention output can move one input by a rounding step (~1e-2 relative): 8-bit logits agree to ~1e-3.
+    torch.testing.assert_close(fast, reference, atol=1e-4 if bits == 4 else 5e-3, rtol=0)
     assert (fast - base_logits).abs().max() > 1e-3  # and top-1 routing does restrict attention
     out = model.generate(ids()[:, :12], max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 16)

@@ -14,7 +14,56 @@ goes to 0 for same-group pairs and to -inf for the others, i.e. to the hard top-
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+# `pattern_bits` gives each group one bit of an int32, and bit 31 to tokens not routed yet (group -1).
+BITS_MAX_GROUPS = 31
+# `local_bits` keeps bit 30 for the sinks whose pairs another part takes.
+LOCAL_BITS_MAX_GROUPS = 30
+SINK_BIT = 1 << 30
+
+
+def group_bits(groups: torch.Tensor) -> torch.Tensor:
+    """Each group's bit as int32's two's complement (kept int64): group g is bit g, group -1 bit 31."""
+    unsigned = torch.where(groups < 0, 1 << 31, torch.ones_like(groups) << groups.clamp_min(0))
+    return unsigned - (unsigned >= 1 << 31).long() * (1 << 32)
+
+
+def probed_bits(query_groups: torch.Tensor) -> torch.Tensor:
+    """The bits of the groups each query probes [..., q, top_k] -> [..., q] (int64, see `group_bits`)."""
+    bits = group_bits(query_groups[..., 0])
+    for rank in range(1, query_groups.shape[-1]):
+        bits |= group_bits(query_groups[..., rank])
+    return bits
+
+
+def pattern_bits(
+    query_groups: torch.Tensor, key_groups: torch.Tensor, key_sink: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group rule of the pattern as int32 bits (`native.prefill_attention`): query i may see key j from afar iff
+    bits[i] & key_bits[j] is not 0. A key has its group's bit (a sink every bit), a query those of the groups it
+    probes [..., q, top_k]; group -1 (not routed yet) is bit 31, so that such queries and keys see each other as
+    `probes` says. For at most BITS_MAX_GROUPS groups. Returns ([..., q], [..., kv])."""
+    key_bits = torch.where(key_sink, -1, group_bits(key_groups))
+    return probed_bits(query_groups).to(torch.int32), key_bits.to(torch.int32)
+
+
+def local_bits(
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: Optional[torch.Tensor],
+    sinks_done: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bits for the local part (`native.prefill_attention(local=True)`): query i and key j share a bit iff j's group
+    is among i's probed groups, or j is a sink and `sinks_done[i]` (its sink pairs were taken by set A) - exactly
+    the window pairs the local part leaves out. For at most LOCAL_BITS_MAX_GROUPS groups."""
+    query_bits, key_bits = probed_bits(query_groups), group_bits(key_groups)
+    if key_sink is not None and sinks_done is not None:
+        query_bits = query_bits | torch.where(sinks_done, SINK_BIT, 0)
+        key_bits = key_bits | torch.where(key_sink, SINK_BIT, 0)
+    return query_bits.to(torch.int32), key_bits.to(torch.int32)
 
 
 def pair_distance(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import focus_hf.attention.native as native
 from focus_hf.attention.grouped_keys import GroupedKeys
 
-needs_kernel = pytest.mark.skipif(native.decode_kernel() is None, reason="no C compiler to build the kernel with")
+needs_kernel = pytest.mark.skipif(native.native_kernels() is None, reason="no C compiler to build the kernel with")
 
 
 def oracle(query, runs, scale):
@@ -95,7 +95,7 @@ def test_a_grouped_step_equals_the_torch_path(monkeypatch, dtype):
     query = torch.randn(heads, dim, generator=generator).to(dtype)
     outputs = {}
     for enabled in (True, False):
-        monkeypatch.setattr(native, "decode_kernel", native.decode_kernel if enabled else lambda: None)
+        monkeypatch.setattr(native, "native_kernels", native.native_kernels if enabled else lambda: None)
         copy = GroupedKeys(groups)
         assert copy.extend(keys, values, key_groups, sink, None, 560)
         window = (keys[:, 560:], values[:, 560:])
@@ -116,7 +116,7 @@ def test_one_key_appends_equal_the_torch_copy(monkeypatch, dtype):
     sink = torch.arange(400) < 2
     copies = {}
     for enabled in (True, False):
-        monkeypatch.setattr(native, "decode_kernel", native.decode_kernel if enabled else lambda: None)
+        monkeypatch.setattr(native, "native_kernels", native.native_kernels if enabled else lambda: None)
         copy = GroupedKeys(3)
         for upto in [5, *range(6, 400)]:  # a prompt's keys at once, then one at a time
             assert copy.extend(keys, values, key_groups, sink, None, upto)
@@ -160,24 +160,24 @@ def test_calls_it_does_not_take_return_none(change):
 
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(native.NATIVE_ENV, "0")
-    native.decode_kernel.cache_clear()
+    native.native_kernels.cache_clear()
     try:
-        assert native.decode_kernel() is None
+        assert native.native_kernels() is None
         assert native.attend_runs(torch.randn(2, 16), [(torch.randn(1, 3, 16), torch.randn(1, 3, 16))], 0.25) is None
     finally:
         monkeypatch.delenv(native.NATIVE_ENV)
-        native.decode_kernel.cache_clear()
+        native.native_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"], ids=["missing", "failing"])
 def test_no_compiler_or_a_failed_build_falls_back_with_a_message(cc, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("CC", cc)
     monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
-    native.decode_kernel.cache_clear()
+    native.native_kernels.cache_clear()
     try:
-        assert native.decode_kernel() is None
+        assert native.native_kernels() is None
     finally:
-        native.decode_kernel.cache_clear()
+        native.native_kernels.cache_clear()
     message = capsys.readouterr().err
     assert "using torch operations" in message or "no C compiler found" in message
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob(".build-*"))
@@ -193,12 +193,12 @@ def test_a_compiler_refusing_the_native_target_gets_the_default_one(monkeypatch,
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path / "cache"))
-    native.decode_kernel.cache_clear()
+    native.native_kernels.cache_clear()
     try:
         query, keys = torch.randn(4, 32), torch.randn(2, 70, 32)
         output = native.attend_runs(query, [(keys, keys)], 0.2)
     finally:
-        native.decode_kernel.cache_clear()
+        native.native_kernels.cache_clear()
     assert output is not None
     torch.testing.assert_close(output.double(), oracle(query, [(keys, keys)], 0.2), atol=2e-5, rtol=2e-5)
     assert len(list((tmp_path / "cache" / "kernels").glob("*.so"))) == 1
@@ -209,8 +209,8 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     """A library linked with -ffast-math would set flush-to-zero for the whole process on load."""
     code = (
         "import sys, torch\n"
-        "from focus_hf.attention.native import decode_kernel\n"
-        "assert decode_kernel() is not None\n"
+        "from focus_hf.attention.native import native_kernels\n"
+        "assert native_kernels() is not None\n"
         "assert sys.float_info.min / 2 > 0 and float(torch.tensor(1e-40) * 1) > 0\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

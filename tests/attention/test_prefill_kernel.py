@@ -1,0 +1,162 @@
+"""The CPU prefill kernel (`native.prefill_attention`, csrc/prefill.c): many queries over many keys - causal, on a
+staircase or unordered; with the Focus pattern or the fast path's local part evaluated from group bits - against a
+float64 softmax over the pairs the rule allows (`pattern.allowed_pairs`, `pattern.probes`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import focus_hf.attention.native as native
+from focus_hf.attention.backends import cpu_kernel
+from focus_hf.attention.pattern import LOCAL_BITS_MAX_GROUPS, allowed_pairs, local_bits, pattern_bits, probes
+
+needs_kernel = pytest.mark.skipif(native.native_kernels() is None, reason="no C compiler to build the kernel with")
+FLOAT_MIN = torch.finfo(torch.float32).min
+
+
+def float64_attention(query, key, value, visible, scale):
+    """Output [batch, heads, L, dim] and lse [batch, heads, L] of a float64 softmax over `visible` [batch, L, S];
+    rows that see nothing: output 0, lse finfo.min (the kernel's convention)."""
+    sharing = query.shape[1] // key.shape[1]
+    key, value = (tensor.double().repeat_interleave(sharing, 1) for tensor in (key, value))
+    scores = torch.einsum("bhld,bhsd->bhls", query.double(), key) * scale
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    seen = visible.any(dim=-1)[:, None]
+    weights = torch.where(seen[..., None], torch.softmax(scores, dim=-1), 0.0)
+    output = torch.einsum("bhls,bhsd->bhld", weights.nan_to_num(0.0), value)
+    return output, torch.where(seen, lse, FLOAT_MIN)
+
+
+@needs_kernel
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 3),
+    sharing=st.sampled_from([1, 3, 4]),
+    dim=st.sampled_from([16, 32, 48, 64, 128]),
+    keys=st.sampled_from([1, 5, 63, 64, 65, 130, 257]),
+    queries=st.sampled_from(["all", "one", "few", "some"]),
+    order=st.sampled_from(["none", "causal", "staircase"]),
+    rule=st.sampled_from(["none", "pattern", "local"]),
+    num_groups=st.integers(1, 31),
+    top_k=st.integers(1, 3),
+    window=st.integers(0, 160),
+    sinks=st.integers(0, 3),
+    padding=st.sampled_from(["none", "left", "right"]),
+    token_major=st.booleans(),
+    magnitude=st.sampled_from([0.3, 1.0, 4.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_equals_a_float64_softmax_over_the_allowed_pairs(
+    batch, kv_heads, sharing, dim, keys, queries, order, rule, num_groups, top_k, window, sinks, padding,
+    token_major, magnitude, seed,
+):  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    length = {"all": keys, "one": 1, "few": min(keys, 5), "some": max(1, keys - 40)}[queries]
+    first = keys - length
+    heads = kv_heads * sharing
+    if rule == "local":  # the local part of a prefill: causal, and bit 30 marks the sinks taken elsewhere
+        order, num_groups = "causal", min(num_groups, LOCAL_BITS_MAX_GROUPS)
+
+    def states(count, n):
+        if token_major:  # fresh projections: [batch, n, heads, dim] viewed head-major
+            return torch.randn(batch, n, count, dim, generator=generator).transpose(1, 2)
+        return torch.randn(batch, count, n, dim, generator=generator)
+
+    # Large query magnitudes give peaked softmaxes: the running maximum must rescale what came before it.
+    query, key, value = states(heads, length) * magnitude, states(kv_heads, keys), states(kv_heads, keys)
+    key_groups = torch.randint(num_groups, (batch, keys), generator=generator)
+    query_groups = torch.randint(num_groups, (batch, length, min(top_k, num_groups)), generator=generator)
+    key_sink = (torch.arange(keys) < sinks).expand(batch, -1)
+    valid = torch.ones(batch, keys, dtype=torch.bool)
+    if padding == "left":
+        valid[0, : keys // 3] = False
+    elif padding == "right":
+        valid[-1, keys - keys // 3 :] = False
+    query_positions, key_positions = torch.arange(first, keys), torch.arange(keys)
+    visible = valid[:, None, :].expand(batch, length, keys)
+    distance = query_positions[:, None] - key_positions
+    row_end = None
+    if order == "causal":
+        visible = visible & (distance >= 0)
+    elif order == "staircase":
+        row_end = torch.randint(keys + 1, (batch, length), generator=generator).sort(dim=1).values
+        visible = visible & (key_positions < row_end[..., None])
+    query_bits = key_bits = None
+    if rule == "pattern":
+        # allowed_pairs is causal too: for other orders only its group-or-window rule is kept.
+        allowed = allowed_pairs(query_groups, key_groups, key_sink, query_positions, key_positions, window)
+        visible = visible & (allowed | (distance < 0))
+        query_bits, key_bits = pattern_bits(query_groups, key_groups, key_sink)
+    elif rule == "local":
+        sinks_done = torch.rand(batch, length, generator=generator) < 0.5
+        shared = probes(query_groups, key_groups) | (key_sink[:, None, :] & sinks_done[..., None])
+        visible = visible & (distance <= window) & ~shared
+        query_bits, key_bits = local_bits(query_groups, key_groups, key_sink, sinks_done)
+    result = native.prefill_attention(
+        query,
+        key,
+        value,
+        causal=order == "causal",
+        scale=dim**-0.5,
+        first=first,
+        row_end=row_end,
+        query_bits=query_bits,
+        key_bits=key_bits,
+        key_valid=None if padding == "none" else valid,
+        window=window,
+        local=rule == "local",
+    )
+    assert result is not None
+    output, lse = result
+    expected, expected_lse = float64_attention(query, key, value, visible, dim**-0.5)
+    # float32 scores carry a relative error ~1e-7 of |q||k|, which the softmax turns into the output's error.
+    torch.testing.assert_close(output.double(), expected, atol=5e-5 * magnitude, rtol=0)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=5e-5 * magnitude, rtol=1e-6)
+
+
+@needs_kernel
+def test_causal_unmasked_cpu_calls_run_in_the_kernel_and_equal_torch(monkeypatch):
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 6, 300, 64, generator=generator)
+    key, value = (torch.randn(1, 2, 300, 64, generator=generator) for _ in range(2))
+    calls = []
+    real = native.prefill_attention
+    monkeypatch.setattr(
+        "focus_hf.attention.backends.prefill_attention", lambda *a, **k: calls.append(k) or real(*a, **k)
+    )
+    output, lse = cpu_kernel(query, key, value, causal=True, bias=None, scale=0.125)
+    assert len(calls) == 1
+    expected, expected_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, True, scale=0.125
+    )
+    torch.testing.assert_close(output, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, atol=2e-5, rtol=1e-5)
+    cpu_kernel(query, key, value, causal=False, bias=None, scale=0.125)  # torch's kernel is faster there
+    assert len(calls) == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"dim": 40},  # not a multiple of 16
+        {"dim": 144},  # beyond 128
+        {"dtype": torch.bfloat16},  # float32 only
+        {"strided_rows": True},  # rows not contiguous
+        {"grad": True},  # the kernel has no backward
+        {"kv_heads": 4},  # 6 query heads do not share 4 kv heads evenly
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_prefill_calls_it_does_not_take_return_none(change):
+    dim, dtype = change.get("dim", 64), change.get("dtype", torch.float32)
+    query = torch.randn(1, 6, 20, dim).to(dtype).requires_grad_(change.get("grad", False))
+    key = torch.randn(1, change.get("kv_heads", 2), 20, dim).to(dtype)
+    if change.get("strided_rows"):
+        key = torch.randn(1, 2, 20, dim * 2)[..., ::2]
+    assert native.prefill_attention(query, key, key, causal=True, scale=0.1) is None
