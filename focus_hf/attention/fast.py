@@ -34,13 +34,15 @@ Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those querie
 their window and the sinks - and runs one small attention over them (unmasked for one query). A one-query step
 whose layer keeps group-sorted copies of each sample's distant keys (`grouped_keys.GroupedKeys`, kept per KV cache
 by `tuner.layer`) reads its probed groups from the copy and its window from the cache, as slices: no gather (on CPU
-in one call of the C kernel of `native`, where it could be built). Below
-`calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
-one dense masked call: on CPU in float32 the C prefill kernel reads it from per-token group bits
-(`pattern.pattern_bits`) as it goes, 1.0-1.5x the speed of unmasked dense SDPA at 256-2K tokens; elsewhere its bias
-is built by `pattern.pattern_bias` (the kernel's causal flag hiding the future keys of square calls); so does every backend when the model's mask is more than causal + padding (sliding-window layers),
-since the fast paths read only the key padding from it. When every query probes all K groups, the pattern is causal
-attention, and one causal SDPA call runs it.
+in one call of the C kernel of `native`, where it could be built).
+
+Below `calibration.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the
+pattern as one dense masked call; so does every backend when the model's mask is more than causal + padding
+(sliding-window layers), since the fast paths read only the key padding from it. On CPU in float32 (and a mask of
+no more than causal + padding) the C prefill kernel reads the pattern from per-token group bits
+(`pattern.pattern_bits`) as it goes, 1.0-1.5x the speed of unmasked dense SDPA at 256-2K tokens; elsewhere its
+bias is built by `pattern.pattern_bias` (the kernel's causal flag hiding the future keys of square calls). When
+every query probes all K groups, the pattern is causal attention, and one causal call runs it.
 
 Forward only: the attention kernels' backward ignores the gradient of the log-sum-exp they return, which the
 merge depends on, so `attention.focus_attention_forward` sends calls that need gradients to the reference path.
@@ -396,8 +398,14 @@ def fast_hard_attention(
     arguments = (query_groups, key_groups, key_sink, window, scaling, kernel)
     q_len, kv_len = query.shape[2], key.shape[2]
     if model_mask is None and q_len in (1, kv_len) and probes_every_group(query_groups, num_groups):
-        # Every key's group is probed: the pattern is plain causal attention.
-        output = F.scaled_dot_product_attention(query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=True)
+        # Every key's group is probed: the pattern is plain causal attention (on CPU the kernel's, which takes short
+        # causal calls in the C kernel of `native`).
+        if query.device.type == "cpu" and q_len > 1:
+            output, _ = kernel(query, key, value, causal=True, bias=None, scale=scaling)
+        else:
+            output = F.scaled_dot_product_attention(
+                query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=True
+            )
         return output.transpose(1, 2).contiguous()
     decode = q_len <= DECODE_MAX_QUERIES and q_len < kv_len
     short = backend == "auto" and kv_len < dense_below(

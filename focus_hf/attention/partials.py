@@ -159,17 +159,20 @@ def local_part(
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
     if query.device.type == "cpu" and q_len and int(query_groups.max()) < LOCAL_BITS_MAX_GROUPS > int(key_groups.max()):
-        query_bits, key_bits = local_bits(query_groups, key_groups, key_sink, sinks_done)
+        # Only the keys from the first query's window on (the kernel copies every key it is given).
+        lo = max(first_query - window, 0)
+        sinks = None if key_sink is None else key_sink[:, lo:]
+        query_bits, key_bits = local_bits(query_groups, key_groups[:, lo:], sinks, sinks_done)
         computed = prefill_attention(
             query,
-            key,
-            value,
+            key[:, :, lo:],
+            value[:, :, lo:],
             causal=True,
             scale=scaling,
-            first=first_query,
+            first=first_query - lo,
             query_bits=query_bits,
             key_bits=key_bits,
-            key_valid=key_valid,
+            key_valid=None if key_valid is None else key_valid[:, lo:],
             window=window,
             local=True,
         )

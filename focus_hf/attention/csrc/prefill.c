@@ -187,7 +187,8 @@ static inline __attribute__((always_inline)) void task(const float* q, int64_t q
     int64_t key_end = S;
     if (rule->row_end) {
         key_end = 0;
-        for (int64_t r = start; r < start + rows; ++r) key_end = rule->row_end[r] > key_end ? rule->row_end[r] : key_end;
+        for (int64_t r = start; r < start + rows; ++r)
+            key_end = rule->row_end[r] > key_end ? rule->row_end[r] : key_end;
         key_end = key_end < S ? key_end : S;
     } else if (rule->causal) {
         const int64_t reach = rule->first + start + rows;
