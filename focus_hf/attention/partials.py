@@ -158,7 +158,8 @@ def local_part(
     batch, heads, q_len, dim = query.shape
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
-    if query.device.type == "cpu" and q_len and int(query_groups.max()) < LOCAL_BITS_MAX_GROUPS > int(key_groups.max()):
+    on_cpu = query.device.type == "cpu" and q_len > 0
+    if on_cpu and max(int(query_groups.max()), int(key_groups.max())) < LOCAL_BITS_MAX_GROUPS:
         # Only the keys from the first query's window on (the kernel copies every key it is given).
         lo = max(first_query - window, 0)
         sinks = None if key_sink is None else key_sink[:, lo:]

@@ -138,6 +138,9 @@ def test_causal_unmasked_cpu_calls_run_in_the_kernel_and_equal_torch(monkeypatch
     torch.testing.assert_close(lse, expected_lse, atol=2e-5, rtol=1e-5)
     cpu_kernel(query, key, value, causal=False, bias=None, scale=0.125)  # torch's kernel is faster there
     assert len(calls) == 1
+    monkeypatch.setattr("focus_hf.attention.backends.NATIVE_CAUSAL_MAX_KEYS", 299)  # and on long causal calls
+    cpu_kernel(query, key, value, causal=True, bias=None, scale=0.125)
+    assert len(calls) == 1
 
 
 @needs_kernel
