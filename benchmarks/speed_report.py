@@ -128,7 +128,8 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
         "Efficiency: speedup / ideal, the ideal being causal pairs / allowed pairs (a kernel as fast per pair as dense "
         "SDPA's that computes only the allowed pairs). Routing: queries probe their own key group first (own "
         "group; set A's chunks are causal squares and need no mask) or the groups a separate query projection picks "
-        "(query router, as in adapters trained with `query_projection=True`; set A's chunks are masked staircases).",
+        "(query router, as in adapters trained with `query_projection=True`; set A's chunks are staircases, which the "
+        "C prefill kernel reads from each entry's reach on CPU in float32 and torch's kernel takes as a mask elsewhere).",
     ]
     if memory:
         lines += [
@@ -171,8 +172,9 @@ def auto_section(rows: list[dict[str, Any]], floor: float = 0.95) -> list[str]:
         f"w={first['window']}, {first['sinks']} sinks, {first['heads']}x{first['head_dim']} heads / {first['kv_heads']} kv, "
         f"{first['dtype']}, {first['processor']}, {first['threads']} threads; each cell is Focus's median time "
         "against dense's in the same loop. `auto` runs the exact pattern as one dense masked call below its measured "
-        "crossover (`dense_below`, last column) and the sparse path above; with every group probed it runs plain "
-        f"causal SDPA. {held} of {len(rows)} cells reach {floor:.2f}x.",
+        "crossover (`dense_below`, last column; on CPU in float32 the C prefill kernel, reading the pattern from group "
+        "bits) and the sparse path above; with every group probed it runs one plain causal call. "
+        f"{held} of {len(rows)} cells reach {floor:.2f}x.",
         "",
         "| K | top_k | " + " | ".join(f"{n:,}" for n in lengths) + " | dense_below |",
         "|---|---|" + "---|" * (len(lengths) + 1),
