@@ -290,6 +290,12 @@ def grouped_decode(
     return torch.stack(outputs).unsqueeze(1)
 
 
+def padding_keys(model_mask: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+    """Bool [batch, kv]: the real keys of a causal + padding mask [batch or 1, 1, q, kv] (None: no mask). The last
+    query follows every key, so its row hides exactly the padding keys."""
+    return None if model_mask is None else model_mask[:, 0, -1, :].expand(batch, -1)
+
+
 def masked_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -321,7 +327,7 @@ def masked_attention(
             first=kv_len - q_len,
             query_bits=query_bits,
             key_bits=key_bits,
-            key_valid=None if model_mask is None else model_mask[:, 0, -1, :].expand(query.shape[0], -1),
+            key_valid=padding_keys(model_mask, query.shape[0]),
             window=window,
         )
         if computed is not None:
@@ -413,8 +419,7 @@ def fast_hard_attention(
     )
     if short or (model_mask is not None and not mask_is_padding):
         return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
-    # The last query follows every key, so its row of a causal + padding mask hides exactly the padding keys.
-    key_valid = None if model_mask is None else model_mask[:, 0, -1, :].expand(query.shape[0], -1)
+    key_valid = padding_keys(model_mask, query.shape[0])
     if decode:
         return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
     return sparse_attention(
