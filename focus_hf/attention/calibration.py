@@ -46,8 +46,9 @@ CACHE_FILE = "crossover.json"
 # timed three times each; 13: a decoding step's window rides behind its first group's keys, one call; 14: a float32
 # CPU decoding step runs in the C kernel of `native`; 15: its long calls run on torch's OpenMP threads; 16: at top_k
 # = 1 every segment's chunks read the sinks, no separate sink pass; 17: float32 CPU calls run the C prefill kernel
-# - the dense masked call with the pattern read from group bits, causal squares, staircases and the local part).
-CACHE_VERSION = 17
+# - the dense masked call with the pattern read from group bits, causal squares, staircases and the local part;
+# 18: set A runs in one call of the C kernel, blocks of 128 keys).
+CACHE_VERSION = 18
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]

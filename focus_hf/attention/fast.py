@@ -22,9 +22,11 @@ their block and the block itself, as overlapping strided views of the keys, unde
 and the pairs with sinks farther than the window that did not ride in A (top_k > 1, and the few queries before the
 last sink), a handful of keys done with two small matmuls.
 
-On CPU in float32 the C prefill kernel of `native` runs the causal squares, the staircases (from each entry's
-reach, skipping the key blocks past a query block's last) and the local part (its rule read from group bits), where
-torch's kernel would need a mask; the unmasked folded calls stay with torch's kernel, faster per pair there.
+On CPU in float32 the C prefill kernel of `native` runs all of A in one call (`partials.segments_in_kernel`): it
+reads each segment's keys where they lie through their token indices (no gathered copy), gives each entry its
+reach (skipping the key blocks past a query block's last) and folds each entry into its query's row of the output
+as it finishes - no chunks, calls or merges in torch. It runs the local part too (its rule read from group bits),
+folded into the same output.
 
 The partial results of a query (A, local, sinks) are merged exactly by log-sum-exp. Hidden keys carry finfo.min
 rather than -inf, so a partial without visible keys has a log-sum-exp near finfo.min, gets weight 0 in the merge
@@ -48,9 +50,10 @@ Forward only: the attention kernels' backward ignores the gradient of the log-su
 merge depends on, so `attention.focus_attention_forward` sends calls that need gradients to the reference path.
 
 Costs (n tokens, K groups, window w, top-k probes): A ~ k n^2 / 2K (+ n PROBE_CHUNK / 2 on the staircases),
-B ~ n (w + partials.LOCAL_BLOCK); memory: the float32 output and log-sum-exp, one segment's keys and one block of
-STREAM_ROWS queries' partial results. A decoding step reads ~ k n / K + w keys; the group-sorted copy it reads them
-from holds the routed heads' distant keys and values a second time (off with `set_routing(decode_copy=False)`).
+B ~ n (w + partials.LOCAL_BLOCK); memory: the float32 output and log-sum-exp, one segment's keys (on CPU one slab
+of them, `native.SEGMENT_SLAB_KEYS`) and one block of STREAM_ROWS queries' partial results. A decoding step reads
+~ k n / K + w keys; the group-sorted copy it reads them from holds the routed heads' distant keys and values a
+second time (off with `set_routing(decode_copy=False)`).
 """
 
 from __future__ import annotations
@@ -150,8 +153,10 @@ def sparse_attention(
             kernel,
             key_sink[:, :keys_end],
             None if sinks_done is None else sinks_done[:, start:end],
+            into=(output[:, start:end], lse[:, start:end]),
         )
-        merge_into(output[:, start:end], lse[:, start:end], *local)
+        if local is not None:  # else the kernel folded it in
+            merge_into(output[:, start:end], lse[:, start:end], *local)
         del local
     return output.to(query.dtype)
 

@@ -6,12 +6,14 @@ next to the group's keys, the attention call, the output's reshapes), as much as
 lie; calls over many keys split them among torch's OpenMP threads. `prefill_attention` runs many queries over many
 keys with the Focus pattern evaluated from per-token group bits as it goes (no n x n mask is built or read):
 with the pattern, 1.05-1.5x the speed of torch's unmasked causal kernel at 256-2K tokens, where torch's kernel
-with the pattern as a bias runs 0.8-0.9x of it. Its gain is causality in blocks of 64 keys (torch's CPU kernel
-skips the hidden half in blocks of several hundred); per visible pair it runs ~0.9x of torch's speed, so it
-serves causal calls only. The library is built once per machine (`cc -O3
--march=native`, well under a second; without `-march=native` where the compiler refuses it, without `-fopenmp` where
-torch does not run GNU OpenMP) into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no build
-step at install, no dependency.
+with the pattern as a bias runs 0.8-0.9x of it. Per visible pair it runs at 1.0-1.1x of torch's kernel on long
+non-causal calls (float32 on 2 AVX-512 cores: ~155-165 GFLOP/s for both), and it gains more from skipping
+hidden pairs in blocks of 128 keys (torch's CPU kernel skips in blocks of several hundred). `prefill_segments`
+runs set A of the fast path in one call, its keys read where they lie through their token indices.
+
+The library is built once per machine (`cc -O3 -march=native`, well under a second; without `-march=native` where
+the compiler refuses it, without `-fopenmp` where torch does not run GNU OpenMP) into `<cache>/kernels/`
+(`aliases.default_cache_dir`) and loaded with ctypes: no build step at install, no dependency.
 
 Where it cannot run - no C compiler (`$CC`, else `cc`, `gcc` or `clang` on the PATH), a failed build, a dtype other
 than float32, bfloat16 and float16 (float32 only for `prefill_attention`), a head shape it does not take - the
@@ -49,8 +51,13 @@ LINK_FLAGS = ("-shared",)
 # then split into what the target has); each with OpenMP first where torch runs on GNU OpenMP (`openmp_flags`).
 TARGETS = (("-march=native",), ())
 BUILD_TIMEOUT_S = 120
+# Keys of a segment that `prefill_segments` packs at once (each slab's entries are folded into their rows before the
+# next): the packed copy stays at 1.5 MiB for 3 kv heads of 64 dims however long the segment, and in the cores'
+# caches (K=8 top-1 at 64K tokens, segments of 8K keys, alternating: slabs of 256 / 512 / 1K / 2K / 4K / 8K keys
+# 5.10 / 4.61 / 4.36 / 4.34 / 4.78 / 5.30 s).
+SEGMENT_SLAB_KEYS = 2048
 # csrc/prefill.c's key block: its per-key arrays are padded to a multiple of it, so that blocks read whole vectors.
-PREFILL_KEY_BLOCK = 64
+PREFILL_KEY_BLOCK = 128
 # The kernel's element types (csrc/decode.c): each call reads and writes one of them, accumulating in float32.
 ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -76,11 +83,27 @@ class NativeKernels:
         self.prefill_supports.argtypes = [size, size, size]
         self.prefill_supports.restype = ctypes.c_int
         self.prefill = library.focus_prefill
-        # q, k, v, out, lse, B, H, KH, L, S, dim, 4 stride triples, row ends, query bits, key bits, key valid, window,
-        # first, causal, local, scale
+        # q, k, v, out, lse, B, H, KH, L, S, dim, 5 stride triples, row ends, query bits, key bits, key valid, window,
+        # first, causal, local, merge, scale
         flag = ctypes.c_int
-        self.prefill.argtypes = [*[pointer] * 5, *[size] * 6, *[pointer] * 8, size, size, flag, flag, ctypes.c_float]
+        self.prefill.argtypes = [
+            *[pointer] * 5,
+            *[size] * 6,
+            *[pointer] * 9,
+            size,
+            size,
+            flag,
+            flag,
+            flag,
+            ctypes.c_float,
+        ]
         self.prefill.restype = ctypes.c_int
+        self.prefill_segments = library.focus_prefill_segments
+        # q, k, v, out, lse, H, KH, dim, 3 stride triples, q tokens, kv tokens, segments, entry starts, key starts,
+        # entry query, key token, row begin, row end, slab keys, scale
+        self.prefill_segments.argtypes = [*[pointer] * 5, *[size] * 3, *[pointer] * 3, *[size] * 3, *[pointer] * 6]
+        self.prefill_segments.argtypes += [size, ctypes.c_float]
+        self.prefill_segments.restype = ctypes.c_int
         self.copy_row.restype = None
 
 
@@ -263,6 +286,39 @@ def copy_row(
     return True
 
 
+def prefill_kernels(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *into: torch.Tensor
+) -> Optional[NativeKernels]:
+    """The kernels, where a prefill call of these tensors can run in them (see `prefill_attention`); else None."""
+    kernels = native_kernels()
+    heads, dim = query.shape[1], query.shape[3]
+    if (
+        kernels is None
+        or query.device.type != "cpu"
+        or any(
+            tensor.dtype != torch.float32 or tensor.stride(-1) != 1 or tensor.requires_grad
+            for tensor in (query, key, value)
+        )
+        or any(tensor.dtype != torch.float32 or tensor.device.type != "cpu" for tensor in into)
+        or key.shape != value.shape
+        or not kernels.prefill_supports(heads, key.shape[1], dim)
+        or (not kernels.threaded and torch.get_num_threads() > 1)  # one thread against torch's several
+        or query.shape[2] == 0
+        or key.shape[2] == 0
+    ):
+        return None
+    return kernels
+
+
+def strides(tensor: torch.Tensor) -> ctypes.Array:
+    """A tensor's first three strides, for the kernel's {batch, head, row} stride arguments."""
+    return (ctypes.c_int64 * 3)(*tensor.stride()[:3])
+
+
+def address(tensor: Optional[torch.Tensor]) -> Optional[int]:
+    return None if tensor is None else tensor.data_ptr()
+
+
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -277,6 +333,7 @@ def prefill_attention(
     key_valid: Optional[torch.Tensor] = None,
     window: int = 0,
     local: bool = False,
+    into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Queries [batch, heads, L, dim] over keys/values [batch, kv_heads, S, dim] (float32, GQA as in transformers)
     in one call of the C kernel: output [batch, heads, L, dim] (laid out [batch, L, heads, dim], as torch's CPU kernel
@@ -288,23 +345,14 @@ def prefill_attention(
     [batch, S] (int32, `pattern.pattern_bits`; None: no pattern), first + r - j <= window or the two share a bit.
     With `local` (bits required, `pattern.local_bits`): first + r - j <= window and the two share no bit - the
     local part of the fast path, reading only the keys of each query block's window.
-    A row that sees no key comes out 0 with lse finfo.min."""
-    kernels = native_kernels()
+    A row that sees no key comes out 0 with lse finfo.min. With `into` (float32 output [batch, heads, L, dim] and
+    lse [batch, heads, L], any strides, holding a partial result over other keys; lse finfo.min where none), each
+    row's result is folded into them by log-sum-exp instead, and they are returned."""
+    kernels = prefill_kernels(query, key, value, *(into or ()))
+    if kernels is None or (local and query_bits is None):
+        return None
     batch, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
-    tensors = (query, key, value)
-    if (
-        kernels is None
-        or query.device.type != "cpu"
-        or any(tensor.dtype != torch.float32 or tensor.stride(-1) != 1 or tensor.requires_grad for tensor in tensors)
-        or key.shape != value.shape
-        or not kernels.prefill_supports(heads, kv_heads, dim)
-        or (not kernels.threaded and torch.get_num_threads() > 1)  # one thread against torch's several
-        or length == 0
-        or keys == 0
-        or (local and query_bits is None)
-    ):
-        return None
     padding = -keys % PREFILL_KEY_BLOCK
 
     def per_key(flags: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -314,12 +362,10 @@ def prefill_attention(
     ends = None if row_end is None else row_end.to(torch.int32).contiguous()
     key_bits = per_key(key_bits)
     real = None if key_valid is None else per_key(-key_valid.to(torch.int32))  # -1: real, 0: padding
-    output = query.new_empty(batch, length, heads, dim).transpose(1, 2)
-    lse = query.new_empty(batch, heads, length)
-
-    def strides(tensor: torch.Tensor) -> ctypes.Array:
-        return (ctypes.c_int64 * 3)(*tensor.stride()[:3])
-
+    if into is None:
+        output, lse = query.new_empty(batch, length, heads, dim).transpose(1, 2), query.new_empty(batch, heads, length)
+    else:
+        output, lse = into
     status = kernels.prefill(
         query.data_ptr(),
         key.data_ptr(),
@@ -336,14 +382,64 @@ def prefill_attention(
         strides(key),
         strides(value),
         strides(output),
-        None if ends is None else ends.data_ptr(),
-        None if bits is None else bits.data_ptr(),
-        None if key_bits is None else key_bits.data_ptr(),
-        None if real is None else real.data_ptr(),
+        strides(lse),
+        address(ends),
+        address(bits),
+        address(key_bits),
+        address(real),
         window,
         first,
         int(causal),
         int(local),
+        int(into is not None),
         scale,
     )
     return (output, lse) if status == 0 else None
+
+
+def prefill_segments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    entry_starts: torch.Tensor,
+    key_starts: torch.Tensor,
+    entry_query: torch.Tensor,
+    key_token: torch.Tensor,
+    row_begin: torch.Tensor,
+    row_end: torch.Tensor,
+    scale: float,
+) -> bool:
+    """Set A of the fast path (`partials.probe_part`) in one call of the C kernel, folded into `output`
+    [batch * q, heads, dim] and `lse` [batch * q, heads] (float32, contiguous; lse finfo.min where a row holds
+    nothing yet). Query entries and keys come sorted into segments: segment s holds entries entry_starts[s] ..
+    entry_starts[s + 1] - 1 and keys key_starts[s] .. key_starts[s + 1] - 1; entry e is query row entry_query[e]
+    (sample * q + token of query [batch, heads, q, dim]) and sees its segment's keys row_begin[e] .. row_end[e] - 1;
+    key i is key_token[i] (sample * kv + token of key/value [batch, kv_heads, kv, dim]). A query's entries must lie
+    in distinct segments. False (nothing written) where the kernel cannot take the call."""
+    kernels = prefill_kernels(query, key, value, output, lse)
+    if kernels is None or not (output.is_contiguous() and lse.is_contiguous()):
+        return False
+    longs = [tensor.to(torch.int64).contiguous() for tensor in (entry_starts, key_starts, entry_query, key_token)]
+    ints = [tensor.to(torch.int32).contiguous() for tensor in (row_begin, row_end)]
+    status = kernels.prefill_segments(
+        query.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        output.data_ptr(),
+        lse.data_ptr(),
+        query.shape[1],
+        key.shape[1],
+        query.shape[3],
+        strides(query),
+        strides(key),
+        strides(value),
+        query.shape[2],
+        key.shape[2],
+        len(entry_starts) - 1,
+        *(tensor.data_ptr() for tensor in longs + ints),
+        SEGMENT_SLAB_KEYS,
+        scale,
+    )
+    return status == 0

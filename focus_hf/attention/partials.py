@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import Kernel
-from focus_hf.attention.native import prefill_attention
+from focus_hf.attention.native import prefill_attention, prefill_segments
 from focus_hf.attention.pattern import LOCAL_BITS_MAX_GROUPS, local_bits, pair_distance, probes
 
 # Queries per block of the local part. Each query reads LOCAL_BLOCK + window keys, so smaller blocks waste less,
@@ -144,16 +144,18 @@ def local_part(
     kernel: Kernel,
     key_sink: Optional[torch.Tensor] = None,
     sinks_done: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Set B's local pairs: output [batch, q, heads, dim] and lse [batch, q, heads] over the keys at most `window`
     before each query whose group the query does not probe - and that are not sinks (`key_sink` [batch, kv]) for
     the queries that `sinks_done` [batch, q] marks (their sink pairs rode in set A, `probe_part`).
 
     On CPU in float32 the C kernel of `native` takes the whole part in one call, the rule evaluated from group bits
     (`pattern.local_bits`) as it goes, with no mask to build (the sparse path, K=8 top-1 at 4K tokens, alternating
-    in one process: 63.4 -> 60.1 ms). Elsewhere queries go in blocks of LOCAL_BLOCK; block t reads the keys from
-    `window` before its first query to its last, as overlapping strided views of the keys (no per-block copies),
-    under a mask built here.
+    in one process: 63.4 -> 60.1 ms), and folds it straight into `into` (float32 output [batch, q, heads, dim] and
+    lse [batch, q, heads] of the other parts), if given: it then returns None. Elsewhere queries go in blocks of
+    LOCAL_BLOCK; block t reads the keys from `window` before its first query to its last, as overlapping strided
+    views of the keys (no per-block copies), under a mask built here.
     """
     batch, heads, q_len, dim = query.shape
     kv_len, device = key.shape[2], query.device
@@ -176,9 +178,10 @@ def local_part(
             key_valid=None if key_valid is None else key_valid[:, lo:],
             window=window,
             local=True,
+            into=None if into is None else (into[0].transpose(1, 2), into[1].transpose(1, 2)),
         )
         if computed is not None:
-            return computed[0].transpose(1, 2), computed[1].transpose(1, 2)
+            return None if into is not None else (computed[0].transpose(1, 2), computed[1].transpose(1, 2))
     blocks = -(-q_len // LOCAL_BLOCK)
     span = blocks * LOCAL_BLOCK
     size = LOCAL_BLOCK + window
@@ -321,18 +324,19 @@ class SortedTokens:
         """Sort the included entries of `groups` [batch, n, m] (`include`: [batch, n] per token or [batch, n, m]
         per entry); the tokens' kv positions start at `first_position`."""
         batch, n, m = groups.shape
-        device = groups.device
-        segment = torch.arange(batch, device=device)[:, None, None] * num_groups + groups
-        position = first_position + torch.arange(n, device=device)[None, :, None]
-        code = segment * kv_len + position
         if include.dim() == 2:
             include = include[..., None].expand(-1, -1, m)
+        # Only the included entries' segments are built and sorted (stably, so each stays in position order): a
+        # sort of segment ids rather than of full codes holds fewer n-long temporaries (peak memory at 128K tokens).
         flat = include.flatten().nonzero().squeeze(1)
-        code = code.flatten()[flat]
-        order = code.argsort()
-        counts = torch.bincount(segment.flatten()[flat], minlength=batch * num_groups)
+        segment = groups.flatten()[flat].add_(flat // (n * m) * num_groups)
+        segment, order = segment.sort(stable=True)
+        flat = flat[order]
+        del order
+        counts = torch.bincount(segment, minlength=batch * num_groups)
         starts = [0] + counts.cumsum(0).tolist()
-        return cls(flat[order], code[order], starts, m)
+        code = segment.mul_(kv_len).add_(flat // m % n + first_position)
+        return cls(flat, code, starts, m)
 
     def gather(
         self, states: torch.Tensor, start: int = 0, end: Optional[int] = None, before: Optional[torch.Tensor] = None
@@ -471,6 +475,10 @@ def probe_part(
     sinks out of their window), at the cost of a few more keys per call instead of a separate pass over every query
     (`sink_part`, memory-bound: 12 of 69 ms at 4K tokens, CPU, K=8 top-1).
 
+    On CPU in float32 all of this is one call of the C kernel (`segments_in_kernel`): the chunks, gathers and merges
+    below are the path of other devices and dtypes (K=8, 4K / 16K tokens, alternating in one process: top-1 52 -> 42
+    ms / 380 -> 334 ms, top-2 81 -> 66 ms / 813 -> 591 ms).
+
     Args:
         probe_groups: [batch, q, top_k] the groups each query probes (the queries are the last q keys): distinct,
             except that a slot repeating the first group is not probed (`routing.probed_groups`).
@@ -497,10 +505,16 @@ def probe_part(
     segment_start = torch.tensor(keys.starts[:-1], device=device)
     reach = torch.searchsorted(keys.code, queries.code, right=True)
     reach -= segment_start[queries.code // kv_len]
-    consecutive = consecutive_segments(reach, queries.starts)
     riders: list[Optional[SinkRiders]] = [None] * (batch * num_groups)
     if top_k == 1 and key_sink is not None:
         riders = sink_riders(key_sink, key_groups, queries, num_groups)
+    output = query.new_zeros(batch * q_len, heads, dim, dtype=torch.float32)
+    lse = query.new_full((batch * q_len, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
+    sinks_done = torch.zeros(batch * q_len, dtype=torch.bool, device=device)
+    if segments_in_kernel(query, key, value, keys, queries, reach, riders, scaling, output, lse, sinks_done):
+        done = None if all(rider is None for rider in riders) else sinks_done.view(batch, q_len)
+        return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads), done
+    consecutive = consecutive_segments(reach, queries.starts)
     chunks = []  # (segment, first entry, end, consecutive, sinks ride)
     for segment, causal in enumerate(consecutive):
         first, last = queries.starts[segment], queries.starts[segment + 1]
@@ -517,9 +531,6 @@ def probe_part(
     # query's earlier segments left. Rows without keys (padding queries, queries before their segment's first key)
     # keep an empty set. Queries are gathered per chunk and keys per segment, so that no sorted copy of all queries,
     # keys or results is held at once (memory).
-    output = query.new_zeros(batch * q_len, heads, dim, dtype=torch.float32)
-    lse = query.new_full((batch * q_len, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
-    sinks_done = torch.zeros(batch * q_len, dtype=torch.bool, device=device)
     keys_of = None
     for (segment, start, end, causal, ride), (first_reach, last_reach) in zip(chunks, chunk_reach):
         if last_reach == 0:  # no key of this segment is old enough yet: an empty set
@@ -561,6 +572,60 @@ def probe_part(
         lse.index_copy_(0, rows, part_lse)
     done = None if all(rider is None for rider in riders) else sinks_done.view(batch, q_len)
     return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads), done
+
+
+def segments_in_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    keys: SortedTokens,
+    queries: SortedTokens,
+    reach: torch.Tensor,
+    riders: list[Optional["SinkRiders"]],
+    scaling: float,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    sinks_done: torch.Tensor,
+) -> bool:
+    """`probe_part`'s sets in one call of the C kernel (`native.prefill_segments`), folded into `output` and `lse`
+    ([batch * q, heads, dim] / [batch * q, heads]) and the queries whose sinks rode marked in `sinks_done`: each
+    segment's keys (its riding sinks in front) are read where they lie through their token indices and each entry
+    sees its reach, so nothing is gathered, chunked or merged in torch. False (nothing written) where the kernel
+    cannot take the call."""
+    segments = len(queries.starts) - 1
+    extra = [0 if rider is None or rider.tokens is None else len(rider.tokens) for rider in riders]
+    pieces = []
+    for segment, rider in enumerate(riders):
+        if extra[segment]:
+            pieces.append(rider.tokens)
+        pieces.append(keys.flat[keys.starts[segment] : keys.starts[segment + 1]])
+    key_token = torch.cat(pieces)
+    key_counts = torch.tensor(keys.starts, dtype=torch.long).diff() + torch.tensor(extra, dtype=torch.long)
+    key_starts = torch.cat([key_counts.new_zeros(1), key_counts.cumsum(0)])
+    entry_starts = torch.tensor(queries.starts, dtype=torch.long)
+    entry_segment = torch.repeat_interleave(torch.arange(segments), entry_starts.diff()).to(reach.device)
+    entry_extra = torch.tensor(extra, dtype=torch.long, device=reach.device)[entry_segment]
+    # Entries from their segment's split on read the riding sinks in front of its keys; the others start after them.
+    split = [entry_starts[segment + 1] if rider is None else rider.split for segment, rider in enumerate(riders)]
+    rides = torch.arange(len(reach), device=reach.device) >= torch.tensor(split, device=reach.device)[entry_segment]
+    entry_query = queries.flat // queries.entries
+    done = prefill_segments(
+        query,
+        key,
+        value,
+        output,
+        lse,
+        entry_starts,
+        key_starts,
+        entry_query,
+        key_token,
+        torch.where(rides, 0, entry_extra),
+        reach + entry_extra,
+        scaling,
+    )
+    if done:
+        sinks_done[entry_query[rides]] = True
+    return done
 
 
 @dataclass

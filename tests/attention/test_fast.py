@@ -16,6 +16,7 @@ from tiny_models import VOCAB, tiny_model
 
 import focus_hf
 import focus_hf.attention.fast as fast
+import focus_hf.attention.native as native
 import focus_hf.attention.partials as partials
 import focus_hf.attention.pattern as pattern
 from focus_hf.attention.backends import BackendUnavailableError, cpu_kernel, flash_attn_function
@@ -269,13 +270,58 @@ def test_own_group_top_1_runs_unmasked_causal_squares():
     torch.testing.assert_close(lse, staircase_lse, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("slab_keys", [4096, 3])  # 3: a segment's keys packed in many slabs
+@pytest.mark.parametrize("dim", [16, 64])
+@pytest.mark.parametrize(
+    "top_k, separate, adaptive, side, sinks",
+    [
+        (1, False, False, "none", 4),
+        (1, True, False, "left", 2),
+        (2, False, True, "right", 3),
+        (3, True, False, "left", 0),
+        (2, True, True, "none", 1),
+    ],
+)
+def test_set_a_in_one_kernel_call_equals_the_chunked_torch_path(top_k, separate, adaptive, side, sinks, dim, slab_keys):
+    generator = torch.Generator().manual_seed(11 + top_k)
+    batch, seq, num_groups = 2, 230, 4
+    probe_groups, key_groups = random_routing(
+        generator, batch, seq, num_groups, top_k, "some", separate=separate, adaptive=adaptive
+    )
+    query = states(generator, batch, 6, seq, dim, True)
+    key, value = (states(generator, batch, 2, seq, dim, False) for _ in range(2))  # head-major: strided rows
+    valid = padding(batch, seq, side, 37)
+    sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
+    arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
+    calls, in_kernel = [], partials.segments_in_kernel
+
+    def spy(*args):
+        calls.append(in_kernel(*args))
+        return calls[-1]
+
+    with (
+        mock.patch.object(partials, "segments_in_kernel", spy),
+        mock.patch.object(native, "SEGMENT_SLAB_KEYS", slab_keys),
+    ):
+        output, lse, done = partials.probe_part(*arguments)
+    with mock.patch.object(partials, "segments_in_kernel", lambda *args: False):
+        chunked, chunked_lse, chunked_done = partials.probe_part(*arguments)
+    assert calls == [True]
+    assert (done is None) == (chunked_done is None) and (done is None or torch.equal(done, chunked_done))
+    rows = valid[..., None].expand_as(lse) & (chunked_lse > torch.finfo(torch.float32).min / 2)
+    torch.testing.assert_close(output[rows], chunked[rows], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse[rows], chunked_lse[rows], atol=ATOL, rtol=0)
+    assert (lse[~rows & valid[..., None]] < torch.finfo(torch.float32).min / 2).all()  # empty sets stay empty
+
+
+@pytest.mark.parametrize("dim", [8, 16], ids=["torch-chunks", "one-kernel-call"])
 @pytest.mark.parametrize("separate", [False, True], ids=["own-group", "query-router"])
-def test_sinks_ride_in_top_1_chunks_after_the_last_sink(separate):
+def test_sinks_ride_in_top_1_chunks_after_the_last_sink(separate, dim):
     generator = torch.Generator().manual_seed(7)
     seq = 300
     groups, key_groups = random_routing(generator, 2, seq, 3, 1, "none", separate=separate)
-    query = states(generator, 2, 6, seq, 8, True)
-    key, value = (states(generator, 2, 2, seq, 8, True) for _ in range(2))
+    query = states(generator, 2, 6, seq, dim, True)
+    key, value = (states(generator, 2, 2, seq, dim, True) for _ in range(2))
     valid = torch.ones(2, seq, dtype=torch.bool)
     sink = valid & (torch.arange(seq) < 3)
     arguments = (query, key, value, valid, groups, key_groups, 3, SCALING, cpu_kernel, sink)

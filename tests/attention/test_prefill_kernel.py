@@ -49,11 +49,12 @@ def float64_attention(query, key, value, visible, scale):
     padding=st.sampled_from(["none", "left", "right"]),
     token_major=st.booleans(),
     magnitude=st.sampled_from([0.3, 1.0, 4.0]),
+    merge=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_prefill_equals_a_float64_softmax_over_the_allowed_pairs(
     batch, kv_heads, sharing, dim, keys, queries, order, rule, num_groups, top_k, window, sinks, padding,
-    token_major, magnitude, seed,
+    token_major, magnitude, merge, seed,
 ):  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     length = {"all": keys, "one": 1, "few": min(keys, 5), "some": max(1, keys - 40)}[queries]
@@ -97,6 +98,10 @@ def test_prefill_equals_a_float64_softmax_over_the_allowed_pairs(
         shared = probes(query_groups, key_groups) | (key_sink[:, None, :] & sinks_done[..., None])
         visible = visible & (distance <= window) & ~shared
         query_bits, key_bits = local_bits(query_groups, key_groups, key_sink, sinks_done)
+    # A partial result over other keys (`into`), laid out [batch, L, heads] like the fast path's; some rows empty.
+    held = torch.randn(batch, length, heads, dim, generator=generator).transpose(1, 2)
+    held_lse = torch.randn(batch, length, heads, generator=generator).transpose(1, 2) * 3
+    held_lse = held_lse.masked_fill(torch.rand(batch, heads, length, generator=generator) < 0.3, FLOAT_MIN)
     result = native.prefill_attention(
         query,
         key,
@@ -110,10 +115,15 @@ def test_prefill_equals_a_float64_softmax_over_the_allowed_pairs(
         key_valid=None if padding == "none" else valid,
         window=window,
         local=rule == "local",
+        into=(held.clone(), held_lse.clone()) if merge else None,
     )
     assert result is not None
     output, lse = result
     expected, expected_lse = float64_attention(query, key, value, visible, dim**-0.5)
+    if merge:  # folded into the partial result it was given, by log-sum-exp; rows without keys keep it
+        total = torch.logaddexp(held_lse.double(), expected_lse)
+        expected = held * (held_lse - total).exp()[..., None] + expected * (expected_lse - total).exp()[..., None]
+        expected_lse = torch.where(expected_lse > FLOAT_MIN, total, held_lse.double())
     # float32 scores carry a relative error ~1e-7 of |q||k|, which the softmax turns into the output's error.
     torch.testing.assert_close(output.double(), expected, atol=5e-5 * magnitude, rtol=0)
     torch.testing.assert_close(lse.double(), expected_lse, atol=5e-5 * magnitude, rtol=1e-6)

@@ -1,7 +1,8 @@
 /* Many queries over many keys, with the Focus pattern applied as it goes: the CPU prefill kernel of
    `focus_hf.attention.native`.
 
-   Query row r of a call is token `first + r` of its sequence; key slot j is token j. A pair (r, j) is visible iff
+   `focus_prefill`: query row r of a call is token `first + r` of its sequence; key slot j is token j. A pair (r, j)
+   is visible iff
      - j <= first + r (with `causal`), or j < row_end[r] (with `row_end`, non-decreasing: a staircase),
      - key j is real (`key_valid`, when given), and
      - with a pattern (`query_bits` and `key_bits` given): first + r - j <= window, or query_bits[r] & key_bits[j]
@@ -9,10 +10,13 @@
    With `local`, a call runs the local part of the fast path instead (set B's window pairs): (r, j) is visible iff
    it is causal and real as above, first + r - j <= window and query_bits[r] & key_bits[j] is 0 (pairs that share a
    bit are another part's); only the key blocks of each query block's window are read.
-   The pattern is evaluated on the fly from those bits: no n x n mask or bias is built or read. Each task is QB query
-   rows of one head over blocks of KB keys: the scores of a block are one register-blocked product into a buffer
-   that stays in the core's cache, then an online softmax (running maximum and sum per row), then one
-   register-blocked product with the values. The query heads that share a kv head read the same packed keys.
+   `focus_prefill_segments`: set A of the fast path in one call - group-sorted query entries over their segment's
+   keys, read where they lie through token indices, each entry seeing keys row_begin[e] .. row_end[e] - 1.
+   The pattern is evaluated on the fly: no n x n mask or bias is built or read. Each task is QB query rows of one
+   head over blocks of KB keys: the scores of a block are one register-blocked product into a buffer that stays in
+   the core's cache, then an online softmax (running maximum and sum per row), then one register-blocked product
+   with the values. The query heads that share a kv head read the same packed keys. A row's result is written, or
+   folded by log-sum-exp into a partial result already in its output row (`finish_row`).
    float32 only; head dims that are multiples of 16 up to 128 (each compiled with its dim as a constant).
 
    Compiled with -O3 -march=native -ffast-math (see decode.c): scores are finite (hidden pairs are -FLT_MAX, the
@@ -27,7 +31,7 @@ typedef float fvec __attribute__((vector_size(64)));
 typedef int32_t ivec __attribute__((vector_size(64)));
 #define FLANES 16
 #define QB 32 /* query rows per task */
-#define KB 64 /* keys per block */
+#define KB 128 /* keys per block (64: 6-8% slower per pair on long calls) */
 #define KVECS (KB / FLANES)
 #define QK_ROWS 8 /* rows of the score micro-tile (8 x 32 keys: 16 accumulators) */
 #define PV_ROWS 4 /* rows of the value micro-tile (4 x dim) */
@@ -55,26 +59,42 @@ static inline fvec fmax_lanes(fvec a, fvec b)
     for (int i = 0; i < FLANES; ++i) r[i] = a[i] > b[i] ? a[i] : b[i];
     return r;
 }
+/* e^x for x in [-80, 0], inline (a call into libm's vector routine per 16 lanes cost more than the products it
+   sits between): x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (~1 ulp), 2^n built in the
+   exponent bits. Truncating x log2(e) - 1/2 toward zero rounds it to the nearest integer for x <= 0. */
 static inline fvec fexp(fvec x)
 {
-    float in[FLANES], out[FLANES];
-    memcpy(in, &x, sizeof in);
-#pragma omp simd
-    for (int i = 0; i < FLANES; ++i) out[i] = expf(in[i]);
-    fvec r;
-    memcpy(&r, out, sizeof r);
-    return r;
+    const ivec n = __builtin_convertvector(x * fsplat(1.44269504088896341f) - fsplat(0.5f), ivec);
+    const fvec nf = __builtin_convertvector(n, fvec);
+    const fvec r = x - nf * fsplat(0.693359375f) - nf * fsplat(-2.12194440e-4f);
+    fvec p = fsplat(1.9875691500e-4f);
+    p = p * r + fsplat(1.3981999507e-3f);
+    p = p * r + fsplat(8.3334519073e-3f);
+    p = p * r + fsplat(4.1665795894e-2f);
+    p = p * r + fsplat(1.6666665459e-1f);
+    p = p * r + fsplat(5.0000001201e-1f);
+    p = p * r * r + r + fsplat(1.f);
+    const ivec scale_bits = (n + isplat(127)) << 23;
+    fvec two_n;
+    memcpy(&two_n, &scale_bits, sizeof two_n);
+    return p * two_n;
 }
 
-/* keys [S, dim] (row stride `stride`) -> blocks of KB keys, each [dim][KB], zero-padded. */
-static void pack_keys(const float* keys, int64_t stride, int64_t S, int dim, float* packed)
+/* Key j's row lies at `offsets[j]` elements past the head's base (or j * stride without offsets). */
+static inline int64_t row_offset(const int64_t* offsets, int64_t stride, int64_t j)
+{
+    return offsets ? offsets[j] : j * stride;
+}
+
+/* keys [S rows] -> blocks of KB keys, each [dim][KB], zero-padded. */
+static void pack_keys(const float* keys, const int64_t* offsets, int64_t stride, int64_t S, int dim, float* packed)
 {
     for (int64_t block = 0; block * KB < S; ++block) {
         float* out = packed + block * dim * KB;
         for (int j = 0; j < KB; ++j) {
             const int64_t key = block * KB + j;
-            const float* row = keys + key * stride;
-            for (int d = 0; d < dim; ++d) out[d * KB + j] = key < S ? row[d] : 0.f;
+            const float* row = key < S ? keys + row_offset(offsets, stride, key) : NULL;
+            for (int d = 0; d < dim; ++d) out[d * KB + j] = row ? row[d] : 0.f;
         }
     }
 }
@@ -103,9 +123,9 @@ static inline __attribute__((always_inline)) void block_scores(const float* q, c
         }
 }
 
-static inline __attribute__((always_inline)) void block_values(const float* p, const float* values, int64_t stride,
-                                                               float* acc, int rows, int begin, int cols,
-                                                               const int dim)
+/* acc[rows][dim] += p[rows][begin .. cols - 1] x the value rows `values[begin .. cols - 1]`. */
+static inline __attribute__((always_inline)) void block_values(const float* p, const float* const* values, float* acc,
+                                                               int rows, int begin, int cols, const int dim)
 {
     const int vectors = dim / FLANES;
     for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {
@@ -114,7 +134,7 @@ static inline __attribute__((always_inline)) void block_values(const float* p, c
             for (int i = 0; i < vectors; ++i) a[r][i] = fload(acc + (r0 + r) * dim + i * FLANES);
         for (int j = begin; j < cols; ++j) {
             fvec v[8];
-            for (int i = 0; i < vectors; ++i) v[i] = fload(values + j * stride + i * FLANES);
+            for (int i = 0; i < vectors; ++i) v[i] = fload(values[j] + i * FLANES);
             for (int r = 0; r < PV_ROWS; ++r) {
                 const fvec w = fsplat(p[(r0 + r) * KB + j]);
                 for (int i = 0; i < vectors; ++i) a[r][i] += w * v[i];
@@ -126,13 +146,30 @@ static inline __attribute__((always_inline)) void block_values(const float* p, c
 }
 
 typedef struct {
+    const int32_t* row_begin;  /* [rows of the call] or NULL: from key 0 */
     const int32_t* row_end;    /* [rows of the call] or NULL: causal as `causal` says */
+    int64_t base;              /* row_begin and row_end count keys from `base` slots before the call's first */
     const int32_t* query_bits; /* [rows of the call] or NULL: no pattern */
     const int32_t* key_bits;   /* [S rounded up to KB], 0 past S */
     const int32_t* key_valid;  /* [S rounded up to KB] 0 / -1, or NULL: all real */
     int64_t window, first;
     int causal, local;
 } Rule;
+
+/* Where a task's rows read and write: query row r (unscaled), its output row and its log-sum-exp. */
+typedef struct {
+    const float* query[QB];
+    float* out[QB];
+    float* lse[QB];
+} Rows;
+
+/* A task's keys: packed blocks (`pack_keys`) and value rows at `values` + row_offset(offsets, stride, j). */
+typedef struct {
+    const float* packed;
+    const float* values;
+    const int64_t* offsets;
+    int64_t stride, count;
+} Keys;
 
 static inline int32_t clamp_offset(int64_t offset)
 {
@@ -143,10 +180,12 @@ static inline int32_t clamp_offset(int64_t offset)
    does not allow; keys at or past `cols` are beyond the call's. */
 static inline void hide(float* row, const Rule* rule, int64_t r, int64_t position, int64_t c0, int cols)
 {
-    const int64_t last = rule->row_end ? rule->row_end[r] - 1 : rule->causal ? position : INT64_MAX; /* last key */
+    const int64_t begin = rule->row_begin ? rule->row_begin[r] - rule->base : 0; /* first key */
+    const int64_t last = rule->row_end ? rule->row_end[r] - 1 - rule->base : rule->causal ? position : INT64_MAX;
     const int64_t near = rule->query_bits ? position - rule->window : INT64_MIN; /* the window's first key */
-    if (!rule->local && c0 + KB - 1 <= last && c0 >= near && cols == KB && !rule->key_valid) return;
+    if (!rule->local && c0 >= begin && c0 + KB - 1 <= last && c0 >= near && cols == KB && !rule->key_valid) return;
     const ivec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const ivec begin_offset = isplat(clamp_offset(begin - c0));
     const ivec last_offset = isplat(clamp_offset(last - c0));
     const ivec near_offset = isplat(rule->query_bits ? clamp_offset(near - c0) : -KB);
     const ivec bits = isplat(rule->query_bits ? rule->query_bits[r] : 0), none = isplat(0);
@@ -154,7 +193,7 @@ static inline void hide(float* row, const Rule* rule, int64_t r, int64_t positio
     const ivec hidden = isplat(hidden_score.i);
     for (int u = 0; u < KVECS; ++u) {
         const ivec slot = lane + isplat(u * FLANES);
-        ivec visible = (slot < isplat(cols)) & (slot <= last_offset);
+        ivec visible = (slot < isplat(cols)) & (slot <= last_offset) & (slot >= begin_offset);
         if (rule->key_valid) visible &= iload(rule->key_valid + c0 + u * FLANES);
         if (rule->local)
             visible &= ((iload(rule->key_bits + c0 + u * FLANES) & bits) == none) & (slot >= near_offset);
@@ -167,19 +206,46 @@ static inline void hide(float* row, const Rule* rule, int64_t r, int64_t positio
     }
 }
 
-static inline __attribute__((always_inline)) void task(const float* q, int64_t q_stride, const float* packed,
-                                                       const float* values, int64_t v_stride, float* out,
-                                                       int64_t o_stride, float* lse, int64_t start, int64_t rows,
-                                                       int64_t S, const Rule* rule, float scale, const int dim)
+/* Write a row's result (acc / sum, lse) to its output row, or with `merge` fold it into what the row holds there
+   already (a partial over other keys: an lse of -FLT_MAX means none yet) by log-sum-exp. A row that saw no key
+   writes 0 and -FLT_MAX, or with `merge` leaves its row as it is. */
+static inline void finish_row(const float* acc, float maximum, float sum, float* out, float* lse, int merge,
+                              int dim)
+{
+    if (sum <= 0.f) {
+        if (!merge) {
+            memset(out, 0, sizeof(float) * dim);
+            *lse = -FLT_MAX;
+        }
+        return;
+    }
+    const float part_lse = maximum + logf(sum);
+    if (merge && *lse > -FLT_MAX) {
+        const float held = *lse, top = held > part_lse ? held : part_lse;
+        const float held_weight = expf(held - top), part_weight = expf(part_lse - top), total = held_weight + part_weight;
+        const float keep = held_weight / total, add = part_weight / total / sum;
+        for (int d = 0; d < dim; ++d) out[d] = out[d] * keep + acc[d] * add;
+        *lse = top + logf(total);
+        return;
+    }
+    const float inverse = 1.f / sum;
+    for (int d = 0; d < dim; ++d) out[d] = acc[d] * inverse;
+    *lse = part_lse;
+}
+
+static inline __attribute__((always_inline)) void task(const Rows* where, int64_t rows, const Keys* keys, int64_t start,
+                                                       const Rule* rule, float scale, int merge, const int dim)
 {
     float queries[QB * 128] __attribute__((aligned(64)));
     float scores[QB * KB] __attribute__((aligned(64)));
     float acc[QB * 128] __attribute__((aligned(64)));
     float maxima[QB], sums[QB];
+    const float* value_rows[KB];
+    const int64_t S = keys->count;
     const int padded = (int)((rows + QK_ROWS - 1) / QK_ROWS * QK_ROWS);
     for (int r = 0; r < padded; ++r) {
-        const int64_t source = start + (r < rows ? r : rows - 1);
-        for (int d = 0; d < dim; ++d) queries[r * dim + d] = q[source * q_stride + d] * scale;
+        const float* source = where->query[r < rows ? r : rows - 1];
+        for (int d = 0; d < dim; ++d) queries[r * dim + d] = source[d] * scale;
         maxima[r] = -FLT_MAX;
         sums[r] = 0.f;
     }
@@ -189,25 +255,27 @@ static inline __attribute__((always_inline)) void task(const float* q, int64_t q
         key_end = 0;
         for (int64_t r = start; r < start + rows; ++r)
             key_end = rule->row_end[r] > key_end ? rule->row_end[r] : key_end;
-        key_end = key_end < S ? key_end : S;
+        key_end = key_end - rule->base < S ? key_end - rule->base : S;
     } else if (rule->causal) {
         const int64_t reach = rule->first + start + rows;
         key_end = reach < S ? reach : S;
     }
-    int64_t key_begin = 0;
-    if (rule->local) { /* the block holding the window's first key of the block's first query */
+    int64_t lowest = 0; /* the first key some row may see */
+    if (rule->local) { /* the window's first key of the block's first query */
         const int64_t near = rule->first + start - rule->window;
-        key_begin = near > 0 ? near / KB * KB : 0;
+        lowest = near > 0 ? near : 0;
+    } else if (rule->row_begin) {
+        lowest = INT64_MAX;
+        for (int64_t r = start; r < start + rows; ++r)
+            lowest = rule->row_begin[r] < lowest ? rule->row_begin[r] : lowest;
+        lowest = lowest > rule->base ? lowest - rule->base : 0;
     }
-    for (int64_t c0 = key_begin; c0 < key_end; c0 += KB) {
+    for (int64_t c0 = lowest / KB * KB; c0 < key_end; c0 += KB) {
         const int cols = key_end - c0 < KB ? (int)(key_end - c0) : KB;
-        /* the block's keys that some row may see, in steps of two vectors: from the window's first key of the
-           first row (local part) to the call's last key */
-        int first_vector = 0;
-        if (rule->local && rule->first + start - rule->window > c0)
-            first_vector = (int)((rule->first + start - rule->window - c0) / (2 * FLANES)) * 2;
+        /* the block's keys that some row may see, in steps of two vectors: from `lowest` to the call's last key */
+        const int first_vector = lowest > c0 ? (int)((lowest - c0) / (2 * FLANES)) * 2 : 0;
         const int last_vector = (cols + 2 * FLANES - 1) / (2 * FLANES) * 2;
-        block_scores(queries, packed + (c0 / KB) * dim * KB, scores, padded, first_vector, last_vector, dim);
+        block_scores(queries, keys->packed + (c0 / KB) * dim * KB, scores, padded, first_vector, last_vector, dim);
         for (int r = 0; r < padded; ++r) {
             float* row = scores + r * KB;
             const int64_t call_row = start + (r < rows ? r : rows - 1);
@@ -224,9 +292,8 @@ static inline __attribute__((always_inline)) void task(const float* q, int64_t q
             maxima[r] = new_max;
             fvec total = (fvec){0};
             for (int u = 0; u < KVECS; ++u) {
-                /* exp's vector routine takes a slow path for arguments below ~-87: hidden scores (-FLT_MAX) are
-                   clamped and their weight zeroed after; a visible weight below e^-80 is ~1e-35 of the row's
-                   largest, far below float32's resolution of the sum */
+                /* hidden scores (-FLT_MAX) are clamped for exp and their weight zeroed after; a visible weight below
+                   e^-80 is ~1e-35 of the row's largest, far below float32's resolution of the sum */
                 const fvec score = fload(row + u * FLANES);
                 const ivec visible = score > fsplat(-FLT_MAX);
                 const fvec p = fexp(fmax_lanes(score - fsplat(new_max), fsplat(-80.f)));
@@ -242,14 +309,25 @@ static inline __attribute__((always_inline)) void task(const float* q, int64_t q
             if (rescale != 1.f)
                 for (int d = 0; d < dim; d += FLANES) fstore(acc + r * dim + d, fload(acc + r * dim + d) * fsplat(rescale));
         }
-        block_values(scores, values + c0 * v_stride, v_stride, acc, padded, first_vector * FLANES, cols, dim);
+        for (int j = first_vector * FLANES; j < cols; ++j)
+            value_rows[j] = keys->values + row_offset(keys->offsets, keys->stride, c0 + j);
+        block_values(scores, value_rows, acc, padded, first_vector * FLANES, cols, dim);
     }
-    for (int r = 0; r < rows; ++r) {
-        const float inverse = sums[r] > 0.f ? 1.f / sums[r] : 0.f; /* a row that sees nothing comes out 0 */
-        for (int d = 0; d < dim; ++d) out[(start + r) * o_stride + d] = acc[r * dim + d] * inverse;
-        lse[start + r] = sums[r] > 0.f ? maxima[r] + logf(sums[r]) : -FLT_MAX;
-    }
+    for (int r = 0; r < rows; ++r) finish_row(acc + r * dim, maxima[r], sums[r], where->out[r], where->lse[r], merge, dim);
 }
+
+/* `call(D)` with the head size as a constant D (each size compiles its own task). */
+#define DISPATCH(dim, call)                                                                                             \
+    switch (dim) {                                                                                                     \
+    case 16: call(16); break;                                                                                          \
+    case 32: call(32); break;                                                                                          \
+    case 48: call(48); break;                                                                                          \
+    case 64: call(64); break;                                                                                          \
+    case 80: call(80); break;                                                                                          \
+    case 96: call(96); break;                                                                                          \
+    case 112: call(112); break;                                                                                        \
+    default: call(128); break;                                                                                         \
+    }
 
 int focus_prefill_supports(int64_t heads, int64_t kv_heads, int64_t dim)
 {
@@ -257,15 +335,16 @@ int focus_prefill_supports(int64_t heads, int64_t kv_heads, int64_t dim)
 }
 
 /* query [B, H, L, dim], key/value [B, KH, S, dim] float32 with contiguous rows; strides in elements {batch, head,
-   row} (q_strides, k_strides, v_strides, o_strides); out [B, H, L, dim] (strides o_strides), lse [B, H, L]
-   contiguous. row_end and query_bits [B, L], key_bits and key_valid [B, S rounded up to a multiple of 64] int32 (key_valid -1
-   for a real key, 0 for padding), each NULL or contiguous; `local` needs the bits. Returns 0, or 1 for a call it
-   does not take (nothing written). */
+   row} (q_strides, k_strides, v_strides, o_strides, l_strides); out [B, H, L, dim], lse [B, H, L]. row_end and
+   query_bits [B, L], key_bits and key_valid [B, S rounded up to a multiple of KB] int32 (key_valid -1 for a real
+   key, 0 for padding), each NULL or contiguous; `local` needs the bits. With `merge`, out and lse hold a partial
+   result over other keys, which each row's is folded into (`finish_row`). Returns 0, or 1 for a call it does not
+   take (nothing written). */
 int focus_prefill(const float* q, const float* k, const float* v, float* out, float* lse, int64_t B, int64_t H,
                   int64_t KH, int64_t L, int64_t S, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
-                  const int64_t* v_strides, const int64_t* o_strides, const int32_t* row_end, const int32_t* query_bits,
-                  const int32_t* key_bits, const int32_t* key_valid, int64_t window, int64_t first, int causal,
-                  int local, float scale)
+                  const int64_t* v_strides, const int64_t* o_strides, const int64_t* l_strides, const int32_t* row_end,
+                  const int32_t* query_bits, const int32_t* key_bits, const int32_t* key_valid, int64_t window,
+                  int64_t first, int causal, int local, int merge, float scale)
 {
     if (!focus_prefill_supports(H, KH, dim) || L <= 0 || S <= 0 || (query_bits && !key_bits) || (local && !query_bits))
         return 1;
@@ -275,7 +354,7 @@ int focus_prefill(const float* q, const float* k, const float* v, float* out, fl
     if (!packed) return 1;
 #pragma omp parallel for
     for (int64_t bh = 0; bh < B * KH; ++bh)
-        pack_keys(k + (bh / KH) * k_strides[0] + (bh % KH) * k_strides[1], k_strides[2], S, (int)dim,
+        pack_keys(k + (bh / KH) * k_strides[0] + (bh % KH) * k_strides[1], NULL, k_strides[2], S, (int)dim,
                   packed + bh * packed_size);
     const int64_t chunks = (L + QB - 1) / QB, heads = B * H;
 #pragma omp parallel for schedule(dynamic, 1)
@@ -284,25 +363,98 @@ int focus_prefill(const float* q, const float* k, const float* v, float* out, fl
         const int64_t bh = t % heads, chunk = chunks - 1 - t / heads;
         const int64_t b = bh / H, h = bh % H, kh = h / sharing;
         const int64_t start = chunk * QB, rows = L - start < QB ? L - start : QB;
-        const Rule rule = {row_end ? row_end + b * L : NULL, query_bits ? query_bits + b * L : NULL, key_bits ? key_bits + b * padded_keys : NULL,
-                           key_valid ? key_valid + b * padded_keys : NULL, window, first, causal, local};
-        const float* qh = q + b * q_strides[0] + h * q_strides[1];
-        const float* vh = v + b * v_strides[0] + kh * v_strides[1];
-        float* oh = out + b * o_strides[0] + h * o_strides[1];
-        const float* ph = packed + (b * KH + kh) * packed_size;
-#define TASK(D) task(qh, q_strides[2], ph, vh, v_strides[2], oh, o_strides[2], lse + bh * L, start, rows, S, &rule, scale, D)
-        switch (dim) {
-        case 16: TASK(16); break;
-        case 32: TASK(32); break;
-        case 48: TASK(48); break;
-        case 64: TASK(64); break;
-        case 80: TASK(80); break;
-        case 96: TASK(96); break;
-        case 112: TASK(112); break;
-        default: TASK(128); break;
+        const Rule rule = {NULL, row_end ? row_end + b * L : NULL, 0, query_bits ? query_bits + b * L : NULL,
+                           key_bits ? key_bits + b * padded_keys : NULL, key_valid ? key_valid + b * padded_keys : NULL,
+                           window, first, causal, local};
+        const Keys keys = {packed + (b * KH + kh) * packed_size, v + b * v_strides[0] + kh * v_strides[1], NULL,
+                           v_strides[2], S};
+        Rows where;
+        for (int64_t r = 0; r < rows; ++r) {
+            where.query[r] = q + b * q_strides[0] + h * q_strides[1] + (start + r) * q_strides[2];
+            where.out[r] = out + b * o_strides[0] + h * o_strides[1] + (start + r) * o_strides[2];
+            where.lse[r] = lse + b * l_strides[0] + h * l_strides[1] + (start + r) * l_strides[2];
         }
+#define TASK(D) task(&where, rows, &keys, start, &rule, scale, merge, D)
+        DISPATCH(dim, TASK)
 #undef TASK
     }
     free(packed);
+    return 0;
+}
+
+/* Set A of the fast path in one call: query entries and keys sorted into segments (one per sample and group).
+   Segment s holds entries entry_starts[s] .. entry_starts[s + 1] - 1 and keys key_starts[s] .. key_starts[s + 1] - 1;
+   entry e is query row entry_query[e] (sample * q_tokens + token) and sees the segment's keys row_begin[e] ..
+   row_end[e] - 1 (counted from the segment's first key; row_end non-decreasing within a segment); key i is token
+   key_token[i] (sample * kv_tokens + token). query [B, H, q_tokens, dim], key/value [B, KH, kv_tokens, dim] (strides
+   in elements {batch, head, row}); out [B * q_tokens, H, dim] and lse [B * q_tokens, H] contiguous, holding a
+   partial result (lse -FLT_MAX: none yet) that each entry is folded into.
+   A segment's keys are packed `slab_keys` at a time, and each slab's entries are folded into their rows before the next:
+   the packed copy stays small whatever the length, and a row's merges never overlap - slabs and segments run one
+   after another, and a query's entries lie in segments of their own. Returns 0, or 1 for a call it does not take
+   (nothing written). */
+int focus_prefill_segments(const float* q, const float* k, const float* v, float* out, float* lse, int64_t H,
+                           int64_t KH, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
+                           const int64_t* v_strides, int64_t q_tokens, int64_t kv_tokens, int64_t segments,
+                           const int64_t* entry_starts, const int64_t* key_starts, const int64_t* entry_query,
+                           const int64_t* key_token, const int32_t* row_begin, const int32_t* row_end,
+                           int64_t slab_keys, float scale)
+{
+    if (!focus_prefill_supports(H, KH, dim) || q_tokens <= 0 || kv_tokens <= 0 || slab_keys <= 0) return 1;
+    int64_t most = 0;
+    for (int64_t s = 0; s < segments; ++s)
+        most = key_starts[s + 1] - key_starts[s] > most ? key_starts[s + 1] - key_starts[s] : most;
+    if (most == 0) return 0;
+    most = most < slab_keys ? most : slab_keys;
+    const int64_t padded_keys = (most + KB - 1) / KB * KB, packed_size = padded_keys * dim, sharing = H / KH;
+    float* packed = aligned_alloc(64, sizeof(float) * packed_size * KH);
+    int64_t* key_offsets = malloc(sizeof(int64_t) * 2 * padded_keys);
+    if (!packed || !key_offsets) {
+        free(packed);
+        free(key_offsets);
+        return 1;
+    }
+    int64_t* value_offsets = key_offsets + padded_keys;
+    for (int64_t s = 0; s < segments; ++s) {
+        const int64_t count = key_starts[s + 1] - key_starts[s], first_entry = entry_starts[s];
+        const int64_t entries = entry_starts[s + 1] - first_entry;
+        int64_t reaching = 0; /* the segment's first entry that reaches into the slab */
+        for (int64_t base = 0; base < count && entries > 0; base += slab_keys) {
+            const int64_t slab = count - base < slab_keys ? count - base : slab_keys;
+            while (reaching < entries && row_end[first_entry + reaching] <= base) ++reaching;
+            if (reaching == entries) break;
+            for (int64_t j = 0; j < slab; ++j) {
+                const int64_t token = key_token[key_starts[s] + base + j];
+                const int64_t b = token / kv_tokens, position = token % kv_tokens;
+                key_offsets[j] = b * k_strides[0] + position * k_strides[2];
+                value_offsets[j] = b * v_strides[0] + position * v_strides[2];
+            }
+#pragma omp parallel for
+            for (int64_t kh = 0; kh < KH; ++kh)
+                pack_keys(k + kh * k_strides[1], key_offsets, 0, slab, (int)dim, packed + kh * packed_size);
+            const int64_t first_chunk = reaching / QB, chunks = (entries + QB - 1) / QB - first_chunk;
+            const Rule rule = {row_begin + first_entry, row_end + first_entry, base, NULL, NULL, NULL, 0, 0, 0, 0};
+#pragma omp parallel for schedule(dynamic, 1)
+            for (int64_t t = 0; t < H * chunks; ++t) {
+                /* the heads of one chunk in a row; the last chunks (the entries that reach the most keys) first */
+                const int64_t h = t % H, kh = h / sharing, chunk = first_chunk + chunks - 1 - t / H;
+                const int64_t start = chunk * QB, rows = entries - start < QB ? entries - start : QB;
+                const Keys keys = {packed + kh * packed_size, v + kh * v_strides[1], value_offsets, 0, slab};
+                Rows where;
+                for (int64_t r = 0; r < rows; ++r) {
+                    const int64_t row = entry_query[first_entry + start + r];
+                    const int64_t b = row / q_tokens, position = row % q_tokens;
+                    where.query[r] = q + b * q_strides[0] + h * q_strides[1] + position * q_strides[2];
+                    where.out[r] = out + (row * H + h) * dim;
+                    where.lse[r] = lse + row * H + h;
+                }
+#define TASK(D) task(&where, rows, &keys, start, &rule, scale, 1, D)
+                DISPATCH(dim, TASK)
+#undef TASK
+            }
+        }
+    }
+    free(packed);
+    free(key_offsets);
     return 0;
 }
