@@ -127,9 +127,10 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
         "Median of the repetitions in the row's JSON (`repeats`); dense and Focus are timed alternately in the same loop. "
         "Efficiency: speedup / ideal, the ideal being causal pairs / allowed pairs (a kernel as fast per pair as dense "
         "SDPA's that computes only the allowed pairs). Routing: queries probe their own key group first (own "
-        "group; set A's chunks are causal squares and need no mask) or the groups a separate query projection picks "
-        "(query router, as in adapters trained with `query_projection=True`; set A's chunks are staircases, which the "
-        "C prefill kernel reads from each entry's reach on CPU in float32 and torch's kernel takes as a mask elsewhere).",
+        "group: each entry reaches one key more than the one before) or the groups a separate query projection picks "
+        "(query router, as in adapters trained with `query_projection=True`: entries skip keys of their segment). On "
+        "CPU in float32 set A is one call of the C prefill kernel either way, each entry reading its segment's keys "
+        "up to its reach; elsewhere it goes in chunks, causal squares or masked staircases.",
     ]
     if memory:
         lines += [

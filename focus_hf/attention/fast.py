@@ -22,7 +22,7 @@ their block and the block itself, as overlapping strided views of the keys, unde
 and the pairs with sinks farther than the window that did not ride in A (top_k > 1, and the few queries before the
 last sink), a handful of keys done with two small matmuls.
 
-On CPU in float32 the C prefill kernel of `native` runs all of A in one call (`partials.segments_in_kernel`): it
+On CPU in float32 the C prefill kernel of `native` runs all of A in one call (`partials.SegmentCall`): it
 reads each segment's keys where they lie through their token indices (no gathered copy), gives each entry its
 reach (skipping the key blocks past a query block's last) and folds each entry into its query's row of the output
 as it finishes - no chunks, calls or merges in torch. It runs the local part too (its rule read from group bits),

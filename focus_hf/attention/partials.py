@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import Kernel
-from focus_hf.attention.native import prefill_attention, prefill_segments
+from focus_hf.attention.native import prefill_attention, prefill_kernels, prefill_segments
 from focus_hf.attention.pattern import LOCAL_BITS_MAX_GROUPS, local_bits, pair_distance, probes
 
 # Queries per block of the local part. Each query reads LOCAL_BLOCK + window keys, so smaller blocks waste less,
@@ -475,7 +475,7 @@ def probe_part(
     sinks out of their window), at the cost of a few more keys per call instead of a separate pass over every query
     (`sink_part`, memory-bound: 12 of 69 ms at 4K tokens, CPU, K=8 top-1).
 
-    On CPU in float32 all of this is one call of the C kernel (`segments_in_kernel`): the chunks, gathers and merges
+    On CPU in float32 all of this is one call of the C kernel (`SegmentCall`): the chunks, gathers and merges
     below are the path of other devices and dtypes (K=8, 4K / 16K tokens, alternating in one process: top-1 52 -> 42
     ms / 380 -> 334 ms, top-2 81 -> 66 ms / 813 -> 591 ms).
 
@@ -508,12 +508,15 @@ def probe_part(
     riders: list[Optional[SinkRiders]] = [None] * (batch * num_groups)
     if top_k == 1 and key_sink is not None:
         riders = sink_riders(key_sink, key_groups, queries, num_groups)
+    # The kernel's index arrays are built before the output is allocated: they reuse the memory the sort freed.
+    in_kernel = SegmentCall.build(keys, queries, reach, riders) if prefill_kernels(query, key, value) else None
     output = query.new_zeros(batch * q_len, heads, dim, dtype=torch.float32)
     lse = query.new_full((batch * q_len, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
     sinks_done = torch.zeros(batch * q_len, dtype=torch.bool, device=device)
-    if segments_in_kernel(query, key, value, keys, queries, reach, riders, scaling, output, lse, sinks_done):
+    if in_kernel is not None and in_kernel.run(query, key, value, output, lse, scaling, sinks_done):
         done = None if all(rider is None for rider in riders) else sinks_done.view(batch, q_len)
         return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads), done
+    del in_kernel
     consecutive = consecutive_segments(reach, queries.starts)
     chunks = []  # (segment, first entry, end, consecutive, sinks ride)
     for segment, causal in enumerate(consecutive):
@@ -574,58 +577,88 @@ def probe_part(
     return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads), done
 
 
-def segments_in_kernel(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    keys: SortedTokens,
-    queries: SortedTokens,
-    reach: torch.Tensor,
-    riders: list[Optional["SinkRiders"]],
-    scaling: float,
-    output: torch.Tensor,
-    lse: torch.Tensor,
-    sinks_done: torch.Tensor,
-) -> bool:
-    """`probe_part`'s sets in one call of the C kernel (`native.prefill_segments`), folded into `output` and `lse`
-    ([batch * q, heads, dim] / [batch * q, heads]) and the queries whose sinks rode marked in `sinks_done`: each
-    segment's keys (its riding sinks in front) are read where they lie through their token indices and each entry
-    sees its reach, so nothing is gathered, chunked or merged in torch. False (nothing written) where the kernel
-    cannot take the call."""
-    segments = len(queries.starts) - 1
-    extra = [0 if rider is None or rider.tokens is None else len(rider.tokens) for rider in riders]
-    pieces = []
-    for segment, rider in enumerate(riders):
-        if extra[segment]:
-            pieces.append(rider.tokens)
-        pieces.append(keys.flat[keys.starts[segment] : keys.starts[segment + 1]])
-    key_token = torch.cat(pieces)
-    key_counts = torch.tensor(keys.starts, dtype=torch.long).diff() + torch.tensor(extra, dtype=torch.long)
-    key_starts = torch.cat([key_counts.new_zeros(1), key_counts.cumsum(0)])
-    entry_starts = torch.tensor(queries.starts, dtype=torch.long)
-    entry_segment = torch.repeat_interleave(torch.arange(segments), entry_starts.diff()).to(reach.device)
-    entry_extra = torch.tensor(extra, dtype=torch.long, device=reach.device)[entry_segment]
-    # Entries from their segment's split on read the riding sinks in front of its keys; the others start after them.
-    split = [entry_starts[segment + 1] if rider is None else rider.split for segment, rider in enumerate(riders)]
-    rides = torch.arange(len(reach), device=reach.device) >= torch.tensor(split, device=reach.device)[entry_segment]
-    entry_query = queries.flat // queries.entries
-    done = prefill_segments(
-        query,
-        key,
-        value,
-        output,
-        lse,
-        entry_starts,
-        key_starts,
-        entry_query,
-        key_token,
-        torch.where(rides, 0, entry_extra),
-        reach + entry_extra,
-        scaling,
-    )
-    if done:
-        sinks_done[entry_query[rides]] = True
-    return done
+@dataclass
+class SegmentCall:
+    """`probe_part`'s sets as one call of the C kernel (`native.prefill_segments`) takes them: each segment's keys
+    (its riding sinks in front) are read where they lie through their token indices and each entry sees its own
+    range of them, so nothing is gathered, chunked or merged in torch.
+
+    Attributes:
+        entry_starts, key_starts: [segments + 1] offsets of each segment's entries and keys.
+        entry_query: [entries] the query row (sample * q + token) of each sorted entry.
+        key_token: [keys] the token (sample * kv + token) of each key, the riding sinks in front of their segment's.
+        row_begin, row_end: [entries] int32, the keys of its segment an entry sees.
+        rides: [entries] whether the entry reads its segment's riding sinks (its query's sink pairs are then done).
+    """
+
+    entry_starts: torch.Tensor
+    key_starts: torch.Tensor
+    entry_query: torch.Tensor
+    key_token: torch.Tensor
+    row_begin: torch.Tensor
+    row_end: torch.Tensor
+    rides: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, keys: SortedTokens, queries: SortedTokens, reach: torch.Tensor, riders: list[Optional["SinkRiders"]]
+    ) -> "SegmentCall":
+        """From the sorted keys and query entries, each entry's reach into its segment and the riding sinks."""
+        device = reach.device
+        extra = [0 if rider is None or rider.tokens is None else len(rider.tokens) for rider in riders]
+        pieces = []
+        for segment, rider in enumerate(riders):
+            if extra[segment]:
+                pieces.append(rider.tokens)
+            pieces.append(keys.flat[keys.starts[segment] : keys.starts[segment + 1]])
+        key_counts = torch.tensor(keys.starts).diff() + torch.tensor(extra)
+        entry_starts = torch.tensor(queries.starts)
+        segment = torch.repeat_interleave(torch.arange(len(riders), dtype=torch.int32), entry_starts.diff())
+        segment = segment.to(device)
+        entry_extra = torch.tensor(extra, dtype=torch.int32, device=device)[segment]
+        # Entries from their segment's split on read the riding sinks in front of its keys; the others start after.
+        split = [queries.starts[index + 1] if rider is None else rider.split for index, rider in enumerate(riders)]
+        entry = torch.arange(len(reach), dtype=torch.int32, device=device)
+        rides = entry >= torch.tensor(split, dtype=torch.int32, device=device)[segment]
+        return cls(
+            entry_starts=entry_starts,
+            key_starts=torch.cat([key_counts.new_zeros(1), key_counts.cumsum(0)]),
+            entry_query=queries.flat // queries.entries,
+            key_token=torch.cat(pieces),
+            row_begin=torch.where(rides, 0, entry_extra),
+            row_end=reach.to(torch.int32) + entry_extra,
+            rides=rides,
+        )
+
+    def run(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+        lse: torch.Tensor,
+        scaling: float,
+        sinks_done: torch.Tensor,
+    ) -> bool:
+        """Fold set A into `output` and `lse` ([batch * q, heads, dim] / [batch * q, heads]) and mark the queries
+        whose sinks rode in `sinks_done`; False (nothing written) where the kernel cannot take the call."""
+        done = prefill_segments(
+            query,
+            key,
+            value,
+            output,
+            lse,
+            self.entry_starts,
+            self.key_starts,
+            self.entry_query,
+            self.key_token,
+            self.row_begin,
+            self.row_end,
+            scaling,
+        )
+        if done:
+            sinks_done[self.entry_query[self.rides]] = True
+        return done
 
 
 @dataclass

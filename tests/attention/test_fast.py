@@ -293,18 +293,18 @@ def test_set_a_in_one_kernel_call_equals_the_chunked_torch_path(top_k, separate,
     valid = padding(batch, seq, side, 37)
     sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
     arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
-    calls, in_kernel = [], partials.segments_in_kernel
+    calls, run = [], partials.SegmentCall.run
 
     def spy(*args):
-        calls.append(in_kernel(*args))
+        calls.append(run(*args))
         return calls[-1]
 
     with (
-        mock.patch.object(partials, "segments_in_kernel", spy),
+        mock.patch.object(partials.SegmentCall, "run", spy),
         mock.patch.object(native, "SEGMENT_SLAB_KEYS", slab_keys),
     ):
         output, lse, done = partials.probe_part(*arguments)
-    with mock.patch.object(partials, "segments_in_kernel", lambda *args: False):
+    with mock.patch.object(partials, "prefill_kernels", lambda *args: None):
         chunked, chunked_lse, chunked_done = partials.probe_part(*arguments)
     assert calls == [True]
     assert (done is None) == (chunked_done is None) and (done is None or torch.equal(done, chunked_done))
