@@ -329,7 +329,7 @@ class SortedTokens:
         # Only the included entries' segments are built and sorted (stably, so each stays in position order): a
         # sort of segment ids rather than of full codes holds fewer n-long temporaries (peak memory at 128K tokens).
         flat = include.flatten().nonzero().squeeze(1)
-        segment = groups.flatten()[flat].add_(flat // (n * m) * num_groups)
+        segment = groups.flatten()[flat].long().add_(flat // (n * m) * num_groups)
         segment, order = segment.sort(stable=True)
         flat = flat[order]
         del order

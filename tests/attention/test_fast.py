@@ -247,6 +247,20 @@ def test_consecutive_segments_are_own_group_top_1_entries():
     assert partials.consecutive_segments(reach[:0], [0, 0, 0]) == [False, False]
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_sorted_tokens_run_by_segment_then_position(dtype):
+    generator = torch.Generator().manual_seed(4)
+    groups = torch.randint(5, (2, 40, 2), generator=generator).to(dtype)
+    include = torch.rand(2, 40, 2, generator=generator) < 0.8
+    entries = partials.SortedTokens.build(groups, include, 5, 7, 47)
+    sample, token, entry = entries.flat // 80, entries.flat // 2 % 40, entries.flat % 2
+    segment = sample * 5 + groups.long()[sample, token, entry]
+    assert include[sample, token, entry].all() and len(entries.flat) == int(include.sum())
+    assert torch.equal(entries.code, segment * 47 + token + 7)
+    assert (entries.code.diff() >= 0).all()  # by segment, then position
+    assert entries.starts == [0] + torch.bincount(segment, minlength=10).cumsum(0).tolist()
+
+
 def test_own_group_top_1_runs_unmasked_causal_squares():
     generator = torch.Generator().manual_seed(6)
     seq, heads, kv_heads = 300, 6, 2
