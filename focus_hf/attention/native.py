@@ -64,7 +64,7 @@ ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 class NativeKernels:
     """The loaded library: `supports(heads, kv_heads, dim)`, `attend(...)` and `copy_row(...)` (csrc/decode.c),
-    `prefill_supports(heads, kv_heads, dim)` and `prefill(...)` (csrc/prefill.c)."""
+    `prefill_supports(heads, kv_heads, dim)`, `prefill(...)` and `prefill_segments(...)` (csrc/prefill.c)."""
 
     def __init__(self, library: ctypes.CDLL, threaded: bool) -> None:
         # Built with OpenMP (torch's pool): a prefill call splits its work among torch's threads.

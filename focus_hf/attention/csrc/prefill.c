@@ -60,7 +60,7 @@ static inline fvec fmax_lanes(fvec a, fvec b)
     return r;
 }
 /* e^x for x in [-80, 0], inline (a call into libm's vector routine per 16 lanes cost more than the products it
-   sits between): x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (~1 ulp), 2^n built in the
+   sits between): x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (a few ulp), 2^n built in the
    exponent bits. Truncating x log2(e) - 1/2 toward zero rounds it to the nearest integer for x <= 0. */
 static inline fvec fexp(fvec x)
 {
