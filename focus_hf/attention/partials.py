@@ -427,13 +427,10 @@ def staircase_attention(
     kernel: Kernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query entries [1, heads, c, dim] over keys begin .. end - 1 of [1, kv_heads, S, dim], entry r seeing those
-    before reach[r] (non-decreasing). On CPU in float32 one call of the C kernel of `native`, which reads the
-    staircase from `reach` and skips the key blocks past each query block's last reach; else the staircase as a
-    mask (for every key when begin is 0, folded with the query heads otherwise). Float32 output and lse."""
+    before reach[r] (non-decreasing): the staircase as a mask (for every key when begin is 0, folded with the query
+    heads otherwise). Float32 output and lse. (On CPU in float32 the C kernel takes all of set A, `SegmentCall`, so
+    this path serves other devices and dtypes.)"""
     keys, values = key[:, :, begin:end], value[:, :, begin:end]
-    computed = prefill_attention(query, keys, values, causal=False, scale=scaling, row_end=(reach - begin)[None])
-    if computed is not None:
-        return computed
     visible = None
     if reach[0] < end:
         visible = torch.arange(begin, end, device=query.device) < reach[:, None]
