@@ -47,8 +47,9 @@ CACHE_FILE = "crossover.json"
 # CPU decoding step runs in the C kernel of `native`; 15: its long calls run on torch's OpenMP threads; 16: at top_k
 # = 1 every segment's chunks read the sinks, no separate sink pass; 17: float32 CPU calls run the C prefill kernel
 # - the dense masked call with the pattern read from group bits, causal squares, staircases and the local part;
-# 18: set A runs in one call of the C kernel, blocks of 128 keys).
-CACHE_VERSION = 18
+# 18: set A runs in one call of the C kernel, blocks of 128 keys; 19: its group sort is a counting sort in C, the
+# sink pairs run in the kernel).
+CACHE_VERSION = 19
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]

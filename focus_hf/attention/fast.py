@@ -22,11 +22,13 @@ their block and the block itself, as overlapping strided views of the keys, unde
 and the pairs with sinks farther than the window that did not ride in A (top_k > 1, and the few queries before the
 last sink), a handful of keys done with two small matmuls.
 
-On CPU in float32 the C prefill kernel of `native` runs all of A in one call (`partials.SegmentCall`): it
-reads each segment's keys where they lie through their token indices (no gathered copy), gives each entry its
-reach (skipping the key blocks past a query block's last) and folds each entry into its query's row of the output
-as it finishes - no chunks, calls or merges in torch. It runs the local part too (its rule read from group bits),
-folded into the same output.
+On CPU in float32 the C prefill kernel of `native` runs A in one call per block of SET_A_ROWS queries
+(`segments.SegmentKeys`, the group sort a counting sort in C): it reads each segment's keys where they lie through
+their token indices (no gathered copy), gives each entry its reach (skipping the key blocks past a query block's
+last) and folds each entry into its query's row of the output as it finishes - no chunks, calls or merges in
+torch. It runs the local part and the sink pairs too (the local rule read from group bits), folded into the same
+output, and each block's set B is folded in before the next block's set A, so that one block's log-sum-exp is held
+rather than every query's.
 
 The partial results of a query (A, local, sinks) are merged exactly by log-sum-exp. Hidden keys carry finfo.min
 rather than -inf, so a partial without visible keys has a log-sum-exp near finfo.min, gets weight 0 in the merge
@@ -50,8 +52,10 @@ Forward only: the attention kernels' backward ignores the gradient of the log-su
 merge depends on, so `attention.focus_attention_forward` sends calls that need gradients to the reference path.
 
 Costs (n tokens, K groups, window w, top-k probes): A ~ k n^2 / 2K (+ n PROBE_CHUNK / 2 on the staircases),
-B ~ n (w + partials.LOCAL_BLOCK); memory: the float32 output and log-sum-exp, one segment's keys (on CPU one slab
-of them, `native.SEGMENT_SLAB_KEYS`) and one block of STREAM_ROWS queries' partial results. A decoding step reads
+B ~ n (w + partials.LOCAL_BLOCK); memory: the float32 output and log-sum-exp, one segment's keys and one block of
+STREAM_ROWS queries' partial results - on CPU in float32 the output, 4 bytes per key (the sorted keys), one
+block's log-sum-exp and entries and one packing buffer (`native.packing_scratch`): less than dense SDPA adds to
+its output at 128K tokens. A decoding step reads
 ~ k n / K + w keys; the group-sorted copy it reads them from holds the routed heads' distant keys and values a
 second time (off with `set_routing(decode_copy=False)`).
 """
@@ -66,7 +70,7 @@ import torch.nn.functional as F
 from focus_hf.attention.backends import Kernel, select_kernel
 from focus_hf.attention.calibration import dense_below
 from focus_hf.attention.grouped_keys import GroupedKeys
-from focus_hf.attention.native import prefill_attention
+from focus_hf.attention.native import SEGMENT_SLAB_KEYS, packing_scratch, prefill_attention
 from focus_hf.attention.partials import (
     few_query_attention,
     gather_tokens,
@@ -85,6 +89,7 @@ from focus_hf.attention.pattern import (
     probes,
     probes_every_group,
 )
+from focus_hf.attention.segments import SegmentKeys
 
 # Up to this many queries against a longer cache, gathering the reachable keys beats laying out all groups.
 DECODE_MAX_QUERIES = 16
@@ -97,6 +102,10 @@ DIRECT_GATHER_MAX = 4096
 # output before the next is computed, so a call holds the output and one block's partials, not a second full-size
 # result (~5 KiB per row, ~5 MiB per block at 9 x 64 heads). 1,024 and 4,096 rows ran equally fast at 4K and 16K.
 STREAM_ROWS = 1024
+# Query rows per block of set A in the C kernel (`segments.SegmentKeys`). Each block's call reads its segments' keys
+# up to its last query again, so fewer rows repack more keys; a block's log-sum-exp and entries take ~48 bytes per
+# row at 9 heads and top_k 1.
+SET_A_ROWS = 16384
 
 
 def sparse_attention(
@@ -112,62 +121,113 @@ def sparse_attention(
     scaling: float,
     kernel: Kernel,
 ) -> torch.Tensor:
-    """Sets A and B merged: [batch, q, heads, dim]. The parts of B are computed STREAM_ROWS queries at a time and
-    folded into A's result at once, so that only one block's partial result is held beside it (memory)."""
+    """Sets A and B merged: [batch, q, heads, dim].
+
+    In the C kernel (`segments.SegmentKeys`), set A goes SET_A_ROWS queries at a time and each block's set B is
+    folded in before the next, so that only one block's log-sum-exp is held beside the output; elsewhere set A
+    comes whole from `probe_part` and set B follows. The parts of B go STREAM_ROWS queries at a time (memory)."""
     valid = key_valid
     if valid is None:
         valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool, device=query.device)
-    output, lse, sinks_done = probe_part(
-        query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel, key_sink
-    )
-    q_len, first_query = query.shape[2], key.shape[2] - query.shape[2]
-    sink_rows = q_len  # the queries that may have sink pairs left: set A did those of the queries it marks
+    batch, heads, q_len, dim = query.shape
+    states = (query, key, value, key_valid, query_groups, key_groups, key_sink, window, scaling, kernel)
+    riders = key_sink if query_groups.shape[-1] == 1 else None  # top-1 queries read their sinks in set A
+    block_rows = min(SET_A_ROWS, q_len)
+    in_kernel = SegmentKeys.build(query, key, value, query_groups, key_groups, valid, riders, num_groups, block_rows)
+    if in_kernel is None:
+        output, lse, sinks_done = probe_part(
+            query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel, key_sink
+        )
+        fold_set_b(*states, valid, output, lse, sinks_done, 0, q_len)
+        return output.to(query.dtype)
+    output = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
+    block_lse = query.new_empty(batch, block_rows, heads, dtype=torch.float32)
+    # The local part's calls read a block of queries and the window before it; set A's read slabs of one segment.
+    local_keys = min(STREAM_ROWS + window, key.shape[2])
+    scratch = packing_scratch(key.shape[1], dim, (batch, local_keys), (1, SEGMENT_SLAB_KEYS))
+    for start in range(0, q_len, block_rows):
+        end = min(start + block_rows, q_len)
+        lse = block_lse[:, : end - start].fill_(torch.finfo(torch.float32).min)
+        sinks_done = in_kernel.fold(query, key, value, start, end, output[:, start:end], lse, scaling, scratch)
+        fold_set_b(*states, valid, output[:, start:end], lse, sinks_done, start, end, scratch)
+    return output.to(query.dtype)
+
+
+def fold_set_b(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+    kernel: Kernel,
+    valid: torch.Tensor,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    sinks_done: Optional[torch.Tensor],
+    begin: int,
+    end: int,
+    scratch: Optional[torch.Tensor] = None,
+) -> None:
+    """Fold set B of query rows begin .. end - 1 into float32 `output` [batch, end - begin, heads, dim] and `lse`
+    [batch, end - begin, heads], which hold their set A (`sinks_done` [batch, end - begin]: the rows whose sink pairs
+    rode there, or None), STREAM_ROWS queries at a time: each block's partial result is folded in before the next
+    is computed, so that only one block's is held beside the output. `scratch`: `native.packing_scratch` for the C
+    kernel's calls."""
+    first_query = key.shape[2] - query.shape[2]
+    sink_end = end  # the queries that may have sink pairs left: set A did those of the queries it marks
     if sinks_done is not None:  # padding queries' outputs are meaningless: no sink pass for them
-        pending = (~sinks_done & valid[:, first_query:]).any(dim=0).nonzero()
-        sink_rows = int(pending[-1]) + 1 if len(pending) else 0
-    for start, end, keys_end in row_blocks(sink_rows, first_query):
+        pending = (~sinks_done & valid[:, first_query + begin : first_query + end]).any(dim=0).nonzero()
+        sink_end = begin + (int(pending[-1]) + 1 if len(pending) else 0)
+    for start, stop, keys_end in row_blocks(begin, sink_end, first_query):
+        rows = slice(start - begin, stop - begin)
         sinks = sink_part(
-            query[:, :, start:end],
+            query[:, :, start:stop],
             key[:, :, :keys_end],
             value[:, :, :keys_end],
-            query_groups[:, start:end],
+            query_groups[:, start:stop],
             key_groups[:, :keys_end],
             key_sink[:, :keys_end],
             window,
             scaling,
-            None if sinks_done is None else sinks_done[:, start:end],
+            None if sinks_done is None else sinks_done[:, rows],
+            into=(output[:, rows], lse[:, rows]),
         )
-        if sinks is not None:
-            merge_into(output[:, start:end], lse[:, start:end], *sinks)
+        if sinks is not None:  # else the kernel folded them in (or there are none)
+            merge_into(output[:, rows], lse[:, rows], *sinks)
         del sinks
-    for start, end, keys_end in row_blocks(q_len, first_query):
+    for start, stop, keys_end in row_blocks(begin, end, first_query):
+        rows = slice(start - begin, stop - begin)
         local = local_part(
-            query[:, :, start:end],
+            query[:, :, start:stop],
             key[:, :, :keys_end],
             value[:, :, :keys_end],
             None if key_valid is None else key_valid[:, :keys_end],
-            query_groups[:, start:end],
+            query_groups[:, start:stop],
             key_groups[:, :keys_end],
             window,
             scaling,
             kernel,
             key_sink[:, :keys_end],
-            None if sinks_done is None else sinks_done[:, start:end],
-            into=(output[:, start:end], lse[:, start:end]),
+            None if sinks_done is None else sinks_done[:, rows],
+            into=(output[:, rows], lse[:, rows]),
+            scratch=scratch,
         )
         if local is not None:  # else the kernel folded it in
-            merge_into(output[:, start:end], lse[:, start:end], *local)
+            merge_into(output[:, rows], lse[:, rows], *local)
         del local
-    return output.to(query.dtype)
 
 
-def row_blocks(rows: int, first_query: int) -> Iterator[tuple[int, int, int]]:
-    """(start, end, keys_end) of each block of STREAM_ROWS of the first `rows` queries. Rows start .. end - 1 see keys
-    up to keys_end = first_query + end only; the parts read kv_len - q_len as the first query's position, so slicing
-    queries and keys alike is exact."""
-    for start in range(0, rows, STREAM_ROWS):
-        end = min(start + STREAM_ROWS, rows)
-        yield start, end, first_query + end
+def row_blocks(begin: int, end: int, first_query: int) -> Iterator[tuple[int, int, int]]:
+    """(start, stop, keys_end) of each block of STREAM_ROWS of queries begin .. end - 1. Rows start .. stop - 1 see
+    keys up to keys_end = first_query + stop only; the parts read kv_len - q_len as the first query's position, so
+    slicing queries and keys alike is exact."""
+    for start in range(begin, end, STREAM_ROWS):
+        stop = min(start + STREAM_ROWS, end)
+        yield start, stop, first_query + stop
 
 
 def reachable_keys(

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from focus_hf.aliases import default_cache_dir
 
 NATIVE_ENV = "FOCUS_HF_NATIVE"
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode.c", "prefill.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode.c", "prefill.c", "segments.c"))
 # -ffast-math lets the compiler vectorise the sums and exp; it is given to the compile step only, because linking
 # with it adds a start-up routine that sets flush-to-zero for the whole process (denormals would read as 0 in torch,
 # numpy and Python floats alike).
@@ -64,7 +64,9 @@ ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 class NativeKernels:
     """The loaded library: `supports(heads, kv_heads, dim)`, `attend(...)` and `copy_row(...)` (csrc/decode.c),
-    `prefill_supports(heads, kv_heads, dim)`, `prefill(...)` and `prefill_segments(...)` (csrc/prefill.c)."""
+    `prefill_supports(heads, kv_heads, dim)`, `prefill(...)`, `prefill_segments(...)` and `sink_pairs(...)`
+    (csrc/prefill.c),
+    `segment_keys(...)` and `segment_entries(...)` (csrc/segments.c)."""
 
     def __init__(self, library: ctypes.CDLL, threaded: bool) -> None:
         # Built with OpenMP (torch's pool): a prefill call splits its work among torch's threads.
@@ -84,7 +86,7 @@ class NativeKernels:
         self.prefill_supports.restype = ctypes.c_int
         self.prefill = library.focus_prefill
         # q, k, v, out, lse, B, H, KH, L, S, dim, 5 stride triples, row ends, query bits, key bits, key valid, window,
-        # first, causal, local, merge, scale
+        # first, causal, local, merge, scale, scratch, scratch floats
         flag = ctypes.c_int
         self.prefill.argtypes = [
             *[pointer] * 5,
@@ -96,14 +98,31 @@ class NativeKernels:
             flag,
             flag,
             ctypes.c_float,
+            pointer,
+            size,
         ]
         self.prefill.restype = ctypes.c_int
         self.prefill_segments = library.focus_prefill_segments
-        # q, k, v, out, lse, H, KH, dim, 3 stride triples, q tokens, kv tokens, segments, entry starts, key starts,
-        # entry query, key token, row begin, row end, slab keys, scale
-        self.prefill_segments.argtypes = [*[pointer] * 5, *[size] * 3, *[pointer] * 3, *[size] * 3, *[pointer] * 6]
-        self.prefill_segments.argtypes += [size, ctypes.c_float]
+        # q, k, v, out, lse, H, KH, dim, 5 stride triples, q tokens, kv tokens, segments, entry starts, key starts,
+        # entry query, key token, row begin, row end, slab keys, scale, scratch, scratch floats
+        self.prefill_segments.argtypes = [*[pointer] * 5, *[size] * 3, *[pointer] * 5, *[size] * 3, *[pointer] * 6]
+        self.prefill_segments.argtypes += [size, ctypes.c_float, pointer, size]
         self.prefill_segments.restype = ctypes.c_int
+        self.sink_pairs = library.focus_sink_pairs
+        # q, k, v, out, lse, B, H, KH, L, dim, 5 stride triples, sink position, sink group, S, probes, top_k, done,
+        # window, first, scale
+        self.sink_pairs.argtypes = [*[pointer] * 5, *[size] * 5, *[pointer] * 7, size, pointer, size, pointer]
+        self.sink_pairs.argtypes += [size, size, ctypes.c_float]
+        self.sink_pairs.restype = ctypes.c_int
+        self.segment_keys = library.focus_segment_keys
+        # groups, group strides, valid, sinks, batch, kv, K, key token, key starts, riders, last sink
+        self.segment_keys.argtypes = [*[pointer] * 4, *[size] * 3, *[pointer] * 4]
+        self.segment_keys.restype = ctypes.c_int
+        self.segment_entries = library.focus_segment_entries
+        # probes, probe strides, groups, group strides, valid, batch, kv, q, K, top_k, first, rows, running, counted,
+        # riders, last sink, entry starts, entry query, row begin, row end, rides
+        self.segment_entries.argtypes = [*[pointer] * 5, *[size] * 7, pointer, size, *[pointer] * 7]
+        self.segment_entries.restype = ctypes.c_int
         self.copy_row.restype = None
 
 
@@ -311,12 +330,30 @@ def prefill_kernels(
 
 
 def strides(tensor: torch.Tensor) -> ctypes.Array:
-    """A tensor's first three strides, for the kernel's {batch, head, row} stride arguments."""
+    """A tensor's first three strides, for the kernel's {batch, head, row} (or {sample, token[, slot]}) stride
+    arguments."""
     return (ctypes.c_int64 * 3)(*tensor.stride()[:3])
 
 
 def address(tensor: Optional[torch.Tensor]) -> Optional[int]:
     return None if tensor is None else tensor.data_ptr()
+
+
+def packing_scratch(kv_heads: int, dim: int, *calls: tuple[int, int]) -> torch.Tensor:
+    """A float32 buffer for the packed keys of each of `calls` ((batch, keys): a prefill call over `keys` keys of
+    `batch` samples of `kv_heads` heads; `prefill_segments` packs at most SEGMENT_SLAB_KEYS keys of one sample), to
+    pass to every call of a loop (`prefill_attention`, `prefill_segments`): buffers that each call allocates and
+    frees land in different places of the heap and leave it larger than any one of them needs (at 128K tokens, a
+    few MiB more resident memory than the call ever held at once)."""
+    padded = max(batch * -(-keys // PREFILL_KEY_BLOCK) * PREFILL_KEY_BLOCK for batch, keys in calls)
+    return torch.empty(kv_heads * padded * dim, dtype=torch.float32)
+
+
+def scratch_arguments(scratch: Optional[torch.Tensor]) -> tuple[Optional[int], int]:
+    """(pointer, floats) of a `packing_scratch` buffer for the C calls; (None, 0): none, the call allocates."""
+    if scratch is None or scratch.dtype != torch.float32 or scratch.device.type != "cpu" or not scratch.is_contiguous():
+        return None, 0
+    return scratch.data_ptr(), scratch.numel()
 
 
 def prefill_attention(
@@ -334,6 +371,7 @@ def prefill_attention(
     window: int = 0,
     local: bool = False,
     into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    scratch: Optional[torch.Tensor] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Queries [batch, heads, L, dim] over keys/values [batch, kv_heads, S, dim] (float32, GQA as in transformers)
     in one call of the C kernel: output [batch, heads, L, dim] (laid out [batch, L, heads, dim], as torch's CPU kernel
@@ -347,7 +385,8 @@ def prefill_attention(
     local part of the fast path, reading only the keys of each query block's window.
     A row that sees no key comes out 0 with lse finfo.min. With `into` (float32 output [batch, heads, L, dim] and
     lse [batch, heads, L], any strides, holding a partial result over other keys; lse finfo.min where none), each
-    row's result is folded into them by log-sum-exp instead, and they are returned."""
+    row's result is folded into them by log-sum-exp instead, and they are returned. `scratch` (`packing_scratch`)
+    holds the packed keys, where it is large enough, instead of a buffer of the call's own."""
     kernels = prefill_kernels(query, key, value, *(into or ()))
     if kernels is None or (local and query_bits is None):
         return None
@@ -393,6 +432,7 @@ def prefill_attention(
         int(local),
         int(into is not None),
         scale,
+        *scratch_arguments(scratch),
     )
     return (output, lse) if status == 0 else None
 
@@ -410,19 +450,24 @@ def prefill_segments(
     row_begin: torch.Tensor,
     row_end: torch.Tensor,
     scale: float,
+    scratch: Optional[torch.Tensor] = None,
 ) -> bool:
-    """Set A of the fast path (`partials.probe_part`) in one call of the C kernel, folded into `output`
-    [batch * q, heads, dim] and `lse` [batch * q, heads] (float32, contiguous; lse finfo.min where a row holds
-    nothing yet). Query entries and keys come sorted into segments: segment s holds entries entry_starts[s] ..
-    entry_starts[s + 1] - 1 and keys key_starts[s] .. key_starts[s + 1] - 1; entry e is query row entry_query[e]
-    (sample * q + token of query [batch, heads, q, dim]) and sees its segment's keys row_begin[e] .. row_end[e] - 1;
-    key i is key_token[i] (sample * kv + token of key/value [batch, kv_heads, kv, dim]). A query's entries must lie
-    in distinct segments. False (nothing written) where the kernel cannot take the call."""
+    """Set A of the fast path (`segments.SegmentKeys`) in one call of the C kernel, folded into float32 `output`
+    [batch, heads, q, dim] and `lse` [batch, heads, q] (any strides; lse finfo.min where a row holds nothing yet).
+    Query entries and keys come sorted into segments (int64 offsets, int32 indices, contiguous): segment s holds
+    entries entry_starts[s] .. entry_starts[s + 1] - 1 and keys key_starts[s] .. key_starts[s + 1] - 1; entry e is
+    query row entry_query[e] (sample * q + token of query [batch, heads, q, dim]) and sees its segment's keys
+    row_begin[e] .. row_end[e] - 1; key i is key_token[i] (sample * kv + token of key/value [batch, kv_heads, kv,
+    dim]). A query's entries must lie in distinct segments. `scratch` as in `prefill_attention` (a call packs at
+    most SEGMENT_SLAB_KEYS keys at once). False (nothing written) where the kernel cannot take the call."""
     kernels = prefill_kernels(query, key, value, output, lse)
-    if kernels is None or not (output.is_contiguous() and lse.is_contiguous()):
+    if kernels is None:
         return False
-    longs = [tensor.to(torch.int64).contiguous() for tensor in (entry_starts, key_starts, entry_query, key_token)]
-    ints = [tensor.to(torch.int32).contiguous() for tensor in (row_begin, row_end)]
+    longs, ints = (entry_starts, key_starts), (entry_query, key_token, row_begin, row_end)
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in longs) or any(
+        t.dtype != torch.int32 or not t.is_contiguous() for t in ints
+    ):
+        raise ValueError("prefill_segments takes contiguous int64 offsets and int32 indices")
     status = kernels.prefill_segments(
         query.data_ptr(),
         key.data_ptr(),
@@ -435,11 +480,67 @@ def prefill_segments(
         strides(query),
         strides(key),
         strides(value),
+        strides(output),
+        strides(lse),
         query.shape[2],
         key.shape[2],
         len(entry_starts) - 1,
         *(tensor.data_ptr() for tensor in longs + ints),
         SEGMENT_SLAB_KEYS,
+        scale,
+        *scratch_arguments(scratch),
+    )
+    return status == 0
+
+
+def sink_pairs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    sink_position: torch.Tensor,
+    sink_group: torch.Tensor,
+    probes: torch.Tensor,
+    done: Optional[torch.Tensor],
+    window: int,
+    scale: float,
+) -> bool:
+    """Set B's sink pairs (`partials.sink_part`) of queries [batch, heads, L, dim] (the last L of the keys) in one
+    call of the C kernel, folded into float32 `output` [batch, heads, L, dim] and `lse` [batch, heads, L] (any
+    strides) by log-sum-exp. Sink t of sample b lies at sink_position[b, t] (-1: none) in group sink_group[b, t]; a
+    query sees the sinks more than `window` before it whose group is none of its `probes` [batch, L, top_k], unless
+    `done` [batch, L] marks it. False (nothing written) where the kernel cannot take the call."""
+    kernels = prefill_kernels(query, key, value, output, lse)
+    if kernels is None:
+        return False
+    batch, heads, length, dim = query.shape
+    positions, groups, probes = (t.long().contiguous() for t in (sink_position, sink_group, probes))
+    done = None if done is None else done.to(torch.uint8).contiguous()
+    status = kernels.sink_pairs(
+        query.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        output.data_ptr(),
+        lse.data_ptr(),
+        batch,
+        heads,
+        key.shape[1],
+        length,
+        dim,
+        strides(query),
+        strides(key),
+        strides(value),
+        strides(output),
+        strides(lse),
+        positions.data_ptr(),
+        groups.data_ptr(),
+        positions.shape[1],
+        probes.data_ptr(),
+        probes.shape[2],
+        address(done),
+        window,
+        key.shape[2] - length,
         scale,
     )
     return status == 0

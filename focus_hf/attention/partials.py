@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import Kernel
-from focus_hf.attention.native import prefill_attention, prefill_kernels, prefill_segments
+from focus_hf.attention.native import prefill_attention, sink_pairs
 from focus_hf.attention.pattern import LOCAL_BITS_MAX_GROUPS, local_bits, pair_distance, probes
 
 # Queries per block of the local part. Each query reads LOCAL_BLOCK + window keys, so smaller blocks waste less,
@@ -58,14 +58,18 @@ def merge_into(output: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part
 
 
 def sink_slots(key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices [batch, S] of each sample's sink keys (S = most sinks in a sample) and which of them exist."""
-    batch, kv_len = key_sink.shape
-    count = key_sink.sum(dim=1)
-    sinks = int(count.max()) if kv_len else 0
-    rank = torch.where(key_sink, key_sink.cumsum(dim=1) - 1, sinks)
-    positions = torch.arange(kv_len, device=key_sink.device).expand(batch, -1)
-    index = torch.zeros(batch, sinks + 1, dtype=torch.long, device=key_sink.device).scatter_(1, rank, positions)
-    return index[:, :sinks], torch.arange(sinks, device=key_sink.device) < count[:, None]
+    """Indices [batch, S] of each sample's sink keys (S = most sinks in a sample) and which of them exist.
+
+    From the sinks' coordinates alone, with no temporary as long as the keys (the sink pass of a long prefill runs
+    this once per block of queries)."""
+    batch = key_sink.shape[0]
+    sample, position = key_sink.nonzero().unbind(1)  # row-major: each sample's sinks in position order
+    count = torch.bincount(sample, minlength=batch)
+    sinks = int(count.max()) if len(sample) else 0
+    rank = torch.arange(len(sample), device=key_sink.device) - (count.cumsum(0) - count)[sample]
+    index = torch.zeros(batch, sinks, dtype=torch.long, device=key_sink.device)
+    index[sample, rank] = position
+    return index, torch.arange(sinks, device=key_sink.device) < count[:, None]
 
 
 def slot_buffer(states: torch.Tensor) -> torch.Tensor:
@@ -145,6 +149,7 @@ def local_part(
     key_sink: Optional[torch.Tensor] = None,
     sinks_done: Optional[torch.Tensor] = None,
     into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    scratch: Optional[torch.Tensor] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Set B's local pairs: output [batch, q, heads, dim] and lse [batch, q, heads] over the keys at most `window`
     before each query whose group the query does not probe - and that are not sinks (`key_sink` [batch, kv]) for
@@ -153,7 +158,8 @@ def local_part(
     On CPU in float32 the C kernel of `native` takes the whole part in one call, the rule evaluated from group bits
     (`pattern.local_bits`) as it goes, with no mask to build (the sparse path, K=8 top-1 at 4K tokens, alternating
     in one process: 63.4 -> 60.1 ms), and folds it straight into `into` (float32 output [batch, q, heads, dim] and
-    lse [batch, q, heads] of the other parts), if given: it then returns None. Elsewhere queries go in blocks of
+    lse [batch, q, heads] of the other parts), if given: it then returns None (`scratch`: `native.packing_scratch`,
+    for the packed keys). Elsewhere queries go in blocks of
     LOCAL_BLOCK; block t reads the keys from `window` before its first query to its last, as overlapping strided
     views of the keys (no per-block copies), under a mask built here.
     """
@@ -161,9 +167,10 @@ def local_part(
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
     on_cpu = query.device.type == "cpu" and q_len > 0
-    if on_cpu and max(int(query_groups.max()), int(key_groups.max())) < LOCAL_BITS_MAX_GROUPS:
+    lo = max(first_query - window, 0)  # the first query's window: no query of the call reads a key before it
+    # (max of a strided tensor copies it first: of the keys before `lo`, once per block of a long prefill)
+    if on_cpu and max(int(query_groups.max()), int(key_groups[:, lo:].max())) < LOCAL_BITS_MAX_GROUPS:
         # Only the keys from the first query's window on (the kernel copies every key it is given).
-        lo = max(first_query - window, 0)
         sinks = None if key_sink is None else key_sink[:, lo:]
         query_bits, key_bits = local_bits(query_groups, key_groups[:, lo:], sinks, sinks_done)
         computed = prefill_attention(
@@ -179,6 +186,7 @@ def local_part(
             window=window,
             local=True,
             into=None if into is None else (into[0].transpose(1, 2), into[1].transpose(1, 2)),
+            scratch=scratch,
         )
         if computed is not None:
             return None if into is not None else (computed[0].transpose(1, 2), computed[1].transpose(1, 2))
@@ -227,15 +235,19 @@ def sink_part(
     window: int,
     scaling: float,
     done: Optional[torch.Tensor] = None,
+    into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Set B's sink pairs: sinks farther than `window` whose group the query does not probe (and, `done` [batch, q]
     given, not for the queries it marks: `probe_part` included their sink pairs).
 
-    A handful of keys: two small matmuls instead of an attention kernel, whose per-row overhead would dominate.
-    Every query head is scored against the sinks of every kv head (a kv_heads-fold waste on a tiny product) so
-    that the token-major queries need no copy; the other kv heads' logits are hidden.
+    On CPU in float32 the C kernel of `native` folds them straight into `into` (float32 output [batch, q, heads,
+    dim] and lse [batch, q, heads] of the other parts), if given, with nothing allocated per query (a 128K prefill
+    held ~10 MiB more at top_k = 2 with the partial results below); it then returns None. Elsewhere: a handful of
+    keys, two small matmuls instead of an attention kernel, whose per-row overhead would dominate. Every query head
+    is scored against the sinks of every kv head (a kv_heads-fold waste on a tiny product) so that the token-major
+    queries need no copy; the other kv heads' logits are hidden.
 
-    Returns output [batch, q, heads, dim] and lse [batch, q, heads], or None without sinks.
+    Returns output [batch, q, heads, dim] and lse [batch, q, heads], or None without sinks or when folded.
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len, device = key.shape[1], key.shape[2], query.device
@@ -243,6 +255,12 @@ def sink_part(
     sinks = sink_index.shape[1]
     if sinks == 0:
         return None
+    if into is not None:
+        position = torch.where(sink_used, sink_index, -1)
+        group = key_groups.gather(1, sink_index)
+        folded = (into[0].transpose(1, 2), into[1].transpose(1, 2))
+        if sink_pairs(query, key, value, *folded, position, group, query_groups, done, window, scaling):
+            return None
     distance = pair_distance(torch.arange(kv_len - q_len, kv_len, device=device), sink_index)  # [batch, q, sinks]
     visible = (distance > window) & sink_used[:, None, :] & ~probes(query_groups, key_groups.gather(1, sink_index))
     if done is not None:
@@ -472,9 +490,9 @@ def probe_part(
     sinks out of their window), at the cost of a few more keys per call instead of a separate pass over every query
     (`sink_part`, memory-bound: 12 of 69 ms at 4K tokens, CPU, K=8 top-1).
 
-    On CPU in float32 all of this is one call of the C kernel (`SegmentCall`): the chunks, gathers and merges
-    below are the path of other devices and dtypes (K=8, 4K / 16K tokens, alternating in one process: top-1 52 -> 42
-    ms / 380 -> 334 ms, top-2 81 -> 66 ms / 813 -> 591 ms).
+    On CPU in float32 the C kernel takes set A instead (`segments.SegmentKeys`, which `fast.sparse_attention`
+    chooses): the chunks, gathers and merges here are the path of other devices and dtypes (K=8, 4K / 16K tokens,
+    alternating in one process: top-1 52 -> 42 ms / 380 -> 334 ms, top-2 81 -> 66 ms / 813 -> 591 ms).
 
     Args:
         probe_groups: [batch, q, top_k] the groups each query probes (the queries are the last q keys): distinct,
@@ -505,15 +523,9 @@ def probe_part(
     riders: list[Optional[SinkRiders]] = [None] * (batch * num_groups)
     if top_k == 1 and key_sink is not None:
         riders = sink_riders(key_sink, key_groups, queries, num_groups)
-    # The kernel's index arrays are built before the output is allocated: they reuse the memory the sort freed.
-    in_kernel = SegmentCall.build(keys, queries, reach, riders) if prefill_kernels(query, key, value) else None
     output = query.new_zeros(batch * q_len, heads, dim, dtype=torch.float32)
     lse = query.new_full((batch * q_len, heads), torch.finfo(torch.float32).min, dtype=torch.float32)
     sinks_done = torch.zeros(batch * q_len, dtype=torch.bool, device=device)
-    if in_kernel is not None and in_kernel.run(query, key, value, output, lse, scaling, sinks_done):
-        done = None if all(rider is None for rider in riders) else sinks_done.view(batch, q_len)
-        return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads), done
-    del in_kernel
     consecutive = consecutive_segments(reach, queries.starts)
     chunks = []  # (segment, first entry, end, consecutive, sinks ride)
     for segment, causal in enumerate(consecutive):
@@ -572,90 +584,6 @@ def probe_part(
         lse.index_copy_(0, rows, part_lse)
     done = None if all(rider is None for rider in riders) else sinks_done.view(batch, q_len)
     return output.view(batch, q_len, heads, dim), lse.view(batch, q_len, heads), done
-
-
-@dataclass
-class SegmentCall:
-    """`probe_part`'s sets as one call of the C kernel (`native.prefill_segments`) takes them: each segment's keys
-    (its riding sinks in front) are read where they lie through their token indices and each entry sees its own
-    range of them, so nothing is gathered, chunked or merged in torch.
-
-    Attributes:
-        entry_starts, key_starts: [segments + 1] offsets of each segment's entries and keys.
-        entry_query: [entries] the query row (sample * q + token) of each sorted entry.
-        key_token: [keys] the token (sample * kv + token) of each key, the riding sinks in front of their segment's.
-        row_begin, row_end: [entries] int32, the keys of its segment an entry sees.
-        rides: [entries] whether the entry reads its segment's riding sinks (its query's sink pairs are then done).
-    """
-
-    entry_starts: torch.Tensor
-    key_starts: torch.Tensor
-    entry_query: torch.Tensor
-    key_token: torch.Tensor
-    row_begin: torch.Tensor
-    row_end: torch.Tensor
-    rides: torch.Tensor
-
-    @classmethod
-    def build(
-        cls, keys: SortedTokens, queries: SortedTokens, reach: torch.Tensor, riders: list[Optional["SinkRiders"]]
-    ) -> "SegmentCall":
-        """From the sorted keys and query entries, each entry's reach into its segment and the riding sinks."""
-        device = reach.device
-        extra = [0 if rider is None or rider.tokens is None else len(rider.tokens) for rider in riders]
-        pieces = []
-        for segment, rider in enumerate(riders):
-            if extra[segment]:
-                pieces.append(rider.tokens)
-            pieces.append(keys.flat[keys.starts[segment] : keys.starts[segment + 1]])
-        key_counts = torch.tensor(keys.starts).diff() + torch.tensor(extra)
-        entry_starts = torch.tensor(queries.starts)
-        segment = torch.repeat_interleave(torch.arange(len(riders), dtype=torch.int32), entry_starts.diff())
-        segment = segment.to(device)
-        entry_extra = torch.tensor(extra, dtype=torch.int32, device=device)[segment]
-        # Entries from their segment's split on read the riding sinks in front of its keys; the others start after.
-        split = [queries.starts[index + 1] if rider is None else rider.split for index, rider in enumerate(riders)]
-        entry = torch.arange(len(reach), dtype=torch.int32, device=device)
-        rides = entry >= torch.tensor(split, dtype=torch.int32, device=device)[segment]
-        return cls(
-            entry_starts=entry_starts,
-            key_starts=torch.cat([key_counts.new_zeros(1), key_counts.cumsum(0)]),
-            entry_query=queries.flat // queries.entries,
-            key_token=torch.cat(pieces),
-            row_begin=torch.where(rides, 0, entry_extra),
-            row_end=reach.to(torch.int32) + entry_extra,
-            rides=rides,
-        )
-
-    def run(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        output: torch.Tensor,
-        lse: torch.Tensor,
-        scaling: float,
-        sinks_done: torch.Tensor,
-    ) -> bool:
-        """Fold set A into `output` and `lse` ([batch * q, heads, dim] / [batch * q, heads]) and mark the queries
-        whose sinks rode in `sinks_done`; False (nothing written) where the kernel cannot take the call."""
-        done = prefill_segments(
-            query,
-            key,
-            value,
-            output,
-            lse,
-            self.entry_starts,
-            self.key_starts,
-            self.entry_query,
-            self.key_token,
-            self.row_begin,
-            self.row_end,
-            scaling,
-        )
-        if done:
-            sinks_done[self.entry_query[self.rides]] = True
-        return done
 
 
 @dataclass

@@ -4,9 +4,10 @@ Inputs are random q/k/v; the routing comes from a random-init router (a FocusLay
 on random hidden states, causal Sinkhorn via `routing.route_tokens`), so groups are balanced as in a real model.
 Dense (`scaled_dot_product_attention(is_causal=True, enable_gqa=True)`) and Focus are timed alternately in the
 same loop and the median is kept; `--peak-memory` instead runs one Focus call per length in a fresh process and
-reports its peak resident memory. `--decode` times one new query against a KV cache of each length (dense SDPA vs
-Focus's decode path, alternately); `--calibrate` measures where "auto" switches from the dense masked call to the
-sparse path on this machine (`attention/calibration.py`), stores it in the cache and prints it.
+reports its peak resident memory (after a warm-up call at a shorter length). `--decode` times one new query against
+a KV cache of each length (dense SDPA vs Focus's decode path, alternately); `--calibrate` measures where "auto"
+switches from the dense masked call to the sparse path on this machine (`attention/calibration.py`), stores it in
+the cache and prints it.
 """
 
 from __future__ import annotations
@@ -452,11 +453,17 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
     return rows
 
 
+# Tokens of the warm-up call before a peak-memory measurement (`peak_memory_child`): above every crossover of "auto",
+# so that the warm-up runs the sparse path too.
+PEAK_MEMORY_WARM_UP_TOKENS = 16384
+
+
 def peak_memory_child(
     args: argparse.Namespace, seq_len: int, top_k: Optional[int], queue: multiprocessing.Queue
 ) -> None:
-    """Runs in a fresh process: one Focus call (or with top_k None one dense causal SDPA call on the same inputs);
-    reports RSS before it and the process's peak RSS (MiB)."""
+    """Runs in a fresh process: one Focus call (or with top_k None one dense causal SDPA call on the same inputs),
+    after a warm-up call at up to PEAK_MEMORY_WARM_UP_TOKENS tokens; reports RSS before it and the process's peak RSS
+    (MiB)."""
     import psutil
     import torch
 
@@ -464,6 +471,12 @@ def peak_memory_child(
     if args.threads:
         torch.set_num_threads(args.threads)
     with torch.inference_mode():
+        # One call at a shorter length first, on the same path: the library code that torch and the C kernels page
+        # in on first use (~0.6 MiB for dense SDPA, ~2-3 MiB for Focus in a fresh process) is not what the call
+        # holds, and a model pays it once, at its first layer.
+        warm_up = make_case(args, min(seq_len, PEAK_MEMORY_WARM_UP_TOKENS), device, dtype)
+        (dense_call(warm_up) if top_k is None else focus_call(args, warm_up, top_k))()
+        del warm_up
         case = make_case(args, seq_len, device, dtype)
         call = dense_call(case) if top_k is None else focus_call(args, case, top_k)
         # Building the inputs touches more memory than they keep (the hidden states the routing is computed from):
@@ -480,6 +493,7 @@ def peak_memory_child(
             "rss_before_call_mib": before / 2**20,
             "peak_rss_mib": peak_kib / 2**10,
             "peak_reset_before_call": peak_reset,
+            "warm_up_tokens": min(seq_len, PEAK_MEMORY_WARM_UP_TOKENS),
         }
     )
 

@@ -24,6 +24,7 @@ from focus_hf.attention.calibration import CROSSOVER_ENV
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import TokenRouting
+from focus_hf.attention.segments import SegmentKeys
 from focus_hf.cli import main as cli_main
 from focus_hf.commands.bench import allowed_pair_count
 
@@ -95,6 +96,7 @@ def cases(draw):
         local_block=draw(st.sampled_from([1, 4, 16, 64])),
         probe_chunk=draw(st.sampled_from([1, 5, 256])),
         stream_rows=draw(st.sampled_from([3, 16, 4096])),
+        set_a_rows=draw(st.sampled_from([2, 16, 8192])),
         split_min_keys=draw(st.sampled_from([1, 8, 1024])),
         causal_chunk=draw(st.sampled_from([1, 6, 4096])),
         lead_max_keys=draw(st.sampled_from([0, 3, 16])),
@@ -165,6 +167,7 @@ def test_fast_equals_dense_oracle(case):
         mock.patch.object(partials, "LOCAL_BLOCK", case["local_block"]),
         mock.patch.object(partials, "PROBE_CHUNK", case["probe_chunk"]),
         mock.patch.object(fast, "STREAM_ROWS", case["stream_rows"]),
+        mock.patch.object(fast, "SET_A_ROWS", case["set_a_rows"]),
         mock.patch.object(partials, "SPLIT_MIN_KEYS", case["split_min_keys"]),
         mock.patch.object(partials, "CAUSAL_CHUNK", case["causal_chunk"]),
         mock.patch.object(partials, "LEAD_MAX_KEYS", case["lead_max_keys"]),
@@ -284,58 +287,162 @@ def test_own_group_top_1_runs_unmasked_causal_squares():
     torch.testing.assert_close(lse, staircase_lse, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("slab_keys", [4096, 3])  # 3: a segment's keys packed in many slabs
+def kernel_set_a(arguments, block_rows, riders):
+    """Set A of `partials.probe_part`'s arguments in the C kernel (`segments.SegmentKeys`), block by block of
+    `block_rows` queries: output, lse and which queries' sinks rode (None: none ride)."""
+    query, key, value, valid, probe_groups, key_groups, num_groups, scaling, _, sink = arguments
+    batch, heads, q_len, dim = query.shape
+    in_kernel = SegmentKeys.build(
+        query, key, value, probe_groups, key_groups, valid, sink if riders else None, num_groups, block_rows
+    )
+    assert in_kernel is not None
+    output = torch.zeros(batch, q_len, heads, dim)
+    lse = torch.full((batch, q_len, heads), torch.finfo(torch.float32).min)
+    done = torch.zeros(batch, q_len, dtype=torch.bool)
+    for start in range(0, q_len, block_rows):
+        end = min(start + block_rows, q_len)
+        rode = in_kernel.fold(query, key, value, start, end, output[:, start:end], lse[:, start:end], scaling)
+        assert (rode is None) == (not riders)
+        if rode is not None:
+            done[:, start:end] = rode
+    return output, lse, done if riders else None
+
+
+@pytest.mark.parametrize("slab_keys, block_rows", [(4096, 4096), (3, 17), (64, 1)])  # 3: many slabs per segment
 @pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize(
-    "top_k, separate, adaptive, side, sinks",
+    "top_k, separate, adaptive, side, sinks, q_len",
     [
-        (1, False, False, "none", 4),
-        (1, True, False, "left", 2),
-        (2, False, True, "right", 3),
-        (3, True, False, "left", 0),
-        (2, True, True, "none", 1),
+        (1, False, False, "none", 4, 230),
+        (1, True, False, "left", 2, 230),
+        (2, False, True, "right", 3, 230),
+        (3, True, False, "left", 0, 230),
+        (2, True, True, "none", 1, 230),
+        (1, False, False, "left", 3, 61),  # queries after a cache: keys before them counted first
+        (2, True, False, "right", 2, 61),
     ],
 )
-def test_set_a_in_one_kernel_call_equals_the_chunked_torch_path(top_k, separate, adaptive, side, sinks, dim, slab_keys):
+def test_set_a_in_the_kernel_equals_the_chunked_torch_path(
+    top_k, separate, adaptive, side, sinks, q_len, dim, slab_keys, block_rows
+):
     generator = torch.Generator().manual_seed(11 + top_k)
     batch, seq, num_groups = 2, 230, 4
     probe_groups, key_groups = random_routing(
         generator, batch, seq, num_groups, top_k, "some", separate=separate, adaptive=adaptive
     )
-    query = states(generator, batch, 6, seq, dim, True)
+    query = states(generator, batch, 6, q_len, dim, True)
     key, value = (states(generator, batch, 2, seq, dim, False) for _ in range(2))  # head-major: strided rows
     valid = padding(batch, seq, side, 37)
     sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
+    probe_groups = probe_groups[:, seq - q_len :]  # a view with the strides of the router's wider tensor
     arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
-    calls, run = [], partials.SegmentCall.run
-
-    def spy(*args):
-        calls.append(run(*args))
-        return calls[-1]
-
-    with (
-        mock.patch.object(partials.SegmentCall, "run", spy),
-        mock.patch.object(native, "SEGMENT_SLAB_KEYS", slab_keys),
-    ):
-        output, lse, done = partials.probe_part(*arguments)
-    with mock.patch.object(partials, "prefill_kernels", lambda *args: None):
-        chunked, chunked_lse, chunked_done = partials.probe_part(*arguments)
-    assert calls == [True]
+    with mock.patch.object(native, "SEGMENT_SLAB_KEYS", slab_keys):
+        output, lse, done = kernel_set_a(arguments, block_rows, riders=top_k == 1)
+    chunked, chunked_lse, chunked_done = partials.probe_part(*arguments)
     assert (done is None) == (chunked_done is None) and (done is None or torch.equal(done, chunked_done))
-    rows = valid[..., None].expand_as(lse) & (chunked_lse > torch.finfo(torch.float32).min / 2)
+    queries = valid[:, seq - q_len :, None].expand_as(lse)
+    rows = queries & (chunked_lse > torch.finfo(torch.float32).min / 2)
+    assert rows.any()
     torch.testing.assert_close(output[rows], chunked[rows], atol=ATOL, rtol=0)
     torch.testing.assert_close(lse[rows], chunked_lse[rows], atol=ATOL, rtol=0)
-    assert (lse[~rows & valid[..., None]] < torch.finfo(torch.float32).min / 2).all()  # empty sets stay empty
+    assert (lse[~rows & queries] < torch.finfo(torch.float32).min / 2).all()  # empty sets stay empty
 
 
-@pytest.mark.parametrize("dim", [8, 16], ids=["torch-chunks", "one-kernel-call"])
+def test_kernel_key_sort_files_keys_by_segment_riders_first():
+    generator = torch.Generator().manual_seed(3)
+    batch, seq, num_groups = 2, 50, 3
+    probe_groups, key_groups = random_routing(generator, batch, seq, num_groups, 1, "some", separate=True)
+    valid = padding(batch, seq, "left", 9)
+    sink = valid & (valid.cumsum(dim=1) - 1 < 2)
+    query = torch.zeros(batch, 2, seq, 16)
+    key = torch.zeros(batch, 1, seq, 16)
+    layout = SegmentKeys.build(query, key, key, probe_groups, key_groups, valid, sink, num_groups, seq)
+    keys = partials.SortedTokens.build(key_groups[..., None], valid, num_groups, 0, seq)
+    riders = partials.sink_riders(sink, key_groups, keys, num_groups)
+    starts = layout.key_starts.tolist()
+    for segment, rider in enumerate(riders):
+        filed = layout.key_token[starts[segment] : starts[segment + 1]].long()
+        expected = keys.flat[keys.starts[segment] : keys.starts[segment + 1]]
+        if rider.tokens is not None:
+            expected = torch.cat([rider.tokens, expected])
+        assert torch.equal(filed, expected)
+        assert int(layout.riders[segment]) == (0 if rider.tokens is None else len(rider.tokens))
+    assert layout.last_sink.tolist() == [10, 1]  # sample 0 is left-padded by 9
+
+
+def test_kernel_set_a_rejects_groups_outside_the_layer_and_blocks_out_of_order():
+    generator = torch.Generator().manual_seed(3)
+    probe_groups, key_groups = random_routing(generator, 1, 40, 4, 2, "none")
+    valid = torch.ones(1, 40, dtype=torch.bool)
+    query, key = torch.randn(1, 2, 40, 16), torch.randn(1, 1, 40, 16)
+    with pytest.raises(ValueError, match=r"0 \.\. 2"):
+        SegmentKeys.build(query, key, key, probe_groups, key_groups, valid, None, 3, 40)  # group 3 of 3 groups
+    layout = SegmentKeys.build(query, key, key, probe_groups.clamp(max=2), key_groups.clamp(max=2), valid, None, 3, 8)
+    output, lse = torch.zeros(1, 8, 2, 16), torch.full((1, 8, 2), torch.finfo(torch.float32).min)
+    with pytest.raises(ValueError, match="in order"):
+        layout.fold(query, key, key, 8, 16, output, lse, SCALING)  # rows 0 .. 7 not run yet
+    with pytest.raises(ValueError, match="in order"):
+        layout.fold(query, key, key, 0, 16, output, lse, SCALING)  # more rows than it was built for
+    layout.probe_groups = probe_groups.clamp(max=2)
+    layout.probe_groups[0, 3, 1] = 3  # a probe of group 3: refused before anything is written
+    with pytest.raises(ValueError, match=r"0 \.\. 2"):
+        layout.fold(query, key, key, 0, 8, output, lse, SCALING)
+    assert (output == 0).all() and (lse == torch.finfo(torch.float32).min).all()
+
+
+@pytest.mark.parametrize("top_k, window, done", [(1, 5, False), (2, 0, False), (3, 12, True), (2, -1, True)])
+def test_sink_pairs_in_the_kernel_equal_the_torch_sink_part(top_k, window, done):
+    generator = torch.Generator().manual_seed(8 + top_k)
+    batch, seq, q_len = 2, 90, 70
+    probe_groups, key_groups = random_routing(generator, batch, seq, 4, top_k, "none", separate=True)
+    query = states(generator, batch, 6, q_len, 16, True)
+    key, value = (states(generator, batch, 2, seq, 16, False) for _ in range(2))
+    valid = padding(batch, seq, "left", 13)
+    sink = valid & (valid.cumsum(dim=1) - 1 < 3)
+    marks = torch.rand(batch, q_len, generator=generator) < 0.5 if done else None
+    arguments = (query, key, value, probe_groups[:, seq - q_len :], key_groups, sink, window, SCALING, marks)
+    held = torch.randn(batch, q_len, 6, 16, generator=generator)
+    held_lse = torch.randn(batch, q_len, 6, generator=generator)
+    held_lse[0, :4] = torch.finfo(torch.float32).min  # rows that hold nothing yet
+    output, lse = held.clone(), held_lse.clone()
+    assert partials.sink_part(*arguments, into=(output, lse)) is None  # folded in by the kernel
+    expected, expected_lse = held.clone(), held_lse.clone()
+    with mock.patch.object(partials, "sink_pairs", lambda *args: False):  # the torch path
+        partials.merge_into(expected, expected_lse, *partials.sink_part(*arguments, into=(output, lse)))
+    seen = expected_lse > torch.finfo(torch.float32).min / 2
+    torch.testing.assert_close(output[seen], expected[seen], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse[seen], expected_lse[seen], atol=ATOL, rtol=0)
+    assert not torch.equal(lse, held_lse)  # some sink pairs were folded in
+
+
+def test_sink_slots_list_each_samples_sinks_in_order():
+    key_sink = torch.zeros(3, 12, dtype=torch.bool)
+    key_sink[0, [2, 5, 9]] = True
+    key_sink[2, [0]] = True
+    index, used = partials.sink_slots(key_sink)
+    assert used.tolist() == [[True, True, True], [False, False, False], [True, False, False]]
+    assert index[used].tolist() == [2, 5, 9, 0]
+    empty, none_used = partials.sink_slots(torch.zeros(2, 5, dtype=torch.bool))
+    assert empty.shape == (2, 0) and none_used.shape == (2, 0)
+
+
+def test_prefill_calls_share_a_scratch_buffer_and_ignore_one_too_small():
+    generator = torch.Generator().manual_seed(2)
+    query, key, value = (torch.randn(2, h, 150, 32, generator=generator) for h in (4, 2, 2))
+    plain = native.prefill_attention(query, key, value, causal=True, scale=SCALING)
+    for scratch in (native.packing_scratch(2, 32, (2, 150)), torch.empty(10)):
+        scratch.fill_(float("nan"))  # what a buffer holds before a call must not matter
+        shared = native.prefill_attention(query, key, value, causal=True, scale=SCALING, scratch=scratch)
+        torch.testing.assert_close(shared, plain, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("separate", [False, True], ids=["own-group", "query-router"])
-def test_sinks_ride_in_top_1_chunks_after_the_last_sink(separate, dim):
+def test_sinks_ride_in_top_1_chunks_after_the_last_sink(separate):
     generator = torch.Generator().manual_seed(7)
     seq = 300
     groups, key_groups = random_routing(generator, 2, seq, 3, 1, "none", separate=separate)
-    query = states(generator, 2, 6, seq, dim, True)
-    key, value = (states(generator, 2, 2, seq, dim, True) for _ in range(2))
+    query = states(generator, 2, 6, seq, 8, True)
+    key, value = (states(generator, 2, 2, seq, 8, True) for _ in range(2))
     valid = torch.ones(2, seq, dtype=torch.bool)
     sink = valid & (torch.arange(seq) < 3)
     arguments = (query, key, value, valid, groups, key_groups, 3, SCALING, cpu_kernel, sink)

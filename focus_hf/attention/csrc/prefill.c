@@ -86,6 +86,15 @@ static inline int64_t row_offset(const int64_t* offsets, int64_t stride, int64_t
     return offsets ? offsets[j] : j * stride;
 }
 
+/* The packed keys' buffer: the caller's `scratch` (64-byte aligned) where it holds `floats`, else a new one (which
+   the caller frees). A caller that loops over calls passes one buffer to all of them: buffers allocated and freed
+   by each call land in different places of the heap and leave it larger than any one of them needs. */
+static float* take_scratch(float* scratch, int64_t scratch_floats, int64_t floats)
+{
+    if (scratch && scratch_floats >= floats && ((uintptr_t)scratch & 63) == 0) return scratch;
+    return aligned_alloc(64, sizeof(float) * floats);
+}
+
 /* keys [S rows] -> blocks of KB keys, each [dim][KB], zero-padded. */
 static void pack_keys(const float* keys, const int64_t* offsets, int64_t stride, int64_t S, int dim, float* packed)
 {
@@ -344,13 +353,14 @@ int focus_prefill(const float* q, const float* k, const float* v, float* out, fl
                   int64_t KH, int64_t L, int64_t S, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
                   const int64_t* v_strides, const int64_t* o_strides, const int64_t* l_strides, const int32_t* row_end,
                   const int32_t* query_bits, const int32_t* key_bits, const int32_t* key_valid, int64_t window,
-                  int64_t first, int causal, int local, int merge, float scale)
+                  int64_t first, int causal, int local, int merge, float scale, float* scratch,
+                  int64_t scratch_floats)
 {
     if (!focus_prefill_supports(H, KH, dim) || L <= 0 || S <= 0 || (query_bits && !key_bits) || (local && !query_bits))
         return 1;
     const int64_t sharing = H / KH, blocks = (S + KB - 1) / KB, padded_keys = blocks * KB;
     const int64_t packed_size = padded_keys * dim;
-    float* packed = aligned_alloc(64, sizeof(float) * packed_size * B * KH);
+    float* packed = take_scratch(scratch, scratch_floats, packed_size * B * KH);
     if (!packed) return 1;
 #pragma omp parallel for
     for (int64_t bh = 0; bh < B * KH; ++bh)
@@ -378,27 +388,29 @@ int focus_prefill(const float* q, const float* k, const float* v, float* out, fl
         DISPATCH(dim, TASK)
 #undef TASK
     }
-    free(packed);
+    if (packed != scratch) free(packed);
     return 0;
 }
 
-/* Set A of the fast path in one call: query entries and keys sorted into segments (one per sample and group).
-   Segment s holds entries entry_starts[s] .. entry_starts[s + 1] - 1 and keys key_starts[s] .. key_starts[s + 1] - 1;
-   entry e is query row entry_query[e] (sample * q_tokens + token) and sees the segment's keys row_begin[e] ..
-   row_end[e] - 1 (counted from the segment's first key; row_end non-decreasing within a segment); key i is token
-   key_token[i] (sample * kv_tokens + token). query [B, H, q_tokens, dim], key/value [B, KH, kv_tokens, dim] (strides
-   in elements {batch, head, row}); out [B * q_tokens, H, dim] and lse [B * q_tokens, H] contiguous, holding a
-   partial result (lse -FLT_MAX: none yet) that each entry is folded into.
+/* Set A of the fast path in one call: query entries and keys sorted into segments (one per sample and group,
+   `focus_segment_keys` and `focus_segment_entries` in segments.c). Segment s holds entries entry_starts[s] ..
+   entry_starts[s + 1] - 1 and keys key_starts[s] .. key_starts[s + 1] - 1; entry e is query row entry_query[e]
+   (sample * q_tokens + token) and sees the segment's keys row_begin[e] .. row_end[e] - 1 (counted from the
+   segment's first key; row_end non-decreasing within a segment); key i is token key_token[i] (sample * kv_tokens +
+   token). query [B, H, q_tokens, dim], key/value [B, KH, kv_tokens, dim], out [B, H, q_tokens, dim] and lse
+   [B, H, q_tokens] (strides in elements {batch, head, row}); out and lse hold a partial result (lse -FLT_MAX: none
+   yet) that each entry is folded into.
    A segment's keys are packed `slab_keys` at a time, and each slab's entries are folded into their rows before the next:
    the packed copy stays small whatever the length, and a row's merges never overlap - slabs and segments run one
    after another, and a query's entries lie in segments of their own. Returns 0, or 1 for a call it does not take
    (nothing written). */
 int focus_prefill_segments(const float* q, const float* k, const float* v, float* out, float* lse, int64_t H,
                            int64_t KH, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
-                           const int64_t* v_strides, int64_t q_tokens, int64_t kv_tokens, int64_t segments,
-                           const int64_t* entry_starts, const int64_t* key_starts, const int64_t* entry_query,
-                           const int64_t* key_token, const int32_t* row_begin, const int32_t* row_end,
-                           int64_t slab_keys, float scale)
+                           const int64_t* v_strides, const int64_t* o_strides, const int64_t* l_strides,
+                           int64_t q_tokens, int64_t kv_tokens, int64_t segments, const int64_t* entry_starts,
+                           const int64_t* key_starts, const int32_t* entry_query, const int32_t* key_token,
+                           const int32_t* row_begin, const int32_t* row_end, int64_t slab_keys, float scale,
+                           float* scratch, int64_t scratch_floats)
 {
     if (!focus_prefill_supports(H, KH, dim) || q_tokens <= 0 || kv_tokens <= 0 || slab_keys <= 0) return 1;
     int64_t most = 0;
@@ -407,10 +419,10 @@ int focus_prefill_segments(const float* q, const float* k, const float* v, float
     if (most == 0) return 0;
     most = most < slab_keys ? most : slab_keys;
     const int64_t padded_keys = (most + KB - 1) / KB * KB, packed_size = padded_keys * dim, sharing = H / KH;
-    float* packed = aligned_alloc(64, sizeof(float) * packed_size * KH);
+    float* packed = take_scratch(scratch, scratch_floats, packed_size * KH);
     int64_t* key_offsets = malloc(sizeof(int64_t) * 2 * padded_keys);
     if (!packed || !key_offsets) {
-        free(packed);
+        if (packed != scratch) free(packed);
         free(key_offsets);
         return 1;
     }
@@ -445,8 +457,8 @@ int focus_prefill_segments(const float* q, const float* k, const float* v, float
                     const int64_t row = entry_query[first_entry + start + r];
                     const int64_t b = row / q_tokens, position = row % q_tokens;
                     where.query[r] = q + b * q_strides[0] + h * q_strides[1] + position * q_strides[2];
-                    where.out[r] = out + (row * H + h) * dim;
-                    where.lse[r] = lse + row * H + h;
+                    where.out[r] = out + b * o_strides[0] + h * o_strides[1] + position * o_strides[2];
+                    where.lse[r] = lse + b * l_strides[0] + h * l_strides[1] + position * l_strides[2];
                 }
 #define TASK(D) task(&where, rows, &keys, start, &rule, scale, 1, D)
                 DISPATCH(dim, TASK)
@@ -454,7 +466,57 @@ int focus_prefill_segments(const float* q, const float* k, const float* v, float
             }
         }
     }
-    free(packed);
+    if (packed != scratch) free(packed);
     free(key_offsets);
+    return 0;
+}
+
+/* Set B's sink pairs of query rows 0 .. L - 1 (row r is position first + r of its sample), folded into out and lse
+   by log-sum-exp (`finish_row`): sink t of sample b - position sink_position[b * S + t] (-1: none), group
+   sink_group[b * S + t] - is visible to row r iff it lies more than `window` before it, its group is none of the
+   row's probes [B, L, top_k] (int64, contiguous) and done[b * L + r] (when given) is 0. A handful of keys per row:
+   scores, softmax and the weighted values in one pass, with nothing allocated. Strides as in `focus_prefill`. */
+int focus_sink_pairs(const float* q, const float* k, const float* v, float* out, float* lse, int64_t B, int64_t H,
+                     int64_t KH, int64_t L, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
+                     const int64_t* v_strides, const int64_t* o_strides, const int64_t* l_strides,
+                     const int64_t* sink_position, const int64_t* sink_group, int64_t S, const int64_t* probes,
+                     int64_t top_k, const uint8_t* done, int64_t window, int64_t first, float scale)
+{
+    if (!focus_prefill_supports(H, KH, dim) || S > 64) return 1;
+    const int64_t sharing = H / KH;
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < B * L; ++row) {
+        const int64_t b = row / L, r = row % L, position = first + r;
+        if (done && done[row]) continue;
+        int64_t visible[64], count = 0;
+        for (int64_t t = 0; t < S; ++t) {
+            const int64_t sink = sink_position[b * S + t], group = sink_group[b * S + t];
+            if (sink < 0 || position - sink <= window) continue;
+            int probed = 0;
+            for (int64_t slot = 0; slot < top_k; ++slot) probed |= probes[row * top_k + slot] == group;
+            if (!probed) visible[count++] = sink;
+        }
+        if (!count) continue;
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t kh = h / sharing;
+            const float* query = q + b * q_strides[0] + h * q_strides[1] + r * q_strides[2];
+            float scores[64], maximum = -FLT_MAX, sum = 0.f, acc[128] = {0};
+            for (int64_t t = 0; t < count; ++t) {
+                const float* key = k + b * k_strides[0] + kh * k_strides[1] + visible[t] * k_strides[2];
+                float dot = 0.f;
+                for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+                scores[t] = dot * scale;
+                maximum = scores[t] > maximum ? scores[t] : maximum;
+            }
+            for (int64_t t = 0; t < count; ++t) {
+                const float weight = expf(scores[t] - maximum);
+                const float* value = v + b * v_strides[0] + kh * v_strides[1] + visible[t] * v_strides[2];
+                sum += weight;
+                for (int64_t d = 0; d < dim; ++d) acc[d] += weight * value[d];
+            }
+            finish_row(acc, maximum, sum, out + b * o_strides[0] + h * o_strides[1] + r * o_strides[2],
+                       lse + b * l_strides[0] + h * l_strides[1] + r * l_strides[2], 1, (int)dim);
+        }
+    }
     return 0;
 }
