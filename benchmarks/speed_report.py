@@ -129,15 +129,22 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
         "SDPA's that computes only the allowed pairs). Routing: queries probe their own key group first (own "
         "group: each entry reaches one key more than the one before) or the groups a separate query projection picks "
         "(query router, as in adapters trained with `query_projection=True`: entries skip keys of their segment). On "
-        "CPU in float32 set A is one call of the C prefill kernel either way, each entry reading its segment's keys "
-        "up to its reach; elsewhere it goes in chunks, causal squares or masked staircases.",
+        "CPU in float32 set A is one call of the C prefill kernel per block of 16K queries either way, each entry "
+        "reading its segment's keys up to its reach; elsewhere it goes in chunks, causal squares or masked staircases.",
     ]
     if memory:
         lines += [
             "",
             "Peak resident memory of one forward, dense causal SDPA against Focus on the same inputs (each call in a "
             "fresh process, q/k/v included; where the row says so, the process's peak was reset just before the call, "
-            "so that building the inputs does not count):",
+            "so that building the inputs does not count"
+            + (
+                f", after a warm-up call of {memory[0]['warm_up_tokens']:,} tokens on the same path, so that library "
+                "code paged in on first use does not count either"
+                if memory[0].get("warm_up_tokens")
+                else ""
+            )
+            + "):",
             "",
             "| tokens | variant | top_k | RSS before the call | peak RSS | added by the call | vs dense | peak reset |",
             "|---|---|---|---|---|---|---|---|",

@@ -130,7 +130,63 @@ def sparse_attention(
     if valid is None:
         valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool, device=query.device)
     batch, heads, q_len, dim = query.shape
-    states = (query, key, value, key_valid, query_groups, key_groups, key_sink, window, scaling, kernel)
+    first_query = key.shape[2] - q_len
+
+    def fold_set_b(
+        output: torch.Tensor,
+        lse: torch.Tensor,
+        sinks_done: Optional[torch.Tensor],
+        begin: int,
+        end: int,
+        scratch: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Fold set B of query rows begin .. end - 1 into float32 `output` [batch, end - begin, heads, dim] and `lse`
+        [batch, end - begin, heads], which hold their set A (`sinks_done` [batch, end - begin]: the rows whose sink
+        pairs rode there, or None), STREAM_ROWS queries at a time: each block's partial result is folded in before
+        the next is computed, so that only one block's is held beside the output. `scratch`:
+        `native.packing_scratch` for the C kernel's calls."""
+        sink_end = end  # the queries that may have sink pairs left: set A did those of the queries it marks
+        if sinks_done is not None:  # padding queries' outputs are meaningless: no sink pass for them
+            pending = (~sinks_done & valid[:, first_query + begin : first_query + end]).any(dim=0).nonzero()
+            sink_end = begin + (int(pending[-1]) + 1 if len(pending) else 0)
+        for start, stop, keys_end in row_blocks(begin, sink_end, first_query):
+            rows = slice(start - begin, stop - begin)
+            sinks = sink_part(
+                query[:, :, start:stop],
+                key[:, :, :keys_end],
+                value[:, :, :keys_end],
+                query_groups[:, start:stop],
+                key_groups[:, :keys_end],
+                key_sink[:, :keys_end],
+                window,
+                scaling,
+                None if sinks_done is None else sinks_done[:, rows],
+                into=(output[:, rows], lse[:, rows]),
+            )
+            if sinks is not None:  # else the kernel folded them in (or there are none)
+                merge_into(output[:, rows], lse[:, rows], *sinks)
+            del sinks
+        for start, stop, keys_end in row_blocks(begin, end, first_query):
+            rows = slice(start - begin, stop - begin)
+            local = local_part(
+                query[:, :, start:stop],
+                key[:, :, :keys_end],
+                value[:, :, :keys_end],
+                None if key_valid is None else key_valid[:, :keys_end],
+                query_groups[:, start:stop],
+                key_groups[:, :keys_end],
+                window,
+                scaling,
+                kernel,
+                key_sink[:, :keys_end],
+                None if sinks_done is None else sinks_done[:, rows],
+                into=(output[:, rows], lse[:, rows]),
+                scratch=scratch,
+            )
+            if local is not None:  # else the kernel folded it in
+                merge_into(output[:, rows], lse[:, rows], *local)
+            del local
+
     riders = key_sink if query_groups.shape[-1] == 1 else None  # top-1 queries read their sinks in set A
     block_rows = min(SET_A_ROWS, q_len)
     in_kernel = SegmentKeys.build(query, key, value, query_groups, key_groups, valid, riders, num_groups, block_rows)
@@ -138,7 +194,7 @@ def sparse_attention(
         output, lse, sinks_done = probe_part(
             query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel, key_sink
         )
-        fold_set_b(*states, valid, output, lse, sinks_done, 0, q_len)
+        fold_set_b(output, lse, sinks_done, 0, q_len)
         return output.to(query.dtype)
     output = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
     block_lse = query.new_empty(batch, block_rows, heads, dtype=torch.float32)
@@ -149,76 +205,8 @@ def sparse_attention(
         end = min(start + block_rows, q_len)
         lse = block_lse[:, : end - start].fill_(torch.finfo(torch.float32).min)
         sinks_done = in_kernel.fold(query, key, value, start, end, output[:, start:end], lse, scaling, scratch)
-        fold_set_b(*states, valid, output[:, start:end], lse, sinks_done, start, end, scratch)
+        fold_set_b(output[:, start:end], lse, sinks_done, start, end, scratch)
     return output.to(query.dtype)
-
-
-def fold_set_b(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_valid: Optional[torch.Tensor],
-    query_groups: torch.Tensor,
-    key_groups: torch.Tensor,
-    key_sink: torch.Tensor,
-    window: int,
-    scaling: float,
-    kernel: Kernel,
-    valid: torch.Tensor,
-    output: torch.Tensor,
-    lse: torch.Tensor,
-    sinks_done: Optional[torch.Tensor],
-    begin: int,
-    end: int,
-    scratch: Optional[torch.Tensor] = None,
-) -> None:
-    """Fold set B of query rows begin .. end - 1 into float32 `output` [batch, end - begin, heads, dim] and `lse`
-    [batch, end - begin, heads], which hold their set A (`sinks_done` [batch, end - begin]: the rows whose sink pairs
-    rode there, or None), STREAM_ROWS queries at a time: each block's partial result is folded in before the next
-    is computed, so that only one block's is held beside the output. `scratch`: `native.packing_scratch` for the C
-    kernel's calls."""
-    first_query = key.shape[2] - query.shape[2]
-    sink_end = end  # the queries that may have sink pairs left: set A did those of the queries it marks
-    if sinks_done is not None:  # padding queries' outputs are meaningless: no sink pass for them
-        pending = (~sinks_done & valid[:, first_query + begin : first_query + end]).any(dim=0).nonzero()
-        sink_end = begin + (int(pending[-1]) + 1 if len(pending) else 0)
-    for start, stop, keys_end in row_blocks(begin, sink_end, first_query):
-        rows = slice(start - begin, stop - begin)
-        sinks = sink_part(
-            query[:, :, start:stop],
-            key[:, :, :keys_end],
-            value[:, :, :keys_end],
-            query_groups[:, start:stop],
-            key_groups[:, :keys_end],
-            key_sink[:, :keys_end],
-            window,
-            scaling,
-            None if sinks_done is None else sinks_done[:, rows],
-            into=(output[:, rows], lse[:, rows]),
-        )
-        if sinks is not None:  # else the kernel folded them in (or there are none)
-            merge_into(output[:, rows], lse[:, rows], *sinks)
-        del sinks
-    for start, stop, keys_end in row_blocks(begin, end, first_query):
-        rows = slice(start - begin, stop - begin)
-        local = local_part(
-            query[:, :, start:stop],
-            key[:, :, :keys_end],
-            value[:, :, :keys_end],
-            None if key_valid is None else key_valid[:, :keys_end],
-            query_groups[:, start:stop],
-            key_groups[:, :keys_end],
-            window,
-            scaling,
-            kernel,
-            key_sink[:, :keys_end],
-            None if sinks_done is None else sinks_done[:, rows],
-            into=(output[:, rows], lse[:, rows]),
-            scratch=scratch,
-        )
-        if local is not None:  # else the kernel folded it in
-            merge_into(output[:, rows], lse[:, rows], *local)
-        del local
 
 
 def row_blocks(begin: int, end: int, first_query: int) -> Iterator[tuple[int, int, int]]:

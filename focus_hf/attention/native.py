@@ -1,4 +1,5 @@
-"""The CPU kernels (`csrc/decode.c`, `csrc/prefill.c`), compiled on first use with the machine's C compiler.
+"""The CPU kernels (`csrc/decode.c`, `csrc/prefill.c`, `csrc/segments.c`), compiled on first use with the machine's
+C compiler.
 
 A decoding step of one query costs a few dozen microseconds of eager tensor operations on CPU (copying the window
 next to the group's keys, the attention call, the output's reshapes), as much as dense attention over a 1K cache.
@@ -9,7 +10,9 @@ with the pattern, 1.05-1.5x the speed of torch's unmasked causal kernel at 256-2
 with the pattern as a bias runs 0.8-0.9x of it. Per visible pair it runs at 1.0-1.1x of torch's kernel on long
 non-causal calls (float32 on 2 AVX-512 cores: ~155-165 GFLOP/s for both), and it gains more from skipping
 hidden pairs in blocks of 128 keys (torch's CPU kernel skips in blocks of several hundred). `prefill_segments`
-runs set A of the fast path in one call, its keys read where they lie through their token indices.
+runs set A of a block of queries of the fast path in one call, its keys read where they lie through their token
+indices (sorted into segments by the counting sorts of csrc/segments.c, `segments.SegmentKeys`), and `sink_pairs`
+folds set B's sink pairs into the output.
 
 The library is built once per machine (`cc -O3 -march=native`, well under a second; without `-march=native` where
 the compiler refuses it, without `-fopenmp` where torch does not run GNU OpenMP) into `<cache>/kernels/`
@@ -339,6 +342,11 @@ def address(tensor: Optional[torch.Tensor]) -> Optional[int]:
     return None if tensor is None else tensor.data_ptr()
 
 
+def addresses(*tensors: torch.Tensor) -> list[int]:
+    """The data pointers of a kernel call's tensors, in order."""
+    return [tensor.data_ptr() for tensor in tensors]
+
+
 def packing_scratch(kv_heads: int, dim: int, *calls: tuple[int, int]) -> torch.Tensor:
     """A float32 buffer for the packed keys of each of `calls` ((batch, keys): a prefill call over `keys` keys of
     `batch` samples of `kv_heads` heads; `prefill_segments` packs at most SEGMENT_SLAB_KEYS keys of one sample), to
@@ -406,22 +414,14 @@ def prefill_attention(
     else:
         output, lse = into
     status = kernels.prefill(
-        query.data_ptr(),
-        key.data_ptr(),
-        value.data_ptr(),
-        output.data_ptr(),
-        lse.data_ptr(),
+        *addresses(query, key, value, output, lse),
         batch,
         heads,
         kv_heads,
         length,
         keys,
         dim,
-        strides(query),
-        strides(key),
-        strides(value),
-        strides(output),
-        strides(lse),
+        *(strides(tensor) for tensor in (query, key, value, output, lse)),
         address(ends),
         address(bits),
         address(key_bits),
@@ -469,19 +469,11 @@ def prefill_segments(
     ):
         raise ValueError("prefill_segments takes contiguous int64 offsets and int32 indices")
     status = kernels.prefill_segments(
-        query.data_ptr(),
-        key.data_ptr(),
-        value.data_ptr(),
-        output.data_ptr(),
-        lse.data_ptr(),
+        *addresses(query, key, value, output, lse),
         query.shape[1],
         key.shape[1],
         query.shape[3],
-        strides(query),
-        strides(key),
-        strides(value),
-        strides(output),
-        strides(lse),
+        *(strides(tensor) for tensor in (query, key, value, output, lse)),
         query.shape[2],
         key.shape[2],
         len(entry_starts) - 1,
@@ -518,21 +510,13 @@ def sink_pairs(
     positions, groups, probes = (t.long().contiguous() for t in (sink_position, sink_group, probes))
     done = None if done is None else done.to(torch.uint8).contiguous()
     status = kernels.sink_pairs(
-        query.data_ptr(),
-        key.data_ptr(),
-        value.data_ptr(),
-        output.data_ptr(),
-        lse.data_ptr(),
+        *addresses(query, key, value, output, lse),
         batch,
         heads,
         key.shape[1],
         length,
         dim,
-        strides(query),
-        strides(key),
-        strides(value),
-        strides(output),
-        strides(lse),
+        *(strides(tensor) for tensor in (query, key, value, output, lse)),
         positions.data_ptr(),
         groups.data_ptr(),
         positions.shape[1],

@@ -446,8 +446,8 @@ def staircase_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query entries [1, heads, c, dim] over keys begin .. end - 1 of [1, kv_heads, S, dim], entry r seeing those
     before reach[r] (non-decreasing): the staircase as a mask (for every key when begin is 0, folded with the query
-    heads otherwise). Float32 output and lse. (On CPU in float32 the C kernel takes all of set A, `SegmentCall`, so
-    this path serves other devices and dtypes.)"""
+    heads otherwise). Float32 output and lse. (On CPU in float32 the C kernel takes all of set A,
+    `segments.SegmentKeys`, so this path serves other devices and dtypes.)"""
     keys, values = key[:, :, begin:end], value[:, :, begin:end]
     visible = None
     if reach[0] < end:

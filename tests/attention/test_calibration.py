@@ -321,3 +321,4 @@ def test_bench_peak_memory_measures_dense_and_focus(tmp_path):
         assert row["peak_rss_mib"] >= row["rss_before_call_mib"] > 0
         # The setup's own peak (inputs, routing) must not count as the call's.
         assert row["peak_reset_before_call"] is sys.platform.startswith("linux")
+        assert row["warm_up_tokens"] == 200  # a warm-up call first, at most as long as the measured one
