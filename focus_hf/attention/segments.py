@@ -32,7 +32,7 @@ class SegmentKeys:
         riders: [segments] int64 riders in front of each segment's keys, or None: none ride.
         last_sink: [batch] int64 each sample's last sink position (-1: none), or None.
         running: [segments] int64 each segment's valid keys before position `counted`.
-        entry_buffers: int32 entry query, row begin and row end of one block, each [batch * SET_A_ROWS * top_k]
+        entry_buffers: int32 entry query, row begin and row end of one block, each [batch * block rows * top_k]
             (allocated once: blocks that allocated their own left the heap more fragmented, raising the peak).
         counted: the position the next block's keys are counted from.
         next_row: the first query row of the next block.
