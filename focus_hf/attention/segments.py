@@ -159,7 +159,7 @@ class SegmentKeys:
             address(rides),
         )
         if status:
-            raise ValueError(f"key and probed groups must lie in 0 .. {self.num_groups - 1} (the layer's num_groups)")
+            raise ValueError(f"probed groups must lie in 0 .. {self.num_groups - 1} (the layer's num_groups)")
         self.counted, self.next_row = kv_len - q_len + end, end
         count = int(entry_starts[-1])
         done = prefill_segments(

@@ -6,8 +6,8 @@
    Tokens are numbered sample * kv + position. `groups` [batch, kv] int64 is read through its strides
    (group_strides {sample, token}: routers hand out views of wider tensors, and a contiguous copy would be one more
    n-long array); `valid` [batch, kv] (0 / 1: padding keys and queries have no place in any segment) and `sinks`
-   [batch, kv] are contiguous. Both return 0, or 1 (nothing written) for a group outside 0 .. K - 1 where one is
-   read. */
+   [batch, kv] are contiguous. Both return 0, or 1 (nothing written) for a group outside 0 .. K - 1: a valid key's
+   in `focus_segment_keys`, a probe in `focus_segment_entries`. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,23 +76,20 @@ int focus_segment_keys(const int64_t* groups, const int64_t* group_strides, cons
    r - first] = 1) iff `last_sink` is given and it lies after its sample's last sink; `rides` [batch * rows] is
    written for every row, when given.
    `running` [segments] holds each segment's count of valid keys at positions before `counted`, and is brought up to
-   the block's last query (blocks run in order; `counted` 0 and `running` zeros for the first). */
+   the block's last query (blocks run in order; `counted` 0 and `running` zeros for the first). The keys' groups were
+   checked by `focus_segment_keys`; only the probes are checked here. */
 int focus_segment_entries(const int64_t* probes, const int64_t* probe_strides, const int64_t* groups,
                           const int64_t* group_strides, const uint8_t* valid, int64_t batch, int64_t kv, int64_t q,
                           int64_t K, int64_t top_k, int64_t first, int64_t rows, int64_t* running, int64_t counted,
                           const int64_t* riders, const int64_t* last_sink, int64_t* entry_starts, int32_t* entry_query,
                           int32_t* row_begin, int32_t* row_end, uint8_t* rides)
 {
-    const int64_t segments = batch * K, offset = kv - q, end = offset + first + rows;
+    const int64_t segments = batch * K, offset = kv - q;
     int64_t* fill = calloc(segments + 1, sizeof(int64_t));
     if (!fill) return 1;
     int64_t* counts = fill + 1;
 #define PROBE(b, r, t) probes[(b) * probe_strides[0] + (r) * probe_strides[1] + (t) * probe_strides[2]]
     for (int64_t b = 0; b < batch; ++b) {
-        for (int64_t position = counted; position < end; ++position) {
-            const int64_t group = group_of(groups, group_strides, b, position);
-            if (valid[b * kv + position] && (group < 0 || group >= K)) goto out_of_range;
-        }
         for (int64_t r = first; r < first + rows; ++r) {
             if (!valid[b * kv + offset + r]) continue;
             for (int64_t t = 0; t < top_k; ++t) {
