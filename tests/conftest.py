@@ -4,8 +4,8 @@ from pathlib import Path
 
 # Telemetry would reach the real Hub; the Hub tests point the client at a local server (tests/hub_server.py).
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-# "auto" would time dense against sparse attention on first use (attention/calibration.py): results must not
-# depend on timings, so the suite uses the fixed default crossover; tests/attention/test_calibration.py fakes timers.
+# "auto" would time dense against sparse attention on first use (attention/crossover.py): results must not
+# depend on timings, so the suite uses the fixed default crossover; tests/attention/test_crossover.py fakes timers.
 os.environ["FOCUS_HF_NO_CALIBRATION"] = "1"
 
 import random

@@ -313,7 +313,7 @@ def stage_passkey(args) -> None:
 @torch.no_grad()
 def warm_up(model, variants: list[dict], ids: torch.Tensor) -> None:
     """Run every variant once, untimed, on a prompt long enough to be routed and one decoding step after it, so that
-    "auto" measures its crossovers (once per machine and shape, `focus_hf.attention.calibration`) before any timed
+    "auto" measures its crossovers (once per machine and shape, `focus_hf.attention.crossover`) before any timed
     call."""
     from transformers import DynamicCache
 

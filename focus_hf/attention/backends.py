@@ -10,7 +10,7 @@ Backends (`focus_hf.set_routing(model, "hard", backend=...)`):
   - "reference": the dense masked oracle of `reference.py` (no kernel here);
   - "sdpa": torch's own kernels - the CPU flash kernel on CPU, the memory-efficient kernel on CUDA;
   - "flash": flash-attn 3 or 2 on CUDA for the unmasked calls (the memory-efficient kernel for masked ones);
-  - "auto": "flash" where it applies, else "sdpa", and below `calibration.dense_below(...)` keys (measured once
+  - "auto": "flash" where it applies, else "sdpa", and below `crossover.dense_below(...)` keys (measured once
     per machine and shape) the exact pattern is run as one dense masked call, which is faster than the sparse
     path on short sequences (on CPU in float32 the C kernel of `native` evaluates the pattern as it goes; elsewhere
     the kernel reads the pattern as a bias, slower than unmasked dense attention).

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from focus_hf.attention.fast import fast_hard_attention
 from focus_hf.attention.grouped_keys import GroupedKeys
+from focus_hf.attention.hard import hard_attention
 from focus_hf.attention.native import attend_runs
 from focus_hf.attention.pattern import allowed_pairs, pair_distance, soft_gate
 from focus_hf.attention.reference import dense_attention
@@ -303,7 +303,7 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
         and not output_attentions
     )
     if routing.mode == "hard" and fast:
-        output = fast_hard_attention(
+        output = hard_attention(
             query,
             key,
             value,

@@ -6,7 +6,7 @@ Dense (`scaled_dot_product_attention(is_causal=True, enable_gqa=True)`) and Focu
 same loop and the median is kept; `--peak-memory` instead runs one Focus call per length in a fresh process and
 reports its peak resident memory (after a warm-up call at a shorter length). `--decode` times one new query against
 a KV cache of each length (dense SDPA vs Focus's decode path, alternately); `--calibrate` measures where "auto"
-switches from the dense masked call to the sparse path on this machine (`attention/calibration.py`), stores it in
+switches from the dense masked call to the sparse path on this machine (`attention/crossover.py`), stores it in
 the cache and prints it.
 """
 
@@ -128,7 +128,7 @@ def dense_call(case: Case) -> Callable[[], torch.Tensor]:
 def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[], torch.Tensor]:
     import torch
 
-    from focus_hf.attention.fast import fast_hard_attention
+    from focus_hf.attention.hard import hard_attention
     from focus_hf.attention.pattern import allowed_pairs
     from focus_hf.attention.reference import dense_attention
 
@@ -144,7 +144,7 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
             allowed_pairs(routing.top_groups, key_groups, routing.sink, positions, positions, args.window)[:, None],
             scaling=scaling,
         )
-    return lambda: fast_hard_attention(
+    return lambda: hard_attention(
         case.query,
         case.key,
         case.value,
@@ -265,7 +265,7 @@ def machine_fields(device: torch.device) -> dict:
     """Where a row was measured: device, processor name, threads, load and torch version."""
     import torch
 
-    from focus_hf.attention.calibration import processor_name
+    from focus_hf.attention.crossover import processor_name
 
     return {
         "device": device_name(device),
@@ -281,7 +281,7 @@ def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, 
     yet, so that no timed call pays for the calibration); None for other backends."""
     if args.backend != "auto":
         return None
-    from focus_hf.attention.calibration import dense_below
+    from focus_hf.attention.crossover import dense_below
 
     query = case.query[:, :, -1:] if decode else case.query
     return dense_below(query, case.key, top_k, args.groups, args.window, kind)
@@ -289,13 +289,13 @@ def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, 
 
 def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Per-token latency of one new query against a KV cache of `cache_len` tokens (itself included, as in
-    transformers): dense SDPA and Focus (`fast_hard_attention`, which takes `decode_attention` unless "auto" finds
+    transformers): dense SDPA and Focus (`hard.hard_attention`, which takes `decode_attention` unless "auto" finds
     the dense masked call faster at this length), timed alternately."""
     import torch
     import torch.nn.functional as F
 
-    from focus_hf.attention.fast import fast_hard_attention
     from focus_hf.attention.grouped_keys import one_step_behind
+    from focus_hf.attention.hard import hard_attention
     from focus_hf.attention.native import serves
     from focus_hf.attention.pattern import probes
 
@@ -317,7 +317,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
 
         def step() -> torch.Tensor:
             rewind()
-            return fast_hard_attention(
+            return hard_attention(
                 case.query,
                 case.key,
                 case.value,
@@ -417,7 +417,7 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
     """Measure the crossover of every path "auto" may take for this shape (replacing cached values) and print it."""
     import torch
 
-    from focus_hf.attention.calibration import calibrate, make_shape
+    from focus_hf.attention.crossover import calibrate, make_shape
 
     query = torch.empty(1, args.heads, 1, args.head_dim, dtype=dtype, device=device)
     key = torch.empty(1, args.kv_heads, 1, args.head_dim, dtype=dtype, device=device)
@@ -447,7 +447,7 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
                     **machine_fields(device),
                 }
             )
-    from focus_hf.attention.calibration import cache_path
+    from focus_hf.attention.crossover import cache_path
 
     print(f"stored in {cache_path()}", flush=True)
     return rows

@@ -16,11 +16,12 @@ from tiny_models import VOCAB, tiny_model
 
 import focus_hf
 import focus_hf.attention.fast as fast
+import focus_hf.attention.hard as hard
 import focus_hf.attention.native as native
 import focus_hf.attention.partials as partials
 import focus_hf.attention.pattern as pattern
 from focus_hf.attention.backends import BackendUnavailableError, cpu_kernel, flash_attn_function
-from focus_hf.attention.calibration import CROSSOVER_ENV
+from focus_hf.attention.crossover import CROSSOVER_ENV
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import TokenRouting
@@ -140,7 +141,7 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
     )
     allowed = allowed[:, None] if model_mask is None else allowed[:, None] & model_mask
     reference = dense_attention(query, key, value, allowed, scaling=SCALING)
-    output = fast.fast_hard_attention(
+    output = hard.hard_attention(
         query,
         key,
         value,

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fast import ATOL, SCALING, random_routing
 
-import focus_hf.attention.fast as fast
+import focus_hf.attention.hard as hard
 from focus_hf.attention.grouped_keys import GroupedKeys, one_step_behind
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
@@ -32,7 +32,7 @@ def step(case, grouped, position, window, num_groups):
     query, key, value, query_groups, key_groups, sink, valid = case
     end = position + 1
     model_mask = valid[:, None, None, :end]
-    output = fast.fast_hard_attention(
+    output = hard.hard_attention(
         query[:, :, position:end],
         key[:, :, :end],
         value[:, :, :end],

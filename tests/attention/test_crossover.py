@@ -1,4 +1,4 @@
-"""The measured dense/sparse crossover of backend "auto" (`focus_hf.attention.calibration`): search, cache, env
+"""The measured dense/sparse crossover of backend "auto" (`focus_hf.attention.crossover`): search, cache, env
 overrides. No assertion depends on a timing: measurements are faked, except one run of the real timer on tiny
 lengths that checks only that it returns a length it measured, and one reading of the machine's load while a child
 process spins."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import focus_hf.attention.calibration as calibration
-import focus_hf.attention.fast as fast
+import focus_hf.attention.crossover as crossover
+import focus_hf.attention.hard as hard
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.cli import main as cli_main
@@ -35,58 +35,58 @@ def fake_timer(sparse_wins_from, wins_at=()):
 
 def test_crossover_is_the_first_of_two_sparse_wins_and_stops_there():
     time_at, measured = fake_timer(1024)
-    crossover, rows = calibration.find_crossover(time_at)
-    assert crossover == 1024
+    found, rows = crossover.find_crossover(time_at)
+    assert found == 1024
     assert measured == [256, 512, 1024, 2048]
     assert [row["length"] for row in rows] == measured
 
 
 def test_a_single_sparse_win_is_not_a_crossover():
     time_at, measured = fake_timer(4096, wins_at=(512,))
-    crossover, _ = calibration.find_crossover(time_at)
-    assert crossover == 4096 and measured[-1] == 8192
+    found, _ = crossover.find_crossover(time_at)
+    assert found == 4096 and measured[-1] == 8192
 
 
 def test_a_win_within_the_margin_is_not_a_win():
     def barely_faster(length):  # sparse ahead by less than WIN_MARGIN below 4,096 keys, by more from there
-        return 1.0, (0.5 if length >= 4096 else 0.99 / calibration.WIN_MARGIN + 0.01)
+        return 1.0, (0.5 if length >= 4096 else 0.99 / crossover.WIN_MARGIN + 0.01)
 
-    crossover, rows = calibration.find_crossover(barely_faster)
+    found, rows = crossover.find_crossover(barely_faster)
     assert all(row["sparse_s"] < row["dense_s"] for row in rows)
-    assert crossover == 4096
+    assert found == 4096
 
 
 def test_sparse_never_winning_keeps_dense_up_to_the_longest_length():
     time_at, measured = fake_timer(10**9)
-    crossover, _ = calibration.find_crossover(time_at)
-    assert measured == list(calibration.LENGTHS)
-    assert crossover == calibration.MAX_LENGTH
+    found, _ = crossover.find_crossover(time_at)
+    assert measured == list(crossover.LENGTHS)
+    assert found == crossover.MAX_LENGTH
 
 
 def test_budget_stops_the_search_and_keeps_dense_where_it_won():
     time_at, measured = fake_timer(10**9)
     ticks = iter(range(100))
-    crossover, _ = calibration.find_crossover(time_at, budget_s=1.5, clock=lambda: float(next(ticks)))
+    found, _ = crossover.find_crossover(time_at, budget_s=1.5, clock=lambda: float(next(ticks)))
     assert measured == [256, 512]  # elapsed 1 s after the first length, 2 s after the second
-    assert crossover == 1024
+    assert found == 1024
 
 
 @pytest.fixture
 def calibrating(monkeypatch, tmp_path):
     """Calibration enabled, an empty cache under tmp_path, and a fake `measure` that records its calls."""
-    monkeypatch.delenv(calibration.NO_CALIBRATION_ENV, raising=False)
-    monkeypatch.delenv(calibration.CROSSOVER_ENV, raising=False)
+    monkeypatch.delenv(crossover.NO_CALIBRATION_ENV, raising=False)
+    monkeypatch.delenv(crossover.CROSSOVER_ENV, raising=False)
     monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
-    monkeypatch.setattr(calibration, "_known", {})
+    monkeypatch.setattr(crossover, "_known", {})
     calls = []
 
-    def fake_measure(shape, device, lengths=calibration.LENGTHS):
+    def fake_measure(shape, device, lengths=crossover.LENGTHS):
         calls.append(shape)
-        crossover = 512 * shape.top_k + (1 if shape.kind == "decode" else 0)
-        return crossover, [{"length": crossover, "dense_s": 1.0, "sparse_s": 0.5}]
+        found = 512 * shape.top_k + (1 if shape.kind == "decode" else 0)
+        return found, [{"length": found, "dense_s": 1.0, "sparse_s": 0.5}]
 
-    monkeypatch.setattr(calibration, "measure", fake_measure)
-    monkeypatch.setattr(calibration, "other_cores_meter", lambda: lambda: 0.0)  # an idle machine, no waiting
+    monkeypatch.setattr(crossover, "measure", fake_measure)
+    monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: 0.0)  # an idle machine, no waiting
     return calls
 
 
@@ -96,49 +96,49 @@ def tensors(heads=9, kv_heads=3, length=8):
 
 def test_calibration_runs_once_per_shape_and_is_reused(calibrating, tmp_path):
     query, key = tensors()
-    assert calibration.dense_below(query, key, 1, 8, 128, "shared") == 512
-    assert calibration.dense_below(query, key, 1, 8, 128, "shared") == 512
+    assert crossover.dense_below(query, key, 1, 8, 128, "shared") == 512
+    assert crossover.dense_below(query, key, 1, 8, 128, "shared") == 512
     assert len(calibrating) == 1
-    entries = json.loads((tmp_path / calibration.CACHE_FILE).read_text())["entries"]
+    entries = json.loads((tmp_path / crossover.CACHE_FILE).read_text())["entries"]
     (entry,) = entries.values()
     assert entry["dense_below"] == 512 and entry["shape"]["kind"] == "shared" and entry["shape"]["heads"] == 9
 
     # A new process (nothing known in memory) reads the file instead of measuring.
-    calibration._known.clear()
-    assert calibration.dense_below(query, key, 1, 8, 128, "shared") == 512
+    crossover._known.clear()
+    assert crossover.dense_below(query, key, 1, 8, 128, "shared") == 512
     assert len(calibrating) == 1
 
     # Any other shape or path is measured on its own, and both stay in the file.
-    assert calibration.dense_below(query, key, 2, 8, 128, "shared") == 1024
-    assert calibration.dense_below(query, key, 1, 8, 128, "decode") == 513
-    assert calibration.dense_below(*tensors(heads=6, kv_heads=2), 1, 8, 128, "shared") == 512
+    assert crossover.dense_below(query, key, 2, 8, 128, "shared") == 1024
+    assert crossover.dense_below(query, key, 1, 8, 128, "decode") == 513
+    assert crossover.dense_below(*tensors(heads=6, kv_heads=2), 1, 8, 128, "shared") == 512
     assert len(calibrating) == 4
-    assert len(json.loads((tmp_path / calibration.CACHE_FILE).read_text())["entries"]) == 4
+    assert len(json.loads((tmp_path / crossover.CACHE_FILE).read_text())["entries"]) == 4
 
 
 def test_measurement_under_load_is_not_stored(calibrating, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(calibration, "other_cores_meter", lambda: lambda: 1.4)
+    monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: 1.4)
     query, key = tensors()
-    assert calibration.dense_below(query, key, 1, 8, 128, "decode") == 513
-    assert calibration.dense_below(query, key, 1, 8, 128, "decode") == 513  # this process keeps it
-    assert len(calibrating) == 1 and not (tmp_path / calibration.CACHE_FILE).exists()
+    assert crossover.dense_below(query, key, 1, 8, 128, "decode") == 513
+    assert crossover.dense_below(query, key, 1, 8, 128, "decode") == 513  # this process keeps it
+    assert len(calibrating) == 1 and not (tmp_path / crossover.CACHE_FILE).exists()
     assert "other processes kept 1.4 CPU cores busy" in capsys.readouterr().err
     # The next process measures again; on an idle machine the result is stored, with the load it saw.
-    calibration._known.clear()
-    monkeypatch.setattr(calibration, "other_cores_meter", lambda: lambda: 0.1)
-    assert calibration.dense_below(query, key, 1, 8, 128, "decode") == 513
+    crossover._known.clear()
+    monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: 0.1)
+    assert crossover.dense_below(query, key, 1, 8, 128, "decode") == 513
     assert len(calibrating) == 2
-    (entry,) = json.loads((tmp_path / calibration.CACHE_FILE).read_text())["entries"].values()
+    (entry,) = json.loads((tmp_path / crossover.CACHE_FILE).read_text())["entries"].values()
     assert entry["other_cores_busy"] == 0.1
 
 
 def test_other_cores_are_the_machine_s_busy_time_less_our_own(monkeypatch):
     # (machine busy s, own CPU s, wall s) at start and stop: 3 busy seconds in 2 wall seconds, 1 of them ours.
     readings = iter([(100.0, 10.0, 50.0), (103.0, 11.0, 52.0)])
-    monkeypatch.setattr(calibration, "cpu_counters", lambda: next(readings))
-    assert calibration.other_cores_meter()() == pytest.approx(1.0)
-    monkeypatch.setattr(calibration, "cpu_counters", lambda: None)  # no /proc/stat
-    assert calibration.other_cores_meter()() is None
+    monkeypatch.setattr(crossover, "cpu_counters", lambda: next(readings))
+    assert crossover.other_cores_meter()() == pytest.approx(1.0)
+    monkeypatch.setattr(crossover, "cpu_counters", lambda: None)  # no /proc/stat
+    assert crossover.other_cores_meter()() is None
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
@@ -146,7 +146,7 @@ def test_other_cores_meter_sees_a_spinning_process():
     spinning = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)  # the child has started
-        busy = calibration.other_cores_meter()()  # waits WATCH_MIN_S, using no CPU itself
+        busy = crossover.other_cores_meter()()  # waits WATCH_MIN_S, using no CPU itself
     finally:
         spinning.kill()
         spinning.wait()
@@ -155,19 +155,19 @@ def test_other_cores_meter_sees_a_spinning_process():
 
 def test_shape_key_names_the_machine_and_the_call():
     query, key = tensors()
-    shape = calibration.make_shape(query.bfloat16(), key.bfloat16(), 2, 8, 64, "probe")
-    assert shape.processor == calibration.processor_name() and shape.threads == torch.get_num_threads()
+    shape = crossover.make_shape(query.bfloat16(), key.bfloat16(), 2, 8, 64, "probe")
+    assert shape.processor == crossover.processor_name() and shape.threads == torch.get_num_threads()
     assert (shape.dtype, shape.heads, shape.kv_heads, shape.head_dim) == ("bfloat16", 9, 3, 16)
     assert (shape.top_k, shape.num_groups, shape.window, shape.kind) == (2, 8, 64, "probe")
 
 
 @pytest.mark.parametrize("content", ["not json", '{"version": 0, "entries": {}}', '{"version": 1}'])
 def test_unreadable_cache_is_measured_again_and_rewritten(calibrating, tmp_path, content):
-    (tmp_path / calibration.CACHE_FILE).write_text(content)
+    (tmp_path / crossover.CACHE_FILE).write_text(content)
     query, key = tensors()
-    assert calibration.dense_below(query, key, 1, 8, 128) == 512
+    assert crossover.dense_below(query, key, 1, 8, 128) == 512
     assert len(calibrating) == 1
-    assert json.loads((tmp_path / calibration.CACHE_FILE).read_text())["version"] == calibration.CACHE_VERSION
+    assert json.loads((tmp_path / crossover.CACHE_FILE).read_text())["version"] == crossover.CACHE_VERSION
 
 
 def test_unwritable_cache_keeps_the_value_in_memory(calibrating, tmp_path, monkeypatch, capsys):
@@ -175,31 +175,31 @@ def test_unwritable_cache_keeps_the_value_in_memory(calibrating, tmp_path, monke
     blocker.write_text("")
     monkeypatch.setenv("FOCUS_HF_CACHE", str(blocker / "sub"))  # a folder under a file cannot be created
     query, key = tensors()
-    assert calibration.dense_below(query, key, 1, 8, 128) == 512
-    assert calibration.dense_below(query, key, 1, 8, 128) == 512
+    assert crossover.dense_below(query, key, 1, 8, 128) == 512
+    assert crossover.dense_below(query, key, 1, 8, 128) == 512
     assert len(calibrating) == 1
     assert "could not write the crossover cache" in capsys.readouterr().err
 
 
 def test_forced_crossover_skips_measurement(calibrating, monkeypatch):
-    monkeypatch.setenv(calibration.CROSSOVER_ENV, "777")
+    monkeypatch.setenv(crossover.CROSSOVER_ENV, "777")
     query, key = tensors()
-    assert calibration.dense_below(query, key, 3, 8, 128, "separate") == 777
-    monkeypatch.setenv(calibration.CROSSOVER_ENV, "measure")
-    assert calibration.dense_below(query, key, 3, 8, 128, "separate") == 1536
+    assert crossover.dense_below(query, key, 3, 8, 128, "separate") == 777
+    monkeypatch.setenv(crossover.CROSSOVER_ENV, "measure")
+    assert crossover.dense_below(query, key, 3, 8, 128, "separate") == 1536
     assert len(calibrating) == 1
-    monkeypatch.setenv(calibration.CROSSOVER_ENV, "soon")
+    monkeypatch.setenv(crossover.CROSSOVER_ENV, "soon")
     with pytest.raises(ValueError, match="FOCUS_HF_CROSSOVER"):
-        calibration.dense_below(query, key, 1, 8, 128)
+        crossover.dense_below(query, key, 1, 8, 128)
 
 
 def test_no_calibration_uses_the_default_and_ignores_the_cache(calibrating, monkeypatch):
     query, key = tensors()
-    calibration.dense_below(query, key, 1, 8, 128)  # measured and cached: 512
-    calibration._known.clear()
-    monkeypatch.setenv(calibration.NO_CALIBRATION_ENV, "1")
-    assert calibration.dense_below(query, key, 1, 8, 128) == calibration.default_dense_below("cpu", 1)
-    assert calibration.dense_below(query, key, 3, 8, 128) == calibration.default_dense_below("cpu", 3) == 3072
+    crossover.dense_below(query, key, 1, 8, 128)  # measured and cached: 512
+    crossover._known.clear()
+    monkeypatch.setenv(crossover.NO_CALIBRATION_ENV, "1")
+    assert crossover.dense_below(query, key, 1, 8, 128) == crossover.default_dense_below("cpu", 1)
+    assert crossover.dense_below(query, key, 3, 8, 128) == crossover.default_dense_below("cpu", 3) == 3072
     assert len(calibrating) == 1
 
 
@@ -226,9 +226,9 @@ def test_auto_asks_for_the_path_that_runs_and_is_exact_either_side(monkeypatch, 
     positions = torch.arange(key.shape[2])
     allowed = allowed_pairs(query_groups, key_groups, sink, positions[key.shape[2] - q_len :], positions, 8)
     reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
-    for crossover in (0, 10**6):  # sparse path, then the dense masked call
-        monkeypatch.setattr(fast, "dense_below", lambda *args, result=crossover: seen.append(args) or result)
-        output = fast.fast_hard_attention(
+    for threshold in (0, 10**6):  # sparse path, then the dense masked call
+        monkeypatch.setattr(hard, "dense_below", lambda *args, result=threshold: seen.append(args) or result)
+        output = hard.hard_attention(
             query,
             key,
             value,
@@ -248,9 +248,9 @@ def test_auto_asks_for_the_path_that_runs_and_is_exact_either_side(monkeypatch, 
 @pytest.mark.parametrize("kind, top_k", [("shared", 2), ("probe", 1), ("decode", 1)])
 def test_real_measurement_runs_on_tiny_lengths(kind, top_k):
     query, key = tensors(heads=4, kv_heads=2)
-    shape = calibration.make_shape(query, key, top_k, 4, 8, kind)
-    crossover, rows = calibration.measure(shape, torch.device("cpu"), lengths=(32, 64))
-    assert crossover in (32, 64) and [row["length"] for row in rows] in ([32], [32, 64])
+    shape = crossover.make_shape(query, key, top_k, 4, 8, kind)
+    found, rows = crossover.measure(shape, torch.device("cpu"), lengths=(32, 64))
+    assert found in (32, 64) and [row["length"] for row in rows] in ([32], [32, 64])
     assert all(row["dense_s"] > 0 and row["sparse_s"] > 0 for row in rows)
 
 
@@ -269,7 +269,7 @@ def test_bench_calibrate_prints_and_stores_crossovers(calibrating, tmp_path, cap
     assert [row["dense_below"] for row in rows] == [512, 512, 513, 1024, 1024, 1025]
     assert all(row["processor"] and "load_avg_1m" in row for row in rows)
     assert "dense_below" in capsys.readouterr().out
-    assert len(json.loads((tmp_path / calibration.CACHE_FILE).read_text())["entries"]) == 6
+    assert len(json.loads((tmp_path / crossover.CACHE_FILE).read_text())["entries"]) == 6
 
 
 def test_bench_decode_writes_rows(tmp_path):
@@ -302,12 +302,12 @@ def test_few_query_attention_equals_the_kernel(dtype, tolerance):
 
 
 def test_failed_measurement_falls_back_to_the_default(calibrating, monkeypatch, capsys):
-    def broken(shape, device, lengths=calibration.LENGTHS):
+    def broken(shape, device, lengths=crossover.LENGTHS):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(calibration, "measure", broken)
+    monkeypatch.setattr(crossover, "measure", broken)
     query, key = tensors()
-    assert calibration.dense_below(query, key, 2, 8, 128) == calibration.default_dense_below("cpu", 2)
+    assert crossover.dense_below(query, key, 2, 8, 128) == crossover.default_dense_below("cpu", 2)
     assert "calibration failed" in capsys.readouterr().err
 
 

@@ -1,0 +1,98 @@
+"""Hard-mode Focus attention: which path runs a call (see `fast` for the paths themselves).
+
+"auto" asks `crossover.dense_below` (a crossover measured once per machine, shape and path) whether the call is short
+enough for one dense masked call to beat the sparse path; the crossover's measurement times the paths of `fast`,
+which is why the choice lives here and not beside them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from focus_hf.attention.backends import select_kernel
+from focus_hf.attention.crossover import dense_below
+from focus_hf.attention.fast import (
+    DECODE_MAX_QUERIES,
+    decode_attention,
+    masked_attention,
+    padding_keys,
+    sparse_attention,
+)
+from focus_hf.attention.grouped_keys import GroupedKeys
+from focus_hf.attention.pattern import probes_every_group
+
+
+def path_kind(query_groups: torch.Tensor, key_groups: torch.Tensor, decode: bool) -> str:
+    """Which sparse path a call takes (`crossover.KINDS`): "decode", "probe" (a separate query router with
+    top_k = 1, `probe_part`), "separate" (one with top_k > 1) or "shared" (queries probe their own key group first)."""
+    if decode:
+        return "decode"
+    if torch.equal(query_groups[..., 0], key_groups[:, key_groups.shape[1] - query_groups.shape[1] :]):
+        return "shared"
+    return "probe" if query_groups.shape[-1] == 1 else "separate"
+
+
+def hard_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    model_mask: Optional[torch.Tensor],
+    *,
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    num_groups: int,
+    window: int,
+    scaling: float,
+    backend: str,
+    mask_is_padding: bool = True,
+    grouped: Optional[list[GroupedKeys]] = None,
+) -> torch.Tensor:
+    """Hard-mode Focus attention on backend "sdpa", "flash" or "auto" (see `backends`).
+
+    Args:
+        query: [batch, heads, q, dim], the last q of the kv tokens.
+        key, value: [batch, kv_heads, kv, dim].
+        model_mask: the model's boolean mask [batch or 1, 1, q, kv] (True = may attend), or None (causal, no padding).
+        query_groups: [batch, q, top_k] groups each query probes.
+        key_groups, key_sink: [batch, kv] each key's group and whether it is a sink.
+        num_groups: K.
+        window: local window w.
+        scaling: multiplier of q.k.
+        backend: "sdpa", "flash" or "auto".
+        mask_is_padding: False when the model's mask may hide more than future and padding keys (sliding-window
+            layers); the pattern then runs as one dense masked call that applies the model's mask in full.
+        grouped: the group-sorted copies of each sample's distant keys that a one-query decoding step reads
+            instead of gathering (`grouped_keys`), one per sample; None: gather.
+
+    Returns:
+        [batch, q, heads, dim]; rows of padding queries are finite and meaningless.
+    """
+    kernel = select_kernel(backend, query.device)
+    arguments = (query_groups, key_groups, key_sink, window, scaling, kernel)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if model_mask is None and q_len in (1, kv_len) and probes_every_group(query_groups, num_groups):
+        # Every key's group is probed: the pattern is plain causal attention (on CPU the kernel's, which takes short
+        # causal calls in the C kernel of `native`).
+        if query.device.type == "cpu" and q_len > 1:
+            output, _ = kernel(query, key, value, causal=True, bias=None, scale=scaling)
+        else:
+            output = F.scaled_dot_product_attention(
+                query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=True
+            )
+        return output.transpose(1, 2).contiguous()
+    decode = q_len <= DECODE_MAX_QUERIES and q_len < kv_len
+    short = backend == "auto" and kv_len < dense_below(
+        query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode)
+    )
+    if short or (model_mask is not None and not mask_is_padding):
+        return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
+    key_valid = padding_keys(model_mask, query.shape[0])
+    if decode:
+        return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
+    return sparse_attention(
+        query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
+    )
