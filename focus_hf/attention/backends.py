@@ -3,17 +3,25 @@
 A kernel is `kernel(query, key, value, causal=..., bias=..., scale=...) -> (output, lse)` with query
 [batch, heads, L, dim], key/value [batch, kv_heads, S, dim] (heads a multiple of kv_heads, GQA as in
 transformers), `bias` None or a float tensor of the query's dtype broadcastable to [batch, heads, L, S] (0 for
-visible keys, finfo.min for hidden ones), output [batch, heads, L, dim] and lse float32 [batch, heads, L].
-`causal` is top-left aligned (query slot r sees key slots <= r); the fast path only asks for it with L == S.
+visible keys, finfo.min for hidden ones), output [batch, heads, L, dim] and lse float32 [batch, heads, L] (natural
+log). A row without any visible key has lse at finfo(float32).min (up to a log of the key count), so that a
+log-sum-exp merge gives it weight 0 and never a NaN, and a finite output; a kernel whose own convention differs is
+converted in its wrapper (tested on the CPU against its double in `doubles`). `causal` is top-left aligned (query
+slot r sees key slots <= r); the fast path only asks for it with L == S.
 
 Backends (`focus_hf.set_routing(model, "hard", backend=...)`):
   - "reference": the dense masked oracle of `reference.py` (no kernel here);
-  - "sdpa": torch's own kernels - the CPU flash kernel on CPU, the memory-efficient kernel on CUDA;
-  - "flash": flash-attn 3 or 2 on CUDA for the unmasked calls (the memory-efficient kernel for masked ones);
+  - "sdpa": torch's own kernels - on CPU the flash kernel and the C kernels of `native`; on CUDA the stock-kernel
+    path of `stock` (varlen flash attention + FlexAttention) for prefills, the memory-efficient kernel for the
+    masked and decoding calls;
+  - "flash": as "sdpa", with flash-attn's kernels where it is installed (CUDA only);
+  - "stock": the CUDA path of `stock` wherever the model is - on CPU its twin (the kernels' doubles: exact, slow),
+    which shows on any machine what the GPU path computes;
   - "auto": "flash" where it applies, else "sdpa", and below `crossover.dense_below(...)` keys (measured once
     per machine and shape) the exact pattern is run as one dense masked call, which is faster than the sparse
     path on short sequences (on CPU in float32 the C kernel of `native` evaluates the pattern as it goes; elsewhere
     the kernel reads the pattern as a bias, slower than unmasked dense attention).
+On CUDA no fast path runs before `verify` has shown it exact on that device and dtype.
 """
 
 from __future__ import annotations
@@ -70,6 +78,16 @@ def cpu_kernel(
     return output, lse
 
 
+def visible_rows(bias: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Bool [..., L]: the rows of a bias [..., L, S] (finfo.min = hidden) that keep at least one visible key, the
+    causal flag (top-left aligned) applied."""
+    visible = bias > torch.finfo(bias.dtype).min / 2
+    if causal:
+        length, keys = bias.shape[-2:]
+        visible = visible & torch.ones(length, keys, dtype=torch.bool, device=bias.device).tril()
+    return visible.any(dim=-1)
+
+
 def cuda_sdpa_kernel(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -78,20 +96,36 @@ def cuda_sdpa_kernel(
     causal: bool,
     bias: Optional[torch.Tensor],
     scale: float,
+    efficient: Optional[Callable] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's memory-efficient CUDA kernel, the one that both takes a bias and returns the log-sum-exp."""
+    """torch's memory-efficient CUDA kernel, the one that both takes a bias and returns the log-sum-exp.
+
+    Measured on an H100 (torch 2.11): for a row whose keys are all hidden the kernel returns output 0 and
+    log-sum-exp 0.0 - a real weight in a log-sum-exp merge - and its log-sum-exp comes padded to 32 queries; it
+    refused ("no kernel found") inputs it could not align. So the inputs go contiguous with the head dim padded to a
+    multiple of 8 (zeros change no score), and rows without a visible key get the convention of `Kernel`: output 0,
+    log-sum-exp finfo(float32).min. `efficient`: the kernel to call (tests pass its CPU double,
+    `doubles.efficient_attention_double`)."""
+    efficient = efficient or torch.ops.aten._scaled_dot_product_efficient_attention
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:  # this kernel has no GQA; causal calls rule out folding query heads into the sequence
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    dim = query.shape[-1]
+    padding = -dim % 8
+    query, key, value = (F.pad(states, (0, padding)).contiguous() for states in (query, key, value))
+    rows = None
     if bias is not None:
+        rows = visible_rows(bias, causal)
         # The kernel wants the bias's last dimension 16-aligned in memory; broadcast dims may stay stride 0.
         length = bias.shape[-1]
         bias = F.pad(bias, (0, -length % 16))[..., :length]
         bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], length)
-    output, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, True, 0.0, causal, scale=scale
-    )
-    return output, lse[..., : query.shape[2]].float()  # lse comes padded to a multiple of 32 queries
+    output, lse, _, _ = efficient(query, key, value, bias, True, 0.0, causal, scale=scale)
+    output, lse = output[..., :dim], lse[..., : query.shape[2]].float()  # lse comes padded to 32 queries
+    if rows is not None:
+        output = output.masked_fill(~rows.unsqueeze(-1), 0.0)
+        lse = lse.masked_fill(~rows, torch.finfo(torch.float32).min)
+    return output, lse
 
 
 @functools.lru_cache(maxsize=1)

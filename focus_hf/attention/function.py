@@ -26,7 +26,7 @@ from focus_hf.errors import FocusRuntimeError
 
 ATTENTION_NAME = "focus"
 # Hard-mode implementations; see `backends` for what each runs. Soft mode is always dense.
-BACKENDS = ("auto", "reference", "sdpa", "flash")
+BACKENDS = ("auto", "reference", "sdpa", "flash", "stock")
 
 
 @dataclass
@@ -323,6 +323,7 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             grouped=routing.grouped_for(kv_heads or (0, key.shape[1]), query.shape[0])
             if q_len == 1 and start == 0
             else None,
+            own_group=routing.queries.own_groups is None,
         )
         return output, None
     query_positions = torch.arange(keys.seen - q_len, keys.seen, device=query.device)

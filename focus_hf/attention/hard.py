@@ -1,8 +1,11 @@
-"""Hard-mode Focus attention: which path runs a call (see `fast` for the paths themselves).
+"""Hard-mode Focus attention: which path runs a call (the paths themselves are in `fast` and `stock`).
 
 "auto" asks `crossover.dense_below` (a crossover measured once per machine, shape and path) whether the call is short
-enough for one dense masked call to beat the sparse path; the crossover's measurement times the paths of `fast`,
-which is why the choice lives here and not beside them.
+enough for one dense masked call to beat the sparse path; the crossover's measurement times the paths, which is why
+the choice lives here and not beside them. Prefills run the sparse path of `fast` on CPU (C kernels, torch's CPU
+kernel) and that of `stock` on CUDA (variable-length flash attention and FlexAttention); `backend="stock"` runs the
+latter on any device (on CPU its exact twin). On CUDA no fast path runs before `verify` has shown it exact on that
+device, dtype and head shape; where it could not, calls take the reference path.
 """
 
 from __future__ import annotations
@@ -22,15 +25,23 @@ from focus_hf.attention.fast import (
     sparse_attention,
 )
 from focus_hf.attention.grouped_keys import GroupedKeys
-from focus_hf.attention.pattern import probes_every_group
+from focus_hf.attention.pattern import allowed_pairs, pair_distance, probes_every_group
+from focus_hf.attention.reference import dense_attention
+from focus_hf.attention.stock import stock_sparse_attention
+from focus_hf.attention.verify import verified_kernels
 
 
-def path_kind(query_groups: torch.Tensor, key_groups: torch.Tensor, decode: bool) -> str:
+def path_kind(
+    query_groups: torch.Tensor, key_groups: torch.Tensor, decode: bool, own_group: Optional[bool] = None
+) -> str:
     """Which sparse path a call takes (`crossover.KINDS`): "decode", "probe" (a separate query router with
-    top_k = 1, `probe_part`), "separate" (one with top_k > 1) or "shared" (queries probe their own key group first)."""
+    top_k = 1, `probe_part`), "separate" (one with top_k > 1) or "shared" (queries probe their own key group first;
+    `own_group` says so, None: read from the groups)."""
     if decode:
         return "decode"
-    if torch.equal(query_groups[..., 0], key_groups[:, key_groups.shape[1] - query_groups.shape[1] :]):
+    if own_group is None:
+        own_group = torch.equal(query_groups[..., 0], key_groups[:, key_groups.shape[1] - query_groups.shape[1] :])
+    if own_group:
         return "shared"
     return "probe" if query_groups.shape[-1] == 1 else "separate"
 
@@ -50,8 +61,9 @@ def hard_attention(
     backend: str,
     mask_is_padding: bool = True,
     grouped: Optional[list[GroupedKeys]] = None,
+    own_group: Optional[bool] = None,
 ) -> torch.Tensor:
-    """Hard-mode Focus attention on backend "sdpa", "flash" or "auto" (see `backends`).
+    """Hard-mode Focus attention on backend "sdpa", "flash", "stock" or "auto" (see `backends`).
 
     Args:
         query: [batch, heads, q, dim], the last q of the kv tokens.
@@ -67,6 +79,8 @@ def hard_attention(
             layers); the pattern then runs as one dense masked call that applies the model's mask in full.
         grouped: the group-sorted copies of each sample's distant keys that a one-query decoding step reads
             instead of gathering (`grouped_keys`), one per sample; None: gather.
+        own_group: whether each query's first probe is its own key group (no separate query router), as the routing
+            knows; None: read from the groups (a device sync).
 
     Returns:
         [batch, q, heads, dim]; rows of padding queries are finite and meaningless.
@@ -74,7 +88,13 @@ def hard_attention(
     kernel = select_kernel(backend, query.device)
     arguments = (query_groups, key_groups, key_sink, window, scaling, kernel)
     q_len, kv_len = query.shape[2], key.shape[2]
-    if model_mask is None and q_len in (1, kv_len) and probes_every_group(query_groups, num_groups):
+    stock = None
+    if query.device.type == "cuda" or backend == "stock":
+        stock = verified_kernels(query, key)
+        if stock is None:
+            return reference_hard_attention(query, key, value, model_mask, *arguments[:-1])
+    compiling = torch.compiler.is_compiling()
+    if model_mask is None and q_len in (1, kv_len) and not compiling and probes_every_group(query_groups, num_groups):
         # Every key's group is probed: the pattern is plain causal attention (on CPU the kernel's, which takes short
         # causal calls in the C kernel of `native`).
         if query.device.type == "cpu" and q_len > 1:
@@ -86,13 +106,51 @@ def hard_attention(
         return output.transpose(1, 2).contiguous()
     decode = q_len <= DECODE_MAX_QUERIES and q_len < kv_len
     short = backend == "auto" and kv_len < dense_below(
-        query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode)
+        query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode, own_group)
     )
     if short or (model_mask is not None and not mask_is_padding):
         return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
     key_valid = padding_keys(model_mask, query.shape[0])
     if decode:
         return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
+    if stock is not None:
+        return stock_sparse_attention(
+            query,
+            key,
+            value,
+            key_valid,
+            query_groups,
+            key_groups,
+            key_sink,
+            num_groups,
+            window,
+            scaling,
+            stock,
+            own_group,
+        )
     return sparse_attention(
         query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
     )
+
+
+def reference_hard_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    model_mask: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> torch.Tensor:
+    """The pattern and the model's mask applied to dense attention (`reference.dense_attention`): exact wherever it
+    runs, O(q kv) memory. [batch, q, heads, dim]."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    key_positions = torch.arange(kv_len, device=query.device)
+    query_positions = key_positions[kv_len - q_len :]
+    allowed = allowed_pairs(query_groups, key_groups, key_sink, query_positions, key_positions, window)[:, None]
+    allowed = allowed & (pair_distance(query_positions, key_positions) >= 0)
+    if model_mask is not None:
+        allowed = allowed & model_mask
+    return dense_attention(query, key, value, allowed, scaling=scaling)

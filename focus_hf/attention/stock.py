@@ -1,0 +1,365 @@
+"""Hard-mode Focus attention on stock GPU kernels: variable-length flash attention and FlexAttention.
+
+The allowed pairs split as in `fast`: A, the pairs whose key group is one the query probes (local and sink pairs
+included); B, the other allowed pairs - within the window, or with a sink. Here each set is one or a few calls of the
+kernels of `stock_kernels`, with no n x n tensor anywhere:
+
+- A, own-group top-1 (every query probes its own key group only) in half precision: sorted by (sample, group,
+  position), the tokens of one group of one sample are one sequence and set A is causal attention inside each - a
+  variable-length flash call per run of kv heads (`fold_own_groups`; unrouted tokens, group -1, are one more group,
+  each sample's padding one more sequence).
+- A, any other routing (top_k > 1, a separate query router, adaptive probes, float32): keys sorted by (group,
+  position) per sample and query entries - one per probed group - by (probed group, position). An entry sees a
+  prefix of its group's sorted keys, so a block of 128 sorted entries reads one range of sorted key blocks, which the
+  sort's offsets give (`sorted_range_blocks`); key blocks that every entry of a one-group block sees whole are listed
+  as full, read without a mask. One FlexAttention call (`fold_probed_groups`).
+- B: one FlexAttention call in token order (`window_and_sinks`): each block of 128 queries lists the key blocks of its
+  window and those holding the sinks; the mask keeps keys within the window, or sinks, whose group the query does
+  not probe, and real (not padding).
+
+The parts of a query are merged by log-sum-exp (`merge_heads`), a row without visible keys weighing 0. Costs (n
+tokens, K groups, top_k probes, window w): A ~ top_k n^2 / 2K pairs, B ~ n (w + 2 * 128) pairs; memory beyond the
+output and its log-sum-exp: the sorted keys and values of one run of kv heads and its queries' part (a budget of
+VARLEN_BYTES), or for the FlexAttention path the sorted keys and the entries' queries and results (top_k times the
+queries), and block lists of one row per 128 queries.
+
+Exact by construction for every routing; what it assumes of the kernels is checked on each device by `verify`, which
+`hard` asks before this path runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from focus_hf.attention.stock_kernels import BLOCK, BlockLists, StockKernels
+
+# Bytes of the sorted copies one variable-length call of set A may take (keys, values, queries, its result): the kv
+# heads go in runs that fit, so that a 1M-token prefill holds a fraction of a layer's states, not a second copy.
+VARLEN_BYTES = 1 << 30
+# Query rows merged at a time (float32 temporaries of this many rows of the merged heads).
+MERGE_ROWS = 65536
+
+
+def stock_sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    num_groups: int,
+    window: int,
+    scaling: float,
+    kernels: StockKernels,
+    own_group: Optional[bool] = None,
+) -> torch.Tensor:
+    """Sets A and B merged: [batch, q, heads, dim] in the query's dtype.
+
+    Args:
+        query: [batch, heads, q, dim], the last q of the kv tokens.
+        key, value: [batch, kv_heads, kv, dim].
+        key_valid: [batch, kv] False for padding keys, or None.
+        query_groups: [batch, q, top_k] the groups each query probes (a slot repeating the first is not probed).
+        key_groups, key_sink: [batch, kv] each key's group (-1: not routed yet) and whether it is a sink.
+        own_group: whether each query's first probe is its own key group (no separate query router); None: read
+            from the groups (a device sync; never under torch.compile, where None counts as False).
+    """
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    valid = key_valid
+    if valid is None:
+        valid = torch.ones(batch, kv_len, dtype=torch.bool, device=query.device)
+    output, lse = window_and_sinks(
+        query, key, value, valid, query_groups, key_groups, key_sink, window, scaling, kernels
+    )
+    if own_group is None:
+        own_group = not torch.compiler.is_compiling() and torch.equal(
+            query_groups[..., 0], key_groups[:, kv_len - q_len :]
+        )
+    if own_group and query_groups.shape[-1] == 1 and kernels.runs_varlen(query.dtype):
+        fold_own_groups(output, lse, query, key, value, valid, key_groups, num_groups, scaling, kernels)
+    else:
+        fold_probed_groups(
+            output, lse, query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernels
+        )
+    return output.transpose(1, 2).contiguous()
+
+
+def merge_heads(
+    output: torch.Tensor, lse: torch.Tensor, heads: slice, part: torch.Tensor, part_lse: torch.Tensor
+) -> None:
+    """Fold `part` [batch, h, q, dim] with `part_lse` [batch, h, q] (a disjoint key set) into query heads `heads` of
+    `output` [batch, heads, q, dim] and float32 `lse` [batch, heads, q], in place, MERGE_ROWS rows at a time in
+    float32: o = o exp(lse - t) + part exp(part_lse - t), lse = t = logaddexp(lse, part_lse)."""
+    for start in range(0, output.shape[2], MERGE_ROWS):
+        rows = slice(start, start + MERGE_ROWS)
+        held, held_lse = output[:, heads, rows], lse[:, heads, rows]
+        new_lse = part_lse[:, :, rows].float()
+        total = torch.logaddexp(held_lse, new_lse)
+        merged = held.float() * torch.exp(held_lse - total).unsqueeze(-1)
+        merged.addcmul_(part[:, :, rows].float(), torch.exp(new_lse - total).unsqueeze(-1))
+        output[:, heads, rows] = merged.to(output.dtype)
+        lse[:, heads, rows] = total
+
+
+def _bound(count: torch.Tensor, static_bound: int) -> int:
+    """A width for block lists: the largest count (one device sync) or, under torch.compile, `static_bound`."""
+    if torch.compiler.is_compiling():
+        return max(static_bound, 1)
+    return max(int(count.max()) if count.numel() else 0, 1)
+
+
+def _padded(tensor: torch.Tensor, dim: int, length: int, value) -> torch.Tensor:
+    """`tensor` padded along `dim` to `length` with `value`: the kernel evaluates masks on whole blocks, so the
+    tensors a mask reads cover every index of its last, partial block."""
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_full(shape, value)], dim=dim)
+
+
+def window_blocks(q_len: int, kv_len: int, window: int, key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block lists of set B in token order: for each block of BLOCK queries, the key blocks that hold sinks before its
+    window, then those of its window. Returns kv_num_blocks [batch, q_blocks] and kv_indices [batch, q_blocks, width]
+    (int32)."""
+    device, batch = key_sink.device, key_sink.shape[0]
+    offset = kv_len - q_len
+    q_blocks, kv_blocks = -(-q_len // BLOCK), -(-kv_len // BLOCK)
+    first = offset + torch.arange(q_blocks, device=device) * BLOCK  # position of each block's first query
+    last = torch.clamp(first + BLOCK, max=kv_len) - 1
+    band_start = torch.clamp(first - window, min=0) // BLOCK
+    band_count = last // BLOCK - band_start + 1  # [q_blocks]
+    band_width = min(kv_blocks, (window + BLOCK - 1) // BLOCK + 2)
+    # Sinks lie between the first and the last sink of their sample: those blocks, where they come before the band.
+    has_sink = key_sink.any(dim=1)
+    first_sink = key_sink.int().argmax(dim=1)
+    last_sink = kv_len - 1 - key_sink.flip(1).int().argmax(dim=1)
+    sink_start = (first_sink // BLOCK)[:, None]
+    sink_end = torch.minimum((last_sink // BLOCK + 1)[:, None], band_start[None, :])  # exclusive
+    sink_count = torch.where(has_sink[:, None], (sink_end - sink_start).clamp(min=0), 0)  # [batch, q_blocks]
+    sink_width = _bound(sink_count, kv_blocks)
+    slot = torch.arange(sink_width + band_width, device=device)
+    indices = torch.where(
+        slot < sink_count[..., None],
+        sink_start[..., None] + slot,
+        band_start[None, :, None] + slot - sink_count[..., None],
+    )
+    count = sink_count + band_count[None, :]
+    return count.int(), indices.clamp(0, kv_blocks - 1).int().expand(batch, -1, -1)
+
+
+def window_and_sinks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+    kernels: StockKernels,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Set B in one FlexAttention call: output [batch, heads, q, dim] and lse [batch, heads, q] float32."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    offset, top_k = kv_len - q_len, query_groups.shape[-1]
+    q_span, kv_span = -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
+    real = _padded(valid, 1, kv_span, False)
+    sinks = _padded(key_sink, 1, kv_span, False)
+    groups = _padded(key_groups, 1, kv_span, -2)
+    probes = _padded(query_groups, 1, q_span, -3)
+
+    def mask_mod(b, h, q_index, kv_index):
+        distance = q_index + offset - kv_index
+        group = groups[b, kv_index]
+        probed = probes[b, q_index, 0] == group
+        for slot in range(1, top_k):
+            probed = probed | (probes[b, q_index, slot] == group)
+        reach = (distance <= window) | sinks[b, kv_index]
+        return real[b, kv_index] & (distance >= 0) & reach & ~probed
+
+    count, indices = window_blocks(q_len, kv_len, window, key_sink)
+    blocks = BlockLists(count, indices, None, None, mask_mod, q_len, kv_len)
+    return kernels.flex(query, key, value, blocks, scaling)
+
+
+def key_segments(valid: torch.Tensor, key_groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Each key's segment within its sample: its group, num_groups for a key not routed yet (group -1), and
+    num_groups + 1 for padding."""
+    routed = torch.where(key_groups >= 0, key_groups, num_groups)
+    return torch.where(valid, routed, num_groups + 1)
+
+
+def _max_length(counts: torch.Tensor, bound: int) -> int:
+    """The longest sequence (one sync) or, under torch.compile, `bound` (the kernel only needs an upper bound)."""
+    return bound if torch.compiler.is_compiling() else int(counts.max())
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    """int32 [N + 1] cumulative offsets of N sequence lengths."""
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
+
+
+def fold_own_groups(
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    key_groups: torch.Tensor,
+    num_groups: int,
+    scaling: float,
+    kernels: StockKernels,
+) -> None:
+    """Set A of own-group top-1 routing as variable-length causal attention, one sequence per (sample, segment), folded
+    into `output` and `lse`. Queries are the last q tokens of each sequence, as the kernel's bottom-right causal
+    alignment needs. The kv heads go in runs whose sorted copies fit VARLEN_BYTES."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    per_kv = heads // kv_heads
+    segments = num_groups + 2
+    segment = key_segments(valid, key_groups, num_groups)
+    segment = segment + torch.arange(batch, device=query.device)[:, None] * segments  # [batch, kv]
+    code = segment * kv_len + torch.arange(kv_len, device=query.device)
+    key_order = code.flatten().argsort()
+    query_order = code[:, kv_len - q_len :].flatten().argsort()  # flat index sample * q + query
+    key_counts = torch.bincount(segment.flatten(), minlength=batch * segments)
+    query_counts = torch.bincount(segment[:, kv_len - q_len :].flatten(), minlength=batch * segments)
+    sequences = (
+        _offsets(query_counts),
+        _offsets(key_counts),
+        _max_length(query_counts, q_len),
+        _max_length(key_counts, kv_len),
+    )
+    unsort = torch.empty_like(query_order)
+    unsort[query_order] = torch.arange(len(query_order), device=query.device)
+    key_sample, key_token = key_order // kv_len, key_order % kv_len
+    query_sample, query_token = query_order // q_len, query_order % q_len
+    per_head = (2 * kv_len + 3 * per_kv * q_len) * batch * dim * query.element_size()
+    run = max(1, min(kv_heads, VARLEN_BYTES // max(per_head, 1)))
+    for first in range(0, kv_heads, run):
+        kv_run = slice(first, min(first + run, kv_heads))
+        heads_run = slice(kv_run.start * per_kv, kv_run.stop * per_kv)
+        part, part_lse = kernels.varlen(
+            query[query_sample, heads_run, query_token],  # [Tq, heads of the run, dim]
+            key[key_sample, kv_run, key_token],
+            value[key_sample, kv_run, key_token],
+            *sequences,
+            scaling,
+        )
+        part = part[unsort].view(batch, q_len, -1, dim).transpose(1, 2)
+        part_lse = part_lse[unsort].view(batch, q_len, -1).transpose(1, 2)
+        merge_heads(output, lse, heads_run, part, part_lse)
+        del part, part_lse
+
+
+def sorted_range_blocks(
+    first_key: torch.Tensor, end_key: torch.Tensor, groups: torch.Tensor, real_entries: torch.Tensor, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block lists of set A in sorted order, from each sorted entry's key range [first_key, end_key) among the sorted
+    keys and its segment `groups` ([batch, entries]; ranges non-decreasing along the entries), the first
+    `real_entries` [batch] entries of each sample being real (the excluded ones sort last and see no key).
+
+    A block of BLOCK entries reads the key blocks from its first entry's first key to its last real entry's end key.
+    Where all its entries are real and of one group, the key blocks inside its first entry's range are full: every
+    entry of the block sees them whole. Returns (kv_num_blocks, kv_indices, full_num_blocks, full_indices), int32."""
+    batch, entries = groups.shape
+    device = groups.device
+    q_blocks, kv_blocks = -(-entries // BLOCK), -(-kv_len // BLOCK)
+    start = (torch.arange(q_blocks, device=device) * BLOCK).expand(batch, -1)
+    block_end = torch.clamp(start + BLOCK, max=entries)  # exclusive
+    last_real = torch.minimum(block_end, real_entries[:, None]) - 1
+    empty = last_real < start
+    low, first_end = first_key.gather(1, start), end_key.gather(1, start)
+    high = end_key.gather(1, last_real.clamp(min=0))
+    start_block = low // BLOCK
+    end_block = torch.where(empty, start_block, -(-high // BLOCK))
+    one_group = (groups.gather(1, start) == groups.gather(1, block_end - 1)) & (last_real == block_end - 1)
+    full_start, full_end = -(-low // BLOCK), first_end // BLOCK
+    has_full = one_group & ~empty & (full_end > full_start)
+    full_start = torch.where(has_full, full_start, start_block)
+    full_end = torch.where(has_full, full_end, start_block)
+    before = full_start - start_block
+    count = before + (end_block - full_end)
+    slot = torch.arange(_bound(count, kv_blocks), device=device)
+    indices = torch.where(
+        slot < before[..., None], start_block[..., None] + slot, full_end[..., None] + slot - before[..., None]
+    )
+    full_count = full_end - full_start
+    full_slot = torch.arange(_bound(full_count, kv_blocks), device=device)
+    full_indices = full_start[..., None] + full_slot
+    clamp = (0, kv_blocks - 1)
+    return count.int(), indices.clamp(*clamp).int(), full_count.int(), full_indices.clamp(*clamp).int()
+
+
+def fold_probed_groups(
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    num_groups: int,
+    scaling: float,
+    kernels: StockKernels,
+) -> None:
+    """Set A of any routing in one FlexAttention call over sorted keys and sorted query entries, folded into `output`
+    and `lse` one probe slot at a time (a query's probed groups are distinct, so its entries' key sets are
+    disjoint)."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    offset, top_k, device = kv_len - q_len, query_groups.shape[-1], query.device
+    entries = q_len * top_k
+    excluded = num_groups + 2  # padding queries and slots that repeat the first probe: no entry
+    segment = key_segments(valid, key_groups, num_groups)  # [batch, kv]
+    key_code = segment * kv_len + torch.arange(kv_len, device=device)
+    key_order = key_code.argsort(dim=1)
+    sorted_code = key_code.gather(1, key_order)
+    probe = torch.where(query_groups >= 0, query_groups, num_groups)
+    unprobed = torch.zeros_like(query_groups, dtype=torch.bool)
+    unprobed[..., 1:] = query_groups[..., 1:] == query_groups[..., :1]
+    probe = torch.where(unprobed | ~valid[:, offset:, None], excluded, probe).reshape(batch, entries)
+    entry_order = (probe * entries + torch.arange(entries, device=device)).argsort(dim=1)
+    entry_group = probe.gather(1, entry_order)
+    entry_position = offset + entry_order // top_k
+    # Each entry's keys: its group's sorted keys up to its own position.
+    first_key = torch.searchsorted(sorted_code, entry_group * kv_len)
+    end_key = torch.searchsorted(sorted_code, entry_group * kv_len + entry_position, right=True)
+    real_entries = (entry_group != excluded).sum(dim=1)
+    count, indices, full_count, full_indices = sorted_range_blocks(
+        first_key, end_key, entry_group, real_entries, kv_len
+    )
+
+    q_span, kv_span = -(-entries // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
+    mask_groups = _padded(entry_group, 1, q_span, -1)
+    mask_positions = _padded(entry_position, 1, q_span, -1)
+    key_segment = _padded(segment.gather(1, key_order), 1, kv_span, -2)
+    key_position = _padded(key_order, 1, kv_span, kv_len)
+
+    def mask_mod(b, h, q_index, kv_index):
+        same = mask_groups[b, q_index] == key_segment[b, kv_index]
+        return same & (key_position[b, kv_index] <= mask_positions[b, q_index])
+
+    blocks = BlockLists(count, indices, full_count, full_indices, mask_mod, entries, kv_len)
+    token_index = (entry_order // top_k)[:, None, :, None]
+    sorted_keys = key.gather(2, key_order[:, None, :, None].expand(batch, kv_heads, kv_len, dim))
+    sorted_values = value.gather(2, key_order[:, None, :, None].expand(batch, kv_heads, kv_len, dim))
+    part, part_lse = kernels.flex(
+        query.gather(2, token_index.expand(batch, heads, entries, dim)), sorted_keys, sorted_values, blocks, scaling
+    )
+    del sorted_keys, sorted_values
+    unsort = torch.empty_like(entry_order)
+    unsort.scatter_(1, entry_order, torch.arange(entries, device=device).expand(batch, -1))
+    slots = unsort.view(batch, q_len, top_k)
+    for slot in range(top_k):
+        rows = slots[:, None, :, slot]  # [batch, 1, q]: where each query's entry of this slot lies
+        slot_part = part.gather(2, rows[..., None].expand(batch, heads, q_len, dim))
+        merge_heads(output, lse, slice(None), slot_part, part_lse.gather(2, rows.expand(batch, heads, q_len)))

@@ -1,0 +1,292 @@
+"""The GPU path's kernels - FlexAttention and variable-length flash attention - behind one convention.
+
+`StockKernels.flex(query [B, H, L, D], key/value [B, KV, S, D], blocks, scale)` and `StockKernels.varlen(query
+[T, H, D], key/value [T', KV, D], cu_seq_q, cu_seq_k, max_q, max_k, scale)` (causal within each sequence, aligned to
+the bottom right) return the output in the query's dtype and a float32 log-sum-exp - natural log, [B, H, L] and
+[T, H] - where a row without any visible key has output 0 and log-sum-exp `NEG` (finite, so that a log-sum-exp merge
+gives it weight 0 and never a NaN). What each kernel returns raw differs (flex: -inf for empty rows; varlen: [H, T];
+flash-attn 2 and 3: tuples of different lengths); the conversion is here, once, and `verify` checks it on every
+CUDA device and dtype before the path is used.
+
+On CUDA: FlexAttention compiled once (`torch.compile`, recompiling only for a new configuration) and torch's
+`varlen_attn` (flash-attn's `flash_attn_varlen_func` when installed). On CPU: their doubles (`doubles`), the path's
+CPU twin - the same decomposition, exact and slow, for tests and `backend="stock"`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from focus_hf.attention.doubles import flex_attention_double, varlen_attention_double
+
+NEG = torch.finfo(torch.float32).min  # log-sum-exp of a row without a visible key
+BLOCK = 128  # FlexAttention's block of queries and of keys
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """A FlexAttention block mask by its block lists: query block r reads key blocks `kv_indices[b, r, :n]`, n =
+    `kv_num_blocks[b, r]`, applying `mask_mod(b, h, q_index, kv_index) -> bool` there, and key blocks
+    `full_indices[b, r, :full_num_blocks[b, r]]` whole (None: none). Indices are int32; widths are free."""
+
+    kv_num_blocks: torch.Tensor  # [batch, q_blocks]
+    kv_indices: torch.Tensor  # [batch, q_blocks, width]
+    full_num_blocks: Optional[torch.Tensor]
+    full_indices: Optional[torch.Tensor]
+    mask_mod: Callable
+    q_len: int
+    kv_len: int
+
+
+RawFlex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+RawVarlen = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StockKernels:
+    """One device's FlexAttention and variable-length attention, normalised to the module's convention.
+
+    Attributes:
+        name: what runs ("cuda: flex + torch varlen", "cpu twin", ...), for messages and benchmark rows.
+        raw_flex: (query, key, value, blocks, scale) -> (output, lse) as the kernel returns them.
+        raw_varlen: (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale) -> (output [T, H, D], lse [H, T]),
+            causal; None where no variable-length kernel is available.
+        varlen_gqa: whether raw_varlen takes fewer kv heads than query heads.
+        varlen_dtypes: the dtypes raw_varlen runs (flash attention: half precision only).
+        head_dims: rounds a head dim up to one the kernels take (keys and queries are padded with zeros).
+    """
+
+    name: str
+    raw_flex: RawFlex
+    raw_varlen: Optional[RawVarlen]
+    varlen_gqa: bool
+    varlen_dtypes: tuple[torch.dtype, ...]
+    head_dims: Callable[[int], int]
+
+    def runs_varlen(self, dtype: torch.dtype) -> bool:
+        return self.raw_varlen is not None and dtype in self.varlen_dtypes
+
+    def flex(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockLists, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block-sparse attention: output [B, H, L, D] (query dtype) and lse [B, H, L] (float32, NEG if empty)."""
+        dim = query.shape[-1]
+        padded = self.head_dims(dim)
+        if padded != dim:
+            query, key, value = (F.pad(states, (0, padded - dim)) for states in (query, key, value))
+        output, lse = self.raw_flex(query, key, value, blocks, scale)
+        return output[..., :dim], lse.float().clamp_min(NEG)
+
+    def varlen(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seq_q: torch.Tensor,
+        cu_seq_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention within each packed sequence: output [T, H, D] (query dtype) and lse [T, H] (float32).
+
+        GQA (query head h reads kv head h // (H // KV)) where the kernel takes none: one call per position p in a kv
+        head's run of query heads, with query heads p, p + H / KV, ... against kv heads 0, 1, ... - no expanded copy
+        of the keys."""
+        if self.raw_varlen is None:
+            raise RuntimeError(f"{self.name} has no variable-length attention kernel")
+        dim = query.shape[-1]
+        padded = self.head_dims(dim)
+        if padded != dim:
+            query, key, value = (F.pad(states, (0, padded - dim)) for states in (query, key, value))
+        heads, kv_heads = query.shape[1], key.shape[1]
+        arguments = (cu_seq_q, cu_seq_k, max_q, max_k, scale)
+        if heads == kv_heads or self.varlen_gqa:
+            output, lse = self.raw_varlen(query, key, value, *arguments)
+            return output[..., :dim], lse.float().transpose(0, 1)
+        per_kv = heads // kv_heads
+        output = query.new_empty(query.shape[0], heads, dim)
+        lse = torch.empty(query.shape[0], heads, dtype=torch.float32, device=query.device)
+        for position in range(per_kv):
+            part, part_lse = self.raw_varlen(query[:, position::per_kv], key, value, *arguments)
+            output[:, position::per_kv] = part[..., :dim]
+            lse[:, position::per_kv] = part_lse.float().transpose(0, 1)
+        return output, lse
+
+
+def _power_of_two_from_16(dim: int) -> int:
+    """A head dim both kernels take: FlexAttention's Triton kernel needs a power of two of at least 16, flash
+    attention a multiple of 8."""
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+def _block_mask(blocks: BlockLists):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    full = (None, None)
+    if blocks.full_num_blocks is not None:
+        full = (blocks.full_num_blocks[:, None], blocks.full_indices[:, None])
+    return BlockMask.from_kv_blocks(
+        blocks.kv_num_blocks[:, None],
+        blocks.kv_indices[:, None],
+        *full,
+        BLOCK_SIZE=BLOCK,
+        mask_mod=blocks.mask_mod,
+        seq_lengths=(blocks.q_len, blocks.kv_len),
+        compute_q_blocks=False,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_flex_attention() -> Callable:
+    """FlexAttention compiled once per process (a new shape compiles once more, then shapes are dynamic)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _lse_request() -> dict:
+    """The keyword that asks flex_attention for the log-sum-exp (return_aux from torch 2.9, return_lse before)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+def cuda_flex(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockLists, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled FlexAttention kernel: raw output and log-sum-exp (-inf for rows without a visible key)."""
+    result = compiled_flex_attention()(
+        query,
+        key,
+        value,
+        block_mask=_block_mask(blocks),
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+        **_lse_request(),
+    )
+    output, aux = result
+    return output, getattr(aux, "lse", aux)
+
+
+def cpu_flex(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockLists, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention's CPU double (`doubles.flex_attention_double`)."""
+    return flex_attention_double(
+        query,
+        key,
+        value,
+        kv_num_blocks=blocks.kv_num_blocks[:, None],
+        kv_indices=blocks.kv_indices[:, None],
+        full_kv_num_blocks=None if blocks.full_num_blocks is None else blocks.full_num_blocks[:, None],
+        full_kv_indices=None if blocks.full_indices is None else blocks.full_indices[:, None],
+        mask_mod=blocks.mask_mod,
+        block_size=BLOCK,
+        scale=scale,
+    )
+
+
+def torch_varlen_function() -> Optional[tuple[Callable, bool]]:
+    """torch's `varlen_attn` and whether it takes GQA (`enable_gqa`, torch >= 2.12), or None before torch 2.10."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def flash_attn_varlen_function() -> Optional[Callable]:
+    """flash-attn's `flash_attn_varlen_func` (version 3 preferred), or None when neither is installed."""
+    for module_name in ("flash_attn_interface", "flash_attn"):
+        try:
+            return importlib.import_module(module_name).flash_attn_varlen_func
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def _torch_varlen(function: Callable, gqa: bool) -> RawVarlen:
+    from torch.nn.attention.varlen import AuxRequest
+
+    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale):
+        options = {"enable_gqa": True} if gqa and query.shape[1] != key.shape[1] else {}
+        return function(
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            max_q,
+            max_k,
+            return_aux=AuxRequest(lse=True),
+            scale=scale,
+            window_size=(-1, 0),
+            **options,
+        )
+
+    return varlen
+
+
+def _flash_attn_varlen(function: Callable) -> RawVarlen:
+    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale):
+        result = function(
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            max_q,
+            max_k,
+            softmax_scale=scale,
+            causal=True,
+            return_attn_probs=True,
+        )
+        return result[0], result[1]  # flash-attn 2: (out, lse, probs); 3: (out, lse)
+
+    return varlen
+
+
+def cuda_kernels(prefer_flash_attn: bool = True) -> StockKernels:
+    """The CUDA kernels: compiled FlexAttention, and flash-attn's varlen (when installed and preferred) or torch's."""
+    flash = flash_attn_varlen_function() if prefer_flash_attn else None
+    if flash is not None:
+        return StockKernels(
+            "cuda: FlexAttention + flash-attn varlen",
+            cuda_flex,
+            _flash_attn_varlen(flash),
+            True,
+            (torch.float16, torch.bfloat16),
+            _power_of_two_from_16,
+        )
+    found = torch_varlen_function()
+    raw_varlen, gqa = (None, False) if found is None else (_torch_varlen(*found), found[1])
+    name = "cuda: FlexAttention" + ("" if found is None else " + torch varlen_attn")
+    return StockKernels(name, cuda_flex, raw_varlen, gqa, (torch.float16, torch.bfloat16), _power_of_two_from_16)
+
+
+def cpu_twin_kernels(varlen_gqa: bool = False) -> StockKernels:
+    """The CPU twin: FlexAttention's and varlen's doubles, in every dtype. Without `varlen_gqa` the varlen double
+    refuses GQA as torch 2.11's kernel does, so that the per-position calls run."""
+
+    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale):
+        return varlen_attention_double(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, gqa=varlen_gqa)
+
+    dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    return StockKernels("cpu twin", cpu_flex, varlen, varlen_gqa, dtypes, _power_of_two_from_16)
+
+
+def stock_kernels(device: torch.device) -> StockKernels:
+    """The kernels of the GPU path on `device`: CUDA's, or the CPU twin elsewhere."""
+    if device.type == "cuda":
+        return cuda_kernels()
+    return cpu_twin_kernels()

@@ -1,0 +1,244 @@
+"""Show a device's fast paths exact before they run there; otherwise fall back to the reference path, and say so once.
+
+The fast paths depend on what their kernels return - each kernel's log-sum-exp base and layout, its answer for a row
+without visible keys, which blocks of a FlexAttention block mask it reads - and those are facts about one torch /
+flash-attn build on one device, not promises: torch's CUDA memory-efficient kernel, for one, answers an empty row
+with log-sum-exp 0.0 where the CPU kernel answers finfo.min, which once made merged results wrong on CUDA only. So
+before the first call with a new (device, dtype, head shape), `verified_kernels` runs each kernel the path will use
+on small inputs whose answers are known (float64 on the same inputs), rows without keys and sequences shorter than
+their keys included, and the whole GPU path on two small routed cases against the dense oracle. A failure is
+printed once, naming what differed, and every later call of that configuration takes the reference path (exact,
+dense, slow) instead of returning unverified numbers. The check costs well under a second plus the kernels' first
+compilation, once per process and configuration.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from focus_hf.attention.backends import cuda_sdpa_kernel
+from focus_hf.attention.doubles import flex_attention_double, varlen_attention_double
+from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.reference import dense_attention
+from focus_hf.attention.stock import stock_sparse_attention
+from focus_hf.attention.stock_kernels import BLOCK, NEG, BlockLists, StockKernels, stock_kernels
+
+# Largest absolute difference from the float64 answer a check accepts, by input dtype (outputs are O(1)).
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """What a verdict holds for: one device, dtype and head shape."""
+
+    device: str
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+# Verdicts of this process: None (exact) or what failed.
+_verdicts: dict[Configuration, Optional[str]] = {}
+
+
+def configuration(query: torch.Tensor, key: torch.Tensor) -> Configuration:
+    return Configuration(str(query.device), query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+
+
+def verified_kernels(
+    query: torch.Tensor, key: torch.Tensor, kernels: Optional[StockKernels] = None
+) -> Optional[StockKernels]:
+    """The GPU path's kernels for this call's configuration once shown exact (checked on first use), else None:
+    the caller then runs the reference path. `kernels`: the kernels to check and use (default: the device's)."""
+    kernels = kernels or stock_kernels(query.device)
+    config = configuration(query, key)
+    if config not in _verdicts:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "focus_hf checks its GPU path on each device before using it, which cannot run inside torch.compile: "
+                "run one forward call (or `focus_hf.set_routing`) before compiling the model."
+            )
+        failure = check(kernels, config)
+        _verdicts[config] = failure
+        if failure is not None:
+            print(
+                f"focus_hf: the fast Focus attention path did not reproduce exact results on {config.device} "
+                f"({config.dtype}, {config.heads}/{config.kv_heads} heads of {config.head_dim}): {failure}. Every "
+                "call of this kind now runs the reference path (exact, dense, slower). Please report this with your "
+                "torch version.",
+                file=sys.stderr,
+            )
+    return kernels if _verdicts[config] is None else None
+
+
+def verify(query: torch.Tensor, key: torch.Tensor, kernels: Optional[StockKernels] = None) -> Optional[str]:
+    """Check now (or read this process's verdict): None when exact, else what failed."""
+    verified_kernels(query, key, kernels)
+    return _verdicts[configuration(query, key)]
+
+
+def forget_verdicts() -> None:
+    """Drop this process's verdicts (tests)."""
+    _verdicts.clear()
+
+
+def _differs(name: str, actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> Optional[str]:
+    difference = (actual.double() - expected.double()).abs()
+    worst = float(difference.max()) if difference.numel() else 0.0
+    if not worst <= tolerance:  # also catches NaN
+        return f"{name} differs by {worst:.3g} (tolerance {tolerance:g})"
+    return None
+
+
+def _states(generator: torch.Generator, config: Configuration, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(config.device, config.dtype)
+
+
+def check_flex(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
+    """Block lists with partial, full and unlisted blocks, a row without visible keys, lengths off the block size."""
+    q_len, kv_len = BLOCK + 72, 2 * BLOCK + 44
+    device = torch.device(config.device)
+    query = _states(generator, config, 2, config.heads, q_len, config.head_dim)
+    key = _states(generator, config, 2, config.kv_heads, kv_len, config.head_dim)
+    value = _states(generator, config, 2, config.kv_heads, kv_len, config.head_dim)
+
+    def mask_mod(b, h, q_index, kv_index):  # query 0 of every sample sees nothing
+        return (q_index > 0) & ((q_index + kv_index + b) % 3 != 0)
+
+    blocks = BlockLists(
+        kv_num_blocks=torch.tensor([[1, 2], [2, 0]], dtype=torch.int32, device=device),
+        kv_indices=torch.tensor([[[2, 0], [0, 2]], [[0, 1], [0, 0]]], dtype=torch.int32, device=device),
+        full_num_blocks=torch.tensor([[0, 1], [0, 1]], dtype=torch.int32, device=device),
+        full_indices=torch.tensor([[[0], [1]], [[0], [2]]], dtype=torch.int32, device=device),
+        mask_mod=mask_mod,
+        q_len=q_len,
+        kv_len=kv_len,
+    )
+    scale = config.head_dim**-0.5
+    output, lse = kernels.flex(query, key, value, blocks, scale)
+    expected, expected_lse = flex_attention_double(
+        query,
+        key,
+        value,
+        kv_num_blocks=blocks.kv_num_blocks[:, None],
+        kv_indices=blocks.kv_indices[:, None],
+        full_kv_num_blocks=blocks.full_num_blocks[:, None],
+        full_kv_indices=blocks.full_indices[:, None],
+        mask_mod=mask_mod,
+        block_size=BLOCK,
+        scale=scale,
+    )
+    tolerance = TOLERANCE.get(config.dtype, 4e-2)
+    empty = expected_lse == float("-inf")
+    if not bool(empty.any()):
+        return "the flex check has no empty row (a bug in the check)"
+    if not (bool((lse[empty] <= NEG / 2).all()) and bool((output.masked_select(empty[..., None]) == 0).all())):
+        return "FlexAttention: a row without visible keys is not (output 0, log-sum-exp -inf)"
+    return _differs("FlexAttention output", output, expected, tolerance) or _differs(
+        "FlexAttention log-sum-exp", lse[~empty], expected_lse[~empty], tolerance
+    )
+
+
+def check_varlen(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
+    """Sequences of fewer queries than keys (bottom-right causal), one without queries, one of a single token."""
+    if not kernels.runs_varlen(config.dtype):
+        return None
+    device = torch.device(config.device)
+    query_lengths, key_lengths = [70, 0, 1, 130], [70, 9, 1, 200]
+    cu_q = torch.tensor([0, *torch.tensor(query_lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    query = _states(generator, config, sum(query_lengths), config.heads, config.head_dim)
+    key = _states(generator, config, sum(key_lengths), config.kv_heads, config.head_dim)
+    value = _states(generator, config, sum(key_lengths), config.kv_heads, config.head_dim)
+    arguments = (cu_q, cu_k, max(query_lengths), max(key_lengths))
+    scale = config.head_dim**-0.5
+    output, lse = kernels.varlen(query, key, value, *arguments, scale)
+    expected, expected_lse = varlen_attention_double(query, key, value, *arguments, scale=scale, gqa=True)
+    tolerance = TOLERANCE.get(config.dtype, 4e-2)
+    return _differs("varlen output", output, expected, tolerance) or _differs(
+        "varlen log-sum-exp", lse, expected_lse.transpose(0, 1), tolerance
+    )
+
+
+def check_masked_kernel(config: Configuration, generator: torch.Generator) -> Optional[str]:
+    """torch's CUDA memory-efficient kernel, as the masked and decoding paths call it: a bias that hides every key of
+    some rows, GQA, fewer queries than keys."""
+    if not config.device.startswith("cuda"):
+        return None
+    q_len, kv_len = 40, 75
+    query = _states(generator, config, 2, config.heads, q_len, config.head_dim)
+    key = _states(generator, config, 2, config.kv_heads, kv_len, config.head_dim)
+    value = _states(generator, config, 2, config.kv_heads, kv_len, config.head_dim)
+    visible = torch.rand(2, 1, q_len, kv_len, generator=generator) < 0.3
+    visible[:, :, :3] = False
+    bias = torch.where(visible, 0.0, torch.finfo(config.dtype).min).to(config.device, config.dtype)
+    scale = config.head_dim**-0.5
+    output, lse = cuda_sdpa_kernel(query, key, value, causal=False, bias=bias, scale=scale)
+    expected = dense_attention(query.double(), key.double(), value.double(), visible.to(config.device), scaling=scale)
+    tolerance = TOLERANCE.get(config.dtype, 4e-2)
+    rows = visible.any(dim=-1).expand(2, config.heads, q_len).to(config.device)
+    if not bool((lse[~rows] <= NEG / 2).all()):
+        return "memory-efficient kernel: a row without visible keys keeps a real log-sum-exp"
+    return _differs(
+        "memory-efficient output",
+        output.transpose(1, 2)[rows.transpose(1, 2)],
+        expected[rows.transpose(1, 2)],
+        tolerance,
+    )
+
+
+def check_path(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
+    """The whole GPU path on two routed cases - own-group top-1, and top-2 from a separate query router - with
+    left padding, sinks and queries after a cache, against the dense oracle."""
+    batch, length, groups, window, sinks = 2, BLOCK + 37, 4, 19, 3
+    for top_k, separate, q_len in ((1, False, length), (2, True, length - 50)):
+        query = _states(generator, config, batch, config.heads, q_len, config.head_dim)
+        key = _states(generator, config, batch, config.kv_heads, length, config.head_dim)
+        value = _states(generator, config, batch, config.kv_heads, length, config.head_dim)
+        scores = torch.rand(batch, length, groups, generator=generator)
+        query_groups = scores.argsort(dim=-1, descending=True)[..., :top_k]
+        key_groups = torch.randint(groups, (batch, length), generator=generator) if separate else query_groups[..., 0]
+        valid = torch.ones(batch, length, dtype=torch.bool)
+        valid[0, :21] = False
+        sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
+        positions = torch.arange(length)
+        query_groups = query_groups[:, length - q_len :]
+        allowed = allowed_pairs(query_groups, key_groups, sink, positions[length - q_len :], positions, window)
+        allowed = allowed & (positions[length - q_len :, None] >= positions)[None] & valid[:, None, :]
+        scale = config.head_dim**-0.5
+        to_device = (query_groups, key_groups, sink, valid)
+        query_groups, key_groups, sink, valid = (tensor.to(config.device) for tensor in to_device)
+        output = stock_sparse_attention(
+            query, key, value, valid, query_groups, key_groups, sink, groups, window, scale, kernels, not separate
+        )
+        expected = dense_attention(
+            query.double(), key.double(), value.double(), allowed[:, None].to(config.device), scaling=scale
+        )
+        rows = valid[:, length - q_len :]
+        failure = _differs(
+            f"the GPU path (top-{top_k})", output[rows], expected[rows], TOLERANCE.get(config.dtype, 4e-2)
+        )
+        if failure:
+            return failure
+    return None
+
+
+CHECKS: tuple[Callable[..., Optional[str]], ...] = (check_flex, check_varlen, check_path)
+
+
+def check(kernels: StockKernels, config: Configuration) -> Optional[str]:
+    """Run every check of `config` (seeded); None when all pass, else the first failure (an exception counts)."""
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            failure = check_masked_kernel(config, generator)
+            for run in CHECKS:
+                failure = failure or run(kernels, config, generator)
+    except Exception as error:  # a kernel that cannot run this configuration is not exact here
+        return f"{type(error).__name__}: {error}"
+    return failure

@@ -1,0 +1,457 @@
+"""The GPU path on stock kernels (`focus_hf.attention.stock`), run on the CPU through its twin: the kernels' doubles
+(`doubles`), whose conventions are those of the CUDA kernels - checked here against torch's own kernels where they
+run on the CPU, and on CUDA by tests/attention/test_cuda.py and `verify`."""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_fast import ATOL, BASE_CASE, SCALING, cases, focus_llama, random_routing, run_case
+from tiny_models import VOCAB
+
+import focus_hf
+import focus_hf.attention.fast as fast
+import focus_hf.attention.hard as hard
+import focus_hf.attention.stock as stock
+import focus_hf.attention.verify as verify
+from focus_hf.attention.backends import cuda_sdpa_kernel
+from focus_hf.attention.doubles import (
+    block_visibility,
+    efficient_attention_double,
+    flex_attention_double,
+    varlen_attention_double,
+)
+from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.reference import dense_attention
+from focus_hf.attention.stock_kernels import BLOCK, NEG, BlockLists, StockKernels, cpu_twin_kernels
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts():
+    verify.forget_verdicts()
+    yield
+    verify.forget_verdicts()
+
+
+# --- the path against the dense oracle ---
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.booleans())
+def test_stock_path_equals_dense_oracle(case, varlen_gqa):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stock, "MERGE_ROWS", case["stream_rows"])
+        patch.setattr(stock, "VARLEN_BYTES", case["set_a_rows"])  # kv heads in runs of one, or all at once
+        patch.setattr(verify, "stock_kernels", lambda device: cpu_twin_kernels(varlen_gqa))
+        output, reference, rows = run_case(case, backend="stock")
+    assert output.shape == reference.shape
+    assert torch.isfinite(output).all()
+    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+
+
+def sparse_case(
+    length=300, q_len=300, top_k=1, separate=False, groups=4, window=16, sinks=3, pad=20, seed=1, dtype=None
+):
+    """Inputs of `stock.stock_sparse_attention` and the dense oracle's output on them."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, kv_heads, dim = 2, 6, 2, 8
+    query = torch.randn(batch, q_len, heads, dim, generator=generator).transpose(1, 2)
+    key = torch.randn(batch, length, kv_heads, dim, generator=generator).transpose(1, 2)
+    value = torch.randn(batch, length, kv_heads, dim, generator=generator).transpose(1, 2)
+    query_groups, key_groups = random_routing(generator, batch, length, groups, top_k, "none", separate)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, :pad] = False
+    sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
+    positions = torch.arange(length)
+    query_groups = query_groups[:, length - q_len :]
+    allowed = allowed_pairs(query_groups, key_groups, sink, positions[length - q_len :], positions, window)
+    allowed = allowed & (positions[length - q_len :, None] >= positions)[None] & valid[:, None, :]
+    expected = dense_attention(query, key, value, allowed[:, None], scaling=SCALING)
+    arguments = (query, key, value, valid, query_groups, key_groups, sink, groups, window, SCALING)
+    return arguments, expected, valid[:, length - q_len :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("top_k, separate", [(1, False), (2, False), (1, True), (3, True)])
+def test_every_routing_and_dtype(dtype, top_k, separate):
+    arguments, _, rows = sparse_case(top_k=top_k, separate=separate)
+    query, key, value, *rest = arguments
+    states = tuple(state.to(dtype) for state in (query, key, value))
+    output = stock.stock_sparse_attention(*states, *rest, cpu_twin_kernels())
+    assert output.dtype == dtype
+    # The oracle on the same rounded inputs: only the kernels' own rounding differs.
+    expected = dense_attention(*(state.float() for state in states), allowed_of(arguments), scaling=SCALING)
+    tolerance = ATOL if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output.float()[rows], expected[rows], atol=tolerance, rtol=0)
+
+
+def allowed_of(arguments):
+    query, key, value, valid, query_groups, key_groups, sink, groups, window, _ = arguments
+    q_len, length = query.shape[2], key.shape[2]
+    positions = torch.arange(length)
+    allowed = allowed_pairs(query_groups, key_groups, sink, positions[length - q_len :], positions, window)
+    return (allowed & (positions[length - q_len :, None] >= positions)[None] & valid[:, None, :])[:, None]
+
+
+def test_own_group_top_1_runs_one_varlen_call_per_kv_head_run(monkeypatch):
+    calls = []
+    twin = cpu_twin_kernels()
+
+    def counting(query, key, value, *rest):
+        calls.append((query.shape[1], key.shape[1]))
+        return twin.raw_varlen(query, key, value, *rest)
+
+    kernels = StockKernels("counting", twin.raw_flex, counting, False, twin.varlen_dtypes, twin.head_dims)
+    arguments, expected, rows = sparse_case()
+    monkeypatch.setattr(stock, "VARLEN_BYTES", 1)  # one kv head per run
+    output = stock.stock_sparse_attention(*arguments, kernels, own_group=True)
+    torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
+    # 2 kv heads x 3 query heads each, no GQA in the kernel: one call per query head, one kv head each.
+    assert calls == [(1, 1)] * 6
+    calls.clear()
+    monkeypatch.setattr(stock, "VARLEN_BYTES", 1 << 40)
+    stock.stock_sparse_attention(*arguments, kernels, own_group=True)
+    assert calls == [(2, 2)] * 3  # both kv heads per call, one call per position in a kv head's run
+
+
+def test_probed_routing_never_calls_varlen():
+    twin = cpu_twin_kernels()
+
+    def refuse(*args):
+        raise AssertionError("varlen is for own-group top-1 only")
+
+    kernels = StockKernels("no varlen", twin.raw_flex, refuse, False, twin.varlen_dtypes, twin.head_dims)
+    for top_k, separate in ((2, False), (1, True)):
+        arguments, expected, rows = sparse_case(top_k=top_k, separate=separate)
+        output = stock.stock_sparse_attention(*arguments, kernels)
+        torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
+
+
+def test_float32_without_a_varlen_kernel_runs_flex_for_set_a():
+    twin = cpu_twin_kernels()
+    kernels = StockKernels("flex only", twin.raw_flex, None, False, (), twin.head_dims)
+    arguments, expected, rows = sparse_case()
+    torch.testing.assert_close(
+        stock.stock_sparse_attention(*arguments, kernels)[rows], expected[rows], atol=ATOL, rtol=0
+    )
+
+
+# --- block lists: every allowed pair inside a listed block, full blocks truly full, no n x n evaluation ---
+
+
+def listed_pairs(count, indices, q_len, kv_len):
+    return block_visibility(count[:, None], indices[:, None], q_len, kv_len, BLOCK)[:, 0]
+
+
+@pytest.mark.parametrize("q_len, length", [(1000, 1000), (300, 1000), (129, 129)])
+@pytest.mark.parametrize("window", [0, 5, 128, 300])
+def test_window_blocks_cover_set_b_and_no_more_than_the_band_and_sinks(q_len, length, window):
+    sink = torch.zeros(2, length, dtype=torch.bool)
+    sink[0, 3:7] = True
+    sink[1, 200:203] = True  # left padding moves the sinks
+    count, indices = stock.window_blocks(q_len, length, window, sink)
+    listed = listed_pairs(count, indices, q_len, length)
+    positions = torch.arange(length)
+    distance = positions[length - q_len :, None] - positions[None, :]
+    needed = (distance >= 0) & ((distance <= window) | sink[:, None, :])
+    assert bool((listed | ~needed).all())
+    # Each query block lists its band (at most window // BLOCK + 2 blocks) and the sinks' blocks before it.
+    band = (window + BLOCK - 1) // BLOCK + 2
+    assert int(count.max()) <= band + 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 700),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_sorted_range_blocks_cover_set_a_and_full_blocks_are_full(length, groups, top_k, separate, seed):
+    top_k = min(top_k, groups)
+    generator = torch.Generator().manual_seed(seed)
+    query_groups, key_groups = random_routing(generator, 2, length, groups, top_k, "some", separate, adaptive=True)
+    valid = torch.rand(2, length, generator=generator) > 0.1
+    captured = {}
+
+    def capture(query, key, value, blocks, scale):
+        captured["blocks"] = blocks
+        return cpu_twin_kernels().raw_flex(query, key, value, blocks, scale)
+
+    kernels = StockKernels("capture", capture, None, False, (), lambda dim: dim)
+    states = torch.zeros(2, 1, length, 2), torch.zeros(2, 1, length, 2), torch.zeros(2, 1, length, 2)
+    output = torch.zeros(2, 1, length, 2)
+    lse = torch.full((2, 1, length), NEG)
+    stock.fold_probed_groups(output, lse, *states, valid, query_groups, key_groups, groups, 1.0, kernels)
+    blocks: BlockLists = captured["blocks"]
+    entries, kv_len = blocks.q_len, blocks.kv_len
+    b = torch.arange(2).view(2, 1, 1, 1)
+    q_index = torch.arange(entries).view(1, 1, entries, 1)
+    kv_index = torch.arange(kv_len).view(1, 1, 1, kv_len)
+    rule = blocks.mask_mod(b, torch.zeros(1, dtype=torch.long), q_index, kv_index)[:, 0]
+    partial = listed_pairs(blocks.kv_num_blocks, blocks.kv_indices, entries, kv_len)
+    full = listed_pairs(blocks.full_num_blocks, blocks.full_indices, entries, kv_len)
+    assert not bool((partial & full).any())  # a block is listed once
+    assert bool((partial | full | ~rule).all())  # every visible pair is read
+    assert bool((rule | ~full).all())  # a full block holds only visible pairs
+    # The sort's own pairs: set A of the pattern, each once.
+    assert int(rule.sum()) == int(set_a_pair_count(query_groups, key_groups, valid, groups))
+
+
+def set_a_pair_count(query_groups, key_groups, valid, groups):
+    length = key_groups.shape[1]
+    probed = torch.zeros(*query_groups.shape[:2], groups, dtype=torch.bool)
+    probed.scatter_(-1, query_groups, True)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    same = probed.gather(-1, key_groups[:, None, :].expand(-1, length, -1))
+    return (same & causal & valid[:, :, None] & valid[:, None, :]).sum()
+
+
+# --- the doubles: the conventions of the kernels they stand for ---
+
+
+def test_flex_double_equals_torch_flex_attention_where_every_block_is_read():
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 200, 16, generator=generator)
+    key, value = torch.randn(2, 2, 300, 16, generator=generator), torch.randn(2, 2, 300, 16, generator=generator)
+
+    def mask_mod(b, h, q_index, kv_index):
+        return (q_index > 3) & ((q_index * 7 + kv_index + b) % 5 < 2)
+
+    count = torch.full((2, 1, 2), 3, dtype=torch.int32)
+    indices = torch.arange(3, dtype=torch.int32).expand(2, 1, 2, 3).contiguous()
+    block_mask = BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(200, 300))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex on the CPU suggests torch.compile
+        expected, expected_lse = flex_attention(
+            query, key, value, block_mask=block_mask, scale=0.2, enable_gqa=True, return_lse=True
+        )
+    output, lse = flex_attention_double(
+        query,
+        key,
+        value,
+        kv_num_blocks=count,
+        kv_indices=indices,
+        full_kv_num_blocks=None,
+        full_kv_indices=None,
+        mask_mod=mask_mod,
+        block_size=BLOCK,
+        scale=0.2,
+    )
+    empty = expected_lse == float("-inf")
+    assert bool(empty[..., :4].all()) and bool((lse[empty] == float("-inf")).all())  # natural log, -inf if empty
+    assert bool((expected[empty] == 0).all()) and bool((output[empty] == 0).all())
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse[~empty], expected_lse[~empty], atol=1e-5, rtol=0)
+
+
+def test_flex_double_reads_only_listed_blocks_and_full_blocks_without_the_mask():
+    query = torch.zeros(1, 1, 256, 16)
+    key = torch.zeros(1, 1, 384, 16)
+    value = torch.arange(384.0).view(1, 1, 384, 1).expand(1, 1, 384, 16).contiguous()
+    output, lse = flex_attention_double(
+        query,
+        key,
+        value,
+        kv_num_blocks=torch.tensor([[[1, 0]]], dtype=torch.int32),
+        kv_indices=torch.tensor([[[[2], [0]]]], dtype=torch.int32),
+        full_kv_num_blocks=torch.tensor([[[0, 1]]], dtype=torch.int32),
+        full_kv_indices=torch.tensor([[[[0], [1]]]], dtype=torch.int32),
+        mask_mod=lambda b, h, q, kv: kv % 2 == 0,  # applied in block 2 only
+        block_size=BLOCK,
+        scale=1.0,
+    )
+    assert float(output[0, 0, 0, 0]) == pytest.approx(sum(range(256, 384, 2)) / 64)
+    assert float(output[0, 0, 200, 0]) == pytest.approx(sum(range(128, 256)) / 128)
+
+
+def test_varlen_double_is_bottom_right_causal_and_refuses_gqa_unless_asked():
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(n, 2, 8, generator=generator) for n in (7, 12, 12))
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+    output, lse = varlen_attention_double(query, key, value, cu_q, cu_k, 4, 7, scale=0.5)
+    assert lse.shape == (2, 7)
+    # Sequence 0: 3 queries over 5 keys; the last query sees all 5, the first sees keys 0..2.
+    expected = dense_attention(
+        query[None, :3].transpose(1, 2),
+        key[None, :5].transpose(1, 2),
+        value[None, :5].transpose(1, 2),
+        (torch.arange(5)[None, :] <= torch.arange(3)[:, None] + 2)[None, None],
+        scaling=0.5,
+    )
+    torch.testing.assert_close(output[:3], expected[0], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="same number of heads"):
+        varlen_attention_double(query, key[:, :1], value[:, :1], cu_q, cu_k, 4, 7, scale=0.5)
+    with pytest.raises(ValueError, match="exceeds"):
+        varlen_attention_double(query, key, value, cu_q, cu_k, 3, 7, scale=0.5)
+
+
+def test_twin_varlen_without_gqa_equals_the_kernel_with_gqa():
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = torch.randn(9, 6, 8, generator=generator), *(torch.randn(9, 2, 8) for _ in range(2))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    per_position = cpu_twin_kernels(varlen_gqa=False).varlen(query, key, value, cu, cu, 5, 5, 0.3)
+    gqa = cpu_twin_kernels(varlen_gqa=True).varlen(query, key, value, cu, cu, 5, 5, 0.3)
+    torch.testing.assert_close(per_position, gqa, atol=1e-6, rtol=0)
+
+
+# --- the fault found on CUDA: the memory-efficient kernel's empty rows, reproduced and fixed on the CPU ---
+
+
+def raw_efficient_kernel(query, key, value, *, causal, bias, scale):
+    """The CUDA memory-efficient kernel called as the fast path called it before the fix: its output and its
+    log-sum-exp as they come (lse 0.0 for a row without visible keys)."""
+    repeats = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    if bias is not None:
+        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    output, lse, _, _ = efficient_attention_double(query, key, value, bias, True, 0.0, causal, scale=scale)
+    return output, lse[..., : query.shape[2]]
+
+
+def fixed_efficient_kernel(query, key, value, *, causal, bias, scale):
+    return cuda_sdpa_kernel(
+        query, key, value, causal=causal, bias=bias, scale=scale, efficient=efficient_attention_double
+    )
+
+
+def test_efficient_kernel_double_reproduces_the_cuda_fault_and_the_wrapper_fixes_it():
+    # The torch path of set A and B (what CUDA ran), in float64 so that only the convention can differ.
+    arguments, expected, rows = sparse_case(groups=5, window=9, sinks=3, pad=0, seed=4)
+    query, key, value, valid, query_groups, key_groups, sink, groups, window, scaling = arguments
+    double = [tensor.double() if tensor.is_floating_point() else tensor for tensor in (query, key, value)]
+    run = partial(fast.sparse_attention, *double, valid, query_groups, key_groups, sink, groups, window, scaling)
+    wrong = run(raw_efficient_kernel)
+    assert float((wrong - expected.double()).abs().max()) > 0.05  # empty parts weighed in: the fault
+    torch.testing.assert_close(run(fixed_efficient_kernel).float()[rows], expected[rows], atol=ATOL, rtol=0)
+
+
+def test_efficient_wrapper_gives_empty_rows_zero_output_and_the_lowest_lse():
+    generator = torch.Generator().manual_seed(2)
+    query, key, value = torch.randn(1, 4, 5, 12, generator=generator), *(torch.randn(1, 2, 9, 12) for _ in range(2))
+    visible = torch.rand(1, 1, 5, 9, generator=generator) < 0.5
+    visible[..., 1, :] = False
+    visible[..., 3, :3] = True
+    bias = torch.where(visible, 0.0, torch.finfo(torch.float32).min)
+    output, lse = fixed_efficient_kernel(query, key, value, causal=True, bias=bias, scale=0.3)
+    # Row 1 hides every key; causal (top-left) leaves row 0 only key 0, hidden there unless visible.
+    empty = ~(visible[0, 0] & torch.ones(5, 9, dtype=torch.bool).tril()).any(dim=-1)
+    assert bool(empty[1]) and bool((lse[0][:, empty] == NEG).all()) and bool((output[0][:, empty] == 0).all())
+    expected = dense_attention(query, key, value, visible & torch.ones(5, 9, dtype=torch.bool).tril(), scaling=0.3)
+    torch.testing.assert_close(output.transpose(1, 2)[0][~empty], expected[0][~empty], atol=1e-5, rtol=0)
+    assert lse.shape == (1, 4, 5)  # the kernel's padding to 32 queries cut off
+
+
+# --- verification: a kernel whose conventions differ is caught, and the model stays exact ---
+
+
+def kernels_with(**changes):
+    twin = cpu_twin_kernels()
+    fields = dict(
+        name="broken",
+        raw_flex=twin.raw_flex,
+        raw_varlen=twin.raw_varlen,
+        varlen_gqa=False,
+        varlen_dtypes=twin.varlen_dtypes,
+        head_dims=twin.head_dims,
+    )
+    return StockKernels(**{**fields, **changes})
+
+
+def log2_lse_flex(query, key, value, blocks, scale):
+    output, lse = cpu_twin_kernels().raw_flex(query, key, value, blocks, scale)
+    return output, lse / torch.log(torch.tensor(2.0))
+
+
+def zero_lse_for_empty_rows_flex(query, key, value, blocks, scale):
+    output, lse = cpu_twin_kernels().raw_flex(query, key, value, blocks, scale)
+    return output, torch.where(lse == float("-inf"), 0.0, lse)
+
+
+def tokens_major_lse_varlen(query, key, value, *rest):
+    output, lse = cpu_twin_kernels().raw_varlen(query, key, value, *rest)
+    return output, lse.transpose(0, 1).contiguous().view(lse.shape)
+
+
+def test_verify_passes_the_twin():
+    query, key = torch.zeros(1, 6, 1, 8), torch.zeros(1, 2, 1, 8)
+    assert verify.verify(query, key, cpu_twin_kernels()) is None
+    assert verify.verify(query.bfloat16(), key.bfloat16(), cpu_twin_kernels(varlen_gqa=True)) is None
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        (kernels_with(raw_flex=log2_lse_flex), "FlexAttention log-sum-exp differs"),
+        (kernels_with(raw_flex=zero_lse_for_empty_rows_flex), "without visible keys"),
+        (kernels_with(raw_varlen=tokens_major_lse_varlen), "varlen log-sum-exp differs"),
+    ],
+    ids=["log2-lse", "empty-rows-lse-0", "lse-layout"],
+)
+def test_verify_catches_a_kernel_convention_and_the_model_falls_back_exactly(monkeypatch, capsys, broken, message):
+    query, key = torch.zeros(1, 4, 1, 12), torch.zeros(1, 2, 1, 12)
+    assert message in verify.verify(query, key, broken)
+    verify.forget_verdicts()
+    capsys.readouterr()
+    monkeypatch.setattr(verify, "stock_kernels", lambda device: broken)
+    model = focus_llama(1)
+    ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        focus_hf.set_routing(model, "hard", backend="reference")
+        expected = model(input_ids=ids).logits
+        focus_hf.set_routing(model, "hard", backend="stock")
+        actual = model(input_ids=ids).logits
+        model(input_ids=ids)
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+    err = capsys.readouterr().err
+    assert err.count("did not reproduce exact results") == 1 and message in err
+
+
+# --- model level: the GPU path's twin gives the reference's logits and tokens ---
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_model_with_the_stock_backend_equals_the_reference(top_k):
+    model = focus_llama(top_k)
+    ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0
+    outputs = {}
+    for backend in ("reference", "stock"):
+        focus_hf.set_routing(model, "hard", backend=backend)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        greedy = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+        beams = model.generate(
+            input_ids=ids[:1], max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+        outputs[backend] = (logits, greedy, beams)
+    real = mask.bool()
+    torch.testing.assert_close(outputs["stock"][0][real], outputs["reference"][0][real], atol=ATOL, rtol=0)
+    assert torch.equal(outputs["stock"][1], outputs["reference"][1])
+    assert torch.equal(outputs["stock"][2], outputs["reference"][2])
+
+
+def test_prefill_in_chunks_after_a_cache_with_the_stock_backend():
+    case = dict(BASE_CASE, q_len=40)
+    output, reference, rows = run_case(case, backend="stock")
+    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+
+
+def test_hard_attention_takes_the_stock_path_for_the_stock_backend(monkeypatch):
+    calls = []
+    original = hard.stock_sparse_attention
+    monkeypatch.setattr(hard, "stock_sparse_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(hard, "sparse_attention", lambda *a, **k: pytest.fail("the CPU path ran"))
+    run_case(dict(BASE_CASE), backend="stock")
+    assert calls == [1]
