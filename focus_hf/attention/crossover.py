@@ -224,6 +224,8 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
     from focus_hf.attention.backends import select_kernel
     from focus_hf.attention.fast import decode_attention, masked_attention, sparse_attention
     from focus_hf.attention.grouped_keys import one_step_behind
+    from focus_hf.attention.stock import pattern_attention, stock_sparse_attention
+    from focus_hf.attention.verify import verified_kernels
 
     kernel = select_kernel("sdpa", device)
     generator = torch.Generator().manual_seed(0)
@@ -243,8 +245,12 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
         query, key, value = inputs["query"], inputs["key"], inputs["value"]
         groups, key_groups, sink = inputs["query_groups"], inputs["key_groups"], inputs["key_sink"]
         arguments = (groups, key_groups, sink, shape.window, scaling, kernel)
+        # On CUDA both sides run on the GPU path's kernels (`hard`), which `verify` has shown exact there.
+        stock = verified_kernels(query, key) if device.type == "cuda" else None
 
         def dense() -> torch.Tensor:
+            if stock is not None:
+                return pattern_attention(query, key, value, None, *arguments[:-1], stock)
             return masked_attention(query, key, value, None, *arguments, shape.num_groups)
 
         if shape.kind == "decode":  # the path of a decoding step with a KV cache (see bench's decode timing)
@@ -254,9 +260,10 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
             if shape.kind == "decode":
                 rewind()
                 return decode_attention(query, key, value, None, *arguments, grouped=[grouped])
-            return sparse_attention(
-                query, key, value, None, groups, key_groups, sink, shape.num_groups, shape.window, scaling, kernel
-            )
+            routing = (groups, key_groups, sink, shape.num_groups, shape.window, scaling)
+            if stock is not None:
+                return stock_sparse_attention(query, key, value, None, *routing, stock, shape.kind == "shared")
+            return sparse_attention(query, key, value, None, *routing, kernel)
 
         # Decode calls take a fraction of a millisecond: many repetitions; prefills: the median of three (one timing
         # at 4K and beyond once put a crossover where the sparse path then ran 0.68x of dense), within BUDGET_S.

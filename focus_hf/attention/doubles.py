@@ -134,6 +134,28 @@ def varlen_attention_double(
     return output, lse
 
 
+@torch.library.custom_op("focus_hf::varlen_attention_double", mutates_args=())
+def varlen_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    gqa: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`varlen_attention_double` as an opaque operator, as torch's `varlen_attn` is one: torch.compile traces
+    around it (its loop over the sequences reads their lengths from the data)."""
+    return varlen_attention_double(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, gqa=gqa)
+
+
+@varlen_attention_op.register_fake
+def _varlen_attention_shapes(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, gqa):
+    return torch.empty_like(query), query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
+
+
 def efficient_attention_double(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -27,7 +27,7 @@ from focus_hf.attention.fast import (
 from focus_hf.attention.grouped_keys import GroupedKeys
 from focus_hf.attention.pattern import allowed_pairs, pair_distance, probes_every_group
 from focus_hf.attention.reference import dense_attention
-from focus_hf.attention.stock import stock_sparse_attention
+from focus_hf.attention.stock import pattern_attention, stock_sparse_attention
 from focus_hf.attention.verify import verified_kernels
 
 
@@ -108,9 +108,11 @@ def hard_attention(
     short = backend == "auto" and kv_len < dense_below(
         query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode, own_group)
     )
+    key_valid = padding_keys(model_mask, query.shape[0])
+    if short and stock is not None and mask_is_padding:
+        return pattern_attention(query, key, value, key_valid, *arguments[:-1], stock)
     if short or (model_mask is not None and not mask_is_padding):
         return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
-    key_valid = padding_keys(model_mask, query.shape[0])
     if decode:
         return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
     if stock is not None:

@@ -188,6 +188,67 @@ def window_and_sinks(
     return kernels.flex(query, key, value, blocks, scaling)
 
 
+def pattern_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+    kernels: StockKernels,
+) -> torch.Tensor:
+    """The whole pattern as one FlexAttention call over every causal key block, the rule evaluated as it goes (no
+    bias, no n x n tensor): the GPU's "one dense masked call", which "auto" runs below its crossover. Key blocks
+    that lie inside the window of every query of a query block are full (read without the rule). Returns [batch, q,
+    heads, dim]."""
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    offset, top_k = kv_len - q_len, query_groups.shape[-1]
+    valid = key_valid
+    if valid is None:
+        valid = torch.ones(batch, kv_len, dtype=torch.bool, device=query.device)
+    q_span, kv_span = -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
+    real = _padded(valid, 1, kv_span, False)
+    sinks = _padded(key_sink, 1, kv_span, False)
+    groups = _padded(key_groups, 1, kv_span, -2)
+    probes = _padded(query_groups, 1, q_span, -3)
+
+    def mask_mod(b, h, q_index, kv_index):
+        distance = q_index + offset - kv_index
+        group = groups[b, kv_index]
+        reach = (distance <= window) | sinks[b, kv_index] | (probes[b, q_index, 0] == group)
+        for slot in range(1, top_k):
+            reach = reach | (probes[b, q_index, slot] == group)
+        return real[b, kv_index] & (distance >= 0) & reach
+
+    device = query.device
+    q_blocks, kv_blocks = -(-q_len // BLOCK), -(-kv_len // BLOCK)
+    first = offset + torch.arange(q_blocks, device=device) * BLOCK
+    last = torch.clamp(first + BLOCK, max=kv_len) - 1
+    # Full: every key of the block is at most `window` before the block's first query and not after its first query,
+    # and no key of it is padding.
+    full_start = torch.clamp(last - window + BLOCK - 1, min=0) // BLOCK
+    full_end = torch.clamp((first + 1) // BLOCK, max=kv_blocks)  # exclusive: blocks ending at or before `first`
+    padded_blocks = ~real.view(batch, -1, BLOCK).all(dim=-1)  # [batch, kv_blocks]
+    full_end = torch.maximum(full_end, full_start)
+    slot = torch.arange(kv_blocks, device=device)
+    in_full = (slot >= full_start[:, None]) & (slot < full_end[:, None])  # [q_blocks, kv_blocks]
+    in_full = in_full[None] & ~padded_blocks[:, None, :]
+    causal = slot[None, :] <= (last // BLOCK)[:, None]
+    partial = causal[None] & ~in_full
+    # Listed in index order: a sort of each row puts the listed blocks first (a row per 128 queries, no n x n).
+    order = torch.sort((~partial).int(), dim=-1, stable=True).indices
+    full_order = torch.sort((~in_full).int(), dim=-1, stable=True).indices
+    blocks = BlockLists(
+        partial.sum(-1).int(), order.int(), in_full.sum(-1).int(), full_order.int(), mask_mod, q_len, kv_len
+    )
+    output, _ = kernels.flex(query, key, value, blocks, scaling)
+    return output.transpose(1, 2).contiguous()
+
+
 def key_segments(valid: torch.Tensor, key_groups: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Each key's segment within its sample: its group, num_groups for a key not routed yet (group -1), and
     num_groups + 1 for padding."""
@@ -198,6 +259,12 @@ def key_segments(valid: torch.Tensor, key_groups: torch.Tensor, num_groups: int)
 def _max_length(counts: torch.Tensor, bound: int) -> int:
     """The longest sequence (one sync) or, under torch.compile, `bound` (the kernel only needs an upper bound)."""
     return bound if torch.compiler.is_compiling() else int(counts.max())
+
+
+def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each of 0 .. size - 1 occurs in `index` (bincount's, with a size known before the data: no sync,
+    a static shape under torch.compile)."""
+    return torch.zeros(size, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
 
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
@@ -229,8 +296,8 @@ def fold_own_groups(
     code = segment * kv_len + torch.arange(kv_len, device=query.device)
     key_order = code.flatten().argsort()
     query_order = code[:, kv_len - q_len :].flatten().argsort()  # flat index sample * q + query
-    key_counts = torch.bincount(segment.flatten(), minlength=batch * segments)
-    query_counts = torch.bincount(segment[:, kv_len - q_len :].flatten(), minlength=batch * segments)
+    key_counts = _counts(segment.flatten(), batch * segments)
+    query_counts = _counts(segment[:, kv_len - q_len :].flatten(), batch * segments)
     sequences = (
         _offsets(query_counts),
         _offsets(key_counts),

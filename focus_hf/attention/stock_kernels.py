@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.doubles import flex_attention_double, varlen_attention_double
+from focus_hf.attention.doubles import flex_attention_double, varlen_attention_op
 
 NEG = torch.finfo(torch.float32).min  # log-sum-exp of a row without a visible key
 BLOCK = 128  # FlexAttention's block of queries and of keys
@@ -279,7 +279,7 @@ def cpu_twin_kernels(varlen_gqa: bool = False) -> StockKernels:
     refuses GQA as torch 2.11's kernel does, so that the per-position calls run."""
 
     def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale):
-        return varlen_attention_double(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, gqa=varlen_gqa)
+        return varlen_attention_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, varlen_gqa)
 
     dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     return StockKernels("cpu twin", cpu_flex, varlen, varlen_gqa, dtypes, _power_of_two_from_16)

@@ -455,3 +455,32 @@ def test_hard_attention_takes_the_stock_path_for_the_stock_backend(monkeypatch):
     monkeypatch.setattr(hard, "sparse_attention", lambda *a, **k: pytest.fail("the CPU path ran"))
     run_case(dict(BASE_CASE), backend="stock")
     assert calls == [1]
+
+
+# --- the whole pattern in one FlexAttention call ("auto" below its crossover on CUDA) ---
+
+
+@pytest.mark.parametrize("window", [0, 16, 300])
+@pytest.mark.parametrize("q_len", [700, 260, 3])
+@pytest.mark.parametrize("top_k, separate", [(1, False), (2, True)])
+def test_pattern_attention_equals_dense_oracle(window, q_len, top_k, separate, monkeypatch):
+    arguments, expected, rows = sparse_case(length=700, q_len=q_len, top_k=top_k, separate=separate, window=window)
+    query, key, value, valid, query_groups, key_groups, sink, _, _, scaling = arguments
+    captured = []
+    twin = cpu_twin_kernels()
+
+    def capture(query, key, value, blocks, scale):
+        captured.append(blocks)
+        return twin.raw_flex(query, key, value, blocks, scale)
+
+    kernels = StockKernels("capture", capture, None, False, (), twin.head_dims)
+    output = stock.pattern_attention(query, key, value, valid, query_groups, key_groups, sink, window, scaling, kernels)
+    torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
+    blocks = captured[0]
+    full = listed_pairs(blocks.full_num_blocks, blocks.full_indices, q_len, 700)
+    partial = listed_pairs(blocks.kv_num_blocks, blocks.kv_indices, q_len, 700)
+    assert not bool((full & partial).any())
+    allowed = allowed_of(arguments)[:, 0]
+    assert bool((allowed | ~full).all())  # full blocks hold only allowed pairs
+    if window == 300 and q_len == 700:
+        assert int(blocks.full_num_blocks.sum()) > 0  # the window's inner blocks skip the rule
