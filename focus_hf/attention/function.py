@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from focus_hf.attention.grouped_keys import GroupedKeys
 from focus_hf.attention.hard import hard_attention
 from focus_hf.attention.native import attend_runs
+from focus_hf.attention.paged_keys import PagedKeys
 from focus_hf.attention.pattern import allowed_pairs, pair_distance, soft_gate
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import RoutingState, TokenRouting
@@ -44,9 +45,10 @@ class LayerRouting:
     consumed: bool = False
     dense_kv_heads: tuple[int, ...] = ()  # kv heads of this layer that keep full attention
     dense_below: int = 0  # hard mode: queries with fewer keys (themselves included) attend densely
-    # Group-sorted copies of the distant keys of the layer's KV cache, one per sample, by run of kv heads (start, end),
-    # for one-query decoding steps (`fast.grouped_decode`); None where there is no cache to keep them with.
-    grouped_keys: Optional[dict[tuple[int, int], list[GroupedKeys]]] = None
+    # Group-sorted copies of the distant keys of the layer's KV cache by run of kv heads (start, end), for one-query
+    # decoding steps: one per sample (`fast.grouped_decode`, CPU) or, under ("paged", start, end), one paged copy of
+    # the batch (`stock.paged_decode`, the GPU path); None where there is no cache to keep them with.
+    grouped_keys: Optional[dict[tuple, Union[list[GroupedKeys], PagedKeys]]] = None
 
     def restricts(self, kv_len: int) -> bool:
         """Whether the pattern removes any causal pair among `kv_len` keys (otherwise attention is dense)."""
@@ -65,6 +67,22 @@ class LayerRouting:
             self.grouped_keys[heads] = [GroupedKeys(self.num_groups) for _ in range(batch)]
         copies = self.grouped_keys[heads]
         return copies if len(copies) == batch else None
+
+    def paged_for(self, heads: tuple[int, int]) -> Optional[PagedKeys]:
+        """The paged copy of kv heads start .. end - 1 (created empty on first use), or None."""
+        if self.grouped_keys is None:
+            return None
+        key = ("paged", *heads)
+        if key not in self.grouped_keys:
+            self.grouped_keys[key] = PagedKeys(self.num_groups, self.window)
+        return self.grouped_keys[key]
+
+    def invalidate_paged(self) -> None:
+        """A call other than a one-query step changes the cache in a way the paged copies do not follow: they are
+        rebuilt at the next step."""
+        for key, copy in (self.grouped_keys or {}).items():
+            if key[0] == "paged":
+                copy.invalidate()
 
     def dense_queries(self, q_len: int) -> int:
         """How many of the call's first queries attend densely under `dense_below`: a query sees itself and every
@@ -303,6 +321,12 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
         and not output_attentions
     )
     if routing.mode == "hard" and fast:
+        heads = kv_heads or (0, key.shape[1])
+        # Positions of the copies are the cache's slots: only while the cache holds every token since the first.
+        step = q_len == 1 and start == 0
+        on_gpu_path = query.device.type == "cuda" or routing.backend == "stock"
+        if not step:
+            routing.invalidate_paged()
         output = hard_attention(
             query,
             key,
@@ -319,10 +343,8 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             # runs as one dense masked call that applies it in full.
             mask_is_padding=kwargs.get("sliding_window") is None
             and is_causal_padding_mask(base_allowed, q_len, kv_len),
-            # Positions of the copy are the cache's slots: only while the cache holds every token since the first.
-            grouped=routing.grouped_for(kv_heads or (0, key.shape[1]), query.shape[0])
-            if q_len == 1 and start == 0
-            else None,
+            grouped=routing.grouped_for(heads, query.shape[0]) if step and not on_gpu_path else None,
+            paged=routing.paged_for(heads) if step and on_gpu_path else None,
             own_group=routing.queries.own_groups is None,
         )
         return output, None

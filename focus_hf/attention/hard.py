@@ -25,9 +25,10 @@ from focus_hf.attention.fast import (
     sparse_attention,
 )
 from focus_hf.attention.grouped_keys import GroupedKeys
+from focus_hf.attention.paged_keys import PagedKeys
 from focus_hf.attention.pattern import allowed_pairs, pair_distance, probes_every_group
 from focus_hf.attention.reference import dense_attention
-from focus_hf.attention.stock import pattern_attention, stock_sparse_attention
+from focus_hf.attention.stock import paged_decode, pattern_attention, stock_sparse_attention
 from focus_hf.attention.verify import verified_kernels
 
 
@@ -61,6 +62,7 @@ def hard_attention(
     backend: str,
     mask_is_padding: bool = True,
     grouped: Optional[list[GroupedKeys]] = None,
+    paged: Optional[PagedKeys] = None,
     own_group: Optional[bool] = None,
 ) -> torch.Tensor:
     """Hard-mode Focus attention on backend "sdpa", "flash", "stock" or "auto" (see `backends`).
@@ -79,6 +81,8 @@ def hard_attention(
             layers); the pattern then runs as one dense masked call that applies the model's mask in full.
         grouped: the group-sorted copies of each sample's distant keys that a one-query decoding step reads
             instead of gathering (`grouped_keys`), one per sample; None: gather.
+        paged: the paged copy of the batch's keys that a one-query decoding step on the GPU path reads
+            (`paged_keys`); None: gather.
         own_group: whether each query's first probe is its own key group (no separate query router), as the routing
             knows; None: read from the groups (a device sync).
 
@@ -113,6 +117,8 @@ def hard_attention(
         return pattern_attention(query, key, value, key_valid, *arguments[:-1], stock)
     if short or (model_mask is not None and not mask_is_padding):
         return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
+    if decode and stock is not None and paged is not None and q_len == 1:
+        return paged_decode(query, key, value, key_valid, *arguments[:-1], paged, stock)
     if decode:
         return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
     if stock is not None:

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from focus_hf.attention.paged_keys import PagedKeys
 from focus_hf.attention.stock_kernels import BLOCK, BlockLists, StockKernels
 
 # Bytes of the sorted copies one variable-length call of set A may take (keys, values, queries, its result): the kv
@@ -246,6 +247,28 @@ def pattern_attention(
         partial.sum(-1).int(), order.int(), in_full.sum(-1).int(), full_order.int(), mask_mod, q_len, kv_len
     )
     output, _ = kernels.flex(query, key, value, blocks, scaling)
+    return output.transpose(1, 2).contiguous()
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+    paged: PagedKeys,
+    kernels: StockKernels,
+) -> torch.Tensor:
+    """One query per sample [batch, heads, 1, dim] - the newest of key/value [batch, kv_heads, n, dim] - over its
+    window, the sinks and its probed groups' distant keys: one FlexAttention call over the pages of `paged`, which the
+    step first brings up to date (`PagedKeys.update`). Returns [batch, 1, heads, dim]."""
+    paged.update(key, value, key_groups, key_sink, key_valid, window)
+    blocks = paged.decode_blocks(query_groups[:, 0], key_groups, key_sink, key.shape[2])
+    output, _ = kernels.flex(query, paged.keys, paged.values, blocks, scaling)
     return output.transpose(1, 2).contiguous()
 
 

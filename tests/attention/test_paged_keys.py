@@ -1,0 +1,117 @@
+"""One-query decoding steps of the GPU path over a paged, group-sorted copy of the keys (`attention.paged_keys`,
+`stock.paged_decode`), run on the CPU through FlexAttention's double, against the dense oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_fast import ATOL, SCALING, random_routing
+from test_stock import focus_llama
+from tiny_models import VOCAB
+
+import focus_hf
+import focus_hf.attention.hard as hard
+import focus_hf.attention.paged_keys as paged_keys
+import focus_hf.attention.verify as verify
+from focus_hf.attention.paged_keys import PAGE, PagedKeys
+from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.reference import dense_attention
+from focus_hf.attention.stock import paged_decode
+from focus_hf.attention.stock_kernels import BlockLists, StockKernels, cpu_twin_kernels
+
+
+def decoding_case(seed, batch, length, groups, top_k, pad, sinks, separate=False, skew="some"):
+    generator = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 4, 2, 8
+    query = torch.randn(batch, length, heads, dim, generator=generator).transpose(1, 2)
+    key = torch.randn(batch, kv_heads, length, dim, generator=generator)  # a KV cache is head-major
+    value = torch.randn(batch, kv_heads, length, dim, generator=generator)
+    query_groups, key_groups = random_routing(generator, batch, length, groups, top_k, skew, separate, adaptive=True)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, :pad] = False
+    sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
+    return query, key, value, query_groups, key_groups, valid, sink
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(0, 2**16),
+    st.integers(1, 2),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.sampled_from([0, 3, 40, 200]),
+    st.sampled_from([1, 5, 128]),
+    st.integers(0, 300),
+    st.integers(0, 4),
+    st.booleans(),
+)
+def test_decoding_steps_equal_the_dense_oracle(seed, batch, groups, top_k, window, file_every, pad, sinks, separate):
+    top_k = min(top_k, groups)
+    length = 420
+    query, key, value, query_groups, key_groups, valid, sink = decoding_case(
+        seed, batch, length, groups, top_k, pad, sinks, separate
+    )
+    positions = torch.arange(length)
+    kernels = cpu_twin_kernels()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_keys, "FILE_EVERY", file_every)
+        store = PagedKeys(groups, window)
+        for n in list(range(290, 297)) + list(range(395, 400)) + [420]:
+            if n in (395, 420):
+                store.invalidate()  # as after a multi-token call: rebuilt from the cache
+            q = query[:, :, n - 1 : n]
+            arguments = (key[:, :, :n], value[:, :, :n], valid[:, :n], query_groups[:, n - 1 : n])
+            output = paged_decode(q, *arguments, key_groups[:, :n], sink[:, :n], window, SCALING, store, kernels)
+            allowed = allowed_pairs(
+                query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], positions[n - 1 : n], positions[:n], window
+            )
+            allowed = allowed & valid[:, None, :n]
+            expected = dense_attention(q, key[:, :, :n], value[:, :, :n], allowed[:, None], scaling=SCALING)
+            real = valid[:, n - 1]
+            torch.testing.assert_close(output[real], expected[real], atol=ATOL, rtol=0)
+
+
+def test_a_step_reads_the_ring_the_sinks_and_its_probed_groups_pages_only(monkeypatch):
+    monkeypatch.setattr(paged_keys, "FILE_EVERY", 128)
+    groups, window, length = 4, 16, 3000
+    query, key, value, query_groups, key_groups, valid, sink = decoding_case(0, 1, length, groups, 1, 0, 4, skew="none")
+    lists: list[BlockLists] = []
+    twin = cpu_twin_kernels()
+
+    def capture(query, key, value, blocks, scale):
+        lists.append(blocks)
+        return twin.raw_flex(query, key, value, blocks, scale)
+
+    kernels = StockKernels("capture", capture, None, False, (), twin.head_dims)
+    store = PagedKeys(groups, window)
+    paged_decode(
+        query[:, :, -1:], key, value, valid, query_groups[:, -1:], key_groups, sink, window, SCALING, store, kernels
+    )
+    probed = int(query_groups[0, -1, 0])
+    filed = (length - 1 - window) // 128 * 128
+    distant_of_group = int(((key_groups[0, :filed] == probed) & ~sink[0, :filed]).sum())
+    expected_blocks = store.ring // PAGE + 1 + -(-distant_of_group // PAGE)  # ring, one page of sinks, the group's
+    assert int(lists[0].kv_num_blocks) == expected_blocks
+    assert expected_blocks * PAGE < length / 2  # about a quarter of the keys, not all of them
+
+
+def test_generate_with_the_stock_backend_steps_through_the_paged_copy(monkeypatch):
+    monkeypatch.setattr(paged_keys, "FILE_EVERY", 4)  # filing during the steps, not only when the copy is built
+    steps = []
+    original = hard.paged_decode
+    monkeypatch.setattr(hard, "paged_decode", lambda *a, **k: steps.append(1) or original(*a, **k))
+    verify.forget_verdicts()
+    model = focus_llama(2)
+    ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[0, :31] = 0
+    generated = {}
+    for backend in ("reference", "stock"):
+        focus_hf.set_routing(model, "hard", backend=backend)
+        generated[backend] = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    assert torch.equal(generated["stock"], generated["reference"])
+    assert len(steps) == 11 * 2  # every step after the prefill, in both layers
