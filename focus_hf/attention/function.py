@@ -342,7 +342,11 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             # A mask that is more than causal + padding (sliding window, packed documents, any custom 4D mask)
             # runs as one dense masked call that applies it in full.
             mask_is_padding=kwargs.get("sliding_window") is None
-            and is_causal_padding_mask(base_allowed, q_len, kv_len),
+            and (
+                None  # not known: the GPU path reads the mask (checking it would break torch.compile's graph)
+                if on_gpu_path and torch.compiler.is_compiling() and base_allowed is not None and q_len > 1
+                else is_causal_padding_mask(base_allowed, q_len, kv_len)
+            ),
             grouped=routing.grouped_for(heads, query.shape[0]) if step and not on_gpu_path else None,
             paged=routing.paged_for(heads) if step and on_gpu_path else None,
             own_group=routing.queries.own_groups is None,

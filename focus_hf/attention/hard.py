@@ -60,7 +60,7 @@ def hard_attention(
     window: int,
     scaling: float,
     backend: str,
-    mask_is_padding: bool = True,
+    mask_is_padding: Optional[bool] = True,
     grouped: Optional[list[GroupedKeys]] = None,
     paged: Optional[PagedKeys] = None,
     own_group: Optional[bool] = None,
@@ -78,7 +78,9 @@ def hard_attention(
         scaling: multiplier of q.k.
         backend: "sdpa", "flash" or "auto".
         mask_is_padding: False when the model's mask may hide more than future and padding keys (sliding-window
-            layers); the pattern then runs as one dense masked call that applies the model's mask in full.
+            layers); the pattern then runs as one dense masked call that applies the model's mask in full - or, on the
+            GPU path, the kernels read the mask pair by pair. None: not known (under torch.compile, where checking
+            would break the graph): the GPU path reads the mask; the CPU path needs to know.
         grouped: the group-sorted copies of each sample's distant keys that a one-query decoding step reads
             instead of gathering (`grouped_keys`), one per sample; None: gather.
         paged: the paged copy of the batch's keys that a one-query decoding step on the GPU path reads
@@ -112,30 +114,21 @@ def hard_attention(
     short = backend == "auto" and kv_len < dense_below(
         query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode, own_group)
     )
+    if stock is not None:
+        general = model_mask is not None and mask_is_padding is not True
+        key_valid = None if general else padding_keys(model_mask, query.shape[0])
+        lookup = model_mask if general else None  # read by the kernels' masks, pair by pair
+        if decode and q_len == 1 and paged is not None and not general and not short:
+            return paged_decode(query, key, value, key_valid, *arguments[:-1], paged, stock)
+        if short or decode:  # few queries without a paged copy: one call over every causal block
+            return pattern_attention(query, key, value, key_valid, *arguments[:-1], stock, lookup)
+        routing = (query_groups, key_groups, key_sink, num_groups, window, scaling, stock, own_group, lookup)
+        return stock_sparse_attention(query, key, value, key_valid, *routing)
     key_valid = padding_keys(model_mask, query.shape[0])
-    if short and stock is not None and mask_is_padding:
-        return pattern_attention(query, key, value, key_valid, *arguments[:-1], stock)
     if short or (model_mask is not None and not mask_is_padding):
         return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
-    if decode and stock is not None and paged is not None and q_len == 1:
-        return paged_decode(query, key, value, key_valid, *arguments[:-1], paged, stock)
     if decode:
         return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
-    if stock is not None:
-        return stock_sparse_attention(
-            query,
-            key,
-            value,
-            key_valid,
-            query_groups,
-            key_groups,
-            key_sink,
-            num_groups,
-            window,
-            scaling,
-            stock,
-            own_group,
-        )
     return sparse_attention(
         query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
     )

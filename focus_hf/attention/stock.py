@@ -29,7 +29,7 @@ Exact by construction for every routing; what it assumes of the kernels is check
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -56,6 +56,7 @@ def stock_sparse_attention(
     scaling: float,
     kernels: StockKernels,
     own_group: Optional[bool] = None,
+    model_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Sets A and B merged: [batch, q, heads, dim] in the query's dtype.
 
@@ -67,6 +68,9 @@ def stock_sparse_attention(
         key_groups, key_sink: [batch, kv] each key's group (-1: not routed yet) and whether it is a sink.
         own_group: whether each query's first probe is its own key group (no separate query router); None: read
             from the groups (a device sync; never under torch.compile, where None counts as False).
+        model_mask: a boolean mask [batch or 1, 1, q, kv] that may hide more than future and padding keys (a
+            sliding window, packed documents), read pair by pair by the FlexAttention calls (set A then takes
+            FlexAttention, whatever the routing); None: causal + `key_valid`.
     """
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
@@ -74,18 +78,17 @@ def stock_sparse_attention(
     if valid is None:
         valid = torch.ones(batch, kv_len, dtype=torch.bool, device=query.device)
     output, lse = window_and_sinks(
-        query, key, value, valid, query_groups, key_groups, key_sink, window, scaling, kernels
+        query, key, value, valid, query_groups, key_groups, key_sink, window, scaling, kernels, model_mask
     )
     if own_group is None:
         own_group = not torch.compiler.is_compiling() and torch.equal(
             query_groups[..., 0], key_groups[:, kv_len - q_len :]
         )
-    if own_group and query_groups.shape[-1] == 1 and kernels.runs_varlen(query.dtype):
+    if own_group and model_mask is None and query_groups.shape[-1] == 1 and kernels.runs_varlen(query.dtype):
         fold_own_groups(output, lse, query, key, value, valid, key_groups, num_groups, scaling, kernels)
     else:
-        fold_probed_groups(
-            output, lse, query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernels
-        )
+        routing = (valid, query_groups, key_groups, num_groups, scaling, kernels, model_mask)
+        fold_probed_groups(output, lse, query, key, value, *routing)
     return output.transpose(1, 2).contiguous()
 
 
@@ -122,6 +125,19 @@ def _padded(tensor: torch.Tensor, dim: int, length: int, value) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor, tensor.new_full(shape, value)], dim=dim)
+
+
+def mask_lookup(model_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int) -> Optional[Callable]:
+    """allowed(b, query, key) -> bool read from the model's mask [batch or 1, 1, q, kv] (indices clamped into range:
+    a kernel evaluates whole blocks), or None without a mask."""
+    if model_mask is None:
+        return None
+    allowed = model_mask[:, 0].expand(batch, q_len, kv_len)
+
+    def lookup(b, query, key):
+        return allowed[b, query.clamp(0, q_len - 1), key.clamp(0, kv_len - 1)]
+
+    return lookup
 
 
 def window_blocks(q_len: int, kv_len: int, window: int, key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,8 +181,10 @@ def window_and_sinks(
     window: int,
     scaling: float,
     kernels: StockKernels,
+    model_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Set B in one FlexAttention call: output [batch, heads, q, dim] and lse [batch, heads, q] float32."""
+    """Set B in one FlexAttention call: output [batch, heads, q, dim] and lse [batch, heads, q] float32 (the model's
+    mask, if given, read pair by pair: `mask_lookup`)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     offset, top_k = kv_len - q_len, query_groups.shape[-1]
     q_span, kv_span = -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
@@ -174,6 +192,7 @@ def window_and_sinks(
     sinks = _padded(key_sink, 1, kv_span, False)
     groups = _padded(key_groups, 1, kv_span, -2)
     probes = _padded(query_groups, 1, q_span, -3)
+    allowed = mask_lookup(model_mask, query.shape[0], q_len, kv_len)
 
     def mask_mod(b, h, q_index, kv_index):
         distance = q_index + offset - kv_index
@@ -182,7 +201,8 @@ def window_and_sinks(
         for slot in range(1, top_k):
             probed = probed | (probes[b, q_index, slot] == group)
         reach = (distance <= window) | sinks[b, kv_index]
-        return real[b, kv_index] & (distance >= 0) & reach & ~probed
+        visible = real[b, kv_index] & (distance >= 0) & reach & ~probed
+        return visible if allowed is None else visible & allowed(b, q_index, kv_index)
 
     count, indices = window_blocks(q_len, kv_len, window, key_sink)
     blocks = BlockLists(count, indices, None, None, mask_mod, q_len, kv_len)
@@ -200,11 +220,12 @@ def pattern_attention(
     window: int,
     scaling: float,
     kernels: StockKernels,
+    model_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The whole pattern as one FlexAttention call over every causal key block, the rule evaluated as it goes (no
     bias, no n x n tensor): the GPU's "one dense masked call", which "auto" runs below its crossover. Key blocks
     that lie inside the window of every query of a query block are full (read without the rule). Returns [batch, q,
-    heads, dim]."""
+    heads, dim]. `model_mask`: as in `stock_sparse_attention` (no block is then full)."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     offset, top_k = kv_len - q_len, query_groups.shape[-1]
@@ -216,6 +237,7 @@ def pattern_attention(
     sinks = _padded(key_sink, 1, kv_span, False)
     groups = _padded(key_groups, 1, kv_span, -2)
     probes = _padded(query_groups, 1, q_span, -3)
+    allowed = mask_lookup(model_mask, batch, q_len, kv_len)
 
     def mask_mod(b, h, q_index, kv_index):
         distance = q_index + offset - kv_index
@@ -223,7 +245,8 @@ def pattern_attention(
         reach = (distance <= window) | sinks[b, kv_index] | (probes[b, q_index, 0] == group)
         for slot in range(1, top_k):
             reach = reach | (probes[b, q_index, slot] == group)
-        return real[b, kv_index] & (distance >= 0) & reach
+        visible = real[b, kv_index] & (distance >= 0) & reach
+        return visible if allowed is None else visible & allowed(b, q_index, kv_index)
 
     device = query.device
     q_blocks, kv_blocks = -(-q_len // BLOCK), -(-kv_len // BLOCK)
@@ -237,7 +260,7 @@ def pattern_attention(
     full_end = torch.maximum(full_end, full_start)
     slot = torch.arange(kv_blocks, device=device)
     in_full = (slot >= full_start[:, None]) & (slot < full_end[:, None])  # [q_blocks, kv_blocks]
-    in_full = in_full[None] & ~padded_blocks[:, None, :]
+    in_full = in_full[None] & ~padded_blocks[:, None, :] & (model_mask is None)
     causal = slot[None, :] <= (last // BLOCK)[:, None]
     partial = causal[None] & ~in_full
     # Listed in index order: a sort of each row puts the listed blocks first (a row per 128 queries, no n x n).
@@ -400,10 +423,11 @@ def fold_probed_groups(
     num_groups: int,
     scaling: float,
     kernels: StockKernels,
+    model_mask: Optional[torch.Tensor] = None,
 ) -> None:
     """Set A of any routing in one FlexAttention call over sorted keys and sorted query entries, folded into `output`
     and `lse` one probe slot at a time (a query's probed groups are distinct, so its entries' key sets are
-    disjoint)."""
+    disjoint). `model_mask`: as in `stock_sparse_attention` (no block is then full)."""
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     offset, top_k, device = kv_len - q_len, query_groups.shape[-1], query.device
@@ -433,11 +457,17 @@ def fold_probed_groups(
     mask_positions = _padded(entry_position, 1, q_span, -1)
     key_segment = _padded(segment.gather(1, key_order), 1, kv_span, -2)
     key_position = _padded(key_order, 1, kv_span, kv_len)
+    allowed = mask_lookup(model_mask, batch, q_len, kv_len)
 
     def mask_mod(b, h, q_index, kv_index):
         same = mask_groups[b, q_index] == key_segment[b, kv_index]
-        return same & (key_position[b, kv_index] <= mask_positions[b, q_index])
+        visible = same & (key_position[b, kv_index] <= mask_positions[b, q_index])
+        if allowed is None:
+            return visible
+        return visible & allowed(b, mask_positions[b, q_index] - offset, key_position[b, kv_index])
 
+    if model_mask is not None:  # the mask may hide pairs inside a full block
+        full_count = torch.zeros_like(full_count)
     blocks = BlockLists(count, indices, full_count, full_indices, mask_mod, entries, kv_len)
     token_index = (entry_order // top_k)[:, None, :, None]
     sorted_keys = key.gather(2, key_order[:, None, :, None].expand(batch, kv_heads, kv_len, dim))

@@ -62,7 +62,9 @@ def test_runs_equal_a_float64_softmax(kv_heads, sharing, dim, lengths, offset, m
     scale = dim**-0.5
     output = native.attend_runs(query, runs, scale)
     assert output is not None and output.shape == query.shape and output.dtype == dtype
-    tolerance = TOLERANCE[dtype]
+    # Float32 rounds a logit to ~1e-7 of its size: at magnitude 30 (logits near 100) any float32 softmax is off by
+    # ~1e-5 (torch's own: 1.4e-5 on one drawn case, where this kernel's AVX2 build gave 2.3e-5).
+    tolerance = TOLERANCE[dtype] * max(1.0, magnitude / 10) if dtype == torch.float32 else TOLERANCE[dtype]
     torch.testing.assert_close(output.double(), oracle(query, runs, scale), atol=tolerance, rtol=tolerance)
 
 

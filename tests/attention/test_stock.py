@@ -484,3 +484,26 @@ def test_pattern_attention_equals_dense_oracle(window, q_len, top_k, separate, m
     assert bool((allowed | ~full).all())  # full blocks hold only allowed pairs
     if window == 300 and q_len == 700:
         assert int(blocks.full_num_blocks.sum()) > 0  # the window's inner blocks skip the rule
+
+
+# --- masks that hide more than padding, read pair by pair (sliding windows, packed documents, torch.compile) ---
+
+
+@pytest.mark.parametrize("mask_is_padding", [False, None], ids=["general", "unknown"])
+@pytest.mark.parametrize("q_len", [97, 40, 5, 1])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_stock_path_reads_a_general_mask(mask_is_padding, q_len, top_k):
+    positions = torch.arange(BASE_CASE["seq"])
+    sliding = (positions[:, None] - positions[None, :] < 20)[None, None]
+    documents = (positions // 30)[:, None] == (positions // 30)[None, :]  # packed documents of 30 tokens
+    for extra in (sliding, documents[None, None]):
+        case = dict(BASE_CASE, q_len=q_len, top_k=top_k)
+        extra = extra[:, :, BASE_CASE["seq"] - q_len :]
+        output, reference, rows = run_case(case, backend="stock", mask_is_padding=mask_is_padding, extra_mask=extra)
+        torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+
+
+def test_unknown_padding_mask_is_read_not_assumed():
+    # Left padding only, but not known to be: the same results through the mask lookup.
+    output, reference, rows = run_case(dict(BASE_CASE, side="left"), backend="stock", mask_is_padding=None)
+    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
