@@ -449,8 +449,8 @@ def commands_table() -> str:
         elif path in UNRECORDED:
             text = UNRECORDED[path]
         else:
-            report = next(report for folder, report in REPORTS.items() if path.startswith(folder))
-            text = f"see the commands of its [report]({report})"
+            reports = [report for folder, report in REPORTS.items() if path.startswith(folder)]
+            text = f"see the commands of its [report]({reports[0]})" if reports else "no command recorded in the file"
         body.append([f"[{path.removeprefix('benchmarks/')}]({path})", text])
     return _table(["results file", "commands"], body)
 
