@@ -201,7 +201,8 @@ def distant_attention(
     Args:
         capture: the layer's `LayerCapture`.
         queries: [n] query positions.
-        window, sinks: the Focus window and sink count: those keys are always visible.
+        window: the Focus window: keys that close are always visible.
+        sinks: the Focus sink count: the first keys, always visible.
         top_m: keep the `top_m` distant keys with the most mass per (head, query) (0: none).
         key_groups: [seq] each key's group: report the distant mass per group (exact).
         num_groups: K, needed with `key_groups`.

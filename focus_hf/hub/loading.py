@@ -47,7 +47,7 @@ def resolve_adapter_weights(repo_id: str, **download_kwargs: Any) -> Path:
     Raises:
         [`focus_hf.files.AdapterFileError`] (a `ValueError`): no safetensors weights, or a corrupt,
             truncated or tampered download.
-        `huggingface_hub` errors (`RepositoryNotFoundError`, `RevisionNotFoundError`, `LocalEntryNotFoundError`...)
+        huggingface_hub.errors: `RepositoryNotFoundError`, `RevisionNotFoundError`, `LocalEntryNotFoundError`...
             as raised by ``hf_hub_download``.
     """
     from huggingface_hub import hf_hub_download

@@ -1,0 +1,478 @@
+"""Every measured figure the docs show, read from the committed JSON at build time.
+
+A page writes `{{ name }}` where a figure goes; the hook (`focus_docs.py`) replaces it with `value(name)`. A
+figure is a small function over the JSON rows, so the page can only show what a committed file holds, and a
+re-run benchmark updates the docs with it. Tables work the same way (`{{ table.name }}`). The tests
+(`tests/test_docs.py`) check that the docs' Markdown holds no figure outside these placeholders and that every
+figure the README quotes is one of these values.
+
+Pure Python (json only): no mkdocs, no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The committed measurements the docs read (paths relative to the repository root).
+ATTENTION = "benchmarks/results/attention_cpu.json"
+ATTENTION_QUERY_ROUTER = "benchmarks/results/attention_cpu_query_router.json"
+ATTENTION_DECODE = "benchmarks/results/attention_cpu_decode.json"
+ATTENTION_MEMORY = "benchmarks/results/attention_cpu_peak_memory.json"
+ATTENTION_AUTO = {k: f"benchmarks/results/attention_cpu_auto_K{k}.json" for k in (4, 8, 16)}
+CEILING = "benchmarks/results/arithmetic_ceiling.json"
+MODEL_PREFILL = "benchmarks/results/model_prefill.json"
+MODEL_DECODE = "benchmarks/results/model_decode.json"
+MODEL_DECODE_STATIC = "benchmarks/results/model_decode_static.json"
+MODEL_STEPS = "benchmarks/results/model_steps.json"
+MODEL_STEPS_STATIC = "benchmarks/results/model_steps_static.json"
+SINKS = "benchmarks/results/sink_default.json"
+QUALITY_PPL = "benchmarks/results/quality/ppl_2048.json"
+QUALITY_KL = "benchmarks/results/quality/kl.json"
+QUALITY_PASSKEY = "benchmarks/results/quality/passkey.json"
+QUALITY_150_PPL = "benchmarks/results/quality-150-steps/ppl_2048.json"
+LC_PPL = "benchmarks/long_context/results/ppl.json"
+LC_PASSKEY = "benchmarks/long_context/results/passkey.json"
+LC_SPEED = "benchmarks/long_context/results/speed.json"
+LC_GENERATE = "benchmarks/long_context/results/generate.json"
+LC_AUDIT = "benchmarks/long_context/results/audit.json"
+LC_ADAPTER_LOG = "benchmarks/long_context/adapter/training_log.json"
+LC_ADAPTER_CONFIG = "benchmarks/long_context/adapter/adapter_config.json"
+LC_CALIBRATION = "benchmarks/long_context/calibration.json"
+
+AS_SAVED = "focus as saved top-1, w=512, 18 dense heads, dense below 2048"  # the committed adapter's rows
+FOCUS_SAVED = "Focus hard as saved (top-1, w=512, 18 dense heads, dense below 2048)"  # the same, model benchmarks
+
+
+@functools.cache
+def load(path: str) -> Any:
+    """The parsed JSON file at `path` (relative to the repository root)."""
+    return json.loads((ROOT / path).read_text(encoding="utf-8"))
+
+
+def rows(path: str) -> list[dict]:
+    """The rows of a results file: the list itself, or its "rows" entry."""
+    data = load(path)
+    return data if isinstance(data, list) else data["rows"]
+
+
+def pick(path: str, index: int | None = None, **match: Any) -> dict:
+    """The one row of `path` whose fields equal `match` (the `index`-th when several runs match)."""
+    found = [row for row in rows(path) if all(row.get(key) == value for key, value in match.items())]
+    if index is not None:
+        return found[index]
+    if len(found) != 1:
+        raise LookupError(f"{path}: {len(found)} rows match {match}, expected 1 (give an index)")
+    return found[0]
+
+
+def ppl_rows(seq_len: int, data: str) -> list[dict]:
+    """The long-context perplexity rows of one length and corpus, each with `ppl_ratio` (over dense, same blocks)."""
+    mine = [dict(row) for row in rows(LC_PPL) if row["seq_len"] == seq_len and row["data"] == data]
+    dense = [row["ppl"] for row in mine if row["kind"] == "dense"]
+    for row in mine:
+        row["ppl_ratio"] = row["ppl"] / dense[-1]
+    return mine
+
+
+def ppl_ratio(variant: str, seq_len: int = 8192, data: str = "python-docs") -> float:
+    (row,) = [row for row in ppl_rows(seq_len, data) if row["variant"] == variant]
+    return row["ppl_ratio"]
+
+
+def density(variant: str, seq_len: int = 8192, data: str = "python-docs") -> float:
+    (row,) = [row for row in ppl_rows(seq_len, data) if row["variant"] == variant]
+    return row["density"]
+
+
+# --- formats ---------------------------------------------------------------------------------------------------
+
+
+def times(value: float, digits: int = 2) -> str:
+    return f"{value:.{digits}f}x"
+
+
+def percent(share: float, digits: int = 1) -> str:
+    return f"{100 * share:.{digits}f}%"
+
+
+def fixed(value: float, digits: int = 3) -> str:
+    return f"{value:.{digits}f}"
+
+
+def count(value: int) -> str:
+    return f"{value:,}"
+
+
+# --- figures ---------------------------------------------------------------------------------------------------
+
+
+def _attention(path: str, seq_len: int, top_k: int, field: str = "speedup") -> Callable[[], str]:
+    def figure() -> str:
+        row = pick(path, seq_len=seq_len, top_k=top_k)
+        return times(row[field]) if field == "speedup" else fixed(row[field], 2)
+
+    return figure
+
+
+def _lc_speed(seq_len: int, variant: str = AS_SAVED, index: int | None = None) -> Callable[[], str]:
+    return lambda: times(pick(LC_SPEED, index, seq_len=seq_len, variant=variant)["speedup"])
+
+
+def _passkey(variant: str, index: int | None = None) -> str:
+    row = pick(LC_PASSKEY, index, variant=variant)
+    cases = row["cases"]
+    return f"{sum(case['correct'] for case in cases)}/{len(cases)}"
+
+
+def _adapter_megabytes() -> str:
+    # Routers are saved in fp32 whatever the base's dtype: 4 bytes per trainable parameter.
+    return f"{load(LC_ADAPTER_LOG)['trainable_parameters'] * 4 / 1e6:.1f} MB"
+
+
+def _audit(variant: str, field: str) -> Callable[[], str]:
+    return lambda: percent(pick(LC_AUDIT, variant=variant)[field])
+
+
+def _quality_ppl(variant: str, path: str = QUALITY_PPL, digits: int = 2) -> Callable[[], str]:
+    return lambda: fixed(pick(path, variant=variant)["ppl"], digits)
+
+
+def _quality_vs_base(variant: str, path: str = QUALITY_PPL) -> Callable[[], str]:
+    def figure() -> str:
+        base = pick(path, variant="base (full attention)")["ppl"]
+        return f"{100 * (pick(path, variant=variant)['ppl'] / base - 1):+.1f}%"
+
+    return figure
+
+
+def _accuracies(path: str, variant: str) -> str:
+    accuracy = pick(path, variant=variant)["accuracy"]
+    return " / ".join(percent(accuracy[length], 0) for length in sorted(accuracy, key=int))
+
+
+def _sinks(setting: str) -> Callable[[], str]:
+    return lambda: fixed(pick(SINKS, setting=setting)["ppl"], 2)
+
+
+def _memory_ratio(seq_len: int, top_k: int) -> Callable[[], str]:
+    def figure() -> str:
+        def added(row: dict) -> float:
+            return row["peak_rss_mib"] - row["rss_before_call_mib"]
+
+        dense = pick(ATTENTION_MEMORY, seq_len=seq_len, variant="dense SDPA")
+        return times(added(pick(ATTENTION_MEMORY, seq_len=seq_len, variant="Focus", top_k=top_k)) / added(dense))
+
+    return figure
+
+
+def _auto_cells() -> list[float]:
+    return [row["speedup"] for path in ATTENTION_AUTO.values() for row in rows(path)]
+
+
+def _model(path: str, prompt_len: int, field: str = "speedup") -> Callable[[], str]:
+    return lambda: times(pick(path, prompt_len=prompt_len, variant=FOCUS_SAVED)[field])
+
+
+def _ceiling(call: str) -> Callable[[], str]:
+    return lambda: percent(pick(CEILING, call=call)["fraction_of_gemm"], 0)
+
+
+FIGURES: dict[str, Callable[[], str]] = {
+    # the committed long-context adapter (SmolLM2-135M-Instruct, distilled, K=8, top-1, w=512, 18 dense heads)
+    "adapter.parameters": lambda: count(load(LC_ADAPTER_LOG)["trainable_parameters"]),
+    "adapter.size": _adapter_megabytes,
+    "adapter.dense_heads": lambda: str(len(load(LC_ADAPTER_CONFIG)["dense_heads"])),
+    "adapter.dense_below": lambda: count(load(LC_ADAPTER_CONFIG)["dense_below"]),
+    "lc.ppl_8k": lambda: times(ppl_ratio(AS_SAVED), 3),
+    "lc.ppl_4k": lambda: times(ppl_ratio(AS_SAVED, 4096), 3),
+    "lc.ppl_source_8k": lambda: times(ppl_ratio(AS_SAVED, data="python-source"), 3),
+    "lc.density_8k": lambda: fixed(density(AS_SAVED), 2),
+    "lc.passkey": lambda: _passkey(AS_SAVED),
+    "lc.passkey_dense": lambda: _passkey("dense", index=-1),  # the run of the committed adapter's prompts
+    "lc.prefill_512": _lc_speed(512),
+    "lc.prefill_1k": _lc_speed(1024),
+    "lc.prefill_2k": _lc_speed(2048),
+    "lc.prefill_4k": _lc_speed(4096),
+    "lc.prefill_8k": _lc_speed(8192),
+    "lc.prefill_16k": _lc_speed(16384),
+    "lc.prefill_32k": _lc_speed(32768),
+    "lc.prefill_8k_w128": _lc_speed(8192, "focus top-1, w=128, 0 dense heads", index=0),
+    "lc.prefill_8k_w128_run2": _lc_speed(8192, "focus top-1, w=128, 0 dense heads", index=1),
+    "lc.prefill_8k_adaptive": _lc_speed(8192, "focus adaptive p=0.9999 (at most 2), w=128, 0 dense heads"),
+    "lc.prefill_8k_w512_3": _lc_speed(8192, "focus top-1, w=512, 3 dense heads"),
+    "lc.ppl_8k_w512_3": lambda: times(ppl_ratio("focus top-1, w=512, 3 dense heads"), 3),
+    "lc.ppl_8k_w128": lambda: times(ppl_ratio("focus top-1, w=128, 0 dense heads"), 3),
+    "lc.ppl_8k_w128_top2": lambda: times(ppl_ratio("focus top-2, w=128, 0 dense heads"), 3),
+    "lc.ppl_8k_streaming": lambda: times(ppl_ratio("streaming (training-free)"), 3),
+    "lc.passkey_w512_3": lambda: _passkey("focus top-1, w=512, 3 dense heads"),
+    "audit.window_128": _audit("focus top-1, w=128, 0 dense heads", "local"),
+    "audit.adapter_128": _audit("focus top-1, w=128, 0 dense heads", "adapter"),
+    "audit.oracle_128": _audit("focus top-1, w=128, 0 dense heads", "oracle"),
+    "audit.key_oracle_128": _audit("focus top-1, w=128, 0 dense heads", "key_oracle"),
+    "audit.adapter_saved": _audit(AS_SAVED, "adapter"),
+    # one attention layer on this CPU (K=8, w=128, 4 sinks, 9x64 heads / 3 kv, fp32, backend auto)
+    "attn.top1_1k": _attention(ATTENTION, 1024, 1),
+    "attn.top1_4k": _attention(ATTENTION, 4096, 1),
+    "attn.top1_16k": _attention(ATTENTION, 16384, 1),
+    "attn.top1_64k": _attention(ATTENTION, 65536, 1),
+    "attn.top2_4k": _attention(ATTENTION, 4096, 2),
+    "attn.top2_16k": _attention(ATTENTION, 16384, 2),
+    "attn.top2_64k": _attention(ATTENTION, 65536, 2),
+    "attn.qr_top1_64k": _attention(ATTENTION_QUERY_ROUTER, 65536, 1),
+    "attn.decode_1k": lambda: times(pick(ATTENTION_DECODE, cache_len=1024)["speedup"]),
+    "attn.decode_8k": lambda: times(pick(ATTENTION_DECODE, cache_len=8192)["speedup"]),
+    "attn.decode_64k": lambda: times(pick(ATTENTION_DECODE, cache_len=65536)["speedup"]),
+    "attn.decode_128k": lambda: times(pick(ATTENTION_DECODE, cache_len=131072)["speedup"]),
+    "attn.auto_lowest": lambda: times(min(_auto_cells())),
+    "attn.auto_cells": lambda: str(len(_auto_cells())),
+    "attn.auto_kept": lambda: str(sum(value >= 0.95 for value in _auto_cells())),
+    "attn.memory_128k_top1": _memory_ratio(131072, 1),
+    "attn.memory_128k_top2": _memory_ratio(131072, 2),
+    "ceiling.sdpa_4k": _ceiling("dense causal SDPA, 4,096 tokens"),
+    "ceiling.sdpa_256": _ceiling("dense causal SDPA, 256 tokens"),
+    # SmolLM2-135M-Instruct end to end with the committed adapter
+    "model.prefill_8k": lambda: times(pick(MODEL_PREFILL, seq_len=8192, variant=FOCUS_SAVED)["speedup"]),
+    "model.prefill_16k": lambda: times(pick(MODEL_PREFILL, seq_len=16384, variant=FOCUS_SAVED)["speedup"]),
+    "model.decode_8k": _model(MODEL_DECODE, 8192),
+    "model.decode_16k": _model(MODEL_DECODE, 16384),
+    "model.decode_static_16k": _model(MODEL_DECODE_STATIC, 16384),
+    "model.steps_2k": _model(MODEL_STEPS, 2048),
+    "model.steps_8k": _model(MODEL_STEPS, 8192),
+    "model.steps_16k": _model(MODEL_STEPS, 16384),
+    "model.steps_static_16k": _model(MODEL_STEPS_STATIC, 16384),
+    # attention sinks (random routers, 2,048 tokens)
+    "sinks.full": _sinks("full attention"),
+    "sinks.top1_0": _sinks("hard top-1, 0 sinks"),
+    "sinks.top1_1": _sinks("hard top-1, 1 sinks"),
+    # the quality study (LM-loss training, 40 steps, 2,048 tokens)
+    "quality.base": _quality_ppl("base (full attention)"),
+    "quality.k4_hard2": _quality_vs_base("smollm2-python-docs-k4 hard top-2"),
+    "quality.k4_hard3": _quality_vs_base("smollm2-python-docs-k4 hard top-3"),
+    "quality.k8_hard2": _quality_vs_base("smollm2-python-docs-k8 hard top-2"),
+    "quality.lora16": _quality_vs_base("LoRA r=16 (q,v)"),
+    "quality.kl_lora4": lambda: f"{pick(QUALITY_KL, variant='LoRA r=4 (q,v)')['kl_inside']:.1e}",
+    "quality.kl_lora16": lambda: f"{pick(QUALITY_KL, variant='LoRA r=16 (q,v)')['kl_inside']:.1e}",
+    "quality.greedy_focus": lambda: percent(
+        pick(QUALITY_KL, variant="smollm2-python-docs-k8 hard top-1")["greedy_same_inside"], 0
+    ),
+    "quality.greedy_lora4": lambda: percent(pick(QUALITY_KL, variant="LoRA r=4 (q,v)")["greedy_same_inside"], 0),
+    "quality.greedy_lora16": lambda: percent(pick(QUALITY_KL, variant="LoRA r=16 (q,v)")["greedy_same_inside"], 0),
+    "quality.passkey_base": lambda: _accuracies(QUALITY_PASSKEY, "base (full attention)"),
+    "quality.passkey_k8": lambda: _accuracies(QUALITY_PASSKEY, "smollm2-python-docs-k8 hard top-2"),
+    "quality150.base": _quality_ppl("base (full attention)", QUALITY_150_PPL, 3),
+    "quality150.k4_soft": _quality_ppl("smollm2-python-docs-k4 soft", QUALITY_150_PPL, 3),
+    "quality150.k4_hard3": _quality_vs_base("smollm2-python-docs-k4 hard top-3", QUALITY_150_PPL),
+    "quality150.k4_hard2": _quality_vs_base("smollm2-python-docs-k4 hard top-2", QUALITY_150_PPL),
+}
+
+
+# --- tables ----------------------------------------------------------------------------------------------------
+
+
+def _table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines)
+
+
+def sinks_table() -> str:
+    data = rows(SINKS)
+    counts = sorted({row["sinks"] for row in data if "sinks" in row})
+    body = [
+        [f"top-{top_k} PPL"] + [fixed(pick(SINKS, sinks=n, top_k=top_k)["ppl"], 2) for n in counts] for top_k in (1, 2)
+    ]
+    body.append(
+        ["full attention"] + [fixed(pick(SINKS, setting="full attention")["ppl"], 2)] + [""] * (len(counts) - 1)
+    )
+    return _table(["sinks"] + [str(n) for n in counts], body)
+
+
+def quality_table() -> str:
+    names = {
+        "base (full attention)": "base",
+        "smollm2-python-docs-k4 soft": "K=4 soft",
+        "smollm2-python-docs-k4 hard top-2": "K=4 hard top-2",
+        "smollm2-python-docs-k8 soft": "K=8 soft",
+        "smollm2-python-docs-k8 hard top-2": "K=8 hard top-2",
+        "LoRA r=4 (q,v)": "LoRA r=4",
+        "LoRA r=16 (q,v)": "LoRA r=16",
+    }
+    return _table(
+        ["held-out PPL, 2,048 tokens"] + list(names.values()),
+        [["python-docs"] + [fixed(pick(QUALITY_PPL, variant=v)["ppl"], 2) for v in names]],
+    )
+
+
+def _window(row: dict) -> int:
+    """A row's window: recorded in the row, else in its command (the training-free baselines), else 128."""
+    words = row.get("command", "").split()
+    return row.get("window") or (int(words[words.index("--window") + 1]) if "--window" in words else 128)
+
+
+def long_context_table() -> str:
+    """The committed adapter and the settings it was chosen against, at 8K tokens (python-docs held-out)."""
+    ppl = ppl_rows(8192, "python-docs")
+    labels = {
+        AS_SAVED: "**committed adapter** (top-1, w=512, 18 dense heads)",
+        "focus top-1, w=512, 3 dense heads": "same routers, 3 dense heads",
+        "focus top-2, w=512, 3 dense heads": "same routers, top-2, 3 dense heads",
+        "focus top-1, w=128, 0 dense heads": "same routers, w=128, no dense heads",
+        "focus adaptive p=0.9999 (at most 2), w=128, 0 dense heads": "same, adaptive probing p=0.9999 (w=128)",
+    }
+    chosen = [(row, labels[row["variant"]]) for variant in labels for row in ppl if row["variant"] == variant]
+    for row in sorted((r for r in ppl if r["kind"] == "blocks"), key=lambda r: (_window(r), r["density"])):
+        share = row["block_density"]
+        chosen.append((row, f"block selection (training-free), w={_window(row)}, {share:g} of distant blocks"))
+    chosen += [(row, "window + sinks only (training-free)") for row in ppl if row["kind"] == "streaming"]
+    passkeys = {row["variant"]: row for row in rows(LC_PASSKEY)}
+    prefill: dict[str, float] = {}
+    for row in rows(LC_SPEED):
+        if row["seq_len"] == 8192:
+            prefill.setdefault(row["variant"], row["speedup"])  # the first run of each setting
+    body = []
+    for row, label in chosen:
+        key = passkeys.get(row["variant"])
+        passkey = "-" if key is None else f"{sum(c['correct'] for c in key['cases'])}/{len(key['cases'])}"
+        speed = times(prefill[row["variant"]]) if row["variant"] in prefill else "-"
+        body.append([label, fixed(row["density"], 2), times(row["ppl_ratio"], 3), passkey, speed])
+    header = ["at 8,192 tokens", "share of causal pairs", "PPL vs dense", "passkey 1K-8K", "prefill vs dense"]
+    return _table(header, body)
+
+
+def auto_table() -> str:
+    """Backend auto against dense SDPA for every K, top-k and length."""
+    lengths = sorted({row["seq_len"] for row in rows(ATTENTION_AUTO[8])})
+    body = []
+    for k, path in ATTENTION_AUTO.items():
+        for top_k in sorted({row["top_k"] for row in rows(path)}):
+            cells = [times(pick(path, seq_len=n, top_k=top_k)["speedup"]) for n in lengths]
+            body.append([str(k), str(top_k)] + cells)
+    return _table(["K", "top-k"] + [count(n) for n in lengths], body)
+
+
+def targets_table() -> str:
+    """The speed targets of the attention layer and where they stand."""
+
+    def efficiency(path: str, seq_len: int, top_k: int) -> str:
+        return fixed(
+            pick(path, seq_len=seq_len, top_k=top_k)["speedup"]
+            / pick(path, seq_len=seq_len, top_k=top_k)["ideal_speedup"],
+            2,
+        )
+
+    lengths = (4096, 16384, 65536)
+    eff = {
+        (routing, k): " / ".join(efficiency(path, n, k) for n in lengths)
+        for routing, path in (("own", ATTENTION), ("query", ATTENTION_QUERY_ROUTER))
+        for k in (1, 2)
+    }
+    decode = {row["cache_len"]: row["speedup"] for row in rows(ATTENTION_DECODE)}
+    body = [
+        [
+            "`auto` >= 0.95x dense in every cell (K 4-16, top-k 1-4, 256-16K tokens)",
+            f"{value('attn.auto_kept')} of {value('attn.auto_cells')} cells, lowest {value('attn.auto_lowest')}",
+        ],
+        [
+            "efficiency (speedup / pair-count ideal) >= 0.6 at 4K, >= 0.8 at 16K and 64K",
+            f"top-1 {eff['own', 1]}, top-2 {eff['own', 2]} (query router: {eff['query', 1]}, {eff['query', 2]})",
+        ],
+        [
+            "decoding >= 0.95x dense at 1K-128K, >= 3x at 64K (top-1, K=8)",
+            f"{times(min(decode.values()))} at the lowest, {times(decode[65536])} at 64K",
+        ],
+        [
+            "peak memory of a 128K prefill <= dense",
+            f"{value('attn.memory_128k_top1')} (top-1), {value('attn.memory_128k_top2')} (top-2)",
+        ],
+    ]
+    return _table(["target", "measured"], body)
+
+
+def model_targets_table() -> str:
+    """The long-context targets the committed adapter was built against, each judged from the JSON."""
+    prefill = {row["seq_len"]: row["speedup"] for row in rows(LC_SPEED) if row["variant"] == AS_SAVED}
+    passkey = pick(LC_PASSKEY, variant=AS_SAVED)
+    kept = sum(case["correct"] for case in passkey["cases"]) / len(passkey["cases"])
+    checks = [
+        ("perplexity <= 1.02x of dense at 8K", value("lc.ppl_8k"), ppl_ratio(AS_SAVED) <= 1.02),
+        (
+            "<= 1.03x on unseen text (python-source, 8K)",
+            value("lc.ppl_source_8k"),
+            ppl_ratio(AS_SAVED, data="python-source") <= 1.03,
+        ),
+        ("passkey >= 95% (1K-8K)", value("lc.passkey"), kept >= 0.95),
+        (
+            "prefill never below 0.95x of dense from 512 tokens",
+            f"lowest {times(min(prefill.values()))}",
+            min(prefill.values()) >= 0.95,
+        ),
+        ("prefill >= 1.8x at 8K", value("lc.prefill_8k"), prefill[8192] >= 1.8),
+        ("prefill >= 2.5x at 32K", value("lc.prefill_32k"), prefill[32768] >= 2.5),
+    ]
+    return _table(["target", "measured", ""], [[t, m, "met" if ok else "**not met**"] for t, m, ok in checks])
+
+
+# Results files whose rows record no command: where their commands are written down instead.
+UNRECORDED = {
+    SINKS: "`python benchmarks/quality/sink_default.py --seq-len 2048 --blocks 2`",
+    "benchmarks/long_context/adapter_audit.json": "`focus-hf audit --adapter benchmarks/long_context/adapter --json "
+    "... --png ...` (the command's parameters are in the file)",
+    "benchmarks/long_context/results/tradeoff.json": "`python benchmarks/long_context/run.py plot` (from ppl.json)",
+}
+REPORTS = {  # results folders whose generated report lists the commands of its JSON files
+    "benchmarks/results/quality/": "benchmarks/results/quality/report.md",
+    "benchmarks/results/quality-150-steps/": "benchmarks/results/quality-150-steps/report.md",
+}
+
+
+def commands_table() -> str:
+    """Every committed results file, linked, with the commands its rows record."""
+    paths = sorted(
+        path.relative_to(ROOT).as_posix()
+        for folder in ("benchmarks/results", "benchmarks/long_context")
+        for path in (ROOT / folder).rglob("*.json")
+        if "adapter/" not in path.relative_to(ROOT).as_posix()
+    )
+    body = []
+    for path in paths:
+        data = load(path)
+        found = [data] if isinstance(data, dict) else []
+        found += data if isinstance(data, list) else data.get("rows", []) if isinstance(data.get("rows"), list) else []
+        commands = list(dict.fromkeys(row["command"] for row in found if isinstance(row, dict) and row.get("command")))
+        if commands:
+            text = "<br>".join(f"`{command}`" for command in commands)
+        elif path in UNRECORDED:
+            text = UNRECORDED[path]
+        else:
+            reports = [report for folder, report in REPORTS.items() if path.startswith(folder)]
+            text = f"see the commands of its [report]({reports[0]})" if reports else "no command recorded in the file"
+        body.append([f"[{path.removeprefix('benchmarks/')}]({path})", text])
+    return _table(["results file", "commands"], body)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "table.commands": commands_table,
+    "table.model_targets": model_targets_table,
+    "table.sinks": sinks_table,
+    "table.quality": quality_table,
+    "table.long_context": long_context_table,
+    "table.auto": auto_table,
+    "table.targets": targets_table,
+}
+
+
+def value(name: str) -> str:
+    """The text that replaces `{{ name }}`: a figure or a table, from the committed JSON."""
+    source = FIGURES.get(name) or TABLES.get(name)
+    if source is None:
+        raise KeyError(f"no figure or table named {name!r} in {Path(__file__).name}")
+    return source()
+
+
+def names() -> list[str]:
+    return [*FIGURES, *TABLES]
