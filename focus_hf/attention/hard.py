@@ -96,7 +96,7 @@ def hard_attention(
     q_len, kv_len = query.shape[2], key.shape[2]
     stock = None
     if query.device.type == "cuda" or backend == "stock":
-        stock = verified_kernels(query, key)
+        stock = verified_kernels(query, key, backend=backend)
         if stock is None:
             return reference_hard_attention(query, key, value, model_mask, *arguments[:-1])
     compiling = torch.compiler.is_compiling()

@@ -285,8 +285,9 @@ def cpu_twin_kernels(varlen_gqa: bool = False) -> StockKernels:
     return StockKernels("cpu twin", cpu_flex, varlen, varlen_gqa, dtypes, _power_of_two_from_16)
 
 
-def stock_kernels(device: torch.device) -> StockKernels:
-    """The kernels of the GPU path on `device`: CUDA's, or the CPU twin elsewhere."""
+def stock_kernels(device: torch.device, backend: str = "auto") -> StockKernels:
+    """The kernels of the GPU path on `device` for `backend`: CUDA's (flash-attn's varlen for "flash", and for
+    "auto" where it is installed; torch's otherwise), or the CPU twin elsewhere."""
     if device.type == "cuda":
-        return cuda_kernels()
+        return cuda_kernels(prefer_flash_attn=backend in ("auto", "flash"))
     return cpu_twin_kernels()

@@ -35,6 +35,7 @@ TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 4e-2, tor
 class Configuration:
     """What a verdict holds for: one device, dtype and head shape."""
 
+    kernels: str
     device: str
     dtype: torch.dtype
     heads: int
@@ -46,17 +47,18 @@ class Configuration:
 _verdicts: dict[Configuration, Optional[str]] = {}
 
 
-def configuration(query: torch.Tensor, key: torch.Tensor) -> Configuration:
-    return Configuration(str(query.device), query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+def configuration(query: torch.Tensor, key: torch.Tensor, kernels: StockKernels) -> Configuration:
+    return Configuration(kernels.name, str(query.device), query.dtype, query.shape[1], key.shape[1], query.shape[-1])
 
 
 def verified_kernels(
-    query: torch.Tensor, key: torch.Tensor, kernels: Optional[StockKernels] = None
+    query: torch.Tensor, key: torch.Tensor, kernels: Optional[StockKernels] = None, backend: str = "auto"
 ) -> Optional[StockKernels]:
     """The GPU path's kernels for this call's configuration once shown exact (checked on first use), else None:
-    the caller then runs the reference path. `kernels`: the kernels to check and use (default: the device's)."""
-    kernels = kernels or stock_kernels(query.device)
-    config = configuration(query, key)
+    the caller then runs the reference path. `kernels`: the kernels to check and use (default: those of the device
+    and `backend`, `stock_kernels.stock_kernels`)."""
+    kernels = kernels or stock_kernels(query.device, backend)
+    config = configuration(query, key, kernels)
     if config not in _verdicts:
         if torch.compiler.is_compiling():
             raise RuntimeError(
@@ -68,7 +70,8 @@ def verified_kernels(
         if failure is not None:
             print(
                 f"focus_hf: the fast Focus attention path did not reproduce exact results on {config.device} "
-                f"({config.dtype}, {config.heads}/{config.kv_heads} heads of {config.head_dim}): {failure}. Every "
+                f"({config.kernels}, {config.dtype}, {config.heads}/{config.kv_heads} heads of {config.head_dim}): "
+                f"{failure}. Every "
                 "call of this kind now runs the reference path (exact, dense, slower). Please report this with your "
                 "torch version.",
                 file=sys.stderr,
@@ -76,10 +79,13 @@ def verified_kernels(
     return kernels if _verdicts[config] is None else None
 
 
-def verify(query: torch.Tensor, key: torch.Tensor, kernels: Optional[StockKernels] = None) -> Optional[str]:
+def verify(
+    query: torch.Tensor, key: torch.Tensor, kernels: Optional[StockKernels] = None, backend: str = "auto"
+) -> Optional[str]:
     """Check now (or read this process's verdict): None when exact, else what failed."""
+    kernels = kernels or stock_kernels(query.device, backend)
     verified_kernels(query, key, kernels)
-    return _verdicts[configuration(query, key)]
+    return _verdicts[configuration(query, key, kernels)]
 
 
 def forget_verdicts() -> None:

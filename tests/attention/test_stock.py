@@ -47,7 +47,7 @@ def test_stock_path_equals_dense_oracle(case, varlen_gqa):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(stock, "MERGE_ROWS", case["stream_rows"])
         patch.setattr(stock, "VARLEN_BYTES", case["set_a_rows"])  # kv heads in runs of one, or all at once
-        patch.setattr(verify, "stock_kernels", lambda device: cpu_twin_kernels(varlen_gqa))
+        patch.setattr(verify, "stock_kernels", lambda device, backend="auto": cpu_twin_kernels(varlen_gqa))
         output, reference, rows = run_case(case, backend="stock")
     assert output.shape == reference.shape
     assert torch.isfinite(output).all()
@@ -401,7 +401,7 @@ def test_verify_catches_a_kernel_convention_and_the_model_falls_back_exactly(mon
     assert message in verify.verify(query, key, broken)
     verify.forget_verdicts()
     capsys.readouterr()
-    monkeypatch.setattr(verify, "stock_kernels", lambda device: broken)
+    monkeypatch.setattr(verify, "stock_kernels", lambda device, backend="auto": broken)
     model = focus_llama(1)
     ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
