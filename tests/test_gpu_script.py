@@ -126,7 +126,11 @@ def test_summary_holds_figures_against_the_targets(tmp_path):
     ]
     attention[1].update(dense_peak_bytes=100 * 2**20, focus_peak_bytes=105 * 2**20, peak_ratio=1.05)
     write_json(tmp_path, "attention.json", {"rows": attention})
-    write_json(tmp_path, "decode.json", [{"cache_len": 262144, "top_k": 1, "dense_s": 2e-4, "focus_s": 1e-4}])
+    decode = [
+        {"cache_len": 262144, "top_k": 1, "dense_s": 2e-4, "focus_s": 1e-4},
+        {"cache_len": 1048576, "error": "OutOfMemoryError: CUDA out of memory"},  # a length that failed as a whole
+    ]
+    write_json(tmp_path, "decode.json", decode)
     write_json(tmp_path, "auto.json", [{"seq_len": 1024, "top_k": 1, "dense_s": 1.0, "focus_s": 1.1}])
     memory = [
         {"seq_len": 1048576, "top_k": None, "variant": "dense SDPA", "peak_allocated_mib": 100.0},
@@ -142,6 +146,7 @@ def test_summary_holds_figures_against_the_targets(tmp_path):
     assert rows["attention", "top-2 prefill 1M"]["ratio"] is None  # an error is shown, not a figure
     assert rows["decode", "top-1 cache 256K"]["ratio"] == pytest.approx(2.0)
     assert rows["decode", "top-1 cache 256K"]["unit"] == "ms" and rows["decode", "top-1 cache 256K"]["meets_target"]
+    assert rows["decode", "every top-k cache 1M"]["focus"].startswith("OutOfMemoryError")
     assert rows["auto", "top-1 1K"]["meets_target"] is False  # 0.91x < 0.95x
     assert rows["peak_memory", "top-1 peak 1M"]["ratio"] == pytest.approx(1.15)
     assert rows["peak_memory", "top-1 peak 1M"]["meets_target"] is False

@@ -135,8 +135,8 @@ def train_command(device: str, path: Path) -> list[str]:
 STAGES = [
     Stage("tests", "tests.json", tests_command, {"cuda": 90, "cpu": 180}),
     Stage("attention", "attention.json", attention_command, {"cuda": 150, "cpu": 150}),
-    Stage("auto", "auto.json", auto_command, {"cuda": 60, "cpu": 150}),
-    Stage("decode", "decode.json", decode_command, {"cuda": 50, "cpu": 90}),
+    Stage("auto", "auto.json", auto_command, {"cuda": 75, "cpu": 150}),
+    Stage("decode", "decode.json", decode_command, {"cuda": 60, "cpu": 90}),
     Stage("peak_memory", "peak_memory.json", peak_memory_command, {"cuda": 60, "cpu": 90}),
     Stage("model_prefill", "model_prefill.json", model_prefill_command, {"cuda": 100, "cpu": 150}),
     Stage("train", "train.json", train_command, {"cuda": 60, "cpu": 120}),
@@ -251,7 +251,11 @@ def figures(out: Path, cuda: bool) -> list[dict]:
         data = load(out / f"{stage}.json")
         for row in data if isinstance(data, list) else []:
             tokens = row.get("seq_len") or row.get("cache_len")
-            label = f"top-{row['top_k']} {'cache ' if stage == 'decode' else ''}{tokens_label(tokens)}"
+            label = f"{'cache ' if stage == 'decode' else ''}{tokens_label(tokens)}"
+            if "error" in row:  # the whole length failed
+                rows.append(figure(stage, f"every top-k {label}", None, row["error"], None, ""))
+                continue
+            label = f"top-{row['top_k']} {label}"
             if row.get("dense_s") is None:
                 rows.append(figure(stage, label, None, row.get("focus_s"), None, "s"))
                 continue

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ContextManager, Optional
@@ -404,6 +405,7 @@ class RowLog:
     def __init__(self, path: Optional[str]) -> None:
         self.path = Path(path) if path else None
         self.rows: list[dict] = []
+        self.failed = False  # a length failed (`rows_or_error`): the command exits with 1
         self.command = command_line()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -414,6 +416,25 @@ class RowLog:
         if self.path is not None:
             self.path.write_text(json.dumps(self.rows, indent=2) + "\n")
         return row
+
+
+def rows_or_error(
+    measure: Callable[[], list[dict]], log: RowLog, length_key: str, length: int, device: torch.device
+) -> list[dict]:
+    """The rows `measure()` returns; when it fails (out of memory, a path that breaks), one error row in their place
+    and the traceback on stderr, so that the lengths after it are still measured (the command then exits with 1)."""
+    import torch
+
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - reported in the row, on stderr and in the exit code
+        traceback.print_exc()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.failed = True
+        summary = f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
+        log.add({length_key: length, "error": summary, **machine_fields(device)})
+        return []
 
 
 def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, decode: bool = False) -> Optional[int]:
@@ -554,7 +575,8 @@ def decode_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     )
     with torch.inference_mode():
         for cache_len in args.seq_lens:
-            for row in decode_length(args, cache_len, device, dtype):
+            measure = functools.partial(decode_length, args, cache_len, device, dtype)
+            for row in rows_or_error(measure, log, "cache_len", cache_len, device):
                 log.add(row)
                 print(
                     f"{cache_len:>8} {row['top_k']:>5} {row['dense_s'] * 1e3:>9.3f} {row['focus_s'] * 1e3:>9.3f} "
@@ -688,26 +710,30 @@ def peak_memory_rows(args: argparse.Namespace, log: RowLog) -> None:
 
 def cuda_peak_memory_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, log: RowLog) -> None:
     """On a GPU: the peak of the memory torch allocates during one dense causal SDPA call and one Focus call per top_k
-    on the same inputs, each after a warm-up call at up to PEAK_MEMORY_WARM_UP_TOKENS tokens. One process suffices
-    (unlike the CPU's resident memory, the allocator's peak can be reset before each call); the inputs are allocated
-    before it, so `peak_allocated_mib` includes them, as the CPU rows' peak RSS does."""
+    on the same inputs, after warm-up calls at up to PEAK_MEMORY_WARM_UP_TOKENS tokens, and for Focus one more at the
+    full length (what is compiled per shape is compiled before the measured call). One process suffices (unlike the
+    CPU's resident memory, the allocator's peak can be reset before each call); the inputs are allocated before it,
+    so `peak_allocated_mib` includes them, as the CPU rows' peak RSS does."""
     import torch
 
     for seq_len in args.seq_lens:
         with torch.inference_mode():
             warm_up = make_case(args, min(seq_len, PEAK_MEMORY_WARM_UP_TOKENS), device, dtype)
             context, kernel = dense_kernel(warm_up.query, warm_up.key, causal=True)
-            for top_k in [None, *args.top_k]:
-                time_call(dense_call(warm_up) if top_k is None else focus_call(args, warm_up, top_k), context=context)
+            time_call(dense_call(warm_up), context=context)
+            for top_k in args.top_k:
+                time_call(focus_call(args, warm_up, top_k))
             del warm_up
             case = make_case(args, seq_len, device, dtype)
             for top_k in [None, *args.top_k]:
                 call = dense_call(case) if top_k is None else focus_call(args, case, top_k)
                 row = {"seq_len": seq_len, "variant": "dense SDPA" if top_k is None else "Focus", "top_k": top_k}
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
                 try:
+                    if top_k is not None:
+                        time_call(call)
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    before = torch.cuda.memory_allocated(device)
                     with context() if top_k is None else contextlib.nullcontext():
                         output = call()
                     torch.cuda.synchronize(device)
@@ -718,11 +744,12 @@ def cuda_peak_memory_rows(args: argparse.Namespace, device: torch.device, dtype:
                         peak_allocated_mib=peak / 2**20,
                         added_by_call_mib=(peak - before) / 2**20,
                     )
-                except torch.cuda.OutOfMemoryError as error:
-                    row["error"] = f"out of memory: {' '.join(str(error).split())[:200]}"
+                except Exception as error:  # noqa: BLE001 - out of memory, or a failing path: say so, measure the rest
+                    row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
                     torch.cuda.empty_cache()
                 row.update(
                     warm_up_tokens=min(seq_len, PEAK_MEMORY_WARM_UP_TOKENS),
+                    full_length_warm_up=top_k is not None,
                     dense_kernel=kernel if top_k is None else None,
                     backend=args.backend,
                     groups=args.groups,
@@ -764,7 +791,8 @@ def run(args: argparse.Namespace) -> int:
         )
         with torch.inference_mode():
             for seq_len in args.seq_lens:
-                for row in bench_length(args, seq_len, device, dtype):
+                measure = functools.partial(bench_length, args, seq_len, device, dtype)
+                for row in rows_or_error(measure, log, "seq_len", seq_len, device):
                     log.add(row)
                     dense = "-" if row["dense_s"] is None else f"{row['dense_s']:.4f}"
                     speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
@@ -776,7 +804,7 @@ def run(args: argparse.Namespace) -> int:
                     )
     if args.json and not log.rows:  # nothing measured: still an (empty) result file, as before
         Path(args.json).write_text("[]\n")
-    return 0
+    return 1 if log.failed else 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
