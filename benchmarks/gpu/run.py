@@ -291,11 +291,10 @@ def figures(out: Path, cuda: bool) -> list[dict]:
     if isinstance(train, dict):
         ran = train.get("returncode") == 0 and train.get("router_dtypes") == ["F32"]
         result = (
-            f"ran on {train.get('trained_on')} ({train.get('base_dtype')} base, {train.get('router_dtypes')} routers) "
-            f"in {train.get('wall_s', 0):.0f} s; kept mass {train.get('kept_before', float('nan')):.3f} -> "
-            f"{train.get('kept_after', float('nan')):.3f}"
+            f"ran on {train.get('trained_on')}, {train.get('base_dtype')} base, F32 routers, "
+            f"{train.get('wall_s', 0):.0f} s, kept {train.get('kept_before', 0):.3f}->{train.get('kept_after', 0):.3f}"
             if ran
-            else f"exit code {train.get('returncode')}"
+            else f"exit code {train.get('returncode')}: {train.get('error')}"
         )
         rows.append(figure("train", "focus-hf train --objective distill", None, result, None, "", ("runs", ran)))
     for row in rows:
