@@ -7,9 +7,9 @@ same loop and the median is kept (on CUDA the dense baseline runs on torch's fla
 and every call is timed between device synchronisations); `--peak-memory` instead runs one Focus call per length in
 a fresh process and reports its peak resident memory (on CUDA: torch's peak allocated GPU memory, in one process),
 after a warm-up call at a shorter length. `--decode` times one new query against a KV cache of each length (dense
-SDPA vs Focus's decode path, alternately); `--calibrate` measures where "auto"
-switches from the dense masked call to the sparse path on this machine (`attention/crossover.py`), stores it in
-the cache and prints it.
+SDPA vs Focus's decode path, alternately); `--calibrate` measures where "auto" switches from the dense masked call to
+the sparse path on this machine (`attention/crossover.py`), stores it in the cache and prints it. `--json` rows are
+written as they are measured, each with the device, package versions, git commit, date and command.
 """
 
 from __future__ import annotations
