@@ -3,29 +3,37 @@
 Inputs are random q/k/v; the routing comes from a random-init router (a FocusLayer-style projection and centroids
 on random hidden states, causal Sinkhorn via `routing.route_tokens`), so groups are balanced as in a real model.
 Dense (`scaled_dot_product_attention(is_causal=True, enable_gqa=True)`) and Focus are timed alternately in the
-same loop and the median is kept; `--peak-memory` instead runs one Focus call per length in a fresh process and
-reports its peak resident memory (after a warm-up call at a shorter length). `--decode` times one new query against
-a KV cache of each length (dense SDPA vs Focus's decode path, alternately); `--calibrate` measures where "auto"
-switches from the dense masked call to the sparse path on this machine (`attention/crossover.py`), stores it in
-the cache and prints it.
+same loop and the median is kept (on CUDA the dense baseline runs on torch's flash kernel where it takes the inputs,
+and every call is timed between device synchronisations); `--peak-memory` instead runs one Focus call per length in
+a fresh process and reports its peak resident memory (on CUDA: torch's peak allocated GPU memory, in one process),
+after a warm-up call at a shorter length. `--decode` times one new query against a KV cache of each length (dense
+SDPA vs Focus's decode path, alternately); `--calibrate` measures where "auto" switches from the dense masked call to
+the sparse path on this machine (`attention/crossover.py`), stores it in the cache and prints it. `--json` rows are
+written as they are measured, each with the device, package versions, git commit, date and command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import datetime
+import functools
 import json
 import math
 import multiprocessing
 import os
 import platform
 import resource
+import shlex
 import statistics
+import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -54,21 +62,29 @@ def make_case(args: argparse.Namespace, seq_len: int, device: torch.device, dtyp
     from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
     from focus_hf.tuner.config import FocusConfig
 
-    generator = torch.Generator().manual_seed(args.seed + seq_len)
+    # On a GPU the inputs and the routing are drawn there: drawing 1M tokens' hidden states on the CPU takes longer
+    # than the calls being timed. Same seeds, other random streams than on the CPU.
+    setup = device if device.type == "cuda" else torch.device("cpu")
+    generator = torch.Generator(device=setup).manual_seed(args.seed + seq_len)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=setup)
+
     defaults = FocusConfig()
     hidden_size = args.heads * args.head_dim
-    hidden = torch.randn(1, seq_len, hidden_size, generator=generator)
-    projection = torch.randn(hidden_size, defaults.group_dim, generator=generator) / math.sqrt(hidden_size)
-    centroids = F.normalize(torch.randn(args.groups, defaults.group_dim, generator=generator), dim=-1)
+    hidden = draw(1, seq_len, hidden_size)
+    projection = draw(hidden_size, defaults.group_dim) / math.sqrt(hidden_size)
+    centroids = F.normalize(draw(args.groups, defaults.group_dim), dim=-1)
     scores = routing_scores(hidden, projection, centroids, defaults.temperature)
     query_scores = None
     if args.query_router:  # a separate query-side projection: queries probe groups other than their own
-        query_projection = torch.randn(hidden_size, defaults.group_dim, generator=generator) / math.sqrt(hidden_size)
+        query_projection = draw(hidden_size, defaults.group_dim) / math.sqrt(hidden_size)
         query_scores = routing_scores(hidden, query_projection, centroids, defaults.temperature)
-    valid = torch.ones(1, seq_len, dtype=torch.bool)
+    del hidden
+    valid = torch.ones(1, seq_len, dtype=torch.bool, device=setup)
     routing = {}
     for top_k in args.top_k:
-        state = RoutingState.empty(1, defaults.sinkhorn_iterations, args.groups, torch.device("cpu"))
+        state = RoutingState.empty(1, defaults.sinkhorn_iterations, args.groups, setup)
         tokens, _ = route_tokens(
             scores,
             valid,
@@ -86,7 +102,7 @@ def make_case(args: argparse.Namespace, seq_len: int, device: torch.device, dtyp
         )
 
     def states(heads: int) -> torch.Tensor:
-        return torch.randn(1, seq_len, heads, args.head_dim, generator=generator).to(device, dtype).transpose(1, 2)
+        return draw(1, seq_len, heads, args.head_dim).to(device, dtype).transpose(1, 2)
 
     return Case(states(args.heads), states(args.kv_heads), states(args.kv_heads), routing)
 
@@ -106,16 +122,28 @@ def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> i
     return int((local + distant_sinks + probed).sum())
 
 
-def time_call(function: Callable[[], torch.Tensor]) -> tuple[float, float]:
-    """Wall-clock and process CPU seconds of one call. On a shared machine, CPU time is the steadier measure of
-    single-threaded runs (other processes take turns on the cores, which inflates wall time unevenly)."""
+def time_call(
+    function: Callable[[], torch.Tensor],
+    steps: int = 1,
+    context: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds of one call (the mean of `steps` calls made back to back, inside one
+    `context`). On a shared machine, CPU time is the steadier measure of single-threaded runs (other processes take
+    turns on the cores, which inflates wall time unevenly). On CUDA the device is synchronised before and after, so
+    that the time is that of the calls' kernels, not of their launches; a call too short for that synchronisation to
+    be negligible (a decoding step) is timed over several `steps`."""
     import torch
 
-    wall, cpu = time.perf_counter(), time.process_time()
-    function()
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = time.perf_counter(), time.process_time()
+    with context():
+        for _ in range(steps):
+            function()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
 
 def dense_call(case: Case) -> Callable[[], torch.Tensor]:
@@ -123,6 +151,29 @@ def dense_call(case: Case) -> Callable[[], torch.Tensor]:
     import torch.nn.functional as F
 
     return lambda: F.scaled_dot_product_attention(case.query, case.key, case.value, is_causal=True, enable_gqa=True)
+
+
+def dense_kernel(query: torch.Tensor, key: torch.Tensor, causal: bool) -> tuple[Callable[[], ContextManager], str]:
+    """(context to run the dense baseline in, the kernel's name): on CUDA torch's flash kernel when it takes inputs
+    like these (tried once on a short slice), else torch's own choice, and the row says which, so that a ratio is
+    never taken against a slower fallback unknowingly; on the CPU torch's choice."""
+    import torch
+    import torch.nn.functional as F
+
+    if query.device.type != "cuda":
+        return contextlib.nullcontext, "sdpa (torch's choice)"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    keys = min(key.shape[2], 256)
+    sample = query[:, :, : min(query.shape[2], keys)], key[:, :, :keys], key[:, :, :keys]
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(*sample, is_causal=causal, enable_gqa=True)
+        torch.cuda.synchronize()
+    except RuntimeError as error:
+        reason = " ".join(str(error).split())[:160]
+        return contextlib.nullcontext, f"sdpa (torch's choice; the flash kernel refused these inputs: {reason})"
+    return functools.partial(sdpa_kernel, SDPBackend.FLASH_ATTENTION), "flash (torch SDPA)"
 
 
 def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[], torch.Tensor]:
@@ -205,16 +256,20 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
         )
         for top_k in args.top_k
     }
+    dense_context, kernel = dense_kernel(case.query, case.key, causal=True)
     dense_times: list[tuple[float, float]] = []
     focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
-    if seq_len <= 16384:  # warm-up (allocator, kernels); too expensive to repeat at long lengths
-        if skip is None:
-            dense()
+    # Warm-up (allocator, kernels); too expensive to repeat at long lengths on the CPU. On a GPU every length warms
+    # Focus up (kernels compiled for a shape are compiled at its first call), and dense up to 64K tokens.
+    cuda = device.type == "cuda"
+    if skip is None and (seq_len <= 16384 or (cuda and seq_len <= 65536)):
+        time_call(dense, context=dense_context)
+    if seq_len <= 16384 or cuda:
         for call in calls.values():
-            call()
+            time_call(call)
     for _ in range(repeats_at(args, seq_len)):
         if skip is None:
-            dense_times.append(time_call(dense))
+            dense_times.append(time_call(dense, context=dense_context))
         for top_k, call in calls.items():
             focus_times[top_k].append(time_call(call))
     dense_s, dense_cpu_s = medians(dense_times)
@@ -235,6 +290,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "pairs_fraction": fraction,
                 "ideal_speedup": 1.0 / fraction,
                 "dense_note": skip,
+                "dense_kernel": kernel,
                 "repeats": len(focus_times[top_k]),
                 "backend": args.backend,
                 "top_k": top_k,
@@ -262,7 +318,8 @@ def device_name(device: torch.device) -> str:
 
 
 def machine_fields(device: torch.device) -> dict:
-    """Where a row was measured: device, processor name, threads, load and torch version."""
+    """Where and when a row was measured: device, processor name, threads, load, package versions, the source's git
+    commit and the date."""
     import torch
 
     from focus_hf.attention.crossover import processor_name
@@ -272,8 +329,112 @@ def machine_fields(device: torch.device) -> dict:
         "processor": processor_name(device),
         "threads": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0],  # other processes on the machine skew CPU timings
-        "torch": torch.__version__,
+        **{name: version for name, version in package_versions().items() if name != "python"},
+        "git_commit": git_commit(),
+        "date": now(),
     }
+
+
+def provenance(device: torch.device, command: Optional[str]) -> dict:
+    """What a benchmark's JSON records about its run: device, package versions, git commit, command and date."""
+    return {
+        "device": device_name(device),
+        "versions": package_versions(),
+        "git_commit": git_commit(),
+        "command": command,
+        "date": now(),
+    }
+
+
+def package_versions() -> dict[str, Optional[str]]:
+    """Versions of Python and of the packages a result depends on (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    import focus_hf
+
+    versions: dict[str, Optional[str]] = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("transformers", "peft"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    versions["focus_hf"] = focus_hf.__version__
+    return versions
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> Optional[str]:
+    """The commit of the focus_hf checkout that runs ("-dirty" with uncommitted changes to tracked files), else
+    $FOCUS_HF_GIT_COMMIT (a copy of a working tree without its .git, as on a lent GPU machine), else None."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / ".git").exists():
+        git = ["git", "-C", str(root)]
+        try:
+            head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+            status = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
+        except OSError:  # no git executable
+            head = None
+        if head is not None and head.returncode == 0:
+            return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+    return os.environ.get("FOCUS_HF_GIT_COMMIT") or None
+
+
+def now() -> str:
+    """The current date and time, ISO 8601 with the UTC offset."""
+    return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def command_line() -> Optional[str]:
+    """The command that runs `focus-hf`, as typed (`focus-hf ...` or `python -m focus_hf.cli ...`); None when the
+    command line is not focus-hf's own (called in-process, e.g. by a test)."""
+    if not sys.argv:
+        return None
+    if Path(sys.argv[0]).name == "focus-hf":
+        return shlex.join(["focus-hf", *sys.argv[1:]])
+    if Path(sys.argv[0]).parts[-2:] == ("focus_hf", "cli.py"):
+        return shlex.join(["python", "-m", "focus_hf.cli", *sys.argv[1:]])
+    return None
+
+
+class RowLog:
+    """The rows of one run, each stamped with the command, written to `path` (when given) as a JSON list after every
+    row, so that a run stopped part-way (a time limit) keeps what it measured."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = Path(path) if path else None
+        self.rows: list[dict] = []
+        self.failed = False  # a length failed (`rows_or_error`): the command exits with 1
+        self.command = command_line()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, row: dict) -> dict:
+        row["command"] = self.command  # so committed results say how they were produced
+        self.rows.append(row)
+        if self.path is not None:
+            self.path.write_text(json.dumps(self.rows, indent=2) + "\n")
+        return row
+
+
+def rows_or_error(
+    measure: Callable[[], list[dict]], log: RowLog, length_key: str, length: int, device: torch.device
+) -> list[dict]:
+    """The rows `measure()` returns; when it fails (out of memory, a path that breaks), one error row in their place
+    and the traceback on stderr, so that the lengths after it are still measured (the command then exits with 1)."""
+    import torch
+
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - reported in the row, on stderr and in the exit code
+        traceback.print_exc()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.failed = True
+        summary = f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
+        log.add({length_key: length, "error": summary, **machine_fields(device)})
+        return []
 
 
 def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, decode: bool = False) -> Optional[int]:
@@ -336,23 +497,25 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
 
     crossovers = {top_k: crossover_used(args, case, top_k, "decode", decode=True) for top_k in args.top_k}
     calls = {top_k: focus_for(top_k) for top_k in args.top_k}
+    dense_context, kernel = dense_kernel(case.query, case.key, causal=False)
+    steps = decode_steps(args, device)
     for _ in range(3):  # warm-up
-        dense()
+        time_call(dense, context=dense_context)
         for call in calls.values():
-            call()
+            time_call(call)
     repeats = args.decode_repeats
     dense_times: list[tuple[float, float]] = []
     focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
     for _ in range(repeats):
-        dense_times.append(time_call(dense))
+        dense_times.append(time_call(dense, steps, dense_context))
         for top_k, call in calls.items():
-            focus_times[top_k].append(time_call(call))
+            focus_times[top_k].append(time_call(call, steps))
     dense_s, dense_cpu_s = medians(dense_times)
     rows = []
     positions = torch.arange(cache_len, device=device)
     # What the group-sorted copy's attention runs on: the C kernel of `attention/native.py`, or torch operations.
     native = device.type == "cpu" and serves(dtype, args.heads, args.kv_heads, args.head_dim)
-    kernel = "C" if native else "torch"
+    decode_kernel = "C" if native else "torch"
     for top_k in args.top_k:
         routing = case.routing[top_k]
         focus_s, focus_cpu_s = medians(focus_times[top_k])
@@ -375,9 +538,11 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 "keys_fraction": fraction,
                 "ideal_speedup": 1.0 / fraction,
                 "focus_path": path if args.backend == "auto" else "group-sorted copy",
-                "decode_kernel": kernel,
+                "decode_kernel": decode_kernel,
+                "dense_kernel": kernel,
                 "dense_below": crossover,
                 "repeats": repeats,
+                "steps_per_timing": steps,
                 "backend": args.backend,
                 "top_k": top_k,
                 "groups": args.groups,
@@ -393,27 +558,34 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     return rows
 
 
-def decode_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def decode_steps(args: argparse.Namespace, device: torch.device) -> int:
+    """Decoding steps per timing: `--decode-steps`, else 1 on the CPU and 10 on a GPU, where one step takes tens of
+    microseconds and the synchronisation around a single one would weigh in its time."""
+    if args.decode_steps is not None:
+        return args.decode_steps
+    return 10 if device.type == "cuda" else 1
+
+
+def decode_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, log: RowLog) -> None:
     import torch
 
-    rows = []
     print(
         f"{'cache':>8} {'top_k':>5} {'dense_ms':>9} {'focus_ms':>9} {'speedup':>8} {'ideal':>7} {'path':>12}",
         flush=True,
     )
     with torch.inference_mode():
         for cache_len in args.seq_lens:
-            for row in decode_length(args, cache_len, device, dtype):
-                rows.append(row)
+            measure = functools.partial(decode_length, args, cache_len, device, dtype)
+            for row in rows_or_error(measure, log, "cache_len", cache_len, device):
+                log.add(row)
                 print(
                     f"{cache_len:>8} {row['top_k']:>5} {row['dense_s'] * 1e3:>9.3f} {row['focus_s'] * 1e3:>9.3f} "
                     f"{row['speedup']:>7.2f}x {row['ideal_speedup']:>6.2f}x {row['focus_path']:>12}",
                     flush=True,
                 )
-    return rows
 
 
-def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, log: RowLog) -> None:
     """Measure the crossover of every path "auto" may take for this shape (replacing cached values) and print it."""
     import torch
 
@@ -421,7 +593,6 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
 
     query = torch.empty(1, args.heads, 1, args.head_dim, dtype=dtype, device=device)
     key = torch.empty(1, args.kv_heads, 1, args.head_dim, dtype=dtype, device=device)
-    rows = []
     print(f"{'top_k':>5} {'path':>9} {'dense_below':>11}  timings (keys: dense ms / sparse ms)", flush=True)
     for top_k in args.top_k:
         for kind in ("shared", "probe" if top_k == 1 else "separate", "decode"):
@@ -431,7 +602,7 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
                 f"{row['length']}: {row['dense_s'] * 1e3:.2f}/{row['sparse_s'] * 1e3:.2f}" for row in entry["timings"]
             )
             print(f"{top_k:>5} {kind:>9} {entry['dense_below']:>11}  {timings}", flush=True)
-            rows.append(
+            log.add(
                 {
                     "mode": "calibrate",
                     "top_k": top_k,
@@ -450,7 +621,6 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
     from focus_hf.attention.crossover import cache_path
 
     print(f"stored in {cache_path()}", flush=True)
-    return rows
 
 
 # Tokens of the warm-up call before a peak-memory measurement (`peak_memory_child`): above every crossover of "auto",
@@ -518,10 +688,11 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def peak_memory_rows(args: argparse.Namespace) -> list[dict]:
+def peak_memory_rows(args: argparse.Namespace, log: RowLog) -> None:
     """Peak RSS of dense causal SDPA and of Focus at each top_k, each call in a fresh process (same inputs)."""
+    import torch
+
     context = multiprocessing.get_context("spawn")
-    rows = []
     for seq_len in args.seq_lens:
         for top_k in [None, *args.top_k]:
             queue = context.Queue()
@@ -529,13 +700,71 @@ def peak_memory_rows(args: argparse.Namespace) -> list[dict]:
             process.start()
             process.join()
             if process.exitcode != 0:
-                rows.append({"seq_len": seq_len, "top_k": top_k, "error": f"exit code {process.exitcode}"})
+                log.add({"seq_len": seq_len, "top_k": top_k, "error": f"exit code {process.exitcode}"})
                 continue
             row = queue.get()
             row.update(backend=args.backend, groups=args.groups, window=args.window, sinks=args.sinks, dtype=args.dtype)
-            rows.append(row)
+            log.add({**row, **machine_fields(torch.device(args.device))})
             print(json.dumps(row), flush=True)
-    return rows
+
+
+def cuda_peak_memory_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, log: RowLog) -> None:
+    """On a GPU: the peak of the memory torch allocates during one dense causal SDPA call and one Focus call per top_k
+    on the same inputs, after warm-up calls at up to PEAK_MEMORY_WARM_UP_TOKENS tokens, and for Focus one more at the
+    full length (what is compiled per shape is compiled before the measured call). One process suffices (unlike the
+    CPU's resident memory, the allocator's peak can be reset before each call); the inputs are allocated before it,
+    so `peak_allocated_mib` includes them, as the CPU rows' peak RSS does."""
+    import torch
+
+    for seq_len in args.seq_lens:
+        with torch.inference_mode():
+            warm_up = make_case(args, min(seq_len, PEAK_MEMORY_WARM_UP_TOKENS), device, dtype)
+            context, kernel = dense_kernel(warm_up.query, warm_up.key, causal=True)
+            time_call(dense_call(warm_up), context=context)
+            for top_k in args.top_k:
+                time_call(focus_call(args, warm_up, top_k))
+            del warm_up
+            case = make_case(args, seq_len, device, dtype)
+            for top_k in [None, *args.top_k]:
+                call = dense_call(case) if top_k is None else focus_call(args, case, top_k)
+                row = {"seq_len": seq_len, "variant": "dense SDPA" if top_k is None else "Focus", "top_k": top_k}
+                try:
+                    if top_k is not None:
+                        time_call(call)
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    before = torch.cuda.memory_allocated(device)
+                    with context() if top_k is None else contextlib.nullcontext():
+                        output = call()
+                    torch.cuda.synchronize(device)
+                    peak = torch.cuda.max_memory_allocated(device)
+                    del output
+                    row.update(
+                        allocated_before_call_mib=before / 2**20,
+                        peak_allocated_mib=peak / 2**20,
+                        added_by_call_mib=(peak - before) / 2**20,
+                    )
+                except Exception as error:  # noqa: BLE001 - out of memory, or a failing path: say so, measure the rest
+                    row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
+                    torch.cuda.empty_cache()
+                row.update(
+                    warm_up_tokens=min(seq_len, PEAK_MEMORY_WARM_UP_TOKENS),
+                    full_length_warm_up=top_k is not None,
+                    dense_kernel=kernel if top_k is None else None,
+                    backend=args.backend,
+                    groups=args.groups,
+                    window=args.window,
+                    sinks=args.sinks,
+                    heads=args.heads,
+                    kv_heads=args.kv_heads,
+                    head_dim=args.head_dim,
+                    dtype=args.dtype,
+                    **machine_fields(device),
+                )
+                log.add(row)
+                shown = ("seq_len", "variant", "top_k", "peak_allocated_mib", "added_by_call_mib", "error")
+                print(json.dumps({key: row[key] for key in shown if key in row}), flush=True)
+            del case
 
 
 def run(args: argparse.Namespace) -> int:
@@ -546,22 +775,25 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
+    log = RowLog(args.json)
     if args.calibrate:
-        rows = calibrate_rows(args, device, dtype)
+        calibrate_rows(args, device, dtype, log)
     elif args.decode:
-        rows = decode_rows(args, device, dtype)
+        decode_rows(args, device, dtype, log)
+    elif args.peak_memory and device.type == "cuda":
+        cuda_peak_memory_rows(args, device, dtype, log)
     elif args.peak_memory:
-        rows = peak_memory_rows(args)
+        peak_memory_rows(args, log)
     else:
-        rows = []
         print(
             f"{'seq_len':>8} {'top_k':>5} {'dense_s':>9} {'focus_s':>9} {'speedup':>8} {'cpu_x':>7} {'ideal':>7}",
             flush=True,
         )
         with torch.inference_mode():
             for seq_len in args.seq_lens:
-                for row in bench_length(args, seq_len, device, dtype):
-                    rows.append(row)
+                measure = functools.partial(bench_length, args, seq_len, device, dtype)
+                for row in rows_or_error(measure, log, "seq_len", seq_len, device):
+                    log.add(row)
                     dense = "-" if row["dense_s"] is None else f"{row['dense_s']:.4f}"
                     speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
                     cpu_speedup = "-" if row["cpu_speedup"] is None else f"{row['cpu_speedup']:.2f}x"
@@ -570,13 +802,9 @@ def run(args: argparse.Namespace) -> int:
                         f"{cpu_speedup:>7} {row['ideal_speedup']:>6.2f}x",
                         flush=True,
                     )
-    command = "focus-hf " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("focus-hf") else None
-    for row in rows:
-        row["command"] = command  # so committed results say how they were produced
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-    return 0
+    if args.json and not log.rows:  # nothing measured: still an (empty) result file, as before
+        Path(args.json).write_text("[]\n")
+    return 1 if log.failed else 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -610,7 +838,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--peak-memory",
         action="store_true",
-        help="measure the peak RSS of one dense SDPA call and one Focus call per length and top_k instead",
+        help="measure the peak memory of one dense SDPA call and one Focus call per length and top_k instead (the "
+        "process's peak RSS on the CPU, torch's peak allocated GPU memory on CUDA)",
     )
     parser.add_argument(
         "--decode",
@@ -618,6 +847,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="time one new query against a KV cache of each --seq-lens length instead (dense SDPA vs Focus decode)",
     )
     parser.add_argument("--decode-repeats", type=int, default=30, help="timed repetitions per length with --decode")
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="with --decode: steps made back to back per timing, the time being their mean (default: 1 on the CPU, "
+        "10 on a GPU)",
+    )
     parser.add_argument(
         "--calibrate",
         action="store_true",

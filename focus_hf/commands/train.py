@@ -61,6 +61,11 @@ def train(args: argparse.Namespace) -> dict:
             setattr(args, name, value)
     if objective == "distill":
         return distill(args)
+    if getattr(args, "device", None) or getattr(args, "dtype", None):
+        raise SystemExit(
+            "--device and --dtype apply to --objective distill; the lm objective runs where transformers' Trainer "
+            "places the model (the GPU when there is one)."
+        )
     import torch
     from peft import get_peft_model
 
@@ -122,6 +127,9 @@ def distill(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     torch.manual_seed(args.seed)
     model, tokenizer = load_base(args.model)
+    device, dtype = getattr(args, "device", None), getattr(args, "dtype", None)
+    if device or dtype:  # before the adapter: the routers are created where the base runs, in float32
+        model.to(**({"device": device} if device else {}), **({"dtype": getattr(torch, dtype)} if dtype else {}))
     config = dataclasses.replace(focus_config_from_args(args), query_projection=args.query_router)
     model = get_peft_model(model, config)
     model.eval()
@@ -166,6 +174,8 @@ def distill(args: argparse.Namespace) -> dict:
             "sequences": args.sequences,
             "retrieval_documents": args.retrieval_documents,
             "full_attention_calibration": calibration.to_dict(),
+            "device": str(next(model.parameters()).device),
+            "base_dtype": str(model.get_base_model().dtype).removeprefix("torch."),
             "command": "focus-hf train --objective distill",
         },
     )
@@ -286,6 +296,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="record FocusConfig.dense_below: the first tokens of a text, up to this many, attend densely, exactly as "
         "the base model (set it to the length below which Focus is not faster; default: 0, always route)",
+    )
+    distillation.add_argument(
+        "--device",
+        default=None,
+        help="distill: torch device the base model runs on, e.g. cuda (default: where it loads, the CPU)",
+    )
+    distillation.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="distill: dtype of the base model's weights, e.g. bfloat16 on a GPU, so that the attention captured "
+        "comes from the model as it is served (default: float32); the routers are trained in float32 either way",
     )
     distillation.add_argument(
         "--layerwise",

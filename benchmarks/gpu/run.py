@@ -1,0 +1,432 @@
+"""Every GPU check of issue 37 in one run: the driver behind benchmarks/gpu/run.sh (its header says how to call it).
+
+Each stage is one process under its own time limit, writing its JSON into one folder as it measures, so that a stage
+that hangs or fails costs its own figures only; after each stage `summary.json` is rewritten, and at the end a table
+of every figure is printed, with its ratio to the dense baseline measured in the same run (and, on CUDA, the target
+of issue 37 it is held against).
+
+| stage         | file               | what                                                                         |
+|---------------|--------------------|------------------------------------------------------------------------------|
+| tests         | tests.json         | pytest -k cuda on the test files that mention CUDA: tests marked `cuda` or   |
+|               |                    | named so (they skip without CUDA)                                            |
+| attention     | attention.json     | benchmarks/gpu_attention.py: one Llama-shaped layer, 32/8 heads, d 64, K=8,  |
+|               |                    | w=128, top-1 and top-2, 4K-1M tokens, dense timed in the same run            |
+| auto          | auto.json          | focus-hf bench --backend auto, same shape, 1K-256K: auto against dense       |
+| decode        | decode.json        | focus-hf bench --decode: one step against a 16K-1M cache, vs dense SDPA      |
+| peak_memory   | peak_memory.json   | focus-hf bench --peak-memory at 1M: torch's peak allocated memory            |
+| model_prefill | model_prefill.json | benchmarks/gpu_model_prefill.py --weights random: SmolLM2-135M's             |
+|               |                    | architecture, random weights, the committed adapter's settings, 8K-128K      |
+| train         | train.json         | benchmarks/gpu/train_check.py: focus-hf train --objective distill, bf16      |
+
+That is 8 files with summary.json, the most the device tool brings back. `--device cpu` runs every stage at small
+sizes in float32 with a quarter of the heads (a check of the script, which tests/test_gpu_script.py runs; its
+figures say nothing about GPUs).
+
+    python benchmarks/gpu/run.py [--device cuda|cpu] [--out DIR] [--only STAGE ...] [--skip STAGE ...]
+                                 [--deadline SECONDS] [--timeout STAGE=SECONDS ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+# The gpu_attention.py layer (issue 37): 32 query / 8 kv heads, head dim 64, K=8, window 128; a quarter of the heads
+# for the CPU check.
+HEADS = {"cuda": ["--heads", "32", "--kv-heads", "8"], "cpu": ["--heads", "8", "--kv-heads", "2"]}
+LAYER = ["--head-dim", "64", "--groups", "8", "--window", "128"]
+# Seconds kept back for each stage still to run when a stage's limit is cut to the overall deadline.
+RESERVE_PER_STAGE = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One check: its result file, its command for a device kind, and its time limits (seconds) per device kind."""
+
+    name: str
+    file: str
+    command: Callable[[str, Path], list[str]]  # (device, result file) -> argv
+    timeout: dict[str, int]
+
+
+def cuda_test_files() -> list[str]:
+    """The test files that mention CUDA (a test marked `cuda`, named so or parametrised over it is in one of them):
+    collecting only those keeps the stage short and clear of modules that need packages the GPU machine lacks."""
+    files = sorted(ROOT.glob("tests/**/test_*.py"))
+    return [str(path.relative_to(ROOT)) for path in files if "cuda" in path.read_text(encoding="utf-8").lower()]
+
+
+def tests_command(device: str, path: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        *cuda_test_files(),
+        "-q",
+        "-k",
+        "cuda",  # -k matches marker names too: tests marked `cuda`, and tests named so
+        "-p",
+        "pytest_report",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",  # a module that cannot be imported there must not stop the others
+    ]
+
+
+def attention_command(device: str, path: Path) -> list[str]:
+    sizes = ["4096", "16384", "65536", "262144", "1048576"] if device == "cuda" else ["512", "1024"]
+    extra = [] if device == "cuda" else ["--repeats", "1"]
+    command = [sys.executable, "benchmarks/gpu_attention.py", "--device", device, *HEADS[device], "--lengths", *sizes]
+    return [*command, "--top-k", "1", "2", *extra, "--out", str(path)]
+
+
+def bench(device: str, path: Path, *options: str) -> list[str]:
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    command = [sys.executable, "-m", "focus_hf.cli", "bench", "--device", device, "--dtype", dtype]
+    command += [*HEADS[device], *LAYER]
+    return [*command, *options, "--json", str(path)]
+
+
+def auto_command(device: str, path: Path) -> list[str]:
+    lengths = [str(1024 << i) for i in range(9)] if device == "cuda" else ["1024", "2048"]  # 1K-256K
+    extra = [] if device == "cuda" else ["--repeats", "2"]
+    return bench(device, path, "--backend", "auto", "--top-k", "1", "2", "--seq-lens", *lengths, *extra)
+
+
+def decode_command(device: str, path: Path) -> list[str]:
+    caches = ["16384", "65536", "262144", "1048576"] if device == "cuda" else ["1024", "2048"]
+    extra = [] if device == "cuda" else ["--decode-repeats", "5"]
+    return bench(device, path, "--decode", "--backend", "auto", "--top-k", "1", "2", "--seq-lens", *caches, *extra)
+
+
+def peak_memory_command(device: str, path: Path) -> list[str]:
+    if device == "cuda":
+        return bench(device, path, "--peak-memory", "--backend", "sdpa", "--top-k", "1", "2", "--seq-lens", "1048576")
+    return bench(device, path, "--peak-memory", "--backend", "sdpa", "--top-k", "1", "--seq-lens", "2048")
+
+
+def model_prefill_command(device: str, path: Path) -> list[str]:
+    command = [sys.executable, "benchmarks/gpu_model_prefill.py", "--device", device, "--weights", "random"]
+    if device == "cuda":
+        return [*command, "--lengths", "8192", "16384", "32768", "65536", "131072", "--out", str(path)]
+    small = ["--layers", "2", "--dense-below", "0", "--lengths", "1024", "--repeats", "1"]
+    return [*command, *small, "--out", str(path)]
+
+
+def train_command(device: str, path: Path) -> list[str]:
+    steps = ["--steps", "5" if device == "cuda" else "2"]
+    return [sys.executable, "benchmarks/gpu/train_check.py", "--device", device, *steps, "--out", str(path)]
+
+
+STAGES = [
+    Stage("tests", "tests.json", tests_command, {"cuda": 90, "cpu": 180}),
+    Stage("attention", "attention.json", attention_command, {"cuda": 150, "cpu": 150}),
+    Stage("auto", "auto.json", auto_command, {"cuda": 75, "cpu": 150}),
+    Stage("decode", "decode.json", decode_command, {"cuda": 60, "cpu": 90}),
+    Stage("peak_memory", "peak_memory.json", peak_memory_command, {"cuda": 60, "cpu": 90}),
+    Stage("model_prefill", "model_prefill.json", model_prefill_command, {"cuda": 100, "cpu": 150}),
+    Stage("train", "train.json", train_command, {"cuda": 60, "cpu": 120}),
+]
+STAGE_NAMES = [stage.name for stage in STAGES]
+SUMMARY = "summary.json"
+
+
+def default_out() -> Path:
+    """$OUT/gpu where $OUT is set (the device tool brings that folder back), else benchmarks/results/gpu."""
+    return Path(os.environ["OUT"]) / "gpu" if os.environ.get("OUT") else ROOT / "benchmarks" / "results" / "gpu"
+
+
+def run_stage(argv: list[str], timeout: float, env: dict[str, str], name: str) -> dict[str, Any]:
+    """Run one stage's command in its own process group, its output streamed with a prefix; stop the whole group
+    at `timeout`. Returns its exit code, wall time, whether it timed out, and the tail of its output."""
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+    def pump() -> None:
+        for line in process.stdout:
+            tail.append(line.rstrip("\n"))
+            print(f"[{name}] {line}", end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(process.pid, signal.SIGTERM)  # the stage and the processes it started (its group)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    reader.join(timeout=5)
+    return {
+        "returncode": process.returncode,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "timed_out": timed_out,
+        "output_tail": "\n".join(tail)[-4000:],
+    }
+
+
+# --- the summary -------------------------------------------------------------------------------------------------
+
+
+def load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tokens_label(n: int) -> str:
+    return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def figure(stage: str, name: str, dense: Any, focus: Any, ratio: Optional[float], unit: str, target=None) -> dict:
+    """One summary row; `target` is (comparison, value) from issue 37, e.g. (">=", 2.5)."""
+    return {
+        "stage": stage,
+        "figure": name,
+        "dense": dense,
+        "focus": focus,
+        "ratio": ratio,
+        "unit": unit,
+        "target": target,
+    }
+
+
+# Issue 37's targets, on CUDA: (stage, top_k, tokens) -> (comparison, value).
+TARGETS = {
+    ("attention", 1, 65536): (">=", 2.5),
+    ("attention", 1, 262144): (">=", 5.0),
+    ("attention", 1, 1048576): (">=", 6.5),
+    ("attention", 2, 1048576): (">=", 3.0),
+    ("decode", 1, 262144): (">=", 2.0),
+    ("decode", 1, 1048576): (">=", 4.0),
+    ("model_prefill", None, 131072): (">=", 2.0),
+}
+
+
+def figures(out: Path, cuda: bool) -> list[dict]:
+    """Every figure of the stage files in `out`, each with its ratio against the dense baseline of the same run."""
+    rows: list[dict] = []
+    tests = load(out / "tests.json")
+    if isinstance(tests, dict):
+        counts = tests.get("counts", {})
+        summary = ", ".join(f"{count} {outcome}" for outcome, count in sorted(counts.items())) or "none ran"
+        bad = sum(counts.get(key, 0) for key in ("failed", "error", "collection error"))
+        ok = counts.get("passed", 0) > 0 and bad == 0 and tests.get("finished", False)
+        rows.append(figure("tests", "pytest -k cuda", None, summary, None, "", ("all pass", ok)))
+    attention = load(out / "attention.json")
+    for row in attention.get("rows", []) if isinstance(attention, dict) else []:
+        label = f"top-{row['top_k']} prefill {tokens_label(row['tokens'])}"
+        if "error" in row:
+            rows.append(figure("attention", label, None, row["error"], None, ""))
+            continue
+        target = TARGETS.get(("attention", row["top_k"], row["tokens"]))
+        rows.append(figure("attention", label, row["dense_s"], row["focus_s"], row["speedup"], "s", target))
+        if row.get("peak_ratio") is not None:
+            dense, focus = row["dense_peak_bytes"] / 2**20, row["focus_peak_bytes"] / 2**20
+            target = ("<=", 1.10) if row["tokens"] == 1048576 else None
+            rows.append(figure("attention", label + " peak", dense, focus, row["peak_ratio"], "MiB", target))
+    for stage in ("auto", "decode"):
+        data = load(out / f"{stage}.json")
+        for row in data if isinstance(data, list) else []:
+            tokens = row.get("seq_len") or row.get("cache_len")
+            label = f"{'cache ' if stage == 'decode' else ''}{tokens_label(tokens)}"
+            if "error" in row:  # the whole length failed
+                rows.append(figure(stage, f"every top-k {label}", None, row["error"], None, ""))
+                continue
+            label = f"top-{row['top_k']} {label}"
+            if row.get("dense_s") is None:
+                rows.append(figure(stage, label, None, row.get("focus_s"), None, "s"))
+                continue
+            target = (">=", 0.95) if stage == "auto" and tokens >= 1024 else TARGETS.get((stage, row["top_k"], tokens))
+            scale, unit = (1e3, "ms") if stage == "decode" else (1, "s")
+            dense, focus = row["dense_s"] * scale, row["focus_s"] * scale
+            rows.append(figure(stage, label, dense, focus, dense / focus, unit, target))
+    memory = load(out / "peak_memory.json")
+    memory = memory if isinstance(memory, list) else []
+    for row in memory:
+        if row.get("top_k") is None:
+            continue
+        dense = next((r for r in memory if r.get("top_k") is None and r["seq_len"] == row["seq_len"]), None)
+        key = "peak_allocated_mib" if "peak_allocated_mib" in row else "peak_rss_mib"
+        label = f"top-{row['top_k']} peak {tokens_label(row['seq_len'])}" + ("" if cuda else " (RSS)")
+        if dense is None or key not in row or key not in dense:
+            rows.append(figure("peak_memory", label, None, row.get("error"), None, ""))
+            continue
+        target = ("<=", 1.10) if row["seq_len"] == 1048576 else None
+        rows.append(figure("peak_memory", label, dense[key], row[key], row[key] / dense[key], "MiB", target))
+    model = load(out / "model_prefill.json")
+    for row in model.get("rows", []) if isinstance(model, dict) else []:
+        label = f"prefill {tokens_label(row['tokens'])}"
+        if "error" in row:
+            rows.append(figure("model_prefill", label, None, row["error"], None, ""))
+            continue
+        target = TARGETS.get(("model_prefill", None, row["tokens"]))
+        rows.append(figure("model_prefill", label, row["dense_s"], row["focus_s"], row["speedup"], "s", target))
+        if row.get("peak_ratio") is not None:
+            dense, focus = row["dense_peak_bytes"] / 2**20, row["focus_peak_bytes"] / 2**20
+            rows.append(figure("model_prefill", label + " peak", dense, focus, row["peak_ratio"], "MiB"))
+    train = load(out / "train.json")
+    if isinstance(train, dict):
+        ran = train.get("returncode") == 0 and train.get("router_dtypes") == ["F32"]
+        result = (
+            f"ran on {train.get('trained_on')}, {train.get('base_dtype')} base, F32 routers, "
+            f"{train.get('wall_s', 0):.0f} s, kept {train.get('kept_before', 0):.3f}->{train.get('kept_after', 0):.3f}"
+            if ran
+            else f"exit code {train.get('returncode')}: {train.get('error')}"
+        )
+        rows.append(figure("train", "focus-hf train --objective distill", None, result, None, "", ("runs", ran)))
+    for row in rows:
+        row["meets_target"] = meets(row, cuda)
+    return rows
+
+
+def meets(row: dict, cuda: bool) -> Optional[bool]:
+    """Whether a figure meets its issue-37 target; None where it has none, or off CUDA (the targets are GPU ones)."""
+    target = row["target"]
+    if target is None or not cuda:
+        return None
+    comparison, value = target
+    if isinstance(value, bool):
+        return value
+    if row["ratio"] is None:
+        return False
+    return row["ratio"] >= value if comparison == ">=" else row["ratio"] <= value
+
+
+def number(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def print_table(rows: list[dict], stages: dict[str, dict]) -> None:
+    print("\nstage status")
+    for name, status in stages.items():
+        state = status.get("status")
+        print(f"  {name:<14} {state:<10} {status.get('wall_s', '-'):>6} s  {status.get('file', '')}")
+    header = ("stage", "figure", "dense", "focus", "ratio", "unit", "target", "meets")
+    lines = []
+    for row in rows:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        target = row["target"]
+        target_text = (
+            "-" if target is None else target[0] if isinstance(target[1], bool) else f"{target[0]} {target[1]}x"
+        )
+        met = {None: "-", True: "yes", False: "NO"}[row["meets_target"]]
+        lines.append((row["stage"], row["figure"], number(row["dense"]), number(row["focus"]), ratio, row["unit"]))
+        lines[-1] += (target_text, met)
+    widths = [max(len(str(line[i])) for line in [header, *lines]) for i in range(len(header))]
+    widths[3] = min(widths[3], 70)
+    print("\nfigures (ratio: dense time / Focus time; for memory, Focus / dense; dense measured in this run)")
+    for line in [header, *lines]:
+        print("  " + "  ".join(str(cell)[:70].ljust(width) for cell, width in zip(line, widths)))
+
+
+def write_summary(out: Path, base: dict, stages: dict, cuda: bool) -> list[dict]:
+    rows = figures(out, cuda)
+    summary = {**base, "stages": stages, "figures": rows}
+    summary["targets"] = (
+        "issue 37's targets, checked on this run's figures" if cuda else "not checked: the targets are for CUDA"
+    )
+    (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--out", type=Path, help="result folder (default: $OUT/gpu, else benchmarks/results/gpu)")
+    parser.add_argument("--only", nargs="+", choices=STAGE_NAMES, help="run these stages only")
+    parser.add_argument("--skip", nargs="+", choices=STAGE_NAMES, default=[], help="leave these stages out")
+    parser.add_argument(
+        "--deadline", type=float, help="seconds for all stages together (default: 450 on CUDA, 1200 on the CPU)"
+    )
+    parser.add_argument(
+        "--timeout", action="append", default=[], metavar="STAGE=SECONDS", help="change one stage's time limit"
+    )
+    args = parser.parse_args()
+
+    import torch
+
+    from focus_hf.commands.bench import provenance
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/gpu/run.py: no CUDA GPU here; run it on the GPU machine, or with --device cpu to check it.")
+        return 2
+    limits = {stage.name: stage.timeout[args.device] for stage in STAGES}
+    for item in args.timeout:
+        name, _, seconds = item.partition("=")
+        if name not in limits or not seconds.replace(".", "", 1).isdigit():
+            parser.error(f"--timeout takes STAGE=SECONDS with STAGE one of {STAGE_NAMES}, got {item!r}")
+        limits[name] = float(seconds)
+    selected = [s for s in STAGES if (args.only is None or s.name in args.only) and s.name not in args.skip]
+    deadline = time.perf_counter() + (args.deadline or (450 if args.device == "cuda" else 1200))
+    out = (args.out or default_out()).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for stage in STAGES:  # results of an earlier run must not pass for this one's
+        (out / stage.file).unlink(missing_ok=True)
+    (out / SUMMARY).unlink(missing_ok=True)
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(ROOT), env.get("PYTHONPATH")) if p)
+    device = torch.device(args.device)
+    base = {
+        **provenance(device, shlex.join(sys.orig_argv)),
+        "mode": args.device,
+        "out": str(out),
+        "note": "random-weight models and random routers (balanced by causal Sinkhorn): speed, memory and "
+        "correctness only; quality is measured on the CPU with the real SmolLM2"
+        + ("" if args.device == "cuda" else "; --device cpu: small sizes in float32, a check of the script only"),
+    }
+    cuda = args.device == "cuda"
+    print(f"{base['device']}: stages {[s.name for s in selected]} -> {out}", flush=True)
+    stages: dict[str, dict] = {}
+    for index, stage in enumerate(selected):
+        path = out / stage.file
+        argv = stage.command(args.device, path)
+        left = deadline - time.perf_counter() - RESERVE_PER_STAGE * (len(selected) - index - 1)
+        timeout = min(limits[stage.name], left)
+        status: dict[str, Any] = {"file": stage.file, "command": shlex.join(argv), "timeout_s": round(timeout)}
+        if timeout < 10:
+            status.update(status="skipped", reason="out of time: the overall deadline was reached")
+        else:
+            print(f"\n=== {stage.name} (limit {timeout:.0f} s): {status['command']}", flush=True)
+            stage_env = dict(env, FOCUS_HF_TEST_REPORT=str(path)) if stage.name == "tests" else env
+            status.update(run_stage(argv, timeout, stage_env, stage.name))
+            state = "timed out" if status["timed_out"] else "ok" if status["returncode"] == 0 else "failed"
+            status["status"] = state
+            status["has_results"] = path.is_file()
+        stages[stage.name] = status
+        write_summary(out, base, stages, cuda)
+    rows = write_summary(out, base, stages, cuda)
+    print_table(rows, stages)
+    print(f"\nwrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    return 0 if all(status.get("status") == "ok" for status in stages.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

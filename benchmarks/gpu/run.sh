@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Every GPU check of issue 37 in one call: CUDA tests, the attention benchmark (4K-1M tokens, top-1 and top-2, dense
+# in the same run), `auto` from 1K, decode against a 16K-1M cache, peak memory at 1M, model-level bf16 prefill with
+# SmolLM2-135M's architecture (random weights, the committed adapter's settings) at 8K-128K, and a short `focus-hf
+# train` distillation on CUDA. Stages, files and figures: benchmarks/gpu/run.py's docstring and README.md.
+#
+# ON THE LENT GPU MACHINE (one call, about 5-7 minutes on an H100; the stages' limits add up to 450 s at most):
+#   1. here, once (downloads ~15 MB of wheels into the git-ignored .whl/: transformers 5.23, peft 0.21.2, gguf,
+#      regex for the machine's Python 3.12; the machine has no internet and older packages):
+#          bash benchmarks/gpu/fetch_wheels.sh
+#   2. the device tool's `run`, from the repository root, with
+#          carry:     [".whl"]
+#          timeout_s: 600
+#          command:   FOCUS_HF_GIT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu/run.sh
+#      (the copy of the working tree there has no .git: the variable records the commit measured). The results
+#      come back under files_at/gpu/: the 7 stage files and summary.json (the tool brings back 8 files at most).
+#   3. `give_back` when done.
+#
+# HERE, TO CHECK THE SCRIPT (no GPU; small sizes, float32, every stage; tests/test_gpu_script.py runs this):
+#          bash benchmarks/gpu/run.sh --device cpu --out /tmp/gpu-check
+#
+# Options (all but --bootstrap / --no-bootstrap go to run.py): --device cuda|cpu, --out DIR (default $OUT/gpu when
+# $OUT is set, else benchmarks/results/gpu), --only STAGE..., --skip STAGE..., --deadline SECONDS,
+# --timeout STAGE=SECONDS. The wheels in .whl/ are installed into a temporary folder first (the recipe of
+# gpu-device.md) when the device is cuda and .whl/ holds wheels; --bootstrap / --no-bootstrap force either way.
+# Exit code: 0 when every stage ran and exited 0 (the figures' targets are in the summary, not in the exit code).
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+
+bootstrap=auto
+device=cuda
+args=()
+previous=
+for arg in "$@"; do
+    case "$arg" in
+        --bootstrap) bootstrap=yes ;;
+        --no-bootstrap) bootstrap=no ;;
+        --device=*) device="${arg#--device=}"; args+=("$arg") ;;
+        *) [ "$previous" = --device ] && device="$arg"; args+=("$arg") ;;
+    esac
+    previous="$arg"
+done
+
+python=${PYTHON:-python3}
+if [ "$bootstrap" = yes ] || { [ "$bootstrap" = auto ] && [ "$device" = cuda ] && compgen -G ".whl/*.whl" >/dev/null; }; then
+    site=$(mktemp -d)
+    echo "installing $(ls .whl/*.whl | wc -l) wheels from .whl/ into $site"
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        || { echo "benchmarks/gpu/run.sh: installing the wheels of .whl/ failed" >&2; exit 1; }
+    export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+"$python" -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
+exec "$python" benchmarks/gpu/run.py "${args[@]}"

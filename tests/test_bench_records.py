@@ -1,0 +1,104 @@
+"""What `focus-hf bench` records, on the CPU and (marked `cuda`) on a GPU: provenance in every row, rows written as
+they come, a failing length reported without losing the others, and the GPU's timing and memory measurements."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from focus_hf.cli import main as cli_main
+from focus_hf.commands import bench
+
+SMALL = ["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--window", "16"]
+
+
+def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
+    path = tmp_path / "rows.json"
+    argv = ["bench", "--device", "cpu", "--seq-lens", "200", "--top-k", "1", "--repeats", "1", "--backend", "sdpa"]
+    assert cli_main(argv + SMALL + ["--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())
+    for field in ("torch", "transformers", "peft", "focus_hf", "date"):
+        assert row[field], field
+    assert "git_commit" in row and row["device"].startswith("cpu")
+    assert row["dense_kernel"] == "sdpa (torch's choice)"
+    assert row["command"] is None  # called in-process: no command line of its own to record
+
+
+def test_a_failing_length_is_reported_and_the_others_measured(tmp_path, monkeypatch, capsys):
+    measure = bench.bench_length
+
+    def failing_at_300(args, seq_len, device, dtype):
+        if seq_len == 300:
+            raise RuntimeError("no kernel found to launch")
+        return measure(args, seq_len, device, dtype)
+
+    monkeypatch.setattr(bench, "bench_length", failing_at_300)
+    path = tmp_path / "rows.json"
+    argv = ["bench", "--device", "cpu", "--seq-lens", "200", "300", "400", "--repeats", "1", "--backend", "sdpa"]
+    assert cli_main(argv + SMALL + ["--json", str(path)]) == 1
+    rows = json.loads(path.read_text())
+    assert [row["seq_len"] for row in rows] == [200, 300, 400]
+    assert rows[1]["error"] == "RuntimeError: no kernel found to launch" and rows[1]["device"].startswith("cpu")
+    assert "speedup" in rows[0] and "speedup" in rows[2]
+    assert "no kernel found to launch" in capsys.readouterr().err  # the traceback
+
+
+def test_row_log_writes_after_every_row(tmp_path):
+    log = bench.RowLog(str(tmp_path / "sub" / "rows.json"))
+    log.add({"seq_len": 1})
+    assert json.loads((tmp_path / "sub" / "rows.json").read_text()) == [{"seq_len": 1, "command": None}]
+    log.add({"seq_len": 2})
+    assert [row["seq_len"] for row in json.loads((tmp_path / "sub" / "rows.json").read_text())] == [1, 2]
+
+
+def test_time_call_returns_the_mean_of_its_steps():
+    calls = []
+    wall, cpu = bench.time_call(lambda: calls.append(1), steps=5)
+    assert len(calls) == 5 and wall >= 0 and cpu >= 0
+
+
+# --- CUDA only (benchmarks/gpu/run.sh runs these on the GPU machine) ---
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU_SHAPE = ["--device", "cuda", "--dtype", "bfloat16", "--heads", "8", "--kv-heads", "2", "--head-dim", "64"]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_bench_rows_name_the_gpu_and_the_dense_kernel(tmp_path):
+    path = tmp_path / "rows.json"
+    argv = ["bench", *GPU_SHAPE, "--seq-lens", "4096", "--top-k", "1", "2", "--window", "64", "--repeats", "2"]
+    assert cli_main(argv + ["--backend", "sdpa", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [row["top_k"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["device"] == torch.cuda.get_device_name()
+        assert row["dense_kernel"] == "flash (torch SDPA)" or row["dense_kernel"].startswith("sdpa (torch's choice;")
+        assert row["speedup"] == pytest.approx(row["dense_s"] / row["focus_s"])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_decode_times_steps_in_bursts(tmp_path):
+    path = tmp_path / "decode.json"
+    argv = ["bench", "--decode", *GPU_SHAPE, "--seq-lens", "4096", "--top-k", "1", "--window", "64"]
+    assert cli_main(argv + ["--decode-repeats", "3", "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())
+    assert row["steps_per_timing"] == 10 and row["dense_s"] > 0 and row["focus_s"] > 0
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_peak_memory_is_the_allocators_peak(tmp_path):
+    path = tmp_path / "memory.json"
+    argv = ["bench", "--peak-memory", *GPU_SHAPE, "--seq-lens", "8192", "--top-k", "1", "--window", "64"]
+    assert cli_main(argv + ["--backend", "sdpa", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(row["variant"], row["top_k"]) for row in rows] == [("dense SDPA", None), ("Focus", 1)]
+    inputs_mib = 8192 * (8 + 2 + 2) * 64 * 2 / 2**20  # q, k, v in bf16
+    for row in rows:
+        assert "error" not in row, row
+        assert row["allocated_before_call_mib"] >= inputs_mib
+        assert row["peak_allocated_mib"] >= row["allocated_before_call_mib"] + 8192 * 8 * 64 * 2 / 2**20  # + output

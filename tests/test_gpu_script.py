@@ -1,0 +1,154 @@
+"""The GPU device script (benchmarks/gpu/run.sh) runs end to end on the CPU at small sizes, so that it cannot rot
+between the sessions that have a GPU; and its summary holds figures against the issue's targets correctly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/gpu/run.py, by path: a plain `import run` could return another folder's run.py.
+_spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu" / "run.py")
+gpu_run = sys.modules["gpu_run"] = importlib.util.module_from_spec(_spec)  # registered first: it holds a dataclass
+_spec.loader.exec_module(gpu_run)
+
+STAGE_FILES = ["tests.json", "attention.json", "auto.json", "decode.json", "peak_memory.json", "model_prefill.json"]
+STAGE_FILES += ["train.json"]
+PROVENANCE = ("device", "git_commit", "command", "date")
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One run of the whole script with --device cpu: (exit code, output, result folder)."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("OUT", None)
+    finished = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), "--device", "cpu", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    return finished.returncode, finished.stdout + finished.stderr, out
+
+
+def read(folder: Path, name: str):
+    return json.loads((folder / name).read_text())
+
+
+def test_cpu_run_writes_every_stage_and_the_summary(cpu_run):
+    returncode, output, out = cpu_run
+    assert returncode == 0, output[-4000:]
+    assert sorted(path.name for path in out.iterdir()) == sorted([*STAGE_FILES, "summary.json"])
+    summary = read(out, "summary.json")
+    assert summary["mode"] == "cpu" and summary["device"].startswith("cpu")
+    assert {name: stage["status"] for name, stage in summary["stages"].items()} == dict.fromkeys(
+        gpu_run.STAGE_NAMES, "ok"
+    )
+    assert all(summary["stages"][name]["has_results"] for name in gpu_run.STAGE_NAMES)
+    assert {row["stage"] for row in summary["figures"]} == set(gpu_run.STAGE_NAMES)
+    assert all(row["meets_target"] is None for row in summary["figures"])  # the targets are CUDA ones
+    assert "figures (ratio" in output and "top-1 prefill 512" in output  # the printed table
+
+
+def test_every_json_records_device_versions_commit_command_and_date(cpu_run):
+    _, _, out = cpu_run
+    for name in [*STAGE_FILES, "summary.json"]:
+        data = read(out, name)
+        records = data if isinstance(data, list) else [data]
+        assert records, name
+        for record in records:
+            assert all(record.get(field) for field in ("device", "command", "date")), (name, record)
+            assert "git_commit" in record and record["device"].startswith("cpu"), name
+            versions = record.get("versions", record)  # benchmark files nest them, `focus-hf bench` rows do not
+            assert all(versions.get(package) for package in ("torch", "transformers", "peft")), (name, record)
+
+
+def test_stage_files_hold_the_measurements(cpu_run):
+    _, _, out = cpu_run
+    tests = read(out, "tests.json")
+    assert tests["finished"] and tests["tests"]
+    if not torch.cuda.is_available():  # the CUDA tests skip cleanly here, and say why
+        assert {test["outcome"] for test in tests["tests"]} == {"skipped"}
+        assert all(test["message"] for test in tests["tests"])
+
+    attention = read(out, "attention.json")
+    assert [(row["tokens"], row["top_k"]) for row in attention["rows"]] == [(512, 1), (512, 2), (1024, 1), (1024, 2)]
+    for row in attention["rows"]:
+        assert row["speedup"] == pytest.approx(row["dense_s"] / row["focus_s"])
+        assert row["dense_peak_bytes"] is None  # no GPU memory to measure on the CPU, and none is made up
+
+    auto = read(out, "auto.json")
+    assert [(row["seq_len"], row["top_k"], row["backend"]) for row in auto] == [
+        (1024, 1, "auto"),
+        (1024, 2, "auto"),
+        (2048, 1, "auto"),
+        (2048, 2, "auto"),
+    ]
+    decode = read(out, "decode.json")
+    assert [(row["cache_len"], row["top_k"]) for row in decode] == [(1024, 1), (1024, 2), (2048, 1), (2048, 2)]
+    assert all(row["mode"] == "decode" and row["dense_s"] > 0 and row["focus_s"] > 0 for row in decode)
+
+    memory = read(out, "peak_memory.json")
+    assert [(row["variant"], row["top_k"]) for row in memory] == [("dense SDPA", None), ("Focus", 1)]
+    assert all(row["peak_rss_mib"] > 0 for row in memory)
+
+    model = read(out, "model_prefill.json")
+    assert model["weights"].startswith("random") and model["architecture"]["hidden_size"] == 576
+    assert model["focus"]["window"] == 512 and model["focus"]["num_groups"] == 8  # the committed adapter's settings
+    assert [row["tokens"] for row in model["rows"]] == [1024] and model["rows"][0]["speedup"] > 0
+    assert 1 / 8 <= model["group_balance"]["largest_group_share_max"] < 1
+
+    train = read(out, "train.json")
+    assert train["returncode"] == 0 and train["trained_on"] == "cpu" and train["router_dtypes"] == ["F32"]
+    assert train["train_command"].startswith("focus-hf train --objective distill")
+
+
+def write_json(folder: Path, name: str, data) -> None:
+    (folder / name).write_text(json.dumps(data))
+
+
+def test_summary_holds_figures_against_the_targets(tmp_path):
+    write_json(tmp_path, "tests.json", {"finished": True, "counts": {"passed": 12, "skipped": 1}})
+    attention = [
+        {"tokens": 65536, "top_k": 1, "dense_s": 1.0, "focus_s": 0.5, "speedup": 2.0},  # target 2.5x: missed
+        {"tokens": 1048576, "top_k": 1, "dense_s": 11.0, "focus_s": 1.6, "speedup": 11 / 1.6},  # target 6.5x: met
+        {"tokens": 1048576, "top_k": 2, "error": "OutOfMemoryError: ..."},
+    ]
+    attention[1].update(dense_peak_bytes=100 * 2**20, focus_peak_bytes=105 * 2**20, peak_ratio=1.05)
+    write_json(tmp_path, "attention.json", {"rows": attention})
+    decode = [
+        {"cache_len": 262144, "top_k": 1, "dense_s": 2e-4, "focus_s": 1e-4},
+        {"cache_len": 1048576, "error": "OutOfMemoryError: CUDA out of memory"},  # a length that failed as a whole
+    ]
+    write_json(tmp_path, "decode.json", decode)
+    write_json(tmp_path, "auto.json", [{"seq_len": 1024, "top_k": 1, "dense_s": 1.0, "focus_s": 1.1}])
+    memory = [
+        {"seq_len": 1048576, "top_k": None, "variant": "dense SDPA", "peak_allocated_mib": 100.0},
+        {"seq_len": 1048576, "top_k": 1, "variant": "Focus", "peak_allocated_mib": 115.0},
+    ]
+    write_json(tmp_path, "peak_memory.json", memory)
+    rows = {(row["stage"], row["figure"]): row for row in gpu_run.figures(tmp_path, cuda=True)}
+
+    assert rows["tests", "pytest -k cuda"]["meets_target"] is True
+    assert rows["attention", "top-1 prefill 64K"]["meets_target"] is False
+    assert rows["attention", "top-1 prefill 1M"]["meets_target"] is True
+    assert rows["attention", "top-1 prefill 1M peak"]["ratio"] == pytest.approx(1.05)
+    assert rows["attention", "top-2 prefill 1M"]["ratio"] is None  # an error is shown, not a figure
+    assert rows["decode", "top-1 cache 256K"]["ratio"] == pytest.approx(2.0)
+    assert rows["decode", "top-1 cache 256K"]["unit"] == "ms" and rows["decode", "top-1 cache 256K"]["meets_target"]
+    assert rows["decode", "every top-k cache 1M"]["focus"].startswith("OutOfMemoryError")
+    assert rows["auto", "top-1 1K"]["meets_target"] is False  # 0.91x < 0.95x
+    assert rows["peak_memory", "top-1 peak 1M"]["ratio"] == pytest.approx(1.15)
+    assert rows["peak_memory", "top-1 peak 1M"]["meets_target"] is False
+    # Off CUDA no target is judged: they are GPU targets.
+    assert all(row["meets_target"] is None for row in gpu_run.figures(tmp_path, cuda=False))
