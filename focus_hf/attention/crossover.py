@@ -48,8 +48,8 @@ CACHE_FILE = "crossover.json"
 # = 1 every segment's chunks read the sinks, no separate sink pass; 17: float32 CPU calls run the C prefill kernel
 # - the dense masked call with the pattern read from group bits, causal squares, staircases and the local part;
 # 18: set A runs in one call of the C kernel, blocks of 128 keys; 19: its group sort is a counting sort in C, the
-# sink pairs run in the kernel).
-CACHE_VERSION = 19
+# sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen).
+CACHE_VERSION = 20
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -224,7 +224,8 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
     from focus_hf.attention.backends import select_kernel
     from focus_hf.attention.fast import decode_attention, masked_attention, sparse_attention
     from focus_hf.attention.grouped_keys import one_step_behind
-    from focus_hf.attention.stock import pattern_attention, stock_sparse_attention
+    from focus_hf.attention.paged_keys import PagedKeys, filed_before
+    from focus_hf.attention.stock import paged_decode, pattern_attention, stock_sparse_attention
     from focus_hf.attention.verify import verified_kernels
 
     kernel = select_kernel("sdpa", device)
@@ -244,19 +245,27 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
         inputs = random_inputs(shape, length, device, generator)
         query, key, value = inputs["query"], inputs["key"], inputs["value"]
         groups, key_groups, sink = inputs["query_groups"], inputs["key_groups"], inputs["key_sink"]
-        arguments = (groups, key_groups, sink, shape.window, scaling, kernel)
         # On CUDA both sides run on the GPU path's kernels (`hard`), which `verify` has shown exact there.
         stock = verified_kernels(query, key) if device.type == "cuda" else None
+        if shape.kind == "decode" and stock is not None:
+            # The GPU path's step reads a paged copy; at a cache length where a step files no positions, repeating the
+            # step repeats the same work (its ring write).
+            if filed_before(length, shape.window) != filed_before(length - 1, shape.window):
+                key, value, key_groups, sink = key[:, :, :-1], value[:, :, :-1], key_groups[:, :-1], sink[:, :-1]
+            paged = PagedKeys(shape.num_groups, shape.window)
+        arguments = (groups, key_groups, sink, shape.window, scaling, kernel)
 
         def dense() -> torch.Tensor:
             if stock is not None:
                 return pattern_attention(query, key, value, None, *arguments[:-1], stock)
             return masked_attention(query, key, value, None, *arguments, shape.num_groups)
 
-        if shape.kind == "decode":  # the path of a decoding step with a KV cache (see bench's decode timing)
+        if shape.kind == "decode" and stock is None:  # a CPU decoding step with a KV cache (see bench's timing)
             grouped, rewind = one_step_behind(key, value, key_groups, sink, shape.num_groups, shape.window)
 
         def sparse() -> torch.Tensor:
+            if shape.kind == "decode" and stock is not None:
+                return paged_decode(query, key, value, None, *arguments[:-1], paged, stock)
             if shape.kind == "decode":
                 rewind()
                 return decode_attention(query, key, value, None, *arguments, grouped=[grouped])

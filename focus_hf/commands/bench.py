@@ -448,10 +448,80 @@ def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, 
     return dense_below(query, case.key, top_k, args.groups, args.window, kind)
 
 
+def paged_decode_times(
+    args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype
+) -> tuple[list[tuple[float, float]], dict[int, list[tuple[float, float]]], str]:
+    """The GPU path's decoding steps (`stock.paged_decode`): per repetition, FILE_EVERY consecutive steps from a cache
+    of `cache_len` keys on, as generate() makes them - each step's ring write, and the one filing of positions that
+    left the window among them - through a paged copy built (untimed) before the first; dense SDPA over the same
+    growing caches. Returns (dense times, Focus times by top_k, the dense kernel's name), seconds per step."""
+    import torch.nn.functional as F
+
+    from focus_hf.attention.hard import hard_attention
+    from focus_hf.attention.paged_keys import FILE_EVERY, PagedKeys
+
+    case = make_case(args, cache_len + FILE_EVERY, device, dtype)
+    key, value = case.key.contiguous(), case.value.contiguous()  # a KV cache is head-major
+    scaling = args.head_dim**-0.5
+    lengths = range(cache_len, cache_len + FILE_EVERY)
+    dense_context, kernel = dense_kernel(case.query[:, :, -1:], key, causal=False)
+
+    def dense_steps() -> None:
+        for n in lengths:
+            F.scaled_dot_product_attention(case.query[:, :, n - 1 : n], key[:, :, :n], value[:, :, :n], enable_gqa=True)
+
+    def focus_steps(top_k: int) -> Callable[[], None]:
+        routing = case.routing[top_k]
+        store = PagedKeys(args.groups, args.window)
+
+        def step(n: int) -> torch.Tensor:
+            return hard_attention(
+                case.query[:, :, n - 1 : n],
+                key[:, :, :n],
+                value[:, :, :n],
+                None,
+                query_groups=routing.top_groups[:, n - 1 : n],
+                key_groups=routing.key_groups[:, :n],
+                key_sink=routing.sink[:, :n],
+                num_groups=args.groups,
+                window=args.window,
+                scaling=scaling,
+                backend=args.backend,
+                paged=store,
+            )
+
+        def steps() -> None:
+            for n in lengths:
+                step(n)
+
+        def rebuilt() -> Callable[[], None]:
+            store.invalidate()
+            step(cache_len - 1)  # the copy as generate() leaves it before the first timed step
+            return steps
+
+        return rebuilt
+
+    focus = {top_k: focus_steps(top_k) for top_k in args.top_k}
+    time_call(dense_steps, context=dense_context)  # warm-up (and FlexAttention's compilation)
+    for prepare in focus.values():
+        time_call(prepare())
+    dense_times: list[tuple[float, float]] = []
+    focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
+    per_step = len(lengths)
+    for _ in range(args.decode_repeats):
+        wall, cpu = time_call(dense_steps, context=dense_context)
+        dense_times.append((wall / per_step, cpu / per_step))
+        for top_k, prepare in focus.items():
+            wall, cpu = time_call(prepare())
+            focus_times[top_k].append((wall / per_step, cpu / per_step))
+    return dense_times, focus_times, kernel
+
+
 def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Per-token latency of one new query against a KV cache of `cache_len` tokens (itself included, as in
-    transformers): dense SDPA and Focus (`hard.hard_attention`, which takes `decode_attention` unless "auto" finds
-    the dense masked call faster at this length), timed alternately."""
+    transformers): dense SDPA and Focus (`hard.hard_attention`, which takes `decode_attention` - on the GPU path
+    `stock.paged_decode`, `paged_decode_times` - unless "auto" finds the dense masked call faster at this length),
+    timed alternately."""
     import torch
     import torch.nn.functional as F
 
@@ -496,26 +566,33 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
         return step
 
     crossovers = {top_k: crossover_used(args, case, top_k, "decode", decode=True) for top_k in args.top_k}
-    calls = {top_k: focus_for(top_k) for top_k in args.top_k}
-    dense_context, kernel = dense_kernel(case.query, case.key, causal=False)
-    steps = decode_steps(args, device)
-    for _ in range(3):  # warm-up
-        time_call(dense, context=dense_context)
-        for call in calls.values():
-            time_call(call)
     repeats = args.decode_repeats
-    dense_times: list[tuple[float, float]] = []
-    focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
-    for _ in range(repeats):
-        dense_times.append(time_call(dense, steps, dense_context))
-        for top_k, call in calls.items():
-            focus_times[top_k].append(time_call(call, steps))
+    gpu_path = device.type == "cuda" or args.backend == "stock"
+    if gpu_path:
+        from focus_hf.attention.paged_keys import FILE_EVERY
+
+        steps = FILE_EVERY
+        dense_times, focus_times, kernel = paged_decode_times(args, cache_len, device, dtype)
+    else:
+        calls = {top_k: focus_for(top_k) for top_k in args.top_k}
+        dense_context, kernel = dense_kernel(case.query, case.key, causal=False)
+        steps = decode_steps(args, device)
+        for _ in range(3):  # warm-up
+            time_call(dense, context=dense_context)
+            for call in calls.values():
+                time_call(call)
+        dense_times: list[tuple[float, float]] = []
+        focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
+        for _ in range(repeats):
+            dense_times.append(time_call(dense, steps, dense_context))
+            for top_k, call in calls.items():
+                focus_times[top_k].append(time_call(call, steps))
     dense_s, dense_cpu_s = medians(dense_times)
     rows = []
     positions = torch.arange(cache_len, device=device)
     # What the group-sorted copy's attention runs on: the C kernel of `attention/native.py`, or torch operations.
     native = device.type == "cpu" and serves(dtype, args.heads, args.kv_heads, args.head_dim)
-    decode_kernel = "C" if native else "torch"
+    decode_kernel = "FlexAttention (paged copy)" if gpu_path else "C" if native else "torch"
     for top_k in args.top_k:
         routing = case.routing[top_k]
         focus_s, focus_cpu_s = medians(focus_times[top_k])
@@ -524,7 +601,8 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
         reachable |= (positions >= cache_len - 1 - args.window) | routing.sink[0]
         fraction = float(reachable.float().mean())
         crossover = crossovers[top_k]
-        path = "dense-masked" if crossover is not None and cache_len < crossover else "group-sorted copy"
+        copy = "paged copy" if gpu_path else "group-sorted copy"
+        path = "dense-masked" if crossover is not None and cache_len < crossover else copy
         rows.append(
             {
                 "mode": "decode",
@@ -537,7 +615,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 "cpu_speedup": dense_cpu_s / focus_cpu_s if focus_cpu_s else None,
                 "keys_fraction": fraction,
                 "ideal_speedup": 1.0 / fraction,
-                "focus_path": path if args.backend == "auto" else "group-sorted copy",
+                "focus_path": path if args.backend == "auto" else copy,
                 "decode_kernel": decode_kernel,
                 "dense_kernel": kernel,
                 "dense_below": crossover,
@@ -826,7 +904,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
     parser.add_argument("--head-dim", type=int, default=64, help="head dimension")
     parser.add_argument(
-        "--backend", default="auto", choices=["auto", "sdpa", "flash", "reference"], help="Focus backend"
+        "--backend", default="auto", choices=["auto", "sdpa", "flash", "stock", "reference"], help="Focus backend"
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (fewer above 16,384 tokens)")
     parser.add_argument(
