@@ -133,7 +133,7 @@ def train_command(device: str, path: Path) -> list[str]:
 
 
 STAGES = [
-    Stage("tests", "tests.json", tests_command, {"cuda": 90, "cpu": 180}),
+    Stage("tests", "tests.json", tests_command, {"cuda": 150, "cpu": 180}),
     Stage("attention", "attention.json", attention_command, {"cuda": 150, "cpu": 150}),
     Stage("auto", "auto.json", auto_command, {"cuda": 75, "cpu": 150}),
     Stage("decode", "decode.json", decode_command, {"cuda": 60, "cpu": 90}),

@@ -31,7 +31,8 @@ pytestmark = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Logits of the tiny models are O(1); half precision rounds every layer's inputs.
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
-FAST_BACKENDS = ["sdpa", "auto", "stock"] + (["flash"] if flash_attn_function() is not None else [])
+# "stock" runs what "sdpa" runs on CUDA; "auto" takes the whole-pattern call below its crossover (300 tokens).
+FAST_BACKENDS = ["sdpa", "auto"] + (["flash"] if flash_attn_function() is not None else [])
 
 
 @pytest.fixture(autouse=True)
@@ -135,25 +136,27 @@ def focus_model(dtype, top_k, **options):
     return model.to("cuda", dtype)
 
 
-ROUTINGS = {
-    "shared": {},
-    "query-router": dict(query_projection=True),
-    "adaptive+dense-heads": dict(query_projection=True, probe_mass=0.6, dense_heads=[[0, 1]]),
+ROUTINGS = {  # (top_k, FocusConfig options)
+    "shared top-1": (1, {}),
+    "query router top-2": (2, dict(query_projection=True)),
+    "adaptive top-3 + dense heads": (3, dict(query_projection=True, probe_mass=0.6, dense_heads=[[0, 1]])),
 }
+# Each (dtype, routing) compiles the FlexAttention calls it needs once: the matrix is kept to what shows every path.
+CASES = [(torch.float32, routing) for routing in ROUTINGS] + [
+    (torch.bfloat16, "shared top-1"),
+    (torch.bfloat16, "query router top-2"),
+    (torch.float16, "shared top-1"),
+]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("top_k", [1, 2, 3])
-@pytest.mark.parametrize("routing", list(ROUTINGS))
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_backends_equal_the_reference(dtype, top_k, routing, side):
-    model = focus_model(dtype, top_k, **ROUTINGS[routing])
-    ids = torch.randint(3, VOCAB, (2, 300), generator=torch.Generator().manual_seed(5)).cuda()
+@pytest.mark.parametrize("dtype, routing", CASES)
+def test_backends_equal_the_reference(dtype, routing):
+    top_k, options = ROUTINGS[routing]
+    model = focus_model(dtype, top_k, **options)
+    ids = torch.randint(3, VOCAB, (3, 300), generator=torch.Generator().manual_seed(5)).cuda()
     mask = torch.ones_like(ids)
-    if side == "left":
-        mask[1, :23] = 0
-    else:
-        mask[1, -31:] = 0
+    mask[1, :23] = 0  # left padding
+    mask[2, -31:] = 0  # right padding
     logits = {}
     with torch.no_grad():
         for backend in ["reference", *FAST_BACKENDS]:
@@ -164,8 +167,7 @@ def test_backends_equal_the_reference(dtype, top_k, routing, side):
         torch.testing.assert_close(logits[backend][real], logits["reference"][real], atol=TOLERANCE[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
-@pytest.mark.parametrize("length", [96, 1024, 4096])
+@pytest.mark.parametrize("top_k, length", [(1, 96), (1, 1024), (2, 1024), (1, 4096), (2, 4096)])
 def test_the_reported_case_is_exact(top_k, length):
     """The case that found the fault: 8 / 2 heads of 32, 3 layers, K=4, w=32, 4 sinks, routers N(0, 1), float32,
     batch 2 (the sdpa backend was off by 0.31-0.77 in the logits)."""
@@ -194,12 +196,13 @@ def test_the_reported_case_is_exact(top_k, length):
             torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("routing", ["shared top-1", "adaptive top-3 + dense heads"])
 def test_generate_greedy_and_beam_equal_the_reference(routing, monkeypatch):
     steps = []
     original = hard.paged_decode
     monkeypatch.setattr(hard, "paged_decode", lambda *a, **k: steps.append(1) or original(*a, **k))
-    model = focus_model(torch.float32, 2, **ROUTINGS[routing])
+    top_k, options = ROUTINGS[routing]
+    model = focus_model(torch.float32, top_k, **options)
     ids = torch.randint(3, VOCAB, (2, 260), generator=torch.Generator().manual_seed(6)).cuda()
     mask = torch.ones_like(ids)
     mask[0, :17] = 0
