@@ -33,14 +33,22 @@ TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 4e-2, tor
 
 @dataclass(frozen=True)
 class Configuration:
-    """What a verdict holds for: one device, dtype and head shape."""
+    """What a verdict holds for: one kernel set, device, dtype and head shape (query heads per kv head, head dim; the
+    checks run two kv heads, which covers any number: heads are independent in every kernel)."""
 
     kernels: str
     device: str
     dtype: torch.dtype
-    heads: int
-    kv_heads: int
+    per_kv: int
     head_dim: int
+
+    @property
+    def heads(self) -> int:
+        return 2 * self.per_kv
+
+    @property
+    def kv_heads(self) -> int:
+        return 2
 
 
 # Verdicts of this process: None (exact) or what failed.
@@ -48,7 +56,23 @@ _verdicts: dict[Configuration, Optional[str]] = {}
 
 
 def configuration(query: torch.Tensor, key: torch.Tensor, kernels: StockKernels) -> Configuration:
-    return Configuration(kernels.name, str(query.device), query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+    per_kv = query.shape[1] // key.shape[1]
+    return Configuration(kernels.name, str(query.device), query.dtype, per_kv, query.shape[-1])
+
+
+def is_verified(device: torch.device, dtype: torch.dtype, per_kv: int, head_dim: int, backend: str = "auto") -> bool:
+    """Whether this process holds a verdict for a call of this shape (cheap: one dictionary lookup)."""
+    kernels = stock_kernels(device, backend)
+    return Configuration(kernels.name, str(device), dtype, per_kv, head_dim) in _verdicts
+
+
+@torch.compiler.disable
+def verify_shape(device: torch.device, dtype: torch.dtype, per_kv: int, head_dim: int, backend: str = "auto") -> None:
+    """Reach a verdict for calls of this shape now, outside any torch.compile graph: `tuner.layer` calls it before
+    the attention function runs, so that a compiled model's attention finds the verdict and never breaks its graph."""
+    query = torch.zeros(1, per_kv, 1, head_dim, device=device, dtype=dtype)
+    key = torch.zeros(1, 1, 1, head_dim, device=device, dtype=dtype)
+    verified_kernels(query, key, backend=backend)
 
 
 def verified_kernels(
@@ -70,7 +94,7 @@ def verified_kernels(
         if failure is not None:
             print(
                 f"focus_hf: the fast Focus attention path did not reproduce exact results on {config.device} "
-                f"({config.kernels}, {config.dtype}, {config.heads}/{config.kv_heads} heads of {config.head_dim}): "
+                f"({config.kernels}, {config.dtype}, {config.per_kv} query heads per kv head of {config.head_dim}): "
                 f"{failure}. Every "
                 "call of this kind now runs the reference path (exact, dense, slower). Please report this with your "
                 "torch version.",

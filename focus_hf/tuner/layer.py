@@ -22,6 +22,7 @@ from focus_hf.attention.routing import (
     scaled_directions,
     settle,
 )
+from focus_hf.attention.verify import is_verified, verify_shape
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.dispatch import execution_device
 
@@ -403,6 +404,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             grouped_keys=grouped_keys,
             dense_kv_heads=settings.dense_kv_heads.get(self.layer_index, ()),
         )
+        if mode == "hard":
+            self._verify_attention(hidden)
         self.base_layer._focus_routing = routing
         try:
             output = self.base_layer(*args, **kwargs)
@@ -414,6 +417,21 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 "would be silently ignored. This architecture is not supported."
             )
         return output
+
+    def _verify_attention(self, hidden: torch.Tensor) -> None:
+        """On the GPU path, have the attention's shape verified (`attention.verify`) before the attention function
+        runs: under torch.compile the check cannot run inside its graph, and here it breaks the graph once, at the
+        first call, rather than in the attention."""
+        if self.backend == "reference" or (hidden.device.type != "cuda" and self.backend != "stock"):
+            return
+        config = getattr(self.base_layer, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        head_dim = getattr(self.base_layer, "head_dim", None)
+        if not heads or not head_dim:
+            return  # the attention function checks on its first (eager) call
+        per_kv = heads // (getattr(config, "num_key_value_heads", None) or heads)
+        if not is_verified(hidden.device, hidden.dtype, per_kv, head_dim, self.backend):
+            verify_shape(hidden.device, hidden.dtype, per_kv, head_dim, self.backend)
 
     def __repr__(self) -> str:
         return "focus." + super().__repr__()

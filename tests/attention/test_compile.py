@@ -107,3 +107,18 @@ def test_padded_decoding_step_under_compile_reads_the_paged_copy(monkeypatch):
     monkeypatch.setattr(hard, "pattern_attention", lambda *a, **k: pytest.fail("a padded step read every block"))
     assert graph_breaks(step) == 0
     assert taken
+
+
+def test_a_model_compiled_before_any_eager_call_verifies_outside_the_attention():
+    verify.forget_verdicts()
+    model = focus_llama(1)
+    focus_hf.set_routing(model, "hard", backend="stock")
+    ids = torch.randint(3, VOCAB, (1, 200), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="eager")(input_ids=ids).logits  # the first call of all
+        focus_hf.set_routing(model, "hard", backend="reference")
+        expected = model(input_ids=ids).logits
+    torch.testing.assert_close(compiled, expected, atol=1e-4, rtol=0)
+    # The layer reached the verdict for the model's attention shape (4 query heads on 2 kv heads of 12).
+    assert verify.is_verified(torch.device("cpu"), torch.float32, 2, 12, "stock")
