@@ -69,14 +69,16 @@ def hard_attention(
 
     Args:
         query: [batch, heads, q, dim], the last q of the kv tokens.
-        key, value: [batch, kv_heads, kv, dim].
+        key: [batch, kv_heads, kv, dim].
+        value: [batch, kv_heads, kv, dim].
         model_mask: the model's boolean mask [batch or 1, 1, q, kv] (True = may attend), or None (causal, no padding).
         query_groups: [batch, q, top_k] groups each query probes.
-        key_groups, key_sink: [batch, kv] each key's group and whether it is a sink.
+        key_groups: [batch, kv] each key's group.
+        key_sink: [batch, kv] whether each key is a sink.
         num_groups: K.
         window: local window w.
         scaling: multiplier of q.k.
-        backend: "sdpa", "flash" or "auto".
+        backend: "sdpa", "flash", "stock" or "auto".
         mask_is_padding: False when the model's mask may hide more than future and padding keys (sliding-window
             layers); the pattern then runs as one dense masked call that applies the model's mask in full - or, on the
             GPU path, the kernels read the mask pair by pair. None: not known (under torch.compile, where checking

@@ -62,10 +62,12 @@ def stock_sparse_attention(
 
     Args:
         query: [batch, heads, q, dim], the last q of the kv tokens.
-        key, value: [batch, kv_heads, kv, dim].
+        key: [batch, kv_heads, kv, dim].
+        value: [batch, kv_heads, kv, dim].
         key_valid: [batch, kv] False for padding keys, or None.
         query_groups: [batch, q, top_k] the groups each query probes (a slot repeating the first is not probed).
-        key_groups, key_sink: [batch, kv] each key's group (-1: not routed yet) and whether it is a sink.
+        key_groups: [batch, kv] each key's group (-1: not routed yet).
+        key_sink: [batch, kv] whether each key is a sink.
         own_group: whether each query's first probe is its own key group (no separate query router); None: read
             from the groups (a device sync; never under torch.compile, where None counts as False).
         model_mask: a boolean mask [batch or 1, 1, q, kv] that may hide more than future and padding keys (a
