@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import datetime
 import functools
+import itertools
 import json
 import math
 import multiprocessing
@@ -449,12 +450,14 @@ def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, 
 
 
 def paged_decode_times(
-    args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype
+    args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype, compiled: bool = False
 ) -> tuple[list[tuple[float, float]], dict[int, list[tuple[float, float]]], str]:
     """The GPU path's decoding steps (`stock.paged_decode`): per repetition, FILE_EVERY consecutive steps from a cache
     of `cache_len` keys on, as generate() makes them - each step's ring write, and the one filing of positions that
     left the window among them - through a paged copy built (untimed) before the first; dense SDPA over the same
-    growing caches. Returns (dense times, Focus times by top_k, the dense kernel's name), seconds per step."""
+    growing caches. `compiled`: both steps under torch.compile (dynamic shapes; compiled in the untimed warm-up).
+    Returns (dense times, Focus times by top_k, the dense kernel's name), seconds per step."""
+    import torch
     import torch.nn.functional as F
 
     from focus_hf.attention.hard import hard_attention
@@ -466,9 +469,16 @@ def paged_decode_times(
     lengths = range(cache_len, cache_len + FILE_EVERY)
     dense_context, kernel = dense_kernel(case.query[:, :, -1:], key, causal=False)
 
+    def dense_step(n: int) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            case.query[:, :, n - 1 : n], key[:, :, :n], value[:, :, :n], enable_gqa=True
+        )
+
+    dense_call = torch.compile(dense_step, dynamic=True) if compiled else dense_step
+
     def dense_steps() -> None:
         for n in lengths:
-            F.scaled_dot_product_attention(case.query[:, :, n - 1 : n], key[:, :, :n], value[:, :, :n], enable_gqa=True)
+            dense_call(n)
 
     def focus_steps(top_k: int) -> Callable[[], None]:
         routing = case.routing[top_k]
@@ -490,9 +500,11 @@ def paged_decode_times(
                 paged=store,
             )
 
+        call = torch.compile(step, dynamic=True) if compiled else step
+
         def steps() -> None:
             for n in lengths:
-                step(n)
+                call(n)
 
         def rebuilt() -> Callable[[], None]:
             store.invalidate()
@@ -568,11 +580,14 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     crossovers = {top_k: crossover_used(args, case, top_k, "decode", decode=True) for top_k in args.top_k}
     repeats = args.decode_repeats
     gpu_path = device.type == "cuda" or args.backend == "stock"
+    timings = []  # (compiled, dense times, Focus times by top_k)
     if gpu_path:
         from focus_hf.attention.paged_keys import FILE_EVERY
 
         steps = FILE_EVERY
-        dense_times, focus_times, kernel = paged_decode_times(args, cache_len, device, dtype)
+        for compiled in (False, True) if args.compile else (False,):
+            dense_times, focus_times, kernel = paged_decode_times(args, cache_len, device, dtype, compiled)
+            timings.append((compiled, dense_times, focus_times))
     else:
         calls = {top_k: focus_for(top_k) for top_k in args.top_k}
         dense_context, kernel = dense_kernel(case.query, case.key, causal=False)
@@ -587,13 +602,14 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
             dense_times.append(time_call(dense, steps, dense_context))
             for top_k, call in calls.items():
                 focus_times[top_k].append(time_call(call, steps))
-    dense_s, dense_cpu_s = medians(dense_times)
+        timings.append((False, dense_times, focus_times))
     rows = []
     positions = torch.arange(cache_len, device=device)
     # What the group-sorted copy's attention runs on: the C kernel of `attention/native.py`, or torch operations.
     native = device.type == "cpu" and serves(dtype, args.heads, args.kv_heads, args.head_dim)
     decode_kernel = "FlexAttention (paged copy)" if gpu_path else "C" if native else "torch"
-    for top_k in args.top_k:
+    for (compiled, dense_times, focus_times), top_k in itertools.product(timings, args.top_k):
+        dense_s, dense_cpu_s = medians(dense_times)
         routing = case.routing[top_k]
         focus_s, focus_cpu_s = medians(focus_times[top_k])
         # Keys the new token may attend to: its probed groups, the window and the sinks.
@@ -621,6 +637,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 "dense_below": crossover,
                 "repeats": repeats,
                 "steps_per_timing": steps,
+                "compiled": compiled,
                 "backend": args.backend,
                 "top_k": top_k,
                 "groups": args.groups,
@@ -658,7 +675,8 @@ def decode_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                 log.add(row)
                 print(
                     f"{cache_len:>8} {row['top_k']:>5} {row['dense_s'] * 1e3:>9.3f} {row['focus_s'] * 1e3:>9.3f} "
-                    f"{row['speedup']:>7.2f}x {row['ideal_speedup']:>6.2f}x {row['focus_path']:>12}",
+                    f"{row['speedup']:>7.2f}x {row['ideal_speedup']:>6.2f}x {row['focus_path']:>12}"
+                    + (" (compiled)" if row.get("compiled") else ""),
                     flush=True,
                 )
 
@@ -925,6 +943,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="time one new query against a KV cache of each --seq-lens length instead (dense SDPA vs Focus decode)",
     )
     parser.add_argument("--decode-repeats", type=int, default=30, help="timed repetitions per length with --decode")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --decode on the GPU path: also time both steps under torch.compile (rows with compiled: true)",
+    )
     parser.add_argument(
         "--decode-steps",
         type=int,
