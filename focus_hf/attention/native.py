@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -53,7 +54,9 @@ LINK_FLAGS = ("-shared",)
 # Tried in turn: this processor's instruction set, else the compiler's default target (vectors of 16 floats are
 # then split into what the target has); each with OpenMP first where torch runs on GNU OpenMP (`openmp_flags`).
 TARGETS = (("-march=native",), ())
-BUILD_TIMEOUT_S = 120
+# A compiler call that takes longer is taken for hung (the slowest, prefill.c for the default target on a 2-core
+# AMD EPYC without AVX-512, took 134 s of CPU).
+BUILD_TIMEOUT_S = 600
 # Keys of a segment that `prefill_segments` packs at once (each slab's entries are folded into their rows before the
 # next): the packed copy stays at 1.5 MiB for 3 kv heads of 64 dims however long the segment, and in the cores'
 # caches (K=8 top-1 at 64K tokens, segments of 8K keys, alternating: slabs of 256 / 512 / 1K / 2K / 4K / 8K keys
@@ -174,6 +177,11 @@ def library_path(source: bytes, cc: str, target: tuple[str, ...]) -> Path:
     return default_cache_dir() / "kernels" / f"focus-kernels-{digest.hexdigest()[:16]}.so"
 
 
+def compile_step(command: list[str]) -> subprocess.CompletedProcess:
+    """One compiler call, its output captured (a timeout raises subprocess.TimeoutExpired)."""
+    return subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+
+
 def build(cc: str, target: tuple[str, ...], path: Path) -> None:
     """Compile the kernel to `path` (into a temporary file first, so that a concurrent process never loads half).
     `target` goes to both steps: -fopenmp at the link step links the OpenMP runtime."""
@@ -182,10 +190,13 @@ def build(cc: str, target: tuple[str, ...], path: Path) -> None:
     os.close(handle)
     objects = [f"{temporary}.{number}.o" for number in range(len(SOURCES))]
     try:
-        commands = [[cc, *COMPILE_FLAGS, *target, str(source), "-o", out] for source, out in zip(SOURCES, objects)]
-        commands.append([cc, *LINK_FLAGS, *target, *objects, "-o", temporary, "-lm"])
-        for command in commands:
-            subprocess.run(command, check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        # The sources compile side by side (prefill.c alone takes over two minutes of one core for the compiler's
+        # default target, whose vectors of 16 floats are split), then link.
+        compiles = [[cc, *COMPILE_FLAGS, *target, str(source), "-o", out] for source, out in zip(SOURCES, objects)]
+        with ThreadPoolExecutor(max_workers=len(compiles)) as pool:
+            for finished in pool.map(compile_step, compiles):
+                finished.check_returncode()
+        compile_step([cc, *LINK_FLAGS, *target, *objects, "-o", temporary, "-lm"]).check_returncode()
         os.replace(temporary, path)
     finally:
         for leftover in (temporary, *objects):
