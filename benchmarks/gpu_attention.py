@@ -5,7 +5,8 @@ attention dominates) in bf16 runs a prefill of N tokens: dense with `attn_implem
 flash-attn is installed) or sdpa, and with a Focus adapter in hard mode (K groups, window, top-k) on the `flash`
 backend (or `sdpa` without flash-attn). Both are timed alternately after a warm-up; peak GPU memory is recorded.
 
-    python benchmarks/gpu_attention.py --lengths 4096 16384 65536 262144 1048576 --out benchmarks/results/attention_gpu.json
+    python benchmarks/gpu_attention.py --lengths 4096 16384 65536 262144 1048576 \\
+        --out benchmarks/results/attention_gpu.json
 
 Needs CUDA; without it the script exits with a message and writes nothing.
 """

@@ -4,7 +4,7 @@ The card's YAML front matter is what the Hub indexes: `library_name: peft`, the 
 relation, tags, `pipeline_tag`, the license and, when the folder holds an `eval_results.json`, a `model-index`
 with the measured perplexities (base model with full attention vs. the adapter's soft and hard routing).
 The body is built from files in the adapter folder: `adapter_config.json` and the safetensors header (via
-`focus_hf.files.adapter_summary`), `training_log.json` (written by `focus_hf.training`), `eval_results.json`
+`focus_hf.files.adapter_summary`), `training_log.json` (written by `focus_hf.fitting.trainer`), `eval_results.json`
 and an interpretability summary; every part is optional except the adapter config. With interpretability data and
 matplotlib installed, `write_model_card` also draws `group_balance.png` (see `focus_hf.interpret.chart`) into the
 folder and the card embeds it with a relative link, so the Hub shows it once the folder is pushed.
@@ -284,8 +284,10 @@ def render_model_card(
         "base_weights": training_log.get("base_weights") if isinstance(training_log, dict) else None,
     }
     if context["interpretability"] and balance_chart is None and not matplotlib_available():
-        context["balance_chart_note"] = (f"The group-balance chart (`{BALANCE_CHART_NAME}`) is left out: matplotlib "
-                                         f"is not installed (`{MATPLOTLIB_HINT}`, then rerun `focus-hf card`).")  # fmt: skip  # noqa: E501
+        context["balance_chart_note"] = (
+            f"The group-balance chart (`{BALANCE_CHART_NAME}`) is left out: matplotlib is not installed "
+            f"(`{MATPLOTLIB_HINT}`, then rerun `focus-hf card`)."
+        )
     # Every value is escaped (config values come from the adapter folder, possibly someone else's): HTML special
     # characters everywhere, and values in the usage snippet are written as Python string literals. Only the YAML
     # block that huggingface_hub serialised is inserted as is.

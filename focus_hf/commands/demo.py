@@ -115,9 +115,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
 
     from focus_hf.aliases import DEFAULT_MODEL, resolve_model_id
     from focus_hf.data import passkey_prompt, retrieval_documents, token_blocks
-    from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
     from focus_hf.evaluation import passkey_answer, perplexity, routing_mode
-    from focus_hf.full_attention import calibrate_full_attention
+    from focus_hf.fitting.dense_heads import calibrate_full_attention
+    from focus_hf.fitting.distill import DistillSettings, distill_routers, save_distilled_adapter
     from focus_hf.tuner.config import FocusConfig
 
     out = Path(args.out)

@@ -65,7 +65,7 @@ def train(args: argparse.Namespace) -> dict:
     from peft import get_peft_model
 
     from focus_hf.data import token_blocks
-    from focus_hf.training import remove_checkpoints, train_adapter
+    from focus_hf.fitting.trainer import remove_checkpoints, train_adapter
 
     out = Path(args.out)
     torch.manual_seed(args.seed)
@@ -112,10 +112,10 @@ def distill(args: argparse.Namespace) -> dict:
     from peft import get_peft_model
 
     from focus_hf.data import retrieval_documents, token_blocks
-    from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
-    from focus_hf.full_attention import calibrate_full_attention
-    from focus_hf.layerwise import distill_routers_layerwise
-    from focus_hf.parallel import is_main_process, start_process_group
+    from focus_hf.fitting.dense_heads import calibrate_full_attention
+    from focus_hf.fitting.distill import DistillSettings, distill_routers, save_distilled_adapter
+    from focus_hf.fitting.layerwise import distill_routers_layerwise
+    from focus_hf.fitting.parallel import is_main_process, start_process_group
     from focus_hf.tuner.controls import configure_adapter
 
     start_process_group()  # under torchrun / accelerate launch each process distils on its share of the sequences
@@ -179,7 +179,7 @@ def distill(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """`focus-hf train`: train, then print where the adapter went and how the run ended."""
     from focus_hf.files import CHECKPOINTS_DIR
-    from focus_hf.parallel import end_process_group
+    from focus_hf.fitting.parallel import end_process_group
 
     log = train(args)
     # Not on an error: a barrier there would wait for processes still inside a collective; the launcher stops them.

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerC
 import focus_hf
 from focus_hf.cli import main
 from focus_hf.evaluation import perplexity
-from focus_hf.training import GroupBalanceCallback, dominance, train_adapter
+from focus_hf.fitting.trainer import GroupBalanceCallback, dominance, train_adapter
 from focus_hf.tuner.controls import focus_layers
 
 SEQ_LEN = 32
@@ -151,7 +151,7 @@ def test_resume_continues_from_checkpoint(tiny_dir, text_file, tmp_path):
 
 
 def test_resume_without_checkpoint_starts_fresh(tiny_dir, text_file, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="focus_hf.training"):
+    with caplog.at_level(logging.WARNING, logger="focus_hf.fitting.trainer"):
         _, log = train_tiny(tiny_dir, text_file, tmp_path / "adapter", steps=2, resume=True)
     assert log["steps"] == 2 and log["resumed_from"] is None
     assert "no checkpoint" in caplog.text
@@ -164,7 +164,7 @@ def test_dominance_warning_on_collapse(tiny_dir, text_file, tmp_path, caplog):
         for layer in focus_layers(model):
             # Identical centroids: every token scores every group the same, so all tokens land in group 0.
             layer.focus_centroids["default"].copy_(torch.ones_like(layer.focus_centroids["default"]))
-    with caplog.at_level(logging.WARNING, logger="focus_hf.training"):
+    with caplog.at_level(logging.WARNING, logger="focus_hf.fitting.trainer"):
         log = train_adapter(
             model, train_blocks(tiny_dir, text_file), tmp_path / "adapter", steps=1, lr=1e-6, progress_bar=False
         )
@@ -182,7 +182,7 @@ def test_blocks_inside_the_window_are_refused(tiny_dir, text_file, tmp_path):
 def test_balanced_routing_does_not_warn(caplog):
     callback = GroupBalanceCallback(every=1, threshold=0.5)
     callback._counts = {0: torch.tensor([4, 4, 4, 4]), 1: torch.tensor([7, 1, 0, 0])}
-    with caplog.at_level(logging.WARNING, logger="focus_hf.training"):
+    with caplog.at_level(logging.WARNING, logger="focus_hf.fitting.trainer"):
         record = callback.check(step=3)
     assert record["dominance"] == [0.25, 0.875] and record["max_layer"] == 1
     assert "layer 1: 0.88" in caplog.text and "layer 0" not in caplog.text
