@@ -193,7 +193,7 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    from focus_hf.attention.fast import path_kind
+    from focus_hf.attention.hard import path_kind
 
     case = make_case(args, seq_len, device, dtype)
     skip = dense_skip_reason(args, seq_len, dtype, device)
