@@ -270,7 +270,7 @@ def fit_layer(layer: FocusLayer, targets: LayerTargets, settings: DistillSetting
         for p, flag in zip(parameters, saved_flags):
             p.requires_grad_(flag)
             p.grad = None
-    loss_value = float(all_sum(fit)) + settings.balance_weight * float(balance)
+    loss_value = float(all_sum(fit)) + settings.balance_weight * float(balance.detach())
     with torch.no_grad():
         kept, key_probs = kept_mass(layer, adapter, targets)
         groups = key_probs.argmax(-1)

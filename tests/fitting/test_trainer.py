@@ -1,12 +1,11 @@
-"""Training (Trainer-based, routers only), perplexity evaluation and the train / eval / demo commands.
+"""Training (Trainer-based, routers only), perplexity evaluation and the train / eval commands.
 
 Fast tests use a 2-layer random llama saved to a temporary folder with a word-level tokenizer, and a small text
-file; one integration test runs `focus-hf demo` end to end on the real default model.
+file. `focus-hf demo` runs end to end on the real default model in tests/test_cli_output.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -324,31 +323,3 @@ def test_cli_train_then_eval(tiny_dir, text_file, tmp_path, capsys):
 def test_cli_eval_needs_adapter_for_routed_modes(tiny_dir, text_file):
     with pytest.raises(SystemExit, match="--adapter"):
         main(["eval", "--model", str(tiny_dir), "--data", str(text_file), "--mode", "hard", "--seq-len", str(SEQ_LEN)])
-
-
-# --- demo on the real model -------------------------------------------------------------------------------------
-
-
-@pytest.mark.integration
-def test_demo_end_to_end(tmp_path, capsys):
-    out = tmp_path / "demo"
-    arguments = ["demo", "--out", str(out), "--steps", "3", "--seq-len", "384", "--sequences", "1"]
-    arguments += ["--eval-blocks", "1", "--passkeys", "1", "--window", "128", "--no-progress"]
-    assert main(arguments) == 0
-    printed = capsys.readouterr().out
-    assert "Held-out perplexity" in printed and "Passkey retrieval" in printed and str(out) in printed
-    assert "Nothing else was loaded" in printed
-    results = json.loads((out / "eval_results.json").read_text())
-    for mode in ("full", "hard"):
-        assert results[mode]["mode"] == mode and math.isfinite(results[mode]["ppl"]) and results[mode]["tokens"] == 383
-    assert results["hard"]["top_k"] == 1
-    assert results["passkey"]["cases"][0]["key"] in printed
-    assert (out / "README.md").is_file() == (importlib.util.find_spec("focus_hf.card") is not None)
-    assert results["speed"]["seq_len"] == 384 and results["speed"]["speedup"] > 0
-    assert results["training"]["objective"] == "distill" and results["training"]["steps_per_layer"] == 3
-    log = json.loads((out / "training_log.json").read_text())
-    assert log["objective"] == "distill" and len(log["layers"]) == 30
-    config = json.loads((out / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["query_projection"]
-    # 9 heads from the recall audit, then up to 6 retrieval heads (the retrieval document may offer fewer events).
-    assert 9 <= len(config["dense_heads"]) <= 15 and config["dense_heads"] == results["adapter"]["dense_heads"]
