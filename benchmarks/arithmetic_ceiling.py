@@ -126,7 +126,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             }
         )
         log(
-            f"{name}: {rate:.0f} GFLOP/s ({rate / gemm_rate:.0%} of GEMM), {seconds / pair_heads * 1e9:.2f} ns/pair-head"
+            f"{name}: {rate:.0f} GFLOP/s ({rate / gemm_rate:.0%} of GEMM), {seconds / pair_heads * 1e9:.2f} "
+            "ns/pair-head"
         )
     for row in rows:
         row.update(

@@ -12,7 +12,8 @@ is compared with full attention's at the same position: whether the argmax agree
 KL(full || Focus) of the next-token distributions.
 
     python benchmarks/model_decode.py --prompt-lens 16384 --json benchmarks/results/model_decode.json
-    python benchmarks/model_decode.py --prompt-lens 16384 --cache static --json benchmarks/results/model_decode_static.json
+    python benchmarks/model_decode.py --prompt-lens 16384 --cache static \\
+        --json benchmarks/results/model_decode_static.json
 
 With transformers' default DynamicCache every step concatenates each layer's keys and values with the new token's,
 a copy of the whole cache that both variants pay; `--cache static` pre-allocates the cache

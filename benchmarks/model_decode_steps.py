@@ -8,7 +8,8 @@ Each step feeds the variant's own greedy token of the step before; the rows repo
 their ratio. The prefill is not timed.
 
     python benchmarks/model_decode_steps.py --prompt-lens 2048 8192 --json benchmarks/results/model_steps.json
-    python benchmarks/model_decode_steps.py --prompt-lens 8192 --cache static --json benchmarks/results/model_steps_static.json
+    python benchmarks/model_decode_steps.py --prompt-lens 8192 --cache static \\
+        --json benchmarks/results/model_steps_static.json
 
 Rows: prompt_len, cache, variant, median step ms, speedup (full attention's median / this variant's), steps,
 processor, threads, load average.

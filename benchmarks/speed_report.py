@@ -108,8 +108,8 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
     if (RESULTS / PLOT).is_file():
         lines += [f"![speedup vs length]({PLOT})", ""]
     lines += [
-        "| routing | tokens | top_k | dense s | Focus s | speedup | ideal | efficiency | allowed pairs | CPU-time speedup "
-        "| load avg |",
+        "| routing | tokens | top_k | dense s | Focus s | speedup | ideal | efficiency | allowed pairs "
+        "| CPU-time speedup | load avg |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda row: (bool(row.get("query_router")), row["top_k"], row["seq_len"])):
@@ -119,14 +119,15 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
         efficiency = "-" if row["speedup"] is None else f"{row['speedup'] / row['ideal_speedup']:.2f}"
         routing = "query router" if row.get("query_router") else "own group"
         lines.append(
-            f"| {routing} | {row['seq_len']:,} | {row['top_k']} | {dense} | {row['focus_s']:.4f} | {speedup} | {row['ideal_speedup']:.2f}x | "
-            f"{efficiency} | {row['pairs_fraction']:.1%} | {cpu} | {row['load_avg_1m']:.2f} |"
+            f"| {routing} | {row['seq_len']:,} | {row['top_k']} | {dense} | {row['focus_s']:.4f} | {speedup} | "
+            f"{row['ideal_speedup']:.2f}x | {efficiency} | {row['pairs_fraction']:.1%} | {cpu} | "
+            f"{row['load_avg_1m']:.2f} |"
         )
     lines += [
         "",
-        "Median of the repetitions in the row's JSON (`repeats`); dense and Focus are timed alternately in the same loop. "
-        "Efficiency: speedup / ideal, the ideal being causal pairs / allowed pairs (a kernel as fast per pair as dense "
-        "SDPA's that computes only the allowed pairs). Routing: queries probe their own key group first (own "
+        "Median of the repetitions in the row's JSON (`repeats`); dense and Focus are timed alternately in the same "
+        "loop. Efficiency: speedup / ideal, the ideal being causal pairs / allowed pairs (a kernel as fast per pair as "
+        "dense SDPA's that computes only the allowed pairs). Routing: queries probe their own key group first (own "
         "group: each entry reaches one key more than the one before) or the groups a separate query projection picks "
         "(query router, as in adapters trained with `query_projection=True`: entries skip keys of their segment). On "
         "CPU in float32 set A is one call of the C prefill kernel per block of 16K queries either way, each entry "
@@ -177,11 +178,11 @@ def auto_section(rows: list[dict[str, Any]], floor: float = 0.95) -> list[str]:
     lines = [
         f"## Backend auto against dense SDPA, K x top_k x length (cells below {floor:.2f}x in bold)",
         "",
-        f"w={first['window']}, {first['sinks']} sinks, {first['heads']}x{first['head_dim']} heads / {first['kv_heads']} kv, "
-        f"{first['dtype']}, {first['processor']}, {first['threads']} threads; each cell is Focus's median time "
-        "against dense's in the same loop. `auto` runs the exact pattern as one dense masked call below its measured "
-        "crossover (`dense_below`, last column; on CPU in float32 the C prefill kernel, reading the pattern from group "
-        "bits) and the sparse path above; with every group probed it runs one plain causal call. "
+        f"w={first['window']}, {first['sinks']} sinks, {first['heads']}x{first['head_dim']} heads / "
+        f"{first['kv_heads']} kv, {first['dtype']}, {first['processor']}, {first['threads']} threads; each cell is "
+        "Focus's median time against dense's in the same loop. `auto` runs the exact pattern as one dense masked call "
+        "below its measured crossover (`dense_below`, last column; on CPU in float32 the C prefill kernel, reading the "
+        "pattern from group bits) and the sparse path above; with every group probed it runs one plain causal call. "
         f"{held} of {len(rows)} cells reach {floor:.2f}x.",
         "",
         "| K | top_k | " + " | ".join(f"{n:,}" for n in lengths) + " | dense_below |",
@@ -206,9 +207,10 @@ def decode_section(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## Decoding (one new query against a KV cache of each length, one layer)",
         "",
-        f"K={first['groups']}, w={first['window']}, {first['sinks']} sinks, {first['heads']}x{first['head_dim']} heads / "
-        f"{first['kv_heads']} kv, {first['dtype']}, {first['processor']}, {first['threads']} threads, backend "
-        f"{first['backend']}; median of {first['repeats']} alternating repetitions; a step's attention in "
+        f"K={first['groups']}, w={first['window']}, {first['sinks']} sinks, "
+        f"{first['heads']}x{first['head_dim']} heads / {first['kv_heads']} kv, {first['dtype']}, {first['processor']}, "
+        f"{first['threads']} threads, backend {first['backend']}; median of {first['repeats']} alternating "
+        "repetitions; a step's attention in "
         f"{'the C kernel (attention/native.py)' if first.get('decode_kernel') == 'C' else 'torch operations'}.",
         "",
         "| cache tokens | top_k | dense ms | Focus ms | speedup | ideal (keys read) | Focus path | load avg |",
@@ -217,7 +219,8 @@ def decode_section(rows: list[dict[str, Any]]) -> list[str]:
     for row in sorted(rows, key=lambda row: (row["top_k"], row["cache_len"])):
         lines.append(
             f"| {row['cache_len']:,} | {row['top_k']} | {row['dense_s'] * 1e3:.3f} | {row['focus_s'] * 1e3:.3f} | "
-            f"**{row['speedup']:.2f}x** | {row['ideal_speedup']:.2f}x | {row['focus_path']} | {row['load_avg_1m']:.2f} |"
+            f"**{row['speedup']:.2f}x** | {row['ideal_speedup']:.2f}x | {row['focus_path']} | "
+            f"{row['load_avg_1m']:.2f} |"
         )
     return lines
 
@@ -253,8 +256,8 @@ def model_section(rows: list[dict[str, Any]]) -> list[str]:
     ]
     for row in rows:
         lines.append(
-            f"| {row['seq_len']:,} | {row['variant']} | {row['seconds']:.1f} | **{row['speedup']:.2f}x** | {row['ppl']:.3f} | "
-            f"{(row['ppl_vs_full'] - 1) * 100:+.2f}% | {row['load_avg_1m']:.2f} |"
+            f"| {row['seq_len']:,} | {row['variant']} | {row['seconds']:.1f} | **{row['speedup']:.2f}x** | "
+            f"{row['ppl']:.3f} | {(row['ppl_vs_full'] - 1) * 100:+.2f}% | {row['load_avg_1m']:.2f} |"
         )
     first = rows[0]
     beyond = sorted({row["seq_len"] for row in rows if row["seq_len"] > row.get("model_max_positions", row["seq_len"])})
@@ -267,8 +270,9 @@ def model_section(rows: list[dict[str, Any]]) -> list[str]:
         ]
     lines += [
         "",
-        f"Adapter `{first['adapter']}`, backend {first['backend'] if first['top_k'] else rows[-1]['backend']}, text: {first['text']}; "
-        f"{first['threads']} threads, {first['device']}, torch {first['torch']}. One timed run per variant (`repeats`).",
+        f"Adapter `{first['adapter']}`, backend {first['backend'] if first['top_k'] else rows[-1]['backend']}, text: "
+        f"{first['text']}; {first['threads']} threads, {first['device']}, torch {first['torch']}. One timed run per "
+        "variant (`repeats`).",
     ]
     return lines
 
@@ -282,8 +286,8 @@ def model_decode_section(rows: list[dict[str, Any]]) -> list[str]:
         "timed apart). Quality at the same setting: Focus's generation is teacher-forced on full attention's tokens "
         "and each step's next-token distribution is compared with full attention's (argmax agreement, KL in nats).",
         "",
-        "| prompt tokens | KV cache | variant | prefill s | tokens/s | ms per token | speedup vs full | argmax agrees | "
-        "mean KL | load avg |",
+        "| prompt tokens | KV cache | variant | prefill s | tokens/s | ms per token | speedup vs full "
+        "| argmax agrees | mean KL | load avg |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:

@@ -33,8 +33,8 @@ def measure(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     import focus_hf
-    from focus_hf.distill import DistillSettings, distill_routers
-    from focus_hf.layerwise import distill_routers_layerwise
+    from focus_hf.fitting.distill import DistillSettings, distill_routers
+    from focus_hf.fitting.layerwise import distill_routers_layerwise
 
     base = AutoModelForCausalLM.from_pretrained(
         args.folder / "base", device_map="auto", max_memory={"cpu": 100_000}, offload_folder=str(args.folder / "off")

@@ -1,4 +1,4 @@
-"""Train a Focus adapter with plain PEFT + transformers' Trainer (no focus_hf.training helpers).
+"""Train a Focus adapter with plain PEFT + transformers' Trainer (no focus_hf.fitting.trainer helpers).
 
 Copy this script to train Focus routers inside your own pipeline. It uses only:
   - `get_peft_model(model, focus_hf.FocusConfig(...))` to wrap every attention layer with a router;
@@ -28,7 +28,7 @@ import focus_hf  # registers the FOCUS adapter type with PEFT: import it before 
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import resolve_model_id
 from focus_hf.data import load_texts, split_texts, token_blocks
-from focus_hf.parallel import end_process_group
+from focus_hf.fitting.parallel import end_process_group
 
 
 class Blocks(torch.utils.data.Dataset):

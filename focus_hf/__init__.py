@@ -14,6 +14,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from focus_hf.errors import (
@@ -149,6 +150,45 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
+
+# Modules that moved, old import path -> new one. `import focus_hf.distill` and `from focus_hf.distill import ...`
+# (as earlier READMEs and scripts wrote them) still work: they give the module at its new path, with a
+# DeprecationWarning that names it.
+MOVED_MODULES = {
+    "focus_hf.calibration": "focus_hf.fitting.capture",
+    "focus_hf.distill": "focus_hf.fitting.distill",
+    "focus_hf.layerwise": "focus_hf.fitting.layerwise",
+    "focus_hf.full_attention": "focus_hf.fitting.dense_heads",
+    "focus_hf.retrieval": "focus_hf.fitting.retrieval_heads",
+    "focus_hf.audit": "focus_hf.fitting.recall_audit",
+    "focus_hf.training": "focus_hf.fitting.trainer",
+    "focus_hf.metadata": "focus_hf.fitting.metadata",
+    "focus_hf.parallel": "focus_hf.fitting.parallel",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a module of `MOVED_MODULES` under its old name: the very module object of the new path."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        new_name = MOVED_MODULES[spec.name]
+        warnings.warn(
+            f"{spec.name} moved to {new_name}; import it from there (the old path will be removed).",
+            DeprecationWarning,
+            stacklevel=2,  # the importing line: warnings skips importlib's own frames
+        )
+        return importlib.import_module(new_name)
+
+    def exec_module(self, module: Any) -> None:
+        """Nothing to run: `create_module` returned the module, already imported under its new name."""
+
+
+sys.meta_path.insert(0, _MovedModuleFinder())
 
 if "peft" in sys.modules or "transformers" in sys.modules:
     _ensure_registered()

@@ -1,6 +1,6 @@
 """The base models focus_hf knows by a short name (an alias), and where their files live.
 
-The one home of the alias -> Hub id map: `base_models` loads an alias, `training` and `card` record or link
+The one home of the alias -> Hub id map: `base_models` loads an alias, `fitting` and `card` record or link
 its Hub id, and the CLI maps an adapter's recorded Hub id back to the alias. Imports nothing heavy, so the CLI
 can list the aliases in `--help`.
 """

@@ -4,7 +4,7 @@ The card's YAML front matter is what the Hub indexes: `library_name: peft`, the 
 relation, tags, `pipeline_tag`, the license and, when the folder holds an `eval_results.json`, a `model-index`
 with the measured perplexities (base model with full attention vs. the adapter's soft and hard routing).
 The body is built from files in the adapter folder: `adapter_config.json` and the safetensors header (via
-`focus_hf.files.adapter_summary`), `training_log.json` (written by `focus_hf.training`), `eval_results.json`
+`focus_hf.files.adapter_summary`), `training_log.json` (written by `focus_hf.fitting.trainer`), `eval_results.json`
 and an interpretability summary; every part is optional except the adapter config. With interpretability data and
 matplotlib installed, `write_model_card` also draws `group_balance.png` (see `focus_hf.interpret.chart`) into the
 folder and the card embeds it with a relative link, so the Hub shows it once the folder is pushed.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
@@ -117,13 +118,52 @@ def _evaluation_rows(eval_results: dict) -> list[dict[str, str]]:
     return rows
 
 
+# A dataset split as the card's model-index may name it (train, test, heldout, held-out, validation...).
+_SPLIT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def model_index_dataset(value: Any) -> str:
+    """`value` when the card's `model-index` may name it as the evaluation dataset, else a `ValueError`.
+
+    Accepted: a Hub dataset id, `name` or `namespace/name`, each part 1-96 ASCII letters, digits, `-`, `_` or `.`,
+    starting and ending with a letter or digit, without `--` or `..`; or a built-in corpus of `focus_hf.data`
+    (`python-docs`, `python-source`). The value reaches the card's YAML, which the Hub renders: nothing else passes.
+    """
+    from focus_hf.hub.repo_ids import REPO_PART_RE
+
+    if isinstance(value, str):
+        parts = value.split("/")
+        if len(parts) <= 2 and all(REPO_PART_RE.fullmatch(p) and "--" not in p and ".." not in p for p in parts):
+            return value
+    from focus_hf.data import BUILTIN_CORPORA  # imports torch: only reached for a value that is not a Hub id
+
+    if isinstance(value, str) and value in BUILTIN_CORPORA:
+        return value
+    raise ValueError(
+        f"{EVAL_RESULTS_NAME} names the evaluation dataset {value!r}, which the model card cannot show: use a Hub "
+        "dataset id ('name' or 'namespace/name': ASCII letters, digits, '-', '_', '.') or a built-in corpus "
+        f"({', '.join(BUILTIN_CORPORA)}), or remove the 'data' field."
+    )
+
+
+def model_index_split(value: Any) -> str:
+    """`value` when the card's `model-index` may name it as the dataset split (`heldout`, `test`...), else a
+    `ValueError`."""
+    if isinstance(value, str) and _SPLIT_RE.fullmatch(value):
+        return value
+    raise ValueError(
+        f"{EVAL_RESULTS_NAME} names the split {value!r}, which the model card cannot show: use 1-64 ASCII letters, "
+        "digits, '-', '_' or '.' (e.g. 'heldout'), or remove the 'split' field."
+    )
+
+
 def _eval_dataset(eval_results: dict) -> Optional[str]:
     for mode in _MODES:
         entry = eval_results.get(mode)
         if isinstance(entry, dict) and entry.get("data"):
-            return str(entry["data"])
+            return model_index_dataset(entry["data"])
     data = eval_results.get("data")
-    return str(data) if data else None
+    return model_index_dataset(data) if data else None
 
 
 def _eval_results_metadata(eval_results: dict, dataset: Optional[str]) -> list:
@@ -138,7 +178,7 @@ def _eval_results_metadata(eval_results: dict, dataset: Optional[str]) -> list:
             task_name="Language modeling",
             dataset_type=dataset or "custom",
             dataset_name=dataset or "held-out text",
-            dataset_split=str(split) if split else None,
+            dataset_split=model_index_split(split) if split else None,
             metric_type="perplexity",
             metric_name=_METRIC_NAMES[mode],
             metric_value=round(_ppl(eval_results[mode]), 4),
@@ -284,8 +324,10 @@ def render_model_card(
         "base_weights": training_log.get("base_weights") if isinstance(training_log, dict) else None,
     }
     if context["interpretability"] and balance_chart is None and not matplotlib_available():
-        context["balance_chart_note"] = (f"The group-balance chart (`{BALANCE_CHART_NAME}`) is left out: matplotlib "
-                                         f"is not installed (`{MATPLOTLIB_HINT}`, then rerun `focus-hf card`).")  # fmt: skip  # noqa: E501
+        context["balance_chart_note"] = (
+            f"The group-balance chart (`{BALANCE_CHART_NAME}`) is left out: matplotlib is not installed "
+            f"(`{MATPLOTLIB_HINT}`, then rerun `focus-hf card`)."
+        )
     # Every value is escaped (config values come from the adapter folder, possibly someone else's): HTML special
     # characters everywhere, and values in the usage snippet are written as Python string literals. Only the YAML
     # block that huggingface_hub serialised is inserted as is.

@@ -48,6 +48,7 @@ def adapter_size(
     from transformers import AutoModelForCausalLM
 
     import focus_hf
+    from focus_hf.tuner.upstream_warnings import quiet_peft_wrapping
 
     config = _model_config(model_config)
     if focus_config is None:
@@ -57,8 +58,10 @@ def adapter_size(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         base_parameters = sum(p.numel() for p in model.parameters())
-        peft_model = get_peft_model(model, focus_config)
-    state = get_peft_model_state_dict(peft_model)
+        with quiet_peft_wrapping():
+            peft_model = get_peft_model(model, focus_config)
+    # Focus never saves embedding layers; PEFT's "auto" would look the base model's config up on disk or the Hub.
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
     # Uninitialised tensors of the saved shapes and dtypes: serialising them gives the file's exact layout.
     stand_ins = {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") for name, tensor in state.items()}
     recorded = peft_model.peft_config["default"]

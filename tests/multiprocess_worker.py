@@ -2,7 +2,7 @@
 (`script PATH ARGS`), then writes the routers this process ended with to `$FOCUS_TEST_DUMP/rank<RANK>.safetensors`.
 
 Launched as `python -m torch.distributed.run --nproc_per_node 2 tests/multiprocess_worker.py ...` (or plainly,
-for the one-process reference) by tests/test_multiprocess.py.
+for the one-process reference) by tests/fitting/test_multiprocess.py.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def dumping(train):
 def main() -> int:
     kind, *rest = sys.argv[1:]
     if kind == "cli":
-        import focus_hf.distill as distill
-        import focus_hf.layerwise as layerwise
-        import focus_hf.training as training
+        import focus_hf.fitting.distill as distill
+        import focus_hf.fitting.layerwise as layerwise
+        import focus_hf.fitting.trainer as training
         from focus_hf.cli import main as cli_main
 
         # The training functions `focus-hf train` calls (it imports them when it runs), wrapped to dump the routers.

@@ -26,29 +26,44 @@ def _modules() -> dict[str, Path]:
     return {_module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
 
 
-def _imports(path: Path, module: str, *, top_level_only: bool) -> set[str]:
-    """focus_hf modules imported by `module` (module-level statements only when `top_level_only`)."""
+def _is_type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def _import_statements(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: at module level, in functions and classes; `if TYPE_CHECKING:` bodies
+    (never run) are left out, their `else:` branches kept."""
+    found = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        children = node.orelse if _is_type_checking_block(node) else ast.iter_child_nodes(node)
+        pending.extend(children)
+    return found
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """focus_hf modules that `module` imports, wherever the import statement stands."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    nodes = []
-    for node in tree.body if top_level_only else ast.walk(tree):
-        if isinstance(node, ast.If) and top_level_only:  # `if TYPE_CHECKING:` blocks are not run
-            continue
-        nodes.append(node)
     found = set()
     known = _modules()
-    for node in nodes:
+    for node in _import_statements(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
+        else:
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
             names = [source] + [f"{source}.{alias.name}" for alias in node.names]
-        else:
-            continue
         for name in names:
             if name.startswith("focus_hf"):
                 while name and name not in known:
@@ -85,8 +100,41 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle_between_package_modules():
-    graph = {module: _imports(path, module, top_level_only=True) for module, path in _modules().items()}
+    """Imports inside functions count too: a circle there still ties the two modules into one."""
+    graph = {module: _imports(path, module) for module, path in _modules().items()}
     assert _find_cycle(graph) is None, f"import cycle: {' -> '.join(_find_cycle(graph))}"
+
+
+def test_import_reader_counts_function_level_imports_but_not_type_checking_blocks(tmp_path):
+    source = tmp_path / "example.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from focus_hf import errors\n"
+        "if TYPE_CHECKING:\n"
+        "    from focus_hf.tuner.model import FocusModel\n"
+        "else:\n"
+        "    import focus_hf.aliases\n"
+        "def load():\n"
+        "    from focus_hf.hub.loading import resolve_adapter_weights\n"
+        "class Holder:\n"
+        "    def method(self):\n"
+        "        from focus_hf.fitting import distill\n",
+        encoding="utf-8",
+    )
+    assert _imports(source, "focus_hf.example") == {
+        "focus_hf",
+        "focus_hf.errors",
+        "focus_hf.aliases",
+        "focus_hf.hub.loading",
+        "focus_hf.fitting",
+        "focus_hf.fitting.distill",
+    }
+
+
+def test_package_root_holds_at_most_twelve_modules():
+    """Concerns live in folders that name them (attention/, tuner/, fitting/, hub/, interpret/, commands/)."""
+    root_modules = sorted(path.name for path in PACKAGE_ROOT.glob("*.py"))
+    assert len(root_modules) <= 12, root_modules
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -96,9 +144,7 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_library_never_imports_the_cli():
     offenders = {
-        module: sorted(
-            name for name in _imports(path, module, top_level_only=False) if name.startswith("focus_hf.commands")
-        )
+        module: sorted(name for name in _imports(path, module) if name.startswith("focus_hf.commands"))
         for module, path in _modules().items()
         if not module.startswith("focus_hf.commands") and module != "focus_hf.cli"
     }
@@ -154,3 +200,19 @@ def test_cli_help_imports_no_heavy_library_and_is_fast():
     elapsed = time.perf_counter() - started
     if elapsed > 1.0:
         pytest.fail(f"`focus-hf --help` took {elapsed:.2f} s")
+
+
+@pytest.mark.parametrize("old_name", sorted(__import__("focus_hf").MOVED_MODULES))
+def test_moved_module_imports_from_its_old_path_with_a_warning_naming_the_new_one(old_name, monkeypatch):
+    import importlib
+
+    import focus_hf
+
+    new_name = focus_hf.MOVED_MODULES[old_name]
+    assert not (REPO_ROOT / (old_name.replace(".", "/") + ".py")).exists()  # no shim module left behind
+    monkeypatch.delitem(sys.modules, old_name, raising=False)
+    script = compile(f"import {old_name}", "old_script.py", "exec")  # an import statement, as a user's script has
+    with pytest.warns(DeprecationWarning, match=f"{old_name} moved to {new_name}") as caught:
+        exec(script, {})
+    assert sys.modules[old_name] is importlib.import_module(new_name)
+    assert caught[0].filename == "old_script.py"  # the warning points at the importing line, not at importlib

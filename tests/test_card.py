@@ -238,3 +238,55 @@ def test_card_command_measures_perplexity_on_smollm2(tmp_path, capsys):
         round(results[m]["ppl"], 4) for m in ("full", "soft", "hard")
     ]
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # A local corpus is no Hub dataset: the model-index says "custom", the file's name is kept apart.
+    assert {(r.dataset_type, r.dataset_name) for r in card.data.eval_results} == {("custom", "held-out text")}
+    assert results["hard"]["data_file"] == "docs.jsonl" and "data" not in results["hard"]
+
+
+# --- what eval_results.json may put into the card's YAML ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dataset", ["python-docs", "python-source", "wikitext", "Salesforce/wikitext", "org/v1.2_x"])
+def test_model_index_names_a_hub_dataset_id_or_a_builtin_corpus(adapter_dir, tmp_path, dataset):
+    folder = fresh(adapter_dir, tmp_path)
+    results = {"full": {"ppl": 12.5, "data": dataset, "split": "heldout"}, "hard": {"ppl": 13.0}}
+    card = ModelCard.load(write_model_card(folder, eval_results=results))
+    assert {(r.dataset_type, r.dataset_name, r.dataset_split) for r in card.data.eval_results} == {
+        (dataset, dataset, "heldout")
+    }
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    ["<script>alert(1)</script>", "org/<script>", "a/b/c", "/home/me/docs.jsonl", "org--x/data", "-lead", "a..b",
+     "two words", "wikitext\n- injected: yes", "x" * 97, 5, ["python-docs"]],
+)  # fmt: skip
+def test_model_index_refuses_any_other_dataset_value(adapter_dir, tmp_path, dataset):
+    folder = fresh(adapter_dir, tmp_path)
+    (folder / "eval_results.json").write_text(json.dumps({"full": {"ppl": 12.5, "data": dataset}}))
+    with pytest.raises(ValueError, match="evaluation dataset") as refused:
+        write_model_card(folder)
+    message = str(refused.value)
+    assert repr(dataset) in message and "Hub dataset id" in message and "python-docs, python-source" in message
+    assert not (folder / "README.md").exists()
+
+
+def test_card_command_refuses_a_script_as_dataset_and_writes_nothing(adapter_dir, tmp_path, capsys):
+    folder = fresh(adapter_dir, tmp_path)
+    results = {"full": {"ppl": 12.5, "data": "<script>alert(1)</script>"}, "data": "python-docs"}
+    (folder / "eval_results.json").write_text(json.dumps(results))
+    assert cli_main(["card", str(folder)]) == 1
+    error = capsys.readouterr().err
+    assert "focus-hf card: error:" in error and "'<script>alert(1)</script>'" in error and "Hub dataset id" in error
+    assert not (folder / "README.md").exists()
+    results["full"]["data"] = "python-docs"  # fixed: the card is written, and names the corpus
+    (folder / "eval_results.json").write_text(json.dumps(results))
+    assert cli_main(["card", str(folder)]) == 0
+    assert "<script>" not in (folder / "README.md").read_text()
+
+
+@pytest.mark.parametrize("split", ["<script>alert(1)</script>", "held out", "train\nx: 1", "x" * 65, 3])
+def test_model_index_refuses_a_split_that_is_not_a_plain_name(adapter_dir, tmp_path, split):
+    folder = fresh(adapter_dir, tmp_path)
+    with pytest.raises(ValueError, match="names the split"):
+        write_model_card(folder, eval_results={"full": {"ppl": 12.5, "data": "python-docs", "split": split}})

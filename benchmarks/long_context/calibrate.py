@@ -3,10 +3,10 @@
     python benchmarks/long_context/calibrate.py --mass-heads 9 --retrieval-heads 6
     python benchmarks/long_context/calibrate.py --keep-heads --dense-below 2048   # after the speed stage
 
-Runs `focus_hf.full_attention.calibrate_full_attention` on the python-docs *training* split (one 8,192-token block for
-the recall audit, two fresh synthetic retrieval documents for the retrieval audit; nothing from the held-out text
-the benchmark scores), at the adapter's own window and top-k, then saves the adapter in place (the router weights
-are unchanged) and writes what was chosen to `calibration.json`.
+Runs `focus_hf.fitting.dense_heads.calibrate_full_attention` on the python-docs *training* split (one 8,192-token
+block for the recall audit, two fresh synthetic retrieval documents for the retrieval audit; nothing from the
+held-out text the benchmark scores), at the adapter's own window and top-k, then saves the adapter in place (the
+router weights are unchanged) and writes what was chosen to `calibration.json`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from run import ADAPTER, command_line, load_focus, machine  # noqa: E402
 
 import focus_hf  # noqa: E402
 from focus_hf.data import load_texts, split_texts  # noqa: E402
-from focus_hf.full_attention import calibrate_full_attention  # noqa: E402
+from focus_hf.fitting.dense_heads import calibrate_full_attention  # noqa: E402
 
 
 def main() -> None:

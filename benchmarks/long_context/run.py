@@ -1,4 +1,4 @@
-"""Lossless long context benchmark: SmolLM2-135M-Instruct, dense vs a distilled Focus adapter vs training-free baselines.
+"""Lossless long context benchmark on SmolLM2-135M-Instruct: dense, a distilled Focus adapter, training-free baselines.
 
 Stages (each appends to its JSON in benchmarks/long_context/results/):
 
@@ -427,7 +427,7 @@ def stage_audit(args) -> None:
     """Attention mass kept by each Focus variant, its group oracle and its key oracle (`focus_hf.audit_recall`),
     on --blocks held-out python-docs blocks of --seq-len tokens: what the routers lose, what better probes could win
     back with these key groups, and what any selector of the same density could keep."""
-    from focus_hf.audit import audit_recall
+    from focus_hf.fitting.recall_audit import audit_recall
 
     _, heldout = split_texts(load_texts(args.data), heldout_fraction=0.1, seed=0)
     model, tokenizer = load_focus(Path(args.adapter))

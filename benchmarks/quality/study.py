@@ -23,9 +23,12 @@ The committed results come from (40 steps is what this 2-core CPU allows; more s
 
 and a longer run of the K=4 adapter alone (150 steps, in its own folders), to see how the gap to base moves:
 
-    python benchmarks/quality/study.py train --steps 150 --only smollm2-python-docs-k4 --adapters benchmarks/quality/adapters-150-steps --results benchmarks/results/quality-150-steps
-    python benchmarks/quality/study.py ppl --seq-len 2048 --eval-blocks 4 --adapters benchmarks/quality/adapters-150-steps --results benchmarks/results/quality-150-steps
-    python benchmarks/quality/study.py report --adapters benchmarks/quality/adapters-150-steps --results benchmarks/results/quality-150-steps
+    python benchmarks/quality/study.py train --steps 150 --only smollm2-python-docs-k4 \\
+        --adapters benchmarks/quality/adapters-150-steps --results benchmarks/results/quality-150-steps
+    python benchmarks/quality/study.py ppl --seq-len 2048 --eval-blocks 4 \\
+        --adapters benchmarks/quality/adapters-150-steps --results benchmarks/results/quality-150-steps
+    python benchmarks/quality/study.py report \\
+        --adapters benchmarks/quality/adapters-150-steps --results benchmarks/results/quality-150-steps
 
 Every number in the report is measured by these scripts on the machine that ran them; nothing is copied from the
 paper (its figures are quoted side by side, labelled as such).
@@ -39,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,7 +57,7 @@ from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
 from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks
 from focus_hf.evaluation import passkey_answer, perplexity, routing_mode
-from focus_hf.training import train_adapter
+from focus_hf.fitting.trainer import train_adapter
 
 HERE = Path(__file__).resolve().parent
 ADAPTERS = HERE / "adapters"  # replaced by --adapters
@@ -108,7 +112,8 @@ def stage_train(args) -> None:
             out = ADAPTERS / name
         model = get_peft_model(model, config)
         log(
-            f"training {name}: {sum(p.numel() for p in model.parameters() if p.requires_grad):,} parameters, {args.steps} steps of {args.seq_len} tokens, lr {args.lora_lr if lora else args.lr}"
+            f"training {name}: {sum(p.numel() for p in model.parameters() if p.requires_grad):,} parameters, "
+            f"{args.steps} steps of {args.seq_len} tokens, lr {args.lora_lr if lora else args.lr}"
         )
         result = train_adapter(
             model,
@@ -129,7 +134,7 @@ def stage_train(args) -> None:
                 "command": "benchmarks/quality/study.py train",
             },
         )
-        from focus_hf.training import remove_checkpoints
+        from focus_hf.fitting.trainer import remove_checkpoints
 
         remove_checkpoints(out)
         summary[name] = {
@@ -542,9 +547,10 @@ def stage_report(args) -> None:
         lines += [
             "",
             "Budget: " + ", ".join(f"{steps} steps x {seq_len} tokens" for steps, seq_len in budget) + " per adapter "
-            "(batch 1, the same blocks, seed and cosine schedule for every run), set by this 2-core CPU. The paper trains "
-            "GPT-2 for 4,000 steps at 1,024 tokens, 100 times more; its own centroid-only results on 7B models also sit "
-            'above base (Mistral 7B PG-19 10.8 -> 11.6, Qwen2.5 7B 19.3 -> 20.3), so "soft below base" is its GPT-2 result.',
+            "(batch 1, the same blocks, seed and cosine schedule for every run), set by this 2-core CPU. The paper "
+            "trains GPT-2 for 4,000 steps at 1,024 tokens, 100 times more; its own centroid-only results on 7B models "
+            "also sit above base (Mistral 7B PG-19 10.8 -> 11.6, Qwen2.5 7B 19.3 -> 20.3), so "
+            '"soft below base" is its GPT-2 result.',
         ]
 
         lines += [
@@ -557,14 +563,16 @@ def stage_report(args) -> None:
         for name, row in train.items():
             dom = row.get("max_dominance")
             lines.append(
-                f"| {name} | {row['trainable_parameters']:,} | {row['steps']} x {row['seq_len']} | {row['lr']} | {row['wall_time_s']:.0f} s | {row['final_loss']:.3f} | {'' if dom is None else f'{dom:.2f}'} |"
+                f"| {name} | {row['trainable_parameters']:,} | {row['steps']} x {row['seq_len']} | {row['lr']} | "
+                f"{row['wall_time_s']:.0f} s | {row['final_loss']:.3f} | {'' if dom is None else f'{dom:.2f}'} |"
             )
     for ppl_file in ppl_files(args.results):
         ppl = _read(ppl_file)
         full = next(r["ppl"] for r in ppl["rows"] if r["variant"].startswith("base"))
         lines += [
             "",
-            f"## Held-out perplexity ({ppl['windows']} windows of {ppl['seq_len']} tokens, window w={WINDOW}, {SINKS} sinks)",
+            f"## Held-out perplexity ({ppl['windows']} windows of {ppl['seq_len']} tokens, window w={WINDOW}, {SINKS} "
+            "sinks)",
             "",
             "| variant | PPL | vs base |",
             "|---|---|---|",
@@ -581,16 +589,19 @@ def stage_report(args) -> None:
             f"inside: prompts of {kl['prompt_tokens']['inside']} tokens (shorter than the window); outside: prompts of "
             f"{kl['prompt_tokens']['outside']} tokens, positions beyond the window only.",
             "",
-            f"Greedy: {kl.get('greedy_tokens')} new tokens per prompt compared with the base model's (share of identical "
-            "answers, mean tokens before the first difference).",
+            f"Greedy: {kl.get('greedy_tokens')} new tokens per prompt compared with the base model's (share of "
+            "identical answers, mean tokens before the first difference).",
             "",
-            "| variant | mean KL inside | mean KL outside | same greedy answer inside | outside | shared prefix inside | outside |",
+            "| variant | mean KL inside | mean KL outside | same greedy answer inside | outside | shared prefix inside "
+            "| outside |",
             "|---|---|---|---|---|---|---|",
         ]
         for row in kl["rows"]:
             lines.append(
-                f"| {row['variant']} | {row['kl_inside']:.3g} | {row['kl_outside']:.3g} | {row.get('greedy_same_inside', float('nan')):.0%} | "
-                f"{row.get('greedy_same_outside', float('nan')):.0%} | {row.get('greedy_shared_prefix_inside', float('nan')):.1f} | "
+                f"| {row['variant']} | {row['kl_inside']:.3g} | {row['kl_outside']:.3g} | "
+                f"{row.get('greedy_same_inside', float('nan')):.0%} | "
+                f"{row.get('greedy_same_outside', float('nan')):.0%} | "
+                f"{row.get('greedy_shared_prefix_inside', float('nan')):.1f} | "
                 f"{row.get('greedy_shared_prefix_outside', float('nan')):.1f} |"
             )
     passkey = _read(args.results / "passkey.json")
@@ -617,7 +628,9 @@ def stage_report(args) -> None:
         else f"--results {os.path.relpath(args.results.resolve(), HERE.parent.parent)}"
     )
     commands = [
-        line.strip() for line in __doc__.splitlines() if line.strip().startswith("python benchmarks/quality/study.py")
+        line.strip()
+        for line in re.sub(r"\s*\\\n\s*", " ", __doc__).splitlines()  # a command continued with `\` is one line
+        if line.strip().startswith("python benchmarks/quality/study.py")
     ]
     commands = [line for line in commands if (results_option in line if results_option else "--results" not in line)]
     lines += ["", "## Commands", "", "```", *commands, "```"]

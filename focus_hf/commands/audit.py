@@ -16,9 +16,9 @@ from focus_hf.commands.common import (
 
 
 def audit(args: argparse.Namespace, model, tokenizer):
-    """`focus_hf.audit.audit_recall` on held-out blocks of the corpus the parsed `args` name."""
-    from focus_hf.audit import audit_recall
+    """`focus_hf.fitting.recall_audit.audit_recall` on held-out blocks of the corpus the parsed `args` name."""
     from focus_hf.data import token_blocks
+    from focus_hf.fitting.recall_audit import audit_recall
 
     _, heldout_texts = split_corpus(args)
     blocks = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.max_blocks)
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         result.save_png(args.png)
         print(f"heatmap written to {args.png}")
     if args.dense_heads:
-        from focus_hf.audit import calibrate_dense_heads
+        from focus_hf.fitting.recall_audit import calibrate_dense_heads
 
         pairs = calibrate_dense_heads(result, args.dense_heads)
         print(f"\nkv heads losing the most mass (for FocusConfig.dense_heads): {json.dumps(pairs)}")
@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def audit_retrieval_heads(args: argparse.Namespace, model, tokenizer):
-    """`focus_hf.retrieval.audit_retrieval` on two synthetic retrieval documents filled with training text."""
+    """`focus_hf.fitting.retrieval_heads.audit_retrieval` on two synthetic retrieval documents of training text."""
     from focus_hf.data import retrieval_documents
-    from focus_hf.retrieval import audit_retrieval
+    from focus_hf.fitting.retrieval_heads import audit_retrieval
 
     train_texts, _ = split_corpus(args)
     documents = retrieval_documents(tokenizer, train_texts, args.seq_len, 2, seed=1)

@@ -27,9 +27,13 @@ def measure(args: argparse.Namespace) -> dict:
     model.eval()
     path = folder / EVAL_RESULTS_NAME
     results = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    # The card's model-index names a built-in corpus; a local file or folder is no dataset the Hub knows (and its
+    # path is nobody else's business): only its name is recorded, apart.
+    local = Path(args.eval_data).expanduser().exists()
+    data = {"data_file": Path(args.eval_data).name} if local else {"data": str(args.eval_data)}
     for mode in ("full", "soft", "hard"):
         result = perplexity(model, tokenizer, heldout, seq_len=args.seq_len, mode=mode, max_blocks=args.max_blocks)
-        result.update({"data": str(args.eval_data), "split": "heldout", "model": model_name})
+        result.update({**data, "split": "heldout", "model": model_name})
         results[mode] = result
         print(f"{mode}: perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens", file=sys.stderr)
     path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

@@ -115,10 +115,11 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
 
     from focus_hf.aliases import DEFAULT_MODEL, resolve_model_id
     from focus_hf.data import passkey_prompt, retrieval_documents, token_blocks
-    from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
     from focus_hf.evaluation import passkey_answer, perplexity, routing_mode
-    from focus_hf.full_attention import calibrate_full_attention
+    from focus_hf.fitting.dense_heads import calibrate_full_attention
+    from focus_hf.fitting.distill import DistillSettings, distill_routers, save_distilled_adapter
     from focus_hf.tuner.config import FocusConfig
+    from focus_hf.tuner.upstream_warnings import quiet_peft_wrapping
 
     out = Path(args.out)
     if args.seq_len - 1 <= args.window:
@@ -137,7 +138,8 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     sequences += retrieval_documents(tokenizer, train_texts, args.seq_len, 1, seed=args.seed)
     eval_windows = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.eval_blocks)
     config = FocusConfig(num_groups=args.groups, window=args.window, top_k=args.top_k, query_projection=True)
-    model = get_peft_model(model, config).eval()
+    with quiet_peft_wrapping():
+        model = get_peft_model(model, config).eval()
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     print(

@@ -70,7 +70,8 @@ def train(args: argparse.Namespace) -> dict:
     from peft import get_peft_model
 
     from focus_hf.data import token_blocks
-    from focus_hf.training import remove_checkpoints, train_adapter
+    from focus_hf.fitting.trainer import remove_checkpoints, train_adapter
+    from focus_hf.tuner.upstream_warnings import quiet_peft_wrapping
 
     out = Path(args.out)
     torch.manual_seed(args.seed)
@@ -78,7 +79,8 @@ def train(args: argparse.Namespace) -> dict:
     config = focus_config_from_args(args)
     if args.resume:
         config = resume_config(out, config)
-    model = get_peft_model(model, config)
+    with quiet_peft_wrapping():
+        model = get_peft_model(model, config)
     train_texts, heldout_texts = split_corpus(args)
     blocks = token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.max_train_blocks)
     balance = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=1) if args.balance_check else None
@@ -117,11 +119,12 @@ def distill(args: argparse.Namespace) -> dict:
     from peft import get_peft_model
 
     from focus_hf.data import retrieval_documents, token_blocks
-    from focus_hf.distill import DistillSettings, distill_routers, save_distilled_adapter
-    from focus_hf.full_attention import calibrate_full_attention
-    from focus_hf.layerwise import distill_routers_layerwise
-    from focus_hf.parallel import is_main_process, start_process_group
+    from focus_hf.fitting.dense_heads import calibrate_full_attention
+    from focus_hf.fitting.distill import DistillSettings, distill_routers, save_distilled_adapter
+    from focus_hf.fitting.layerwise import distill_routers_layerwise
+    from focus_hf.fitting.parallel import is_main_process, start_process_group
     from focus_hf.tuner.controls import configure_adapter
+    from focus_hf.tuner.upstream_warnings import quiet_peft_wrapping
 
     start_process_group()  # under torchrun / accelerate launch each process distils on its share of the sequences
     out = Path(args.out)
@@ -131,7 +134,8 @@ def distill(args: argparse.Namespace) -> dict:
     if device or dtype:  # before the adapter: the routers are created where the base runs, in float32
         model.to(**({"device": device} if device else {}), **({"dtype": getattr(torch, dtype)} if dtype else {}))
     config = dataclasses.replace(focus_config_from_args(args), query_projection=args.query_router)
-    model = get_peft_model(model, config)
+    with quiet_peft_wrapping():
+        model = get_peft_model(model, config)
     model.eval()
     train_texts, heldout_texts = split_corpus(args)
     sequences = list(token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.sequences))
@@ -189,7 +193,7 @@ def distill(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """`focus-hf train`: train, then print where the adapter went and how the run ended."""
     from focus_hf.files import CHECKPOINTS_DIR
-    from focus_hf.parallel import end_process_group
+    from focus_hf.fitting.parallel import end_process_group
 
     log = train(args)
     # Not on an error: a barrier there would wait for processes still inside a collective; the launcher stops them.

@@ -11,7 +11,8 @@ import re
 
 from focus_hf.errors import InvalidRepoIdError
 
-_REPO_PART_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
+# One part of a Hub id (`namespace` or `name`), as the Hub accepts it.
+REPO_PART_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
 COMMIT_SHA_RE = re.compile(r"[0-9a-f]{40}")
 
 
@@ -58,7 +59,7 @@ def validate_repo_id(repo_id: str) -> str:
     if len(parts) != 2:
         raise InvalidRepoIdError(f"Invalid repo_id {repo_id!r}: it must contain exactly one '/'. {hint}")
     for part in parts:
-        if not _REPO_PART_RE.fullmatch(part):
+        if not REPO_PART_RE.fullmatch(part):
             raise InvalidRepoIdError(
                 f"Invalid repo_id {repo_id!r}: {part!r} must be 1-96 ASCII letters, digits, '-', '_' or '.', "
                 f"starting and ending with a letter or digit. {hint}"

@@ -103,26 +103,30 @@ def render_html(report: dict, title: str = "Focus groups") -> str:
 <title>{html.escape(title)}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 1.5em 2em; color: #222; }}
-h1 {{ font-size: 1.5em; margin: 0 0 0.3em; overflow-wrap: anywhere; }} h2 {{ font-size: 1.15em; margin: 0.6em 0 0.2em; }}
+h1 {{ font-size: 1.5em; margin: 0 0 0.3em; overflow-wrap: anywhere; }}
+h2 {{ font-size: 1.15em; margin: 0.6em 0 0.2em; }}
 .summary {{ max-width: 75em; }} .meta {{ color: #555; margin: 0 0 0.5em; font-size: 13px; }}
 .columns {{ display: flex; gap: 2em; align-items: flex-start; }} .view {{ flex: 1; min-width: 0; }}
 .overview {{ flex: none; position: sticky; top: 1em; font-size: 12px; }}
 .switch {{ display: flex; gap: 0.5em; align-items: center; }} .switch .hint {{ color: #777; font-size: 12px; }}
-pre.text {{ white-space: pre-wrap; overflow-wrap: anywhere; line-height: 1.7; font-size: 14px; border-top: 1px solid #ddd; padding-top: 0.5em; }}
+pre.text {{ white-space: pre-wrap; overflow-wrap: anywhere; line-height: 1.7; font-size: 14px;
+  border-top: 1px solid #ddd; padding-top: 0.5em; }}
 span.t {{ border-radius: 3px; }}
 {group_css}
 table {{ border-collapse: collapse; }}
 table.groups td, table.groups th {{ border: 1px solid #ccc; padding: 2px 8px; font-size: 13px; text-align: left; }}
 table.groups td.tokens {{ font-family: monospace; font-size: 12px; }}
 td.share {{ white-space: nowrap; }}
-.bar {{ display: inline-block; position: relative; width: 90px; height: 10px; background: #eee; margin-right: 6px; vertical-align: middle; }}
+.bar {{ display: inline-block; position: relative; width: 90px; height: 10px; background: #eee; margin-right: 6px;
+  vertical-align: middle; }}
 .bar .fill {{ position: absolute; left: 0; top: 0; bottom: 0; background: #b2182b; }}
 .bar .even {{ position: absolute; top: -2px; bottom: -2px; border-left: 2px dashed #000; }}
 table.heat th {{ font-weight: normal; color: #555; padding: 0 4px; }}
 table.heat td {{ width: 22px; height: 13px; border: 1px solid #fff; }}
 table.heat tr[data-layer] {{ cursor: pointer; }} table.heat tr.current th {{ color: #000; font-weight: bold; }}
 table.heat tr.current td {{ box-shadow: inset 0 2px #000, inset 0 -2px #000; }}
-.scale {{ height: 10px; margin-top: 6px; background: linear-gradient(to right, {blue}, #fff 50%, {red}); border: 1px solid #ccc; }}
+.scale {{ height: 10px; margin-top: 6px; background: linear-gradient(to right, {blue}, #fff 50%, {red});
+  border: 1px solid #ccc; }}
 .scale-labels {{ display: flex; justify-content: space-between; color: #555; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>

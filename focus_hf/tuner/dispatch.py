@@ -5,7 +5,7 @@ accelerate keeps an offloaded module's weights on the meta device and loads them
 never calls them, so no hook would ever load them. Routers are tiny, so they always hold real values on the device
 where the module they wrap computes (its hook's execution device; CPU when the model runs on CPU):
 
-* `execution_device` picks that device when a router is created;
+* `focus_hf.tuner.devices.execution_device` picks that device when a router is created;
 * `pin_routers` records the routers in the model's `hf_device_map`, so that transformers' `load_adapter` loads
   their values there instead of sending them to disk with the layer around them;
 * `PeftModel.load_adapter` (the path of `PeftModel.from_pretrained`) removes a dispatched base's hooks and
@@ -24,31 +24,12 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-# The ParameterDicts of a FocusLayer that hold router tensors (FocusLayer.adapter_layer_names).
-ROUTER_DICTS = ("focus_proj", "focus_centroids", "focus_query_proj")
+from focus_hf.tuner.devices import execution_device
+from focus_hf.tuner.layer import FocusLayer
+
+# The ParameterDicts of a FocusLayer that hold router tensors.
+ROUTER_DICTS = FocusLayer.adapter_layer_names
 _PEFT_PREFIX = "base_model.model"
-
-
-def _hook_devices(module: nn.Module) -> Iterator[Any]:
-    hook = getattr(module, "_hf_hook", None)
-    if hook is None:
-        return
-    for single in getattr(hook, "hooks", None) or [hook]:
-        device = getattr(single, "execution_device", None)
-        if device is not None:
-            yield device
-
-
-def execution_device(module: nn.Module) -> torch.device:
-    """The device `module` computes on: its (or a submodule's) accelerate hook's execution device, else the device
-    of its first weight that is not on the meta device, else CPU (a model built on the meta device)."""
-    for submodule in module.modules():
-        for device in _hook_devices(submodule):
-            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
-    for tensor in module.parameters():
-        if tensor.device.type != "meta":
-            return tensor.device
-    return torch.device("cpu")
 
 
 def _device_map_value(device: torch.device) -> Any:
@@ -59,8 +40,6 @@ def _device_map_value(device: torch.device) -> Any:
 
 
 def _focus_layers(model: nn.Module) -> dict[str, nn.Module]:
-    from focus_hf.tuner.layer import FocusLayer
-
     return {name: module for name, module in model.named_modules() if isinstance(module, FocusLayer)}
 
 

@@ -24,7 +24,7 @@ from focus_hf.attention.routing import (
 )
 from focus_hf.attention.verify import is_verified, verify_shape
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
-from focus_hf.tuner.dispatch import execution_device
+from focus_hf.tuner.devices import execution_device
 
 _CACHE_ATTRIBUTE = "_focus_routing_states"
 # Group-sorted copies of each routed layer's distant keys (`attention.grouped_keys`), by (adapter, layer).

@@ -13,15 +13,11 @@ from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME
 from focus_hf.errors import AdapterFileError, FocusMergeError, FocusRuntimeError
-from focus_hf.files import (
-    calling_adapter_folder,
-    calling_adapter_state_dict,
-    validate_adapter_folder,
-    validate_adapter_state_dict,
-)
+from focus_hf.files import validate_adapter_folder, validate_adapter_state_dict
 from focus_hf.tuner.config import FocusConfig, FocusConfigError
 from focus_hf.tuner.dispatch import pin_routers, unpin_routers
 from focus_hf.tuner.layer import FocusLayer
+from focus_hf.tuner.loader_source import calling_adapter_folder, calling_adapter_state_dict
 from focus_hf.tuner.targets import find_attention_modules
 
 _RECORDED_FIELDS = ("hidden_size", "num_routed_layers", "base_model_type")

@@ -8,8 +8,8 @@ from peft import get_peft_model
 from tiny_models import tiny_model
 
 import focus_hf
-from focus_hf.calibration import capture_layers
-from focus_hf.retrieval import audit_retrieval, copy_events, retrieval_dense_heads
+from focus_hf.fitting.capture import capture_layers
+from focus_hf.fitting.retrieval_heads import audit_retrieval, copy_events, retrieval_dense_heads
 
 
 def focus_model(**options):

@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from focus_hf.tuner.controls import focus_layers
-from focus_hf.tuner.dispatch import execution_device
+from focus_hf.tuner.devices import execution_device
 from focus_hf.tuner.layer import FocusLayer
 from focus_hf.tuner.model import attention_configs
 

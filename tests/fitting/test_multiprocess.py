@@ -5,7 +5,7 @@ run ends where an uninterrupted one does.
 
 The LM corpus is cut to 2 blocks, so that every step's global batch holds both whatever the sampler's order: one
 process with batch 2, or two processes with batch 1 each (DDP averages their gradients). Distillation shares its
-calibration sequences between the processes and sums their gradients (`focus_hf.parallel`).
+calibration sequences between the processes and sums their gradients (`focus_hf.fitting.parallel`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tiny_models import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "multiprocess_worker.py"
 EXAMPLE = ROOT / "examples" / "train_with_trainer.py"
 # Two processes sum their gradients in another order than one process does: float32 rounding, which AdamW's

@@ -13,12 +13,12 @@ from tiny_models import COMMON, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import focus_hf
-import focus_hf.calibration
-import focus_hf.distill
-import focus_hf.layerwise
-from focus_hf.calibration import capture_layers
-from focus_hf.distill import CHECKPOINT_STATE, DistillSettings, distill_routers
-from focus_hf.layerwise import distill_routers_layerwise
+import focus_hf.fitting.capture
+import focus_hf.fitting.distill
+import focus_hf.fitting.layerwise
+from focus_hf.fitting.capture import capture_layers
+from focus_hf.fitting.distill import CHECKPOINT_STATE, DistillSettings, distill_routers
+from focus_hf.fitting.layerwise import distill_routers_layerwise
 from focus_hf.tuner.controls import focus_layers
 
 SETTINGS = DistillSettings(steps=25, lr=0.05, top_m=16, queries_per_sequence=96)
@@ -164,10 +164,12 @@ def census(monkeypatch):
 
         return Counted
 
-    capture = counted(focus_hf.calibration.LayerCapture, "captures")
-    monkeypatch.setattr(focus_hf.calibration, "LayerCapture", capture)
-    monkeypatch.setattr(focus_hf.layerwise, "LayerCapture", capture)
-    monkeypatch.setattr(focus_hf.distill, "LayerTargets", counted(focus_hf.distill.LayerTargets, "targets"))
+    capture = counted(focus_hf.fitting.capture.LayerCapture, "captures")
+    monkeypatch.setattr(focus_hf.fitting.capture, "LayerCapture", capture)
+    monkeypatch.setattr(focus_hf.fitting.layerwise, "LayerCapture", capture)
+    monkeypatch.setattr(
+        focus_hf.fitting.distill, "LayerTargets", counted(focus_hf.fitting.distill.LayerTargets, "targets")
+    )
     return found
 
 

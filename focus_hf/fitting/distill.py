@@ -6,7 +6,7 @@ backpropagation through the model body (SeerAttention and DuoAttention distil th
 
 1. one dense pass of the base model per calibration sequence keeps, for every routed layer, the hidden states
    entering the attention block and, for sampled queries beyond the window, the mass on window + sinks and the
-   `top_m` distant keys with the most mass (`focus_hf.calibration`);
+   `top_m` distant keys with the most mass (`focus_hf.fitting.capture`);
 2. for each layer, Adam maximises the mass the soft routing keeps, per head and query:
 
        kept = local + sum_g q_g * (sum over the top keys j of mass_j * k_jg + tail * mean_j k_jg)
@@ -19,8 +19,8 @@ backpropagation through the model body (SeerAttention and DuoAttention distil th
 
 Because the loss of a layer depends only on that layer's inputs, layers are fitted one after another; a run can
 stop after any layer and resume (`checkpoint_dir`). Under a multi-process launch each process captures and fits on
-its share of the sequences and the processes sum their gradients (`focus_hf.parallel`): every process ends with the
-routers one process would fit on all the sequences.
+its share of the sequences and the processes sum their gradients (`focus_hf.fitting.parallel`): every process ends
+with the routers one process would fit on all the sequences.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from focus_hf.attention.routing import causal_sinkhorn
-from focus_hf.calibration import DistantAttention, capture_layers, distant_attention, query_positions
-from focus_hf.parallel import all_sum, global_sum, is_main_process, shard, sum_gradients
+from focus_hf.fitting.capture import DistantAttention, capture_layers, distant_attention, query_positions
+from focus_hf.fitting.parallel import all_sum, global_sum, is_main_process, shard, sum_gradients
 from focus_hf.tuner.controls import focus_layers
 from focus_hf.tuner.layer import FocusLayer
 
@@ -270,7 +270,7 @@ def fit_layer(layer: FocusLayer, targets: LayerTargets, settings: DistillSetting
         for p, flag in zip(parameters, saved_flags):
             p.requires_grad_(flag)
             p.grad = None
-    loss_value = float(all_sum(fit)) + settings.balance_weight * float(balance)
+    loss_value = float(all_sum(fit)) + settings.balance_weight * float(balance.detach())
     with torch.no_grad():
         kept, key_probs = kept_mass(layer, adapter, targets)
         groups = key_probs.argmax(-1)
@@ -384,8 +384,8 @@ def save_distilled_adapter(
         The training log written to training_log.json.
     """
     from focus_hf.base_models import weights_source
-    from focus_hf.metadata import base_model_id, jsonable, versions
-    from focus_hf.training import TRAINING_LOG_NAME
+    from focus_hf.fitting.metadata import base_model_id, jsonable, versions
+    from focus_hf.fitting.trainer import TRAINING_LOG_NAME
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -394,7 +394,7 @@ def save_distilled_adapter(
     base_id = base_model_id(model, base_model_name_or_path or (config.base_model_name_or_path if config else None))
     readme = out / "README.md"
     previous_card = readme.read_bytes() if readme.is_file() else None
-    # As in focus_hf.training: save without the base id (PEFT would ask the Hub about it), record it after.
+    # As in focus_hf.fitting.trainer: save without the base id (PEFT would ask the Hub about it), record it after.
     if config is not None:
         config.base_model_name_or_path, config.inference_mode = None, True
     try:

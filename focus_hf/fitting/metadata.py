@@ -1,7 +1,7 @@
 """What a saved adapter records about where it came from: the base model id, the package versions, JSON values.
 
-Shared by `focus_hf.training` (router training) and `focus_hf.distill` (router distillation), which both write an
-adapter folder with `adapter_config.json` and `training_log.json`. Imports nothing heavy at module level.
+Shared by `focus_hf.fitting.trainer` (router training) and `focus_hf.fitting.distill` (router distillation), which
+both write an adapter folder with `adapter_config.json` and `training_log.json`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""`focus_hf.parallel` without a process group (the one-process identity) and its refusal of too few items."""
+"""`focus_hf.fitting.parallel` without a process group (the one-process identity) and its refusal of too few items."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from focus_hf import parallel
+from focus_hf.fitting import parallel
 
 
 def test_one_process_is_the_identity(monkeypatch):

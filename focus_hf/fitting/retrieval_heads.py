@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from focus_hf.calibration import LayerCapture, capture_layers
+from focus_hf.fitting.capture import LayerCapture, capture_layers
 from focus_hf.tuner.controls import focus_layers
 
 

@@ -1,11 +1,11 @@
 """Which kv heads keep full attention: picked from the recall audit and the retrieval audit, on training text.
 
 Two kinds of heads lose what routing cannot give back. Heads that spread their attention far and wide lose the most
-attention mass on ordinary text (`focus_hf.audit`); in a small model they sit in the early layers and shape every
-later representation. Retrieval heads pay little mass on average but carry the answer to "what was X?" when a
-query copies a token from far back (`focus_hf.retrieval`). `calibrate_full_attention` takes the first kind from one
-block of training text and the second from synthetic retrieval documents it generates (a seed of their own, so
-not the documents the routers were fitted on), and sets `dense_heads` on the model.
+attention mass on ordinary text (`focus_hf.fitting.recall_audit`); in a small model they sit in the early layers and
+shape every later representation. Retrieval heads pay little mass on average but carry the answer to "what was X?"
+when a query copies a token from far back (`focus_hf.fitting.retrieval_heads`). `calibrate_full_attention` takes the
+first kind from one block of training text and the second from synthetic retrieval documents it generates (a seed of
+their own, so not the documents the routers were fitted on), and sets `dense_heads` on the model.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 from torch import nn
 
-from focus_hf.audit import audit_recall, calibrate_dense_heads
 from focus_hf.data import retrieval_documents, token_blocks
-from focus_hf.retrieval import audit_retrieval, retrieval_dense_heads
+from focus_hf.fitting.recall_audit import audit_recall, calibrate_dense_heads
+from focus_hf.fitting.retrieval_heads import audit_retrieval, retrieval_dense_heads
 from focus_hf.tuner.controls import configure_adapter
 
 

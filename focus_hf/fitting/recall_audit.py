@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from focus_hf.attention.pattern import probed_distant_keys, probed_mask
-from focus_hf.calibration import capture_layers, distant_attention, query_positions
+from focus_hf.fitting.capture import capture_layers, distant_attention, query_positions
 from focus_hf.tuner.controls import focus_layers
 
 

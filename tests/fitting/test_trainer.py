@@ -1,12 +1,11 @@
-"""Training (Trainer-based, routers only), perplexity evaluation and the train / eval / demo commands.
+"""Training (Trainer-based, routers only), perplexity evaluation and the train / eval commands.
 
 Fast tests use a 2-layer random llama saved to a temporary folder with a word-level tokenizer, and a small text
-file; one integration test runs `focus-hf demo` end to end on the real default model.
+file. `focus-hf demo` runs end to end on the real default model in tests/test_cli_output.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -19,7 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerC
 import focus_hf
 from focus_hf.cli import main
 from focus_hf.evaluation import perplexity
-from focus_hf.training import GroupBalanceCallback, dominance, train_adapter
+from focus_hf.fitting.trainer import GroupBalanceCallback, dominance, train_adapter
 from focus_hf.tuner.controls import focus_layers
 
 SEQ_LEN = 32
@@ -151,7 +150,7 @@ def test_resume_continues_from_checkpoint(tiny_dir, text_file, tmp_path):
 
 
 def test_resume_without_checkpoint_starts_fresh(tiny_dir, text_file, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="focus_hf.training"):
+    with caplog.at_level(logging.WARNING, logger="focus_hf.fitting.trainer"):
         _, log = train_tiny(tiny_dir, text_file, tmp_path / "adapter", steps=2, resume=True)
     assert log["steps"] == 2 and log["resumed_from"] is None
     assert "no checkpoint" in caplog.text
@@ -164,7 +163,7 @@ def test_dominance_warning_on_collapse(tiny_dir, text_file, tmp_path, caplog):
         for layer in focus_layers(model):
             # Identical centroids: every token scores every group the same, so all tokens land in group 0.
             layer.focus_centroids["default"].copy_(torch.ones_like(layer.focus_centroids["default"]))
-    with caplog.at_level(logging.WARNING, logger="focus_hf.training"):
+    with caplog.at_level(logging.WARNING, logger="focus_hf.fitting.trainer"):
         log = train_adapter(
             model, train_blocks(tiny_dir, text_file), tmp_path / "adapter", steps=1, lr=1e-6, progress_bar=False
         )
@@ -182,7 +181,7 @@ def test_blocks_inside_the_window_are_refused(tiny_dir, text_file, tmp_path):
 def test_balanced_routing_does_not_warn(caplog):
     callback = GroupBalanceCallback(every=1, threshold=0.5)
     callback._counts = {0: torch.tensor([4, 4, 4, 4]), 1: torch.tensor([7, 1, 0, 0])}
-    with caplog.at_level(logging.WARNING, logger="focus_hf.training"):
+    with caplog.at_level(logging.WARNING, logger="focus_hf.fitting.trainer"):
         record = callback.check(step=3)
     assert record["dominance"] == [0.25, 0.875] and record["max_layer"] == 1
     assert "layer 1: 0.88" in caplog.text and "layer 0" not in caplog.text
@@ -324,31 +323,3 @@ def test_cli_train_then_eval(tiny_dir, text_file, tmp_path, capsys):
 def test_cli_eval_needs_adapter_for_routed_modes(tiny_dir, text_file):
     with pytest.raises(SystemExit, match="--adapter"):
         main(["eval", "--model", str(tiny_dir), "--data", str(text_file), "--mode", "hard", "--seq-len", str(SEQ_LEN)])
-
-
-# --- demo on the real model -------------------------------------------------------------------------------------
-
-
-@pytest.mark.integration
-def test_demo_end_to_end(tmp_path, capsys):
-    out = tmp_path / "demo"
-    arguments = ["demo", "--out", str(out), "--steps", "3", "--seq-len", "384", "--sequences", "1"]
-    arguments += ["--eval-blocks", "1", "--passkeys", "1", "--window", "128", "--no-progress"]
-    assert main(arguments) == 0
-    printed = capsys.readouterr().out
-    assert "Held-out perplexity" in printed and "Passkey retrieval" in printed and str(out) in printed
-    assert "Nothing else was loaded" in printed
-    results = json.loads((out / "eval_results.json").read_text())
-    for mode in ("full", "hard"):
-        assert results[mode]["mode"] == mode and math.isfinite(results[mode]["ppl"]) and results[mode]["tokens"] == 383
-    assert results["hard"]["top_k"] == 1
-    assert results["passkey"]["cases"][0]["key"] in printed
-    assert (out / "README.md").is_file() == (importlib.util.find_spec("focus_hf.card") is not None)
-    assert results["speed"]["seq_len"] == 384 and results["speed"]["speedup"] > 0
-    assert results["training"]["objective"] == "distill" and results["training"]["steps_per_layer"] == 3
-    log = json.loads((out / "training_log.json").read_text())
-    assert log["objective"] == "distill" and len(log["layers"]) == 30
-    config = json.loads((out / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["query_projection"]
-    # 9 heads from the recall audit, then up to 6 retrieval heads (the retrieval document may offer fewer events).
-    assert 9 <= len(config["dense_heads"]) <= 15 and config["dense_heads"] == results["adapter"]["dense_heads"]

@@ -30,8 +30,8 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from focus_hf.base_models import weights_source
 from focus_hf.files import CHECKPOINTS_DIR
+from focus_hf.fitting.metadata import base_model_id, jsonable, versions
 from focus_hf.interpret.groups import RoutingRecorder, group_assignments
-from focus_hf.metadata import base_model_id, jsonable, versions
 from focus_hf.tuner.controls import focus_layers
 
 __all__ = [

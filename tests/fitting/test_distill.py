@@ -11,11 +11,11 @@ from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 import focus_hf
-from focus_hf.audit import audit_recall, calibrate_dense_heads
-from focus_hf.calibration import capture_layers, distant_attention, query_positions
 from focus_hf.cli import main
 from focus_hf.data import RETRIEVAL_FACTS, retrieval_documents
-from focus_hf.distill import CHECKPOINT_STATE, DistillSettings, distill_routers
+from focus_hf.fitting.capture import capture_layers, distant_attention, query_positions
+from focus_hf.fitting.distill import CHECKPOINT_STATE, DistillSettings, distill_routers
+from focus_hf.fitting.recall_audit import audit_recall, calibrate_dense_heads
 from focus_hf.tuner.controls import focus_layers
 
 SETTINGS = DistillSettings(steps=25, lr=0.05, top_m=16, queries_per_sequence=96)
@@ -77,7 +77,7 @@ def test_audit_bounds_and_dense_heads():
 
 def test_key_oracle_equals_a_brute_force_choice():
     # One layer, a few queries: the best `count` distant keys by head-summed mass, checked by enumeration order.
-    from focus_hf.calibration import LayerCapture, distant_attention
+    from focus_hf.fitting.capture import LayerCapture, distant_attention
 
     generator = torch.Generator().manual_seed(0)
     capture = LayerCapture(

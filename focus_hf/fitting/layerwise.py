@@ -1,6 +1,6 @@
 """Layer-by-layer router distillation: the calibration data of one decoder layer in memory at a time.
 
-`focus_hf.distill.distill_routers` runs the whole model once per calibration sequence and keeps every routed
+`focus_hf.fitting.distill.distill_routers` runs the whole model once per calibration sequence and keeps every routed
 layer's targets until the fit. Because a router's loss depends only on its own layer's inputs, the same fit can
 walk the decoder one layer at a time, the way GPTQ-style quantizers calibrate models larger than their device:
 
@@ -8,10 +8,10 @@ walk the decoder one layer at a time, the way GPTQ-style quantizers calibrate mo
    call (the hidden states and what the layer needs besides: position embeddings, mask, ...) and passes the
    embeddings on untouched, so no decoder layer computes;
 2. for each decoder layer in order, each sequence's hidden states go through that layer alone, densely (base
-   attention, the Focus adapter off, `focus_hf.calibration`): the pass records what the attention block saw
+   attention, the Focus adapter off, `focus_hf.fitting.capture`): the pass records what the attention block saw
    (its input hidden states, post-RoPE queries and keys), which is summarised at once (`distant_attention`), and
    its output replaces the sequence's hidden states as the next layer's input;
-3. the layer's router is fitted to those targets (`focus_hf.distill.fit_layer`) before the next layer starts.
+3. the layer's router is fitted to those targets (`focus_hf.fitting.distill.fit_layer`) before the next layer starts.
 
 Held at any time: the hidden states of every sequence at one layer boundary, one sequence's `LayerCapture` and
 one layer's targets. On a model dispatched by accelerate (`device_map` with CPU or disk offload) each decoder
@@ -30,8 +30,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from focus_hf.calibration import LayerCapture, _dense_capturing, capture_from_slot, distant_attention
-from focus_hf.distill import (
+from focus_hf.fitting.capture import LayerCapture, _dense_capturing, capture_from_slot, distant_attention
+from focus_hf.fitting.distill import (
     DistillSettings,
     LayerResult,
     _adapter_name,
@@ -42,9 +42,9 @@ from focus_hf.distill import (
     layer_targets,
     query_sample,
 )
-from focus_hf.parallel import shard
+from focus_hf.fitting.parallel import shard
 from focus_hf.tuner.controls import focus_layers
-from focus_hf.tuner.dispatch import execution_device
+from focus_hf.tuner.devices import execution_device
 from focus_hf.tuner.layer import FocusLayer
 
 # One decoder layer's call: its positional arguments after the hidden states, its keyword arguments, and whether
@@ -96,7 +96,7 @@ def _decoder_layers(body: nn.Module, layers: list[FocusLayer]) -> tuple[nn.Modul
                 return module, owned
     raise ValueError(
         f"{type(body).__name__} has no list of decoder layers that holds every Focus layer: layer-by-layer "
-        "distillation needs one; use focus_hf.distill.distill_routers."
+        "distillation needs one; use focus_hf.fitting.distill.distill_routers."
     )
 
 
