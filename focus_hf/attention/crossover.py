@@ -289,6 +289,8 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
         return find_crossover(time_at, lengths)
 
 
+# Whether this process has said that a measurement under load is not stored.
+_said_under_load: list[bool] = []
 # Crossovers already known in this process, by call signature (`_call_key`): looked up on every attention call,
 # so the key is built from the tensors without the `Shape` (processor name, version strings).
 _known: dict[tuple, int] = {}
@@ -358,11 +360,14 @@ def calibrate(shape: Shape, device: torch.device) -> dict:
     if other_cores is not None:
         entry["other_cores_busy"] = round(other_cores, 2)
         if other_cores > OTHER_CORES_MAX:
-            print(
-                f"focus_hf: other processes kept {other_cores:.1f} CPU cores busy while the {shape.kind} crossover "
-                f"was measured ({crossover} keys); it is used in this process only and measured again in the next",
-                file=sys.stderr,
-            )
+            if not _said_under_load:  # once per process: a model measures several shapes in a row
+                _said_under_load.append(True)
+                print(
+                    f"focus_hf: other processes kept {other_cores:.1f} CPU cores busy while 'auto' measured where its "
+                    "dense and sparse paths cross; such measurements are used in this process only and taken again "
+                    f"in the next (set {CROSSOVER_ENV} to a number of tokens to skip them)",
+                    file=sys.stderr,
+                )
             return entry
     write_entry(shape, entry)
     _known.clear()  # later calls read the new value from the cache file
