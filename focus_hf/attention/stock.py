@@ -142,6 +142,41 @@ def mask_lookup(model_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_l
     return lookup
 
 
+def pair_terms(
+    valid: torch.Tensor,
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    q_len: int,
+    kv_len: int,
+    model_mask: Optional[torch.Tensor],
+) -> Callable:
+    """The pattern's terms for a FlexAttention mask in token order (queries the last q_len of kv_len tokens):
+    terms(b, q_index, kv_index) -> (the key is real, not in the query's future and allowed by the model's mask;
+    it is within the window or a sink; its group is one the query probes)."""
+    offset, top_k = kv_len - q_len, query_groups.shape[-1]
+    q_span, kv_span = -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
+    real = _padded(valid, 1, kv_span, False)
+    sinks = _padded(key_sink, 1, kv_span, False)
+    groups = _padded(key_groups, 1, kv_span, -2)
+    probes = _padded(query_groups, 1, q_span, -3)
+    allowed = mask_lookup(model_mask, valid.shape[0], q_len, kv_len)
+
+    def terms(b, q_index, kv_index):
+        distance = q_index + offset - kv_index
+        group = groups[b, kv_index]
+        probed = probes[b, q_index, 0] == group
+        for slot in range(1, top_k):
+            probed = probed | (probes[b, q_index, slot] == group)
+        visible = real[b, kv_index] & (distance >= 0)
+        if allowed is not None:
+            visible = visible & allowed(b, q_index, kv_index)
+        return visible, (distance <= window) | sinks[b, kv_index], probed
+
+    return terms
+
+
 def window_blocks(q_len: int, kv_len: int, window: int, key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block lists of set B in token order: for each block of BLOCK queries, the key blocks that hold sinks before its
     window, then those of its window. Returns kv_num_blocks [batch, q_blocks] and kv_indices [batch, q_blocks, width]
@@ -188,23 +223,11 @@ def window_and_sinks(
     """Set B in one FlexAttention call: output [batch, heads, q, dim] and lse [batch, heads, q] float32 (the model's
     mask, if given, read pair by pair: `mask_lookup`)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    offset, top_k = kv_len - q_len, query_groups.shape[-1]
-    q_span, kv_span = -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
-    real = _padded(valid, 1, kv_span, False)
-    sinks = _padded(key_sink, 1, kv_span, False)
-    groups = _padded(key_groups, 1, kv_span, -2)
-    probes = _padded(query_groups, 1, q_span, -3)
-    allowed = mask_lookup(model_mask, query.shape[0], q_len, kv_len)
+    terms = pair_terms(valid, query_groups, key_groups, key_sink, window, q_len, kv_len, model_mask)
 
     def mask_mod(b, h, q_index, kv_index):
-        distance = q_index + offset - kv_index
-        group = groups[b, kv_index]
-        probed = probes[b, q_index, 0] == group
-        for slot in range(1, top_k):
-            probed = probed | (probes[b, q_index, slot] == group)
-        reach = (distance <= window) | sinks[b, kv_index]
-        visible = real[b, kv_index] & (distance >= 0) & reach & ~probed
-        return visible if allowed is None else visible & allowed(b, q_index, kv_index)
+        real, local_or_sink, probed = terms(b, q_index, kv_index)
+        return real & local_or_sink & ~probed
 
     count, indices = window_blocks(q_len, kv_len, window, key_sink)
     blocks = BlockLists(count, indices, None, None, mask_mod, q_len, kv_len)
@@ -230,25 +253,15 @@ def pattern_attention(
     heads, dim]. `model_mask`: as in `stock_sparse_attention` (no block is then full)."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    offset, top_k = kv_len - q_len, query_groups.shape[-1]
+    offset = kv_len - q_len
     valid = key_valid
     if valid is None:
         valid = torch.ones(batch, kv_len, dtype=torch.bool, device=query.device)
-    q_span, kv_span = -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
-    real = _padded(valid, 1, kv_span, False)
-    sinks = _padded(key_sink, 1, kv_span, False)
-    groups = _padded(key_groups, 1, kv_span, -2)
-    probes = _padded(query_groups, 1, q_span, -3)
-    allowed = mask_lookup(model_mask, batch, q_len, kv_len)
+    terms = pair_terms(valid, query_groups, key_groups, key_sink, window, q_len, kv_len, model_mask)
 
     def mask_mod(b, h, q_index, kv_index):
-        distance = q_index + offset - kv_index
-        group = groups[b, kv_index]
-        reach = (distance <= window) | sinks[b, kv_index] | (probes[b, q_index, 0] == group)
-        for slot in range(1, top_k):
-            reach = reach | (probes[b, q_index, slot] == group)
-        visible = real[b, kv_index] & (distance >= 0) & reach
-        return visible if allowed is None else visible & allowed(b, q_index, kv_index)
+        real, local_or_sink, probed = terms(b, q_index, kv_index)
+        return real & (local_or_sink | probed)
 
     device = query.device
     q_blocks, kv_blocks = -(-q_len // BLOCK), -(-kv_len // BLOCK)
@@ -258,7 +271,7 @@ def pattern_attention(
     # and no key of it is padding.
     full_start = torch.clamp(last - window + BLOCK - 1, min=0) // BLOCK
     full_end = torch.clamp((first + 1) // BLOCK, max=kv_blocks)  # exclusive: blocks ending at or before `first`
-    padded_blocks = ~real.view(batch, -1, BLOCK).all(dim=-1)  # [batch, kv_blocks]
+    padded_blocks = ~_padded(valid, 1, kv_blocks * BLOCK, False).view(batch, -1, BLOCK).all(dim=-1)
     full_end = torch.maximum(full_end, full_start)
     slot = torch.arange(kv_blocks, device=device)
     in_full = (slot >= full_start[:, None]) & (slot < full_end[:, None])  # [q_blocks, kv_blocks]

@@ -21,11 +21,11 @@ from typing import Callable, Optional
 import torch
 
 from focus_hf.attention.backends import cuda_sdpa_kernel
-from focus_hf.attention.doubles import flex_attention_double, varlen_attention_double
+from focus_hf.attention.doubles import varlen_attention_double
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.stock import stock_sparse_attention
-from focus_hf.attention.stock_kernels import BLOCK, NEG, BlockLists, StockKernels, stock_kernels
+from focus_hf.attention.stock_kernels import BLOCK, NEG, BlockLists, StockKernels, cpu_flex, stock_kernels
 
 # Largest absolute difference from the float64 answer a check accepts, by input dtype (outputs are O(1)).
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 4e-2, torch.float16: 1e-2}
@@ -151,18 +151,7 @@ def check_flex(kernels: StockKernels, config: Configuration, generator: torch.Ge
     )
     scale = config.head_dim**-0.5
     output, lse = kernels.flex(query, key, value, blocks, scale)
-    expected, expected_lse = flex_attention_double(
-        query,
-        key,
-        value,
-        kv_num_blocks=blocks.kv_num_blocks[:, None],
-        kv_indices=blocks.kv_indices[:, None],
-        full_kv_num_blocks=blocks.full_num_blocks[:, None],
-        full_kv_indices=blocks.full_indices[:, None],
-        mask_mod=mask_mod,
-        block_size=BLOCK,
-        scale=scale,
-    )
+    expected, expected_lse = cpu_flex(query, key, value, blocks, scale)
     tolerance = TOLERANCE.get(config.dtype, 4e-2)
     empty = expected_lse == float("-inf")
     if not bool(empty.any()):

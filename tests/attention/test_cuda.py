@@ -16,12 +16,8 @@ import focus_hf
 import focus_hf.attention.hard as hard
 import focus_hf.attention.verify as verify
 from focus_hf.attention.backends import flash_attn_function
-from focus_hf.attention.doubles import (
-    efficient_attention_double,
-    flex_attention_double,
-    varlen_attention_double,
-)
-from focus_hf.attention.stock_kernels import BLOCK, BlockLists, cuda_flex, cuda_kernels
+from focus_hf.attention.doubles import efficient_attention_double, varlen_attention_double
+from focus_hf.attention.stock_kernels import BLOCK, BlockLists, cpu_flex, cuda_flex, cuda_kernels
 
 pytestmark = [
     pytest.mark.cuda,
@@ -87,18 +83,7 @@ def test_flex_double_answers_as_the_compiled_kernel(dtype):
         kv_len=3 * BLOCK - 9,
     )
     output, lse = cuda_flex(query, key, value, blocks, 0.125)
-    expected, expected_lse = flex_attention_double(
-        query,
-        key,
-        value,
-        kv_num_blocks=blocks.kv_num_blocks[:, None],
-        kv_indices=blocks.kv_indices[:, None],
-        full_kv_num_blocks=blocks.full_num_blocks[:, None],
-        full_kv_indices=blocks.full_indices[:, None],
-        mask_mod=mask_mod,
-        block_size=BLOCK,
-        scale=0.125,
-    )
+    expected, expected_lse = cpu_flex(query, key, value, blocks, 0.125)  # FlexAttention's double
     empty = expected_lse == float("-inf")
     assert bool(empty.any()) and bool((lse[empty] == float("-inf")).all()) and bool((output[empty] == 0).all())
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
