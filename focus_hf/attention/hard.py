@@ -105,6 +105,8 @@ def hard_attention(
     if model_mask is None and q_len in (1, kv_len) and not compiling and probes_every_group(query_groups, num_groups):
         # Every key's group is probed: the pattern is plain causal attention (on CPU the kernel's, which takes short
         # causal calls in the C kernel of `native`).
+        if paged is not None:
+            paged.invalidate()  # it missed this step's key
         if query.device.type == "cpu" and q_len > 1:
             output, _ = kernel(query, key, value, causal=True, bias=None, scale=scaling)
         else:
@@ -122,6 +124,8 @@ def hard_attention(
         lookup = model_mask if general else None  # read by the kernels' masks, pair by pair
         if decode and q_len == 1 and paged is not None and not general and not short:
             return paged_decode(query, key, value, key_valid, *arguments[:-1], paged, stock)
+        if paged is not None:
+            paged.invalidate()  # it misses this step's key: rebuilt when a step reads it again
         if short or decode:  # few queries without a paged copy: one call over every causal block
             return pattern_attention(query, key, value, key_valid, *arguments[:-1], stock, lookup)
         routing = (query_groups, key_groups, key_sink, num_groups, window, scaling, stock, own_group, lookup)

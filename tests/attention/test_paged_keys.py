@@ -115,3 +115,37 @@ def test_generate_with_the_stock_backend_steps_through_the_paged_copy(monkeypatc
         )
     assert torch.equal(generated["stock"], generated["reference"])
     assert len(steps) == 11 * 2  # every step after the prefill, in both layers
+
+
+def test_a_step_that_does_not_read_the_copy_has_it_rebuilt(monkeypatch):
+    # A step whose query probes every group runs plain causal attention; the copy misses its key and must not be
+    # read as if it had it.
+    monkeypatch.setattr(paged_keys, "FILE_EVERY", 4)
+    groups, window, length = 3, 6, 120
+    query, key, value, query_groups, key_groups, valid, sink = decoding_case(2, 1, length, groups, 3, 0, 2)
+    query_groups[..., 1:] = query_groups[..., :1]  # one probe each (adaptive probing) ...
+    query_groups[:, 100] = torch.tensor([0, 1, 2])  # ... but at position 100 every group
+    store = PagedKeys(groups, window)
+    positions = torch.arange(length)
+    verify.forget_verdicts()
+    for n in range(95, 110):
+        q = query[:, :, n - 1 : n]
+        output = hard.hard_attention(
+            q,
+            key[:, :, :n],
+            value[:, :, :n],
+            None,
+            query_groups=query_groups[:, n - 1 : n],
+            key_groups=key_groups[:, :n],
+            key_sink=sink[:, :n],
+            num_groups=groups,
+            window=window,
+            scaling=SCALING,
+            backend="stock",
+            paged=store,
+        )
+        allowed = allowed_pairs(
+            query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], positions[n - 1 : n], positions[:n], window
+        )
+        expected = dense_attention(q, key[:, :, :n], value[:, :, :n], allowed[:, None], scaling=SCALING)
+        torch.testing.assert_close(output, expected, atol=ATOL, rtol=0)
