@@ -7,8 +7,8 @@ of issue 37 it is held against).
 
 | stage         | file               | what                                                                         |
 |---------------|--------------------|------------------------------------------------------------------------------|
-| tests         | tests.json         | pytest -k cuda on the test files that mention CUDA: tests marked `cuda` or   |
-|               |                    | named so (they skip without CUDA)                                            |
+| tests         | tests.json         | pytest -m cuda on the test files that mention CUDA: the tests marked `cuda`  |
+|               |                    | (they skip without CUDA)                                                     |
 | attention     | attention.json     | benchmarks/gpu_attention.py: one Llama-shaped layer, 32/8 heads, d 64, K=8,  |
 |               |                    | w=128, top-1 and top-2, 4K-1M tokens, dense timed in the same run            |
 | auto          | auto.json          | focus-hf bench --backend auto, same shape, 1K-256K: auto against dense       |
@@ -64,7 +64,7 @@ class Stage:
 
 
 def cuda_test_files() -> list[str]:
-    """The test files that mention CUDA (a test marked `cuda`, named so or parametrised over it is in one of them):
+    """The test files that mention CUDA (every test marked `cuda` is in one of them):
     collecting only those keeps the stage short and clear of modules that need packages the GPU machine lacks."""
     files = sorted(ROOT.glob("tests/**/test_*.py"))
     return [str(path.relative_to(ROOT)) for path in files if "cuda" in path.read_text(encoding="utf-8").lower()]
@@ -77,8 +77,8 @@ def tests_command(device: str, path: Path) -> list[str]:
         "pytest",
         *cuda_test_files(),
         "-q",
-        "-k",
-        "cuda",  # -k matches marker names too: tests marked `cuda`, and tests named so
+        "-m",
+        "cuda",  # the tests marked `cuda` (pyproject's marker), not CPU tests that only mention CUDA in their names
         "-p",
         "pytest_report",
         "-p",
@@ -234,7 +234,7 @@ def figures(out: Path, cuda: bool) -> list[dict]:
         summary = ", ".join(f"{count} {outcome}" for outcome, count in sorted(counts.items())) or "none ran"
         bad = sum(counts.get(key, 0) for key in ("failed", "error", "collection error"))
         ok = counts.get("passed", 0) > 0 and bad == 0 and tests.get("finished", False)
-        rows.append(figure("tests", "pytest -k cuda", None, summary, None, "", ("all pass", ok)))
+        rows.append(figure("tests", "pytest -m cuda", None, summary, None, "", ("all pass", ok)))
     attention = load(out / "attention.json")
     for row in attention.get("rows", []) if isinstance(attention, dict) else []:
         label = f"top-{row['top_k']} prefill {tokens_label(row['tokens'])}"
