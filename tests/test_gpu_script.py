@@ -139,7 +139,7 @@ def test_summary_holds_figures_against_the_targets(tmp_path):
     write_json(tmp_path, "peak_memory.json", memory)
     rows = {(row["stage"], row["figure"]): row for row in gpu_run.figures(tmp_path, cuda=True)}
 
-    assert rows["tests", "pytest -k cuda"]["meets_target"] is True
+    assert rows["tests", "pytest -m cuda"]["meets_target"] is True
     assert rows["attention", "top-1 prefill 64K"]["meets_target"] is False
     assert rows["attention", "top-1 prefill 1M"]["meets_target"] is True
     assert rows["attention", "top-1 prefill 1M peak"]["ratio"] == pytest.approx(1.05)
