@@ -222,7 +222,7 @@ class PagedKeys:
         count = ring_pages + pages.sum(dim=1)
 
         position, ring, window = self.position, self.ring, self.window
-        newest = n - 1
+        newest = torch.full((), n - 1, dtype=torch.long, device=device)  # a tensor: a new value compiles nothing
 
         def mask_mod(b, h, q_index, kv_index):
             slot_position = position[b, kv_index]

@@ -118,6 +118,12 @@ def _bound(count: torch.Tensor, static_bound: int) -> int:
     return max(int(count.max()) if count.numel() else 0, 1)
 
 
+def _scalar(value: int, device: torch.device) -> torch.Tensor:
+    """A number a mask reads, as a 0-d tensor: a Python int captured by a mask is a constant of the compiled kernel,
+    which would be compiled again for every new value (a new length, a new decoding step)."""
+    return torch.full((), value, dtype=torch.long, device=device)
+
+
 def _padded(tensor: torch.Tensor, dim: int, length: int, value) -> torch.Tensor:
     """`tensor` padded along `dim` to `length` with `value`: the kernel evaluates masks on whole blocks, so the
     tensors a mask reads cover every index of its last, partial block."""
@@ -130,14 +136,15 @@ def _padded(tensor: torch.Tensor, dim: int, length: int, value) -> torch.Tensor:
 
 
 def mask_lookup(model_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int) -> Optional[Callable]:
-    """allowed(b, query, key) -> bool read from the model's mask [batch or 1, 1, q, kv] (indices clamped into range:
-    a kernel evaluates whole blocks), or None without a mask."""
+    """allowed(b, query, key) -> bool read from the model's mask [batch or 1, 1, q, kv] (padded to whole blocks, which
+    a kernel evaluates), or None without a mask."""
     if model_mask is None:
         return None
     allowed = model_mask[:, 0].expand(batch, q_len, kv_len)
+    allowed = _padded(_padded(allowed, 1, -(-q_len // BLOCK) * BLOCK, False), 2, -(-kv_len // BLOCK) * BLOCK, False)
 
     def lookup(b, query, key):
-        return allowed[b, query.clamp(0, q_len - 1), key.clamp(0, kv_len - 1)]
+        return allowed[b, query, key]
 
     return lookup
 
@@ -155,7 +162,8 @@ def pair_terms(
     """The pattern's terms for a FlexAttention mask in token order (queries the last q_len of kv_len tokens):
     terms(b, q_index, kv_index) -> (the key is real, not in the query's future and allowed by the model's mask;
     it is within the window or a sink; its group is one the query probes)."""
-    offset, top_k = kv_len - q_len, query_groups.shape[-1]
+    top_k = query_groups.shape[-1]
+    offset = _scalar(kv_len - q_len, valid.device)
     q_span, kv_span = -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
     real = _padded(valid, 1, kv_span, False)
     sinks = _padded(key_sink, 1, kv_span, False)
@@ -470,6 +478,7 @@ def fold_probed_groups(
     q_span, kv_span = -(-entries // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
     mask_groups = _padded(entry_group, 1, q_span, -1)
     mask_positions = _padded(entry_position, 1, q_span, -1)
+    mask_queries = _padded(entry_order // top_k, 1, q_span, 0)  # each entry's query row (for the model's mask)
     key_segment = _padded(segment.gather(1, key_order), 1, kv_span, -2)
     key_position = _padded(key_order, 1, kv_span, kv_len)
     allowed = mask_lookup(model_mask, batch, q_len, kv_len)
@@ -479,7 +488,7 @@ def fold_probed_groups(
         visible = same & (key_position[b, kv_index] <= mask_positions[b, q_index])
         if allowed is None:
             return visible
-        return visible & allowed(b, mask_positions[b, q_index] - offset, key_position[b, kv_index])
+        return visible & allowed(b, mask_queries[b, q_index], key_position[b, kv_index])
 
     if model_mask is not None:  # the mask may hide pairs inside a full block
         full_count = torch.zeros_like(full_count)

@@ -17,6 +17,7 @@ from tiny_models import VOCAB
 import focus_hf
 import focus_hf.attention.fast as fast
 import focus_hf.attention.hard as hard
+import focus_hf.attention.paged_keys as paged_keys_module
 import focus_hf.attention.stock as stock
 import focus_hf.attention.verify as verify
 from focus_hf.attention.backends import cuda_sdpa_kernel
@@ -507,3 +508,42 @@ def test_unknown_padding_mask_is_read_not_assumed():
     # Left padding only, but not known to be: the same results through the mask lookup.
     output, reference, rows = run_case(dict(BASE_CASE, side="left"), backend="stock", mask_is_padding=None)
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+
+
+def closure_constants(function) -> list:
+    """The plain values a mask closes over (tensors are inputs of a compiled kernel; these are its constants)."""
+    values = []
+    for cell in function.__closure__ or ():
+        value = cell.cell_contents
+        if callable(value):
+            values += closure_constants(value)
+        elif not isinstance(value, torch.Tensor):
+            values.append(value)
+    return values
+
+
+def test_masks_close_over_no_value_that_changes_with_the_length():
+    # A compiled FlexAttention kernel takes the numbers its mask closes over as constants: one that changed with the
+    # sequence length or the decoding step would compile the kernel again for every call.
+    captured = []
+    twin = cpu_twin_kernels()
+
+    def capture(query, key, value, blocks, scale):
+        captured.append(blocks.mask_mod)
+        return twin.raw_flex(query, key, value, blocks, scale)
+
+    kernels = StockKernels("capture", capture, None, False, (), twin.head_dims)
+    for length, q_len in ((300, 300), (333, 200)):
+        arguments, _, _ = sparse_case(length=length, q_len=q_len, top_k=2, separate=True)
+        stock.stock_sparse_attention(*arguments, kernels)
+        stock.pattern_attention(*arguments[:7], *arguments[8:], kernels)
+    for first, second in zip(captured[:3], captured[3:]):
+        assert closure_constants(first) == closure_constants(second)
+    store = paged_keys_module.PagedKeys(4, 16)
+    masks = []
+    for n in (300, 301):
+        arguments, _, _ = sparse_case(length=n, q_len=1)
+        query, key, value, valid, query_groups, key_groups, sink, _, window, scaling = arguments
+        store.update(key, value, key_groups, sink, valid, window)
+        masks.append(store.decode_blocks(query_groups[:, 0], key_groups, sink, n).mask_mod)
+    assert closure_constants(masks[0]) == closure_constants(masks[1])
