@@ -128,15 +128,20 @@ def cuda_sdpa_kernel(
     return output, lse
 
 
-@functools.lru_cache(maxsize=1)
-def flash_attn_function() -> Optional[Callable]:
-    """flash-attn's `flash_attn_func` (version 3 preferred), or None when neither version is installed."""
+@functools.lru_cache(maxsize=None)
+def flash_attn_callable(name: str) -> Optional[Callable]:
+    """flash-attn's function `name` (version 3 preferred), or None when neither version is installed."""
     for module_name in ("flash_attn_interface", "flash_attn"):
         try:
-            return importlib.import_module(module_name).flash_attn_func
+            return getattr(importlib.import_module(module_name), name)
         except (ImportError, AttributeError):
             continue
     return None
+
+
+def flash_attn_function() -> Optional[Callable]:
+    """flash-attn's `flash_attn_func`, or None when flash-attn is not installed."""
+    return flash_attn_callable("flash_attn_func")
 
 
 def flash_kernel(

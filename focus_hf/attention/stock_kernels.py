@@ -16,7 +16,6 @@ CPU twin - the same decomposition, exact and slow, for tests and `backend="stock
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -24,6 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from focus_hf.attention.backends import flash_attn_callable
 from focus_hf.attention.doubles import flex_attention_double, varlen_attention_op
 
 NEG = torch.finfo(torch.float32).min  # log-sum-exp of a row without a visible key
@@ -205,16 +205,6 @@ def torch_varlen_function() -> Optional[tuple[Callable, bool]]:
     return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def flash_attn_varlen_function() -> Optional[Callable]:
-    """flash-attn's `flash_attn_varlen_func` (version 3 preferred), or None when neither is installed."""
-    for module_name in ("flash_attn_interface", "flash_attn"):
-        try:
-            return importlib.import_module(module_name).flash_attn_varlen_func
-        except (ImportError, AttributeError):
-            continue
-    return None
-
-
 def _torch_varlen(function: Callable, gqa: bool) -> RawVarlen:
     from torch.nn.attention.varlen import AuxRequest
 
@@ -258,7 +248,7 @@ def _flash_attn_varlen(function: Callable) -> RawVarlen:
 
 def cuda_kernels(prefer_flash_attn: bool = True) -> StockKernels:
     """The CUDA kernels: compiled FlexAttention, and flash-attn's varlen (when installed and preferred) or torch's."""
-    flash = flash_attn_varlen_function() if prefer_flash_attn else None
+    flash = flash_attn_callable("flash_attn_varlen_func") if prefer_flash_attn else None
     if flash is not None:
         return StockKernels(
             "cuda: FlexAttention + flash-attn varlen",
