@@ -26,7 +26,7 @@ import torch
 
 import focus_hf
 from focus_hf.attention.backends import cpu_kernel
-from focus_hf.attention.partials import LOCAL_BLOCK
+from focus_hf.attention.cpu.partials import LOCAL_BLOCK
 from focus_hf.commands.bench import machine_fields
 
 HERE = Path(__file__).resolve().parent

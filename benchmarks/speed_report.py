@@ -211,7 +211,7 @@ def decode_section(rows: list[dict[str, Any]]) -> list[str]:
         f"{first['heads']}x{first['head_dim']} heads / {first['kv_heads']} kv, {first['dtype']}, {first['processor']}, "
         f"{first['threads']} threads, backend {first['backend']}; median of {first['repeats']} alternating "
         "repetitions; a step's attention in "
-        f"{'the C kernel (attention/native.py)' if first.get('decode_kernel') == 'C' else 'torch operations'}.",
+        f"{'the C kernel (attention/cpu/native.py)' if first.get('decode_kernel') == 'C' else 'torch operations'}.",
         "",
         "| cache tokens | top_k | dense ms | Focus ms | speedup | ideal (keys read) | Focus path | load avg |",
         "|---|---|---|---|---|---|---|---|",

@@ -216,3 +216,17 @@ def test_moved_module_imports_from_its_old_path_with_a_warning_naming_the_new_on
         exec(script, {})
     assert sys.modules[old_name] is importlib.import_module(new_name)
     assert caught[0].filename == "old_script.py"  # the warning points at the importing line, not at importlib
+
+
+def test_attention_engines_keep_to_their_folders():
+    """The CPU engine (attention/cpu/) and the GPU engine (attention/gpu/) never import each other: what both need
+    (the pattern, routing, reference, kernel choice) lives in attention/ itself."""
+    engines = {"focus_hf.attention.cpu": "focus_hf.attention.gpu", "focus_hf.attention.gpu": "focus_hf.attention.cpu"}
+    crossings = {}
+    for module, path in _modules().items():
+        for engine, other in engines.items():
+            if module.startswith(engine):
+                found = sorted(name for name in _imports(path, module) if name.startswith(other))
+                if found:
+                    crossings[module] = found
+    assert crossings == {}

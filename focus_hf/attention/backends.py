@@ -33,7 +33,7 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.native import prefill_attention
+from focus_hf.attention.cpu.native import prefill_attention
 from focus_hf.errors import BackendUnavailableError
 
 FLASH_INSTALL_HINT = "pip install flash-attn"

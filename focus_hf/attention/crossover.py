@@ -222,11 +222,11 @@ def random_inputs(shape: Shape, length: int, device: torch.device, generator: to
 def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGTHS) -> tuple[int, list[dict]]:
     """Time the dense masked call against the sparse path of `shape.kind` on random inputs; see `find_crossover`."""
     from focus_hf.attention.backends import select_kernel
-    from focus_hf.attention.fast import decode_attention, masked_attention, sparse_attention
-    from focus_hf.attention.grouped_keys import one_step_behind
-    from focus_hf.attention.paged_keys import PagedKeys, filed_before
-    from focus_hf.attention.stock import paged_decode, pattern_attention, stock_sparse_attention
-    from focus_hf.attention.verify import verified_kernels
+    from focus_hf.attention.cpu.fast import decode_attention, masked_attention, sparse_attention
+    from focus_hf.attention.cpu.grouped_keys import one_step_behind
+    from focus_hf.attention.gpu.paged_keys import PagedKeys, filed_before
+    from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_sparse_attention
+    from focus_hf.attention.gpu.verify import verified_kernels
 
     kernel = select_kernel("sdpa", device)
     generator = torch.Generator().manual_seed(0)

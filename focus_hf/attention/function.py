@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from focus_hf.attention.grouped_keys import GroupedKeys
+from focus_hf.attention.cpu.grouped_keys import GroupedKeys
+from focus_hf.attention.cpu.native import attend_runs
+from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.hard import hard_attention
-from focus_hf.attention.native import attend_runs
-from focus_hf.attention.paged_keys import PagedKeys
 from focus_hf.attention.pattern import allowed_pairs, pair_distance, soft_gate
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import RoutingState, TokenRouting

@@ -16,20 +16,20 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import select_kernel
-from focus_hf.attention.crossover import dense_below
-from focus_hf.attention.fast import (
+from focus_hf.attention.cpu.fast import (
     DECODE_MAX_QUERIES,
     decode_attention,
     masked_attention,
     padding_keys,
     sparse_attention,
 )
-from focus_hf.attention.grouped_keys import GroupedKeys
-from focus_hf.attention.paged_keys import PagedKeys
+from focus_hf.attention.cpu.grouped_keys import GroupedKeys
+from focus_hf.attention.crossover import dense_below
+from focus_hf.attention.gpu.paged_keys import PagedKeys
+from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_sparse_attention
+from focus_hf.attention.gpu.verify import verified_kernels
 from focus_hf.attention.pattern import allowed_pairs, pair_distance, probes_every_group
 from focus_hf.attention.reference import dense_attention
-from focus_hf.attention.stock import paged_decode, pattern_attention, stock_sparse_attention
-from focus_hf.attention.verify import verified_kernels
 
 
 def path_kind(

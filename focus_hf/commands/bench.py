@@ -460,8 +460,8 @@ def paged_decode_times(
     import torch
     import torch.nn.functional as F
 
+    from focus_hf.attention.gpu.paged_keys import FILE_EVERY, PagedKeys
     from focus_hf.attention.hard import hard_attention
-    from focus_hf.attention.paged_keys import FILE_EVERY, PagedKeys
 
     case = make_case(args, cache_len + FILE_EVERY, device, dtype)
     key, value = case.key.contiguous(), case.value.contiguous()  # a KV cache is head-major
@@ -537,9 +537,9 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     import torch
     import torch.nn.functional as F
 
-    from focus_hf.attention.grouped_keys import one_step_behind
+    from focus_hf.attention.cpu.grouped_keys import one_step_behind
+    from focus_hf.attention.cpu.native import serves
     from focus_hf.attention.hard import hard_attention
-    from focus_hf.attention.native import serves
     from focus_hf.attention.pattern import probes
 
     case = make_case(args, cache_len, device, dtype)
@@ -582,7 +582,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     gpu_path = device.type == "cuda" or args.backend == "stock"
     timings = []  # (compiled, dense times, Focus times by top_k)
     if gpu_path:
-        from focus_hf.attention.paged_keys import FILE_EVERY
+        from focus_hf.attention.gpu.paged_keys import FILE_EVERY
 
         steps = FILE_EVERY
         for compiled in (False, True) if args.compile else (False,):
@@ -605,7 +605,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
         timings.append((False, dense_times, focus_times))
     rows = []
     positions = torch.arange(cache_len, device=device)
-    # What the group-sorted copy's attention runs on: the C kernel of `attention/native.py`, or torch operations.
+    # What the group-sorted copy's attention runs on: the C kernel of `attention/cpu/native.py`, or torch operations.
     native = device.type == "cpu" and serves(dtype, args.heads, args.kv_heads, args.head_dim)
     decode_kernel = "FlexAttention (paged copy)" if gpu_path else "C" if native else "torch"
     for (compiled, dense_times, focus_times), top_k in itertools.product(timings, args.top_k):

@@ -13,6 +13,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
+from focus_hf.attention.gpu.verify import is_verified, verify_shape
 from focus_hf.attention.routing import (
     RoutingState,
     TokenRouting,
@@ -22,12 +23,11 @@ from focus_hf.attention.routing import (
     scaled_directions,
     settle,
 )
-from focus_hf.attention.verify import is_verified, verify_shape
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.devices import execution_device
 
 _CACHE_ATTRIBUTE = "_focus_routing_states"
-# Group-sorted copies of each routed layer's distant keys (`attention.grouped_keys`), by (adapter, layer).
+# Group-sorted copies of each routed layer's distant keys (`attention.cpu.grouped_keys`), by (adapter, layer).
 _GROUPED_ATTRIBUTE = "_focus_grouped_keys"
 # Stands in for them once the cache has reordered its samples: decoding then gathers until the cache starts afresh.
 _REORDERED = "reordered"
@@ -419,7 +419,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         return output
 
     def _verify_attention(self, hidden: torch.Tensor) -> None:
-        """On the GPU path, have the attention's shape verified (`attention.verify`) before the attention function
+        """On the GPU path, have the attention's shape verified (`attention.gpu.verify`) before the attention function
         runs: under torch.compile the check cannot run inside its graph, and here it breaks the graph once, at the
         first call, rather than in the attention."""
         if self.backend == "reference" or (hidden.device.type != "cuda" and self.backend != "stock"):

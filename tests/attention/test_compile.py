@@ -12,7 +12,7 @@ from transformers import AttentionInterface, DynamicCache
 
 import focus_hf
 import focus_hf.attention.function as function
-import focus_hf.attention.verify as verify
+import focus_hf.attention.gpu.verify as verify
 from focus_hf.attention.function import ATTENTION_NAME
 
 

@@ -294,7 +294,7 @@ def test_bench_decode_writes_rows(tmp_path):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_few_query_attention_equals_the_kernel(dtype, tolerance):
     from focus_hf.attention.backends import cpu_kernel
-    from focus_hf.attention.partials import few_query_attention, hidden_bias
+    from focus_hf.attention.cpu.partials import few_query_attention, hidden_bias
 
     generator = torch.Generator().manual_seed(3)
     query = torch.randn(2, 6, 3, 16, generator=generator).to(dtype)

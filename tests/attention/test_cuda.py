@@ -13,11 +13,11 @@ from tiny_models import VOCAB, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import focus_hf
+import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
-import focus_hf.attention.verify as verify
 from focus_hf.attention.backends import flash_attn_function
-from focus_hf.attention.doubles import efficient_attention_double, varlen_attention_double
-from focus_hf.attention.stock_kernels import BLOCK, BlockLists, cpu_flex, cuda_flex, cuda_kernels
+from focus_hf.attention.gpu.doubles import efficient_attention_double, varlen_attention_double
+from focus_hf.attention.gpu.kernels import BLOCK, BlockLists, cpu_flex, cuda_flex, cuda_kernels
 
 pytestmark = [
     pytest.mark.cuda,

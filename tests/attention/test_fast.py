@@ -1,4 +1,4 @@
-"""The fast hard-mode attention (`focus_hf.attention.fast`) against the dense oracle, and the backends at model
+"""The fast hard-mode attention (`focus_hf.attention.cpu.fast`) against the dense oracle, and the backends at model
 level."""
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ from peft import get_peft_model
 from tiny_models import VOCAB, tiny_model
 
 import focus_hf
-import focus_hf.attention.fast as fast
+import focus_hf.attention.cpu.fast as fast
+import focus_hf.attention.cpu.native as native
+import focus_hf.attention.cpu.partials as partials
 import focus_hf.attention.hard as hard
-import focus_hf.attention.native as native
-import focus_hf.attention.partials as partials
 import focus_hf.attention.pattern as pattern
 from focus_hf.attention.backends import BackendUnavailableError, cpu_kernel, flash_attn_function
+from focus_hf.attention.cpu.segments import SegmentKeys
 from focus_hf.attention.crossover import CROSSOVER_ENV
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import TokenRouting
-from focus_hf.attention.segments import SegmentKeys
 from focus_hf.cli import main as cli_main
 from focus_hf.commands.bench import allowed_pair_count
 
@@ -208,7 +208,7 @@ def test_prefill_and_cached_steps(q_len, side):
 
 
 def test_gathers_from_a_static_cache_prefix_read_its_buffer():
-    from focus_hf.attention.partials import gather_tokens, slot_buffer
+    from focus_hf.attention.cpu.partials import gather_tokens, slot_buffer
 
     buffer = torch.randn(2, 3, 40, 8)  # a static cache: 40 slots, the first 25 written
     filled = buffer[:, :, :25]

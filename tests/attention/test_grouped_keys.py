@@ -1,4 +1,4 @@
-"""Decoding steps that read a group-sorted copy of the distant keys (`focus_hf.attention.grouped_keys`), against the
+"""Decoding steps that read a group-sorted copy of the distant keys (`focus_hf.attention.cpu.grouped_keys`), against the
 dense oracle, step after step on one copy (generate() with the copy: tests/tuner/test_behaviour.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_fast import ATOL, SCALING, random_routing
 
 import focus_hf.attention.hard as hard
-from focus_hf.attention.grouped_keys import GroupedKeys, one_step_behind
+from focus_hf.attention.cpu.grouped_keys import GroupedKeys, one_step_behind
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 

@@ -1,4 +1,4 @@
-"""The CPU decoding kernel (`focus_hf.attention.native`): one query over several runs of keys against a float64
+"""The CPU decoding kernel (`focus_hf.attention.cpu.native`): one query over several runs of keys against a float64
 softmax, the torch path it stands in for, and what happens where it cannot be built or used."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import focus_hf.attention.native as native
-from focus_hf.attention.grouped_keys import GroupedKeys
+import focus_hf.attention.cpu.native as native
+from focus_hf.attention.cpu.grouped_keys import GroupedKeys
 
 needs_kernel = pytest.mark.skipif(native.native_kernels() is None, reason="no C compiler to build the kernel with")
 
@@ -218,7 +218,7 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     """A library linked with -ffast-math would set flush-to-zero for the whole process on load."""
     code = (
         "import sys, torch\n"
-        "from focus_hf.attention.native import native_kernels\n"
+        "from focus_hf.attention.cpu.native import native_kernels\n"
         "assert native_kernels() is not None\n"
         "assert sys.float_info.min / 2 > 0 and float(torch.tensor(1e-40) * 1) > 0\n"
     )

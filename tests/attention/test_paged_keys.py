@@ -1,4 +1,4 @@
-"""One-query decoding steps of the GPU path over a paged, group-sorted copy of the keys (`attention.paged_keys`,
+"""One-query decoding steps of the GPU path over a paged, group-sorted copy of the keys (`attention.gpu.paged_keys`,
 `stock.paged_decode`), run on the CPU through FlexAttention's double, against the dense oracle."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from test_stock import focus_llama
 from tiny_models import VOCAB
 
 import focus_hf
+import focus_hf.attention.gpu.paged_keys as paged_keys
+import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
-import focus_hf.attention.paged_keys as paged_keys
-import focus_hf.attention.verify as verify
-from focus_hf.attention.paged_keys import PAGE, PagedKeys
+from focus_hf.attention.gpu.kernels import BlockLists, StockKernels, cpu_twin_kernels
+from focus_hf.attention.gpu.paged_keys import PAGE, PagedKeys
+from focus_hf.attention.gpu.stock import paged_decode
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
-from focus_hf.attention.stock import paged_decode
-from focus_hf.attention.stock_kernels import BlockLists, StockKernels, cpu_twin_kernels
 
 
 def decoding_case(seed, batch, length, groups, top_k, pad, sinks, separate=False, skew="some"):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import focus_hf.attention.native as native
+import focus_hf.attention.cpu.native as native
 from focus_hf.attention.backends import cpu_kernel
 from focus_hf.attention.pattern import LOCAL_BITS_MAX_GROUPS, allowed_pairs, local_bits, pattern_bits, probes
 

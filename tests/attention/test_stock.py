@@ -1,4 +1,4 @@
-"""The GPU path on stock kernels (`focus_hf.attention.stock`), run on the CPU through its twin: the kernels' doubles
+"""The GPU path on stock kernels (`focus_hf.attention.gpu.stock`), run on the CPU through its twin: the kernels' doubles
 (`doubles`), whose conventions are those of the CUDA kernels - checked here against torch's own kernels where they
 run on the CPU, and on CUDA by tests/attention/test_cuda.py and `verify`."""
 
@@ -15,21 +15,21 @@ from test_fast import ATOL, BASE_CASE, SCALING, cases, focus_llama, random_routi
 from tiny_models import VOCAB
 
 import focus_hf
-import focus_hf.attention.fast as fast
+import focus_hf.attention.cpu.fast as fast
+import focus_hf.attention.gpu.paged_keys as paged_keys_module
+import focus_hf.attention.gpu.stock as stock
+import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
-import focus_hf.attention.paged_keys as paged_keys_module
-import focus_hf.attention.stock as stock
-import focus_hf.attention.verify as verify
 from focus_hf.attention.backends import cuda_sdpa_kernel
-from focus_hf.attention.doubles import (
+from focus_hf.attention.gpu.doubles import (
     block_visibility,
     efficient_attention_double,
     flex_attention_double,
     varlen_attention_double,
 )
+from focus_hf.attention.gpu.kernels import BLOCK, NEG, BlockLists, StockKernels, cpu_twin_kernels
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
-from focus_hf.attention.stock_kernels import BLOCK, NEG, BlockLists, StockKernels, cpu_twin_kernels
 
 
 @pytest.fixture(autouse=True)

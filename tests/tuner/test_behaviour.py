@@ -12,10 +12,10 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import focus_hf
-import focus_hf.attention.fast as fast
+import focus_hf.attention.cpu.fast as fast
+import focus_hf.attention.cpu.grouped_keys as grouped_keys
 import focus_hf.attention.function as function
-import focus_hf.attention.grouped_keys as grouped_keys
-from focus_hf.attention import native
+from focus_hf.attention.cpu import native
 from focus_hf.tuner.layer import FocusLayer
 
 SEQ = 64
@@ -215,7 +215,7 @@ def test_padded_generate_matches_unpadded(architecture):
     assert torch.equal(batched[1], model.generate(input_ids=long, **options)[0])
 
 
-# --- decoding steps that read the group-sorted copy of the distant keys (attention/grouped_keys.py) ---
+# --- decoding steps that read the group-sorted copy of the distant keys (attention/cpu/grouped_keys.py) ---
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt2", "qwen3"])
@@ -249,7 +249,7 @@ def test_generate_reading_the_copy_equals_recomputation(architecture, options):
 )
 def test_steps_in_the_c_decoding_kernel_equal_a_forward_without_cache(options):
     """head_dim 16 (the tiny models' 12 is not a size the kernel takes): the steps' attention runs in the C kernel
-    (`attention/native.py`) - routed heads over their groups and window, dense heads over the whole cache."""
+    (`attention/cpu/native.py`) - routed heads over their groups and window, dense heads over the whole cache."""
     if not native.serves(torch.float32, 4, 2, 16):
         pytest.skip("no C compiler to build the decoding kernel with")
     torch.manual_seed(0)

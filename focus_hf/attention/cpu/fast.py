@@ -68,9 +68,9 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import Kernel
-from focus_hf.attention.grouped_keys import GroupedKeys
-from focus_hf.attention.native import SEGMENT_SLAB_KEYS, packing_scratch, prefill_attention
-from focus_hf.attention.partials import (
+from focus_hf.attention.cpu.grouped_keys import GroupedKeys
+from focus_hf.attention.cpu.native import SEGMENT_SLAB_KEYS, packing_scratch, prefill_attention
+from focus_hf.attention.cpu.partials import (
     few_query_attention,
     gather_tokens,
     hidden_bias,
@@ -80,6 +80,7 @@ from focus_hf.attention.partials import (
     sink_part,
     slot_buffer,
 )
+from focus_hf.attention.cpu.segments import SegmentKeys
 from focus_hf.attention.pattern import (
     BITS_MAX_GROUPS,
     allowed_pairs,
@@ -87,7 +88,6 @@ from focus_hf.attention.pattern import (
     pattern_bits,
     probes,
 )
-from focus_hf.attention.segments import SegmentKeys
 
 # Up to this many queries against a longer cache, gathering the reachable keys beats laying out all groups.
 DECODE_MAX_QUERIES = 16

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.native import attend_runs, copy_row
+from focus_hf.attention.cpu.native import attend_runs, copy_row
 
 # Buffers grow to this factor of what they must hold (amortised appends), and start at MIN_CAPACITY slots.
 GROWTH = 1.5

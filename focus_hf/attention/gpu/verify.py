@@ -21,11 +21,11 @@ from typing import Callable, Optional
 import torch
 
 from focus_hf.attention.backends import cuda_sdpa_kernel
-from focus_hf.attention.doubles import varlen_attention_double
+from focus_hf.attention.gpu.doubles import varlen_attention_double
+from focus_hf.attention.gpu.kernels import BLOCK, NEG, BlockLists, StockKernels, cpu_flex, stock_kernels
+from focus_hf.attention.gpu.stock import stock_sparse_attention
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
-from focus_hf.attention.stock import stock_sparse_attention
-from focus_hf.attention.stock_kernels import BLOCK, NEG, BlockLists, StockKernels, cpu_flex, stock_kernels
 
 # Largest absolute difference from the float64 answer a check accepts, by input dtype (outputs are O(1)).
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.bfloat16: 4e-2, torch.float16: 1e-2}
@@ -80,7 +80,7 @@ def verified_kernels(
 ) -> Optional[StockKernels]:
     """The GPU path's kernels for this call's configuration once shown exact (checked on first use), else None:
     the caller then runs the reference path. `kernels`: the kernels to check and use (default: those of the device
-    and `backend`, `stock_kernels.stock_kernels`)."""
+    and `backend`, `kernels.stock_kernels`)."""
     kernels = kernels or stock_kernels(query.device, backend)
     config = configuration(query, key, kernels)
     if config not in _verdicts:

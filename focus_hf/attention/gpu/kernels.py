@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import flash_attn_callable
-from focus_hf.attention.doubles import flex_attention_double, varlen_attention_op
+from focus_hf.attention.gpu.doubles import flex_attention_double, varlen_attention_op
 
 NEG = torch.finfo(torch.float32).min  # log-sum-exp of a row without a visible key
 BLOCK = 128  # FlexAttention's block of queries and of keys

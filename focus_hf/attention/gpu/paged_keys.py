@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from focus_hf.attention.stock_kernels import BLOCK, BlockLists
+from focus_hf.attention.gpu.kernels import BLOCK, BlockLists
 
 PAGE = BLOCK  # slots of a page: one FlexAttention key block
 # Positions filed into their groups' pages at a time: a step that files runs a few dozen small operations more.

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from focus_hf.attention.native import NativeKernels, address, prefill_kernels, prefill_segments, strides
+from focus_hf.attention.cpu.native import NativeKernels, address, prefill_kernels, prefill_segments, strides
 
 
 @dataclass

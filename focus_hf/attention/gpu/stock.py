@@ -2,7 +2,7 @@
 
 The allowed pairs split as in `fast`: A, the pairs whose key group is one the query probes (local and sink pairs
 included); B, the other allowed pairs - within the window, or with a sink. Here each set is one or a few calls of the
-kernels of `stock_kernels`, with no n x n tensor anywhere:
+kernels of `kernels`, with no n x n tensor anywhere:
 
 - A, own-group top-1 (every query probes its own key group only) in half precision: sorted by (sample, group,
   position), the tokens of one group of one sample are one sequence and set A is causal attention inside each - a
@@ -33,8 +33,8 @@ from typing import Callable, Optional
 
 import torch
 
-from focus_hf.attention.paged_keys import PagedKeys
-from focus_hf.attention.stock_kernels import BLOCK, BlockLists, StockKernels
+from focus_hf.attention.gpu.kernels import BLOCK, BlockLists, StockKernels
+from focus_hf.attention.gpu.paged_keys import PagedKeys
 
 # Bytes of the sorted copies one variable-length call of set A may take (keys, values, queries, its result): the kv
 # heads go in runs that fit, so that a 1M-token prefill holds a fraction of a layer's states, not a second copy.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import Kernel
-from focus_hf.attention.native import prefill_attention, sink_pairs
+from focus_hf.attention.cpu.native import prefill_attention, sink_pairs
 from focus_hf.attention.pattern import LOCAL_BITS_MAX_GROUPS, local_bits, pair_distance, probes
 
 # Queries per block of the local part. Each query reads LOCAL_BLOCK + window keys, so smaller blocks waste less,
