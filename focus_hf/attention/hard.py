@@ -5,11 +5,15 @@ enough for one dense masked call to beat the sparse path; the crossover's measur
 the choice lives here and not beside them. Prefills run the sparse path of `fast` on CPU (C kernels, torch's CPU
 kernel) and that of `stock` on CUDA (variable-length flash attention and FlexAttention); `backend="stock"` runs the
 latter on any device (on CPU its exact twin). On CUDA no fast path runs before `verify` has shown it exact on that
-device, dtype and head shape; where it could not, calls take the reference path.
+device, dtype and head shape; where it could not, calls take the reference path (exact, in query chunks: slow, never
+out of memory), as do calls past torch's recompile limit for FlexAttention (`gpu.flex`), with one printed warning.
+`fallback_calls` counts them: a figure measured on a fallback is not a Focus figure.
 """
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -25,11 +29,34 @@ from focus_hf.attention.cpu.fast import (
 )
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
 from focus_hf.attention.crossover import dense_below
+from focus_hf.attention.gpu.flex import FlexRecompileLimit
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_sparse_attention
 from focus_hf.attention.gpu.verify import verified_kernels
 from focus_hf.attention.pattern import allowed_pairs, pair_distance, probes_every_group
 from focus_hf.attention.reference import dense_attention
+
+# Calls of this process that took the reference path instead of the GPU path, by reason.
+_fallbacks: Counter = Counter()
+_warned: set[str] = set()
+
+
+def fallback_calls() -> dict[str, int]:
+    """How many hard-mode calls of this process ran the exact reference path instead of the GPU path, by reason:
+    "unverified" (`verify` refused the configuration) and "recompile limit" (`gpu.flex.FlexRecompileLimit`)."""
+    return dict(_fallbacks)
+
+
+def forget_fallbacks() -> None:
+    """Reset `fallback_calls` (benchmarks count per configuration; tests)."""
+    _fallbacks.clear()
+
+
+def _fall_back(reason: str, detail: str = "") -> None:
+    _fallbacks[reason] += 1
+    if detail and reason not in _warned:
+        _warned.add(reason)
+        print(f"focus_hf: {detail}; such calls now run the exact reference path (slower).", file=sys.stderr)
 
 
 def path_kind(
@@ -100,6 +127,7 @@ def hard_attention(
     if query.device.type == "cuda" or backend == "stock":
         stock = verified_kernels(query, key, backend=backend)
         if stock is None:
+            _fall_back("unverified")
             return reference_hard_attention(query, key, value, model_mask, *arguments[:-1])
     compiling = torch.compiler.is_compiling()
     if model_mask is None and q_len in (1, kv_len) and not compiling and probes_every_group(query_groups, num_groups):
@@ -119,17 +147,26 @@ def hard_attention(
         query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode, own_group)
     )
     if stock is not None:
-        general = model_mask is not None and mask_is_padding is not True
-        key_valid = None if general else padding_keys(model_mask, query.shape[0])
-        lookup = model_mask if general else None  # read by the kernels' masks, pair by pair
-        if decode and q_len == 1 and paged is not None and not general and not short:
-            return paged_decode(query, key, value, key_valid, *arguments[:-1], paged, stock)
-        if paged is not None:
-            paged.invalidate()  # it misses this step's key: rebuilt when a step reads it again
-        if short or decode:  # few queries without a paged copy: one call over every causal block
-            return pattern_attention(query, key, value, key_valid, *arguments[:-1], stock, lookup)
-        routing = (query_groups, key_groups, key_sink, num_groups, window, scaling, stock, own_group, lookup)
-        return stock_sparse_attention(query, key, value, key_valid, *routing)
+        try:
+            return _gpu_path(
+                query,
+                key,
+                value,
+                model_mask,
+                arguments[:-1],
+                num_groups,
+                stock,
+                mask_is_padding,
+                paged,
+                own_group,
+                decode,
+                short,
+            )
+        except FlexRecompileLimit as error:
+            if paged is not None:
+                paged.invalidate()
+            _fall_back("recompile limit", str(error))
+            return reference_hard_attention(query, key, value, model_mask, *arguments[:-1])
     key_valid = padding_keys(model_mask, query.shape[0])
     if short or (model_mask is not None and not mask_is_padding):
         return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
@@ -138,6 +175,25 @@ def hard_attention(
     return sparse_attention(
         query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
     )
+
+
+def _gpu_path(
+    query, key, value, model_mask, routing, num_groups, stock, mask_is_padding, paged, own_group, decode, short
+) -> torch.Tensor:
+    """The GPU path's choice among its calls (`gpu.stock`): [batch, q, heads, dim]."""
+    query_groups, key_groups, key_sink, window, scaling = routing
+    q_len = query.shape[2]
+    general = model_mask is not None and mask_is_padding is not True
+    key_valid = None if general else padding_keys(model_mask, query.shape[0])
+    lookup = model_mask if general else None  # read by the kernels' masks, pair by pair
+    if decode and q_len == 1 and paged is not None and not general and not short:
+        return paged_decode(query, key, value, key_valid, *routing, paged, stock)
+    if paged is not None:
+        paged.invalidate()  # it misses this step's key: rebuilt when a step reads it again
+    if short or decode:  # few queries without a paged copy: one call over every causal block
+        return pattern_attention(query, key, value, key_valid, *routing, stock, lookup)
+    sparse = (query_groups, key_groups, key_sink, num_groups, window, scaling, stock, own_group, lookup)
+    return stock_sparse_attention(query, key, value, key_valid, *sparse)
 
 
 def reference_hard_attention(

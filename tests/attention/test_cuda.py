@@ -16,8 +16,10 @@ import focus_hf
 import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
 from focus_hf.attention.backends import flash_attn_function
+from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists
 from focus_hf.attention.gpu.doubles import efficient_attention_double, varlen_attention_double
-from focus_hf.attention.gpu.kernels import BLOCK, BlockLists, cpu_flex, cuda_flex, cuda_kernels
+from focus_hf.attention.gpu.flex import cuda_flex, flex_compilations
+from focus_hf.attention.gpu.kernels import cpu_flex, cuda_kernels
 
 pytestmark = [
     pytest.mark.cuda,
@@ -34,7 +36,10 @@ FAST_BACKENDS = ["sdpa", "auto"] + (["flash"] if flash_attn_function() is not No
 @pytest.fixture(autouse=True)
 def _fresh_verdicts():
     verify.forget_verdicts()
+    hard.forget_fallbacks()
     yield
+    # Every figure here is the GPU path's: a call that fell back to the reference path would prove nothing.
+    assert hard.fallback_calls() == {}
 
 
 # --- the kernels: each verification check, and each double against its kernel ---
@@ -77,7 +82,7 @@ def test_flex_double_answers_as_the_compiled_kernel(dtype):
         kv_num_blocks=torch.tensor([[2, 1], [1, 3]], dtype=torch.int32, device="cuda"),
         kv_indices=torch.tensor([[[2, 0, 0], [1, 0, 0]], [[0, 0, 0], [0, 1, 2]]], dtype=torch.int32, device="cuda"),
         full_num_blocks=torch.tensor([[1, 0], [0, 0]], dtype=torch.int32, device="cuda"),
-        full_indices=torch.tensor([[[1], [0]], [[0], [0]]], dtype=torch.int32, device="cuda"),
+        full_indices=torch.tensor([[[1, 0, 0], [0, 0, 0]], [[0, 0, 0], [0, 0, 0]]], dtype=torch.int32, device="cuda"),
         mask_mod=mask_mod,
         q_len=BLOCK + 50,
         kv_len=3 * BLOCK - 9,
@@ -234,3 +239,18 @@ def test_compiled_model_equals_the_eager_model():
     eager = run(model)
     compiled = run(torch.compile(model))
     torch.testing.assert_close(compiled, eager, atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
+def test_lengths_and_batches_compile_a_bounded_number_of_times():
+    # The inductor kernels of the GPU path over many lengths and batch sizes in one process: compiled for the new
+    # dtype and probe count, not for each length (see tests/attention/test_flex_contract.py for the CPU count).
+    torch._dynamo.reset()
+    model = focus_model(torch.bfloat16, 2)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    with torch.no_grad():
+        for length, batch in ((300, 1), (517, 2), (1030, 1), (2048, 3), (777, 2), (4000, 1), (1500, 2), (3333, 1)):
+            ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(length)).cuda()
+            model(input_ids=ids)
+    counts = flex_compilations()
+    assert all(count < torch._dynamo.config.recompile_limit for count in counts.values()), counts
+    assert sum(counts.values()) <= 8, counts

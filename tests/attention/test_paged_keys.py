@@ -15,7 +15,8 @@ import focus_hf
 import focus_hf.attention.gpu.paged_keys as paged_keys
 import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
-from focus_hf.attention.gpu.kernels import BlockLists, StockKernels, cpu_twin_kernels
+from focus_hf.attention.gpu.block_masks import BlockLists
+from focus_hf.attention.gpu.kernels import StockKernels, cpu_twin_kernels
 from focus_hf.attention.gpu.paged_keys import PAGE, PagedKeys
 from focus_hf.attention.gpu.stock import paged_decode
 from focus_hf.attention.pattern import allowed_pairs

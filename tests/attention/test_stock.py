@@ -21,13 +21,14 @@ import focus_hf.attention.gpu.stock as stock
 import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
 from focus_hf.attention.backends import cuda_sdpa_kernel
+from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists
 from focus_hf.attention.gpu.doubles import (
     block_visibility,
     efficient_attention_double,
     flex_attention_double,
     varlen_attention_double,
 )
-from focus_hf.attention.gpu.kernels import BLOCK, NEG, BlockLists, StockKernels, cpu_twin_kernels
+from focus_hf.attention.gpu.kernels import NEG, StockKernels, cpu_twin_kernels
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 

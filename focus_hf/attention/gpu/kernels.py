@@ -8,14 +8,14 @@ gives it weight 0 and never a NaN). What each kernel returns raw differs (flex: 
 flash-attn 2 and 3: tuples of different lengths); the conversion is here, once, and `verify` checks it on every
 CUDA device and dtype before the path is used.
 
-On CUDA: FlexAttention compiled once (`torch.compile`, recompiling only for a new configuration) and torch's
-`varlen_attn` (flash-attn's `flash_attn_varlen_func` when installed). On CPU: their doubles (`doubles`), the path's
-CPU twin - the same decomposition, exact and slow, for tests and `backend="stock"`.
+On CUDA: FlexAttention compiled (`flex`) and torch's `varlen_attn` (flash-attn's `flash_attn_varlen_func` when
+installed). On CPU: their doubles (`doubles`), the path's CPU twin - the same decomposition, exact and slow, for tests
+and `backend="stock"`. Every block mask is checked against FlexAttention's contract (`block_masks`) before a kernel
+sees it.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -24,25 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import flash_attn_callable
+from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists, check_block_lists
 from focus_hf.attention.gpu.doubles import flex_attention_double, varlen_attention_op
+from focus_hf.attention.gpu.flex import cuda_flex
 
 NEG = torch.finfo(torch.float32).min  # log-sum-exp of a row without a visible key
-BLOCK = 128  # FlexAttention's block of queries and of keys
-
-
-@dataclass(frozen=True)
-class BlockLists:
-    """A FlexAttention block mask by its block lists: query block r reads key blocks `kv_indices[b, r, :n]`, n =
-    `kv_num_blocks[b, r]`, applying `mask_mod(b, h, q_index, kv_index) -> bool` there, and key blocks
-    `full_indices[b, r, :full_num_blocks[b, r]]` whole (None: none). Indices are int32; widths are free."""
-
-    kv_num_blocks: torch.Tensor  # [batch, q_blocks]
-    kv_indices: torch.Tensor  # [batch, q_blocks, width]
-    full_num_blocks: Optional[torch.Tensor]
-    full_indices: Optional[torch.Tensor]
-    mask_mod: Callable
-    q_len: int
-    kv_len: int
 
 
 RawFlex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -81,6 +67,8 @@ class StockKernels:
         padded = self.head_dims(dim)
         if padded != dim:
             query, key, value = (F.pad(states, (0, padded - dim)) for states in (query, key, value))
+        # Every list is checked; its values only outside torch.compile (reading them would break the graph).
+        check_block_lists(blocks, values=not torch.compiler.is_compiling())
         output, lse = self.raw_flex(query, key, value, blocks, scale)
         return output[..., :dim], lse.float().clamp_min(NEG)
 
@@ -125,57 +113,6 @@ def _power_of_two_from_16(dim: int) -> int:
     """A head dim both kernels take: FlexAttention's Triton kernel needs a power of two of at least 16, flash
     attention a multiple of 8."""
     return max(16, 1 << (dim - 1).bit_length())
-
-
-def _block_mask(blocks: BlockLists):
-    from torch.nn.attention.flex_attention import BlockMask
-
-    full = (None, None)
-    if blocks.full_num_blocks is not None:
-        full = (blocks.full_num_blocks[:, None], blocks.full_indices[:, None])
-    return BlockMask.from_kv_blocks(
-        blocks.kv_num_blocks[:, None],
-        blocks.kv_indices[:, None],
-        *full,
-        BLOCK_SIZE=BLOCK,
-        mask_mod=blocks.mask_mod,
-        seq_lengths=(blocks.q_len, blocks.kv_len),
-        compute_q_blocks=False,
-    )
-
-
-@functools.lru_cache(maxsize=1)
-def compiled_flex_attention() -> Callable:
-    """FlexAttention compiled once per process (a new shape compiles once more, then shapes are dynamic)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
-
-
-def _lse_request() -> dict:
-    """The keyword that asks flex_attention for the log-sum-exp (return_aux from torch 2.9, return_lse before)."""
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        return {"return_lse": True}
-    return {"return_aux": AuxRequest(lse=True)}
-
-
-def cuda_flex(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockLists, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compiled FlexAttention kernel: raw output and log-sum-exp (-inf for rows without a visible key)."""
-    result = compiled_flex_attention()(
-        query,
-        key,
-        value,
-        block_mask=_block_mask(blocks),
-        scale=scale,
-        enable_gqa=query.shape[1] != key.shape[1],
-        **_lse_request(),
-    )
-    output, aux = result
-    return output, getattr(aux, "lse", aux)
 
 
 def cpu_flex(

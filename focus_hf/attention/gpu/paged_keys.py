@@ -10,9 +10,9 @@ buffers `keys` / `values` [batch, kv_heads, slots + 1, dim] (the last a scratch 
   position order (`page_table[b, g, i]` is the i-th page of owner g, `count[b, g]` its filled slots).
 
 `position[b, s]` is the token position in slot s, -1 for an empty slot or padding. A step (`decode_blocks`) lists
-the ring's pages, the sinks' pages and its probed groups' pages; its mask keeps every filled slot of a listed page,
-and a ring slot when it is within the window or, beyond it, is a sink or of a probed group (read from the routing's
-groups, so tokens routed late are seen as they are routed now).
+the ring's pages, the sinks' pages and its probed groups' pages; its mask (`pair_rule`) keeps a filled slot when its
+key is within the window, a sink or of a probed group - read from the routing's groups, so tokens routed late are
+seen as they are routed now - whether or not its page is listed: the lists only spare the kernel the other pages.
 
 What a step does is a function of its key count n alone, so that under torch.compile a step is one graph with no
 data-dependent control (two variants: with and without filing): it writes its own key into the ring (one copy) and,
@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from focus_hf.attention.gpu.kernels import BLOCK, BlockLists
+from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists, blocks_of
+from focus_hf.attention.gpu.pair_rule import make_rule, rule_mask
 
 PAGE = BLOCK  # slots of a page: one FlexAttention key block
 # Positions filed into their groups' pages at a time: a step that files runs a few dozen small operations more.
@@ -220,18 +221,23 @@ class PagedKeys:
         indices[:, :ring_pages] = torch.arange(ring_pages, device=device)
         indices.scatter_(1, target.flatten(1), (lists + ring_pages).flatten(1))
         count = ring_pages + pages.sum(dim=1)
-
-        position, ring, window = self.position, self.ring, self.window
-        newest = torch.full((), n - 1, dtype=torch.long, device=device)  # a tensor: a new value compiles nothing
-
-        def mask_mod(b, h, q_index, kv_index):
-            slot_position = position[b, kv_index]
-            safe = slot_position.clamp(min=0)
-            group = key_groups[b, safe]
-            probes = query_groups[b, 0] == group
-            for slot in range(1, top_k):
-                probes = probes | (query_groups[b, slot] == group)
-            near = newest - slot_position <= window
-            return (slot_position >= 0) & ((kv_index >= ring) | near | probes | key_sink[b, safe])
-
-        return BlockLists(count[:, None].int(), indices[:, None, :width].int(), None, None, mask_mod, 1, self.slots + 1)
+        # The lists cover every key block (FlexAttention's contract) and are contiguous rows.
+        kv_len = self.slots + 1
+        columns = max(width, blocks_of(kv_len))
+        lists = torch.zeros(batch, columns, dtype=torch.int32, device=device)
+        lists[:, :width] = indices[:, :width]
+        # The mask says everything: a slot's key is visible iff it is filled and within the window, a sink or of a
+        # probed group - pages of other groups are not listed, but the mask would hide them too.
+        safe = self.position.clamp(min=0)
+        rule = make_rule(
+            (
+                torch.full((batch, 1), n - 1, dtype=torch.long, device=device),
+                probed.new_zeros(batch, 1),
+                query_groups[:, None, :],
+            ),
+            (self.position, key_groups.gather(1, safe), key_sink.gather(1, safe)),
+            self.window,
+            (True, True),
+            None,
+        )
+        return BlockLists(count[:, None].int(), lists[:, None], None, None, rule_mask(rule), 1, kv_len)

@@ -29,18 +29,24 @@ Exact by construction for every routing; what it assumes of the kernels is check
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from focus_hf.attention.gpu.kernels import BLOCK, BlockLists, StockKernels
+from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists, blocks_of, run_lists
+from focus_hf.attention.gpu.kernels import StockKernels
 from focus_hf.attention.gpu.paged_keys import PagedKeys
+from focus_hf.attention.gpu.pair_rule import NO_KEY, NO_QUERY, make_rule, padded, rule_mask, token_rule
 
 # Bytes of the sorted copies one variable-length call of set A may take (keys, values, queries, its result): the kv
 # heads go in runs that fit, so that a 1M-token prefill holds a fraction of a layer's states, not a second copy.
 VARLEN_BYTES = 1 << 30
 # Query rows merged at a time (float32 temporaries of this many rows of the merged heads).
 MERGE_ROWS = 65536
+# The parts of the pattern a call takes (`pair_rule`): (near pairs of unprobed groups, pairs of probed groups).
+SET_A = (False, True)
+SET_B = (True, False)
+WHOLE_PATTERN = (True, True)
 
 
 def stock_sparse_attention(
@@ -111,92 +117,16 @@ def merge_heads(
         lse[:, heads, rows] = total
 
 
-def _bound(count: torch.Tensor, static_bound: int) -> int:
-    """A width for block lists: the largest count (one device sync) or, under torch.compile, `static_bound`."""
-    if torch.compiler.is_compiling():
-        return max(static_bound, 1)
-    return max(int(count.max()) if count.numel() else 0, 1)
-
-
-def _scalar(value: int, device: torch.device) -> torch.Tensor:
-    """A number a mask reads, as a 0-d tensor: a Python int captured by a mask is a constant of the compiled kernel,
-    which would be compiled again for every new value (a new length, a new decoding step)."""
-    return torch.full((), value, dtype=torch.long, device=device)
-
-
-def _padded(tensor: torch.Tensor, dim: int, length: int, value) -> torch.Tensor:
-    """`tensor` padded along `dim` to `length` with `value`: the kernel evaluates masks on whole blocks, so the
-    tensors a mask reads cover every index of its last, partial block."""
-    missing = length - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_full(shape, value)], dim=dim)
-
-
-def mask_lookup(model_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int) -> Optional[Callable]:
-    """allowed(b, query, key) -> bool read from the model's mask [batch or 1, 1, q, kv] (padded to whole blocks, which
-    a kernel evaluates), or None without a mask."""
-    if model_mask is None:
-        return None
-    allowed = model_mask[:, 0].expand(batch, q_len, kv_len)
-    allowed = _padded(_padded(allowed, 1, -(-q_len // BLOCK) * BLOCK, False), 2, -(-kv_len // BLOCK) * BLOCK, False)
-
-    def lookup(b, query, key):
-        return allowed[b, query, key]
-
-    return lookup
-
-
-def pair_terms(
-    valid: torch.Tensor,
-    query_groups: torch.Tensor,
-    key_groups: torch.Tensor,
-    key_sink: torch.Tensor,
-    window: int,
-    q_len: int,
-    kv_len: int,
-    model_mask: Optional[torch.Tensor],
-) -> Callable:
-    """The pattern's terms for a FlexAttention mask in token order (queries the last q_len of kv_len tokens):
-    terms(b, q_index, kv_index) -> (the key is real, not in the query's future and allowed by the model's mask;
-    it is within the window or a sink; its group is one the query probes)."""
-    top_k = query_groups.shape[-1]
-    offset = _scalar(kv_len - q_len, valid.device)
-    q_span, kv_span = -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
-    real = _padded(valid, 1, kv_span, False)
-    sinks = _padded(key_sink, 1, kv_span, False)
-    groups = _padded(key_groups, 1, kv_span, -2)
-    probes = _padded(query_groups, 1, q_span, -3)
-    allowed = mask_lookup(model_mask, valid.shape[0], q_len, kv_len)
-
-    def terms(b, q_index, kv_index):
-        distance = q_index + offset - kv_index
-        group = groups[b, kv_index]
-        probed = probes[b, q_index, 0] == group
-        for slot in range(1, top_k):
-            probed = probed | (probes[b, q_index, slot] == group)
-        visible = real[b, kv_index] & (distance >= 0)
-        if allowed is not None:
-            visible = visible & allowed(b, q_index, kv_index)
-        return visible, (distance <= window) | sinks[b, kv_index], probed
-
-    return terms
-
-
 def window_blocks(q_len: int, kv_len: int, window: int, key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block lists of set B in token order: for each block of BLOCK queries, the key blocks that hold sinks before its
-    window, then those of its window. Returns kv_num_blocks [batch, q_blocks] and kv_indices [batch, q_blocks, width]
-    (int32)."""
-    device, batch = key_sink.device, key_sink.shape[0]
+    window, then those of its window. Returns kv_num_blocks [batch, q_blocks] and kv_indices [batch, q_blocks,
+    kv_blocks] (`block_masks.run_lists`)."""
+    device = key_sink.device
     offset = kv_len - q_len
-    q_blocks, kv_blocks = -(-q_len // BLOCK), -(-kv_len // BLOCK)
-    first = offset + torch.arange(q_blocks, device=device) * BLOCK  # position of each block's first query
+    first = offset + torch.arange(blocks_of(q_len), device=device) * BLOCK  # position of each block's first query
     last = torch.clamp(first + BLOCK, max=kv_len) - 1
     band_start = torch.clamp(first - window, min=0) // BLOCK
     band_count = last // BLOCK - band_start + 1  # [q_blocks]
-    band_width = min(kv_blocks, (window + BLOCK - 1) // BLOCK + 2)
     # Sinks lie between the first and the last sink of their sample: those blocks, where they come before the band.
     has_sink = key_sink.any(dim=1)
     first_sink = key_sink.int().argmax(dim=1)
@@ -204,15 +134,7 @@ def window_blocks(q_len: int, kv_len: int, window: int, key_sink: torch.Tensor) 
     sink_start = (first_sink // BLOCK)[:, None]
     sink_end = torch.minimum((last_sink // BLOCK + 1)[:, None], band_start[None, :])  # exclusive
     sink_count = torch.where(has_sink[:, None], (sink_end - sink_start).clamp(min=0), 0)  # [batch, q_blocks]
-    sink_width = _bound(sink_count, kv_blocks)
-    slot = torch.arange(sink_width + band_width, device=device)
-    indices = torch.where(
-        slot < sink_count[..., None],
-        sink_start[..., None] + slot,
-        band_start[None, :, None] + slot - sink_count[..., None],
-    )
-    count = sink_count + band_count[None, :]
-    return count.int(), indices.clamp(0, kv_blocks - 1).int().expand(batch, -1, -1)
+    return run_lists([(sink_start, sink_count), (band_start[None, :], band_count[None, :])], blocks_of(kv_len))
 
 
 def window_and_sinks(
@@ -229,16 +151,11 @@ def window_and_sinks(
     model_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Set B in one FlexAttention call: output [batch, heads, q, dim] and lse [batch, heads, q] float32 (the model's
-    mask, if given, read pair by pair: `mask_lookup`)."""
+    mask, if given, read pair by pair)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    terms = pair_terms(valid, query_groups, key_groups, key_sink, window, q_len, kv_len, model_mask)
-
-    def mask_mod(b, h, q_index, kv_index):
-        real, local_or_sink, probed = terms(b, q_index, kv_index)
-        return real & local_or_sink & ~probed
-
+    rule = token_rule(valid, query_groups, key_groups, key_sink, window, q_len, SET_B, model_mask)
     count, indices = window_blocks(q_len, kv_len, window, key_sink)
-    blocks = BlockLists(count, indices, None, None, mask_mod, q_len, kv_len)
+    blocks = BlockLists(count, indices, None, None, rule_mask(rule), q_len, kv_len)
     return kernels.flex(query, key, value, blocks, scaling)
 
 
@@ -261,36 +178,35 @@ def pattern_attention(
     heads, dim]. `model_mask`: as in `stock_sparse_attention` (no block is then full)."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    offset = kv_len - q_len
     valid = key_valid
     if valid is None:
         valid = torch.ones(batch, kv_len, dtype=torch.bool, device=query.device)
-    terms = pair_terms(valid, query_groups, key_groups, key_sink, window, q_len, kv_len, model_mask)
-
-    def mask_mod(b, h, q_index, kv_index):
-        real, local_or_sink, probed = terms(b, q_index, kv_index)
-        return real & (local_or_sink | probed)
-
+    rule = token_rule(valid, query_groups, key_groups, key_sink, window, q_len, WHOLE_PATTERN, model_mask)
     device = query.device
-    q_blocks, kv_blocks = -(-q_len // BLOCK), -(-kv_len // BLOCK)
-    first = offset + torch.arange(q_blocks, device=device) * BLOCK
+    kv_blocks = blocks_of(kv_len)
+    first = (kv_len - q_len) + torch.arange(blocks_of(q_len), device=device) * BLOCK
     last = torch.clamp(first + BLOCK, max=kv_len) - 1
-    # Full: every key of the block is at most `window` before the block's first query and not after its first query,
+    # Full: every key of the block is at most `window` before the block's last query and not after its first query,
     # and no key of it is padding.
     full_start = torch.clamp(last - window + BLOCK - 1, min=0) // BLOCK
-    full_end = torch.clamp((first + 1) // BLOCK, max=kv_blocks)  # exclusive: blocks ending at or before `first`
-    padded_blocks = ~_padded(valid, 1, kv_blocks * BLOCK, False).view(batch, -1, BLOCK).all(dim=-1)
-    full_end = torch.maximum(full_end, full_start)
+    full_end = torch.maximum(torch.clamp((first + 1) // BLOCK, max=kv_blocks), full_start)  # exclusive
+    whole = padded(valid, 1, kv_blocks * BLOCK, False).view(batch, kv_blocks, BLOCK).all(dim=-1)
     slot = torch.arange(kv_blocks, device=device)
     in_full = (slot >= full_start[:, None]) & (slot < full_end[:, None])  # [q_blocks, kv_blocks]
-    in_full = in_full[None] & ~padded_blocks[:, None, :] & (model_mask is None)
+    in_full = in_full[None] & whole[:, None, :] & (model_mask is None)
     causal = slot[None, :] <= (last // BLOCK)[:, None]
     partial = causal[None] & ~in_full
     # Listed in index order: a sort of each row puts the listed blocks first (a row per 128 queries, no n x n).
-    order = torch.sort((~partial).int(), dim=-1, stable=True).indices
-    full_order = torch.sort((~in_full).int(), dim=-1, stable=True).indices
+    order = torch.sort((~partial).to(torch.uint8), dim=-1, stable=True).indices
+    full_order = torch.sort((~in_full).to(torch.uint8), dim=-1, stable=True).indices
     blocks = BlockLists(
-        partial.sum(-1).int(), order.int(), in_full.sum(-1).int(), full_order.int(), mask_mod, q_len, kv_len
+        partial.sum(-1, dtype=torch.int32),
+        order.to(torch.int32),
+        in_full.sum(-1, dtype=torch.int32),
+        full_order.to(torch.int32),
+        rule_mask(rule),
+        q_len,
+        kv_len,
     )
     output, _ = kernels.flex(query, key, value, blocks, scaling)
     return output.transpose(1, 2).contiguous()
@@ -407,7 +323,7 @@ def sorted_range_blocks(
     entry of the block sees them whole. Returns (kv_num_blocks, kv_indices, full_num_blocks, full_indices), int32."""
     batch, entries = groups.shape
     device = groups.device
-    q_blocks, kv_blocks = -(-entries // BLOCK), -(-kv_len // BLOCK)
+    q_blocks, kv_blocks = blocks_of(entries), blocks_of(kv_len)
     start = (torch.arange(q_blocks, device=device) * BLOCK).expand(batch, -1)
     block_end = torch.clamp(start + BLOCK, max=entries)  # exclusive
     last_real = torch.minimum(block_end, real_entries[:, None]) - 1
@@ -421,17 +337,9 @@ def sorted_range_blocks(
     has_full = one_group & ~empty & (full_end > full_start)
     full_start = torch.where(has_full, full_start, start_block)
     full_end = torch.where(has_full, full_end, start_block)
-    before = full_start - start_block
-    count = before + (end_block - full_end)
-    slot = torch.arange(_bound(count, kv_blocks), device=device)
-    indices = torch.where(
-        slot < before[..., None], start_block[..., None] + slot, full_end[..., None] + slot - before[..., None]
-    )
-    full_count = full_end - full_start
-    full_slot = torch.arange(_bound(full_count, kv_blocks), device=device)
-    full_indices = full_start[..., None] + full_slot
-    clamp = (0, kv_blocks - 1)
-    return count.int(), indices.clamp(*clamp).int(), full_count.int(), full_indices.clamp(*clamp).int()
+    count, indices = run_lists([(start_block, full_start - start_block), (full_end, end_block - full_end)], kv_blocks)
+    full_count, full_indices = run_lists([(full_start, full_end - full_start)], kv_blocks)
+    return count, indices, full_count, full_indices
 
 
 def fold_probed_groups(
@@ -470,29 +378,24 @@ def fold_probed_groups(
     # Each entry's keys: its group's sorted keys up to its own position.
     first_key = torch.searchsorted(sorted_code, entry_group * kv_len)
     end_key = torch.searchsorted(sorted_code, entry_group * kv_len + entry_position, right=True)
-    real_entries = (entry_group != excluded).sum(dim=1)
+    real = entry_group != excluded
+    real_entries = real.sum(dim=1)
     count, indices, full_count, full_indices = sorted_range_blocks(
         first_key, end_key, entry_group, real_entries, kv_len
     )
 
-    q_span, kv_span = -(-entries // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
-    mask_groups = _padded(entry_group, 1, q_span, -1)
-    mask_positions = _padded(entry_position, 1, q_span, -1)
-    mask_queries = _padded(entry_order // top_k, 1, q_span, 0)  # each entry's query row (for the model's mask)
-    key_segment = _padded(segment.gather(1, key_order), 1, kv_span, -2)
-    key_position = _padded(key_order, 1, kv_span, kv_len)
-    allowed = mask_lookup(model_mask, batch, q_len, kv_len)
-
-    def mask_mod(b, h, q_index, kv_index):
-        same = mask_groups[b, q_index] == key_segment[b, kv_index]
-        visible = same & (key_position[b, kv_index] <= mask_positions[b, q_index])
-        if allowed is None:
-            return visible
-        return visible & allowed(b, mask_queries[b, q_index], key_position[b, kv_index])
-
+    sorted_valid = valid.gather(1, key_order)
+    no_sinks = torch.zeros_like(sorted_valid)  # set A takes only probed pairs: sinks play no part
+    rule = make_rule(
+        (torch.where(real, entry_position, NO_QUERY), entry_order // top_k, entry_group[..., None]),
+        (torch.where(sorted_valid, key_order, NO_KEY), segment.gather(1, key_order), no_sinks),
+        0,
+        SET_A,
+        model_mask,
+    )
     if model_mask is not None:  # the mask may hide pairs inside a full block
         full_count = torch.zeros_like(full_count)
-    blocks = BlockLists(count, indices, full_count, full_indices, mask_mod, entries, kv_len)
+    blocks = BlockLists(count, indices, full_count, full_indices, rule_mask(rule), entries, kv_len)
     token_index = (entry_order // top_k)[:, None, :, None]
     sorted_keys = key.gather(2, key_order[:, None, :, None].expand(batch, kv_heads, kv_len, dim))
     sorted_values = value.gather(2, key_order[:, None, :, None].expand(batch, kv_heads, kv_len, dim))

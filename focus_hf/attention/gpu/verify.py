@@ -15,15 +15,16 @@ compilation, once per process and configuration.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
 
 from focus_hf.attention.backends import cuda_sdpa_kernel
+from focus_hf.attention.gpu.block_masks import BLOCK, check_block_lists, full_blocks_visible
 from focus_hf.attention.gpu.doubles import varlen_attention_double
-from focus_hf.attention.gpu.kernels import BLOCK, NEG, BlockLists, StockKernels, cpu_flex, stock_kernels
-from focus_hf.attention.gpu.stock import stock_sparse_attention
+from focus_hf.attention.gpu.kernels import NEG, StockKernels, cpu_flex, cpu_twin_kernels, stock_kernels
+from focus_hf.attention.gpu.stock import pattern_attention, stock_sparse_attention
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 
@@ -129,38 +130,76 @@ def _states(generator: torch.Generator, config: Configuration, *shape: int) -> t
     return torch.randn(*shape, generator=generator).to(config.device, config.dtype)
 
 
-def check_flex(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
-    """Block lists with partial, full and unlisted blocks, a row without visible keys, lengths off the block size."""
-    q_len, kv_len = BLOCK + 72, 2 * BLOCK + 44
+# The routed cases' groups, window and sinks.
+CASE_GROUPS, CASE_WINDOW, CASE_SINKS = 4, 19, 3
+
+
+def _routed_case(
+    generator: torch.Generator, config: Configuration, length: int, q_len: int, top_k: int, separate: bool
+):
+    """Inputs of the GPU path on a small routed case - left padding, sinks, queries after a cache - and the pairs the
+    pattern allows there: (query, key, value, valid, query_groups, key_groups, sink, allowed [batch, q, kv])."""
+    batch = 2
+    query = _states(generator, config, batch, config.heads, q_len, config.head_dim)
+    key = _states(generator, config, batch, config.kv_heads, length, config.head_dim)
+    value = _states(generator, config, batch, config.kv_heads, length, config.head_dim)
+    scores = torch.rand(batch, length, CASE_GROUPS, generator=generator)
+    query_groups = scores.argsort(dim=-1, descending=True)[..., :top_k]
+    key_groups = torch.randint(CASE_GROUPS, (batch, length), generator=generator) if separate else query_groups[..., 0]
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, :21] = False
+    sink = valid & (valid.cumsum(dim=1) - 1 < CASE_SINKS)
+    positions = torch.arange(length)
+    query_groups = query_groups[:, length - q_len :]
+    allowed = allowed_pairs(query_groups, key_groups, sink, positions[length - q_len :], positions, CASE_WINDOW)
+    allowed = allowed & (positions[length - q_len :, None] >= positions)[None] & valid[:, None, :]
     device = torch.device(config.device)
-    query = _states(generator, config, 2, config.heads, q_len, config.head_dim)
-    key = _states(generator, config, 2, config.kv_heads, kv_len, config.head_dim)
-    value = _states(generator, config, 2, config.kv_heads, kv_len, config.head_dim)
+    routing = tuple(tensor.to(device) for tensor in (valid, query_groups, key_groups, sink))
+    return (query, key, value, *routing, allowed.to(device))
 
-    def mask_mod(b, h, q_index, kv_index):  # query 0 of every sample sees nothing
-        return (q_index > 0) & ((q_index + kv_index + b) % 3 != 0)
 
-    blocks = BlockLists(
-        kv_num_blocks=torch.tensor([[1, 2], [2, 0]], dtype=torch.int32, device=device),
-        kv_indices=torch.tensor([[[2, 0], [0, 2]], [[0, 1], [0, 0]]], dtype=torch.int32, device=device),
-        full_num_blocks=torch.tensor([[0, 1], [0, 1]], dtype=torch.int32, device=device),
-        full_indices=torch.tensor([[[0], [1]], [[0], [2]]], dtype=torch.int32, device=device),
-        mask_mod=mask_mod,
-        q_len=q_len,
-        kv_len=kv_len,
-    )
-    scale = config.head_dim**-0.5
-    output, lse = kernels.flex(query, key, value, blocks, scale)
-    expected, expected_lse = cpu_flex(query, key, value, blocks, scale)
+def check_flex(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
+    """FlexAttention on the block masks the path itself builds - set B (whose first queries see no key: their only
+    keys are of their own group), set A over sorted keys and entries with full blocks, the whole pattern with full
+    blocks, lengths off the block size - each checked against the contract first (`block_masks`), then run on the
+    device's kernel and compared with FlexAttention's double, rows without visible keys included."""
+    recorded: list[tuple] = []
+    twin = cpu_twin_kernels()
+
+    def record(query, key, value, blocks, scale):
+        recorded.append((query, key, value, blocks, scale))
+        return twin.raw_flex(query, key, value, blocks, scale)
+
+    recorder = replace(twin, name="recorder", raw_flex=record, raw_varlen=None)
+    length = BLOCK + 72
+    for top_k, separate in ((1, False), (2, True)):
+        query, key, value, valid, query_groups, key_groups, sink, _ = _routed_case(
+            generator, config, length, length, top_k, separate
+        )
+        arguments = (query_groups, key_groups, sink, CASE_GROUPS, CASE_WINDOW, query.shape[-1] ** -0.5, recorder)
+        stock_sparse_attention(query, key, value, valid, *arguments, not separate)
+        pattern_attention(query, key, value, valid, query_groups, key_groups, sink, CASE_WINDOW, arguments[5], recorder)
     tolerance = TOLERANCE.get(config.dtype, 4e-2)
-    empty = expected_lse == float("-inf")
-    if not bool(empty.any()):
+    has_empty_row = False
+    for query, key, value, blocks, scale in recorded:
+        check_block_lists(blocks)
+        hidden = full_blocks_visible(blocks)
+        if hidden:
+            return f"a full block hides pairs: {hidden}"
+        output, lse = kernels.flex(query, key, value, blocks, scale)
+        expected, expected_lse = cpu_flex(query, key, value, blocks, scale)
+        empty = expected_lse == float("-inf")
+        has_empty_row = has_empty_row or bool(empty.any())
+        if not (bool((lse[empty] <= NEG / 2).all()) and bool((output.masked_select(empty[..., None]) == 0).all())):
+            return "FlexAttention: a row without visible keys is not (output 0, log-sum-exp -inf)"
+        failure = _differs("FlexAttention output", output, expected, tolerance) or _differs(
+            "FlexAttention log-sum-exp", lse[~empty], expected_lse[~empty], tolerance
+        )
+        if failure:
+            return failure
+    if not has_empty_row:
         return "the flex check has no empty row (a bug in the check)"
-    if not (bool((lse[empty] <= NEG / 2).all()) and bool((output.masked_select(empty[..., None]) == 0).all())):
-        return "FlexAttention: a row without visible keys is not (output 0, log-sum-exp -inf)"
-    return _differs("FlexAttention output", output, expected, tolerance) or _differs(
-        "FlexAttention log-sum-exp", lse[~empty], expected_lse[~empty], tolerance
-    )
+    return None
 
 
 def check_varlen(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
@@ -214,30 +253,27 @@ def check_masked_kernel(config: Configuration, generator: torch.Generator) -> Op
 def check_path(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
     """The whole GPU path on two routed cases - own-group top-1, and top-2 from a separate query router - with
     left padding, sinks and queries after a cache, against the dense oracle."""
-    batch, length, groups, window, sinks = 2, BLOCK + 37, 4, 19, 3
+    length = BLOCK + 37
     for top_k, separate, q_len in ((1, False, length), (2, True, length - 50)):
-        query = _states(generator, config, batch, config.heads, q_len, config.head_dim)
-        key = _states(generator, config, batch, config.kv_heads, length, config.head_dim)
-        value = _states(generator, config, batch, config.kv_heads, length, config.head_dim)
-        scores = torch.rand(batch, length, groups, generator=generator)
-        query_groups = scores.argsort(dim=-1, descending=True)[..., :top_k]
-        key_groups = torch.randint(groups, (batch, length), generator=generator) if separate else query_groups[..., 0]
-        valid = torch.ones(batch, length, dtype=torch.bool)
-        valid[0, :21] = False
-        sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
-        positions = torch.arange(length)
-        query_groups = query_groups[:, length - q_len :]
-        allowed = allowed_pairs(query_groups, key_groups, sink, positions[length - q_len :], positions, window)
-        allowed = allowed & (positions[length - q_len :, None] >= positions)[None] & valid[:, None, :]
+        query, key, value, valid, query_groups, key_groups, sink, allowed = _routed_case(
+            generator, config, length, q_len, top_k, separate
+        )
         scale = config.head_dim**-0.5
-        to_device = (query_groups, key_groups, sink, valid)
-        query_groups, key_groups, sink, valid = (tensor.to(config.device) for tensor in to_device)
         output = stock_sparse_attention(
-            query, key, value, valid, query_groups, key_groups, sink, groups, window, scale, kernels, not separate
+            query,
+            key,
+            value,
+            valid,
+            query_groups,
+            key_groups,
+            sink,
+            CASE_GROUPS,
+            CASE_WINDOW,
+            scale,
+            kernels,
+            not separate,
         )
-        expected = dense_attention(
-            query.double(), key.double(), value.double(), allowed[:, None].to(config.device), scaling=scale
-        )
+        expected = dense_attention(query.double(), key.double(), value.double(), allowed[:, None], scaling=scale)
         rows = valid[:, length - q_len :]
         failure = _differs(
             f"the GPU path (top-{top_k})", output[rows], expected[rows], TOLERANCE.get(config.dtype, 4e-2)
