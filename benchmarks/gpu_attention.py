@@ -186,7 +186,10 @@ def main() -> int:
         "rows": [],
     }
     print(f"{result['device']}: dense {dense_impl} ({dense_kernel}), Focus backend {backend}", flush=True)
+    from focus_hf.attention.hard import forget_fallbacks, path_record
+
     for n in args.lengths:
+        forget_fallbacks()  # each row counts its own length's fallbacks: a row with any is not a Focus figure
         repeats = 2 if n >= LONG else args.repeats
         times: dict[int | None, list[tuple[float, int | None]]] = {None: [], **{k: [] for k in args.top_k}}
         try:
@@ -205,7 +208,9 @@ def main() -> int:
                 torch.cuda.empty_cache()
             continue
         for top_k in args.top_k:
-            result["rows"].append({**timing_row(n, times[None], times[top_k]), "top_k": top_k})
+            result["rows"].append(
+                {**timing_row(n, times[None], times[top_k]), "top_k": top_k, "gpu_path": path_record()}
+            )
             print(json.dumps(result["rows"][-1]), flush=True)
         write(out, result)
     write(out, result)

@@ -231,7 +231,10 @@ def main() -> int:
         "rows": [],
     }
     print(f"{result['device']}: {described['weights']}; dense {dense_kernel}, Focus backend {backend}", flush=True)
+    from focus_hf.attention.hard import forget_fallbacks, path_record
+
     for n in args.lengths:
+        forget_fallbacks()  # each row counts its own length's fallbacks: a row with any is not a Focus figure
         ids = tokens(n)
         try:
             if "group_balance" not in result:
@@ -248,7 +251,7 @@ def main() -> int:
             if cuda:
                 torch.cuda.empty_cache()
             continue
-        result["rows"].append(timing_row(n, dense, focus))
+        result["rows"].append({**timing_row(n, dense, focus), "gpu_path": path_record()})
         print(json.dumps(result["rows"][-1]), flush=True)
         write(out, result)
     write(out, result)

@@ -57,6 +57,7 @@ def test_cpu_run_writes_every_stage_and_the_summary(cpu_run):
     assert all(summary["stages"][name]["has_results"] for name in gpu_run.STAGE_NAMES)
     assert {row["stage"] for row in summary["figures"]} == set(gpu_run.STAGE_NAMES)
     assert all(row["meets_target"] is None for row in summary["figures"])  # the targets are CUDA ones
+    assert summary["gpu_path"]["focus_figures"].startswith("every Focus figure ran the GPU path")
     assert "figures (ratio" in output and "top-1 prefill 512" in output  # the printed table
 
 
@@ -117,6 +118,26 @@ def write_json(folder: Path, name: str, data) -> None:
     (folder / name).write_text(json.dumps(data))
 
 
+def fallback_record(calls: int) -> dict:
+    return {
+        "verdicts": {"cuda: FlexAttention, cuda:0, bfloat16, 4x64": "exact"},
+        "fallback_calls": {"recompile limit": calls},
+        "flex_compilations": {"partial": 8, "full": 2, "decode": 1, "output": 0},
+    }
+
+
+def test_summary_gathers_verdicts_fallbacks_and_compilations(tmp_path):
+    write_json(tmp_path, "decode.json", [{"cache_len": 1024, "top_k": 1, "gpu_path": fallback_record(2)}])
+    write_json(tmp_path, "attention.json", {"rows": [{"tokens": 4096, "top_k": 1, "gpu_path": fallback_record(0)}]})
+    summary = gpu_run.gpu_path_summary(tmp_path)
+    assert summary["fallback_calls"] == {"attention": 0, "decode": 2}
+    assert summary["verdicts"] == {"cuda: FlexAttention, cuda:0, bfloat16, 4x64": "exact"}
+    assert summary["flex_compilations"]["decode"]["partial"] == 8
+    assert "2 Focus calls fell back" in summary["focus_figures"]
+    write_json(tmp_path, "decode.json", [])
+    assert gpu_run.gpu_path_summary(tmp_path)["focus_figures"].startswith("every Focus figure ran the GPU path")
+
+
 def test_summary_holds_figures_against_the_targets(tmp_path):
     write_json(tmp_path, "tests.json", {"finished": True, "counts": {"passed": 12, "skipped": 1}})
     attention = [
@@ -128,6 +149,8 @@ def test_summary_holds_figures_against_the_targets(tmp_path):
     write_json(tmp_path, "attention.json", {"rows": attention})
     decode = [
         {"cache_len": 262144, "top_k": 1, "dense_s": 2e-4, "focus_s": 1e-4},
+        # Fast, but its Focus calls fell back to the reference path: not a Focus figure.
+        {"cache_len": 1048576, "top_k": 1, "dense_s": 7e-4, "focus_s": 1e-4, "gpu_path": fallback_record(3)},
         {"cache_len": 1048576, "error": "OutOfMemoryError: CUDA out of memory"},  # a length that failed as a whole
     ]
     write_json(tmp_path, "decode.json", decode)
@@ -146,6 +169,9 @@ def test_summary_holds_figures_against_the_targets(tmp_path):
     assert rows["attention", "top-2 prefill 1M"]["ratio"] is None  # an error is shown, not a figure
     assert rows["decode", "top-1 cache 256K"]["ratio"] == pytest.approx(2.0)
     assert rows["decode", "top-1 cache 256K"]["unit"] == "ms" and rows["decode", "top-1 cache 256K"]["meets_target"]
+    assert rows["decode", "top-1 cache 1M"]["ratio"] == pytest.approx(7.0)  # above its 4x target, but:
+    assert rows["decode", "top-1 cache 1M"]["fallback_calls"] == 3
+    assert rows["decode", "top-1 cache 1M"]["meets_target"] is False
     assert rows["decode", "every top-k cache 1M"]["focus"].startswith("OutOfMemoryError")
     assert rows["auto", "top-1 1K"]["meets_target"] is False  # 0.91x < 0.95x
     assert rows["peak_memory", "top-1 peak 1M"]["ratio"] == pytest.approx(1.15)

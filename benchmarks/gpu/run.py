@@ -8,7 +8,7 @@ of issue 37 it is held against).
 | stage         | file               | what                                                                         |
 |---------------|--------------------|------------------------------------------------------------------------------|
 | tests         | tests.json         | pytest -m cuda on the test files that mention CUDA: the tests marked `cuda`  |
-|               |                    | (they skip without CUDA)                                                     |
+|               |                    | (they skip without CUDA; each fails if a call fell back to the reference)    |
 | attention     | attention.json     | benchmarks/gpu_attention.py: one Llama-shaped layer, 32/8 heads, d 64, K=8,  |
 |               |                    | w=128, top-1 and top-2, 4K-1M tokens, dense timed in the same run            |
 | auto          | auto.json          | focus-hf bench --backend auto, same shape, 1K-256K: auto against dense       |
@@ -18,7 +18,10 @@ of issue 37 it is held against).
 |               |                    | architecture, random weights, the committed adapter's settings, 8K-128K      |
 | train         | train.json         | benchmarks/gpu/train_check.py: focus-hf train --objective distill, bf16      |
 
-That is 8 files with summary.json, the most the device tool brings back. `--device cpu` runs every stage at small
+That is 8 files with summary.json, the most the device tool brings back. Every Focus row of the stage files records
+what ran it (`gpu_path`: verify's verdicts, the calls that fell back to the reference path, FlexAttention's
+compilations); summary.json gathers them under `gpu_path`, and a figure whose calls fell back meets no target: it is
+not a Focus figure. `--device cpu` runs every stage at small
 sizes in float32 with a quarter of the heads (a check of the script, which tests/test_gpu_script.py runs; its
 figures say nothing about GPUs).
 
@@ -201,8 +204,16 @@ def tokens_label(n: int) -> str:
     return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def figure(stage: str, name: str, dense: Any, focus: Any, ratio: Optional[float], unit: str, target=None) -> dict:
-    """One summary row; `target` is (comparison, value) from issue 37, e.g. (">=", 2.5)."""
+def fallbacks(row: dict) -> int:
+    """Focus calls of a stage's row that ran the reference path instead of the GPU path (`hard.path_record`)."""
+    return sum((row.get("gpu_path") or {}).get("fallback_calls", {}).values())
+
+
+def figure(
+    stage: str, name: str, dense: Any, focus: Any, ratio: Optional[float], unit: str, target=None, source=None
+) -> dict:
+    """One summary row; `target` is (comparison, value) from issue 37, e.g. (">=", 2.5); `source`: the stage's row
+    it comes from, whose fallback calls it records (a figure measured on a fallback is not a Focus figure)."""
     return {
         "stage": stage,
         "figure": name,
@@ -211,6 +222,38 @@ def figure(stage: str, name: str, dense: Any, focus: Any, ratio: Optional[float]
         "ratio": ratio,
         "unit": unit,
         "target": target,
+        "fallback_calls": None if source is None else fallbacks(source),
+    }
+
+
+def gpu_path_summary(out: Path) -> dict:
+    """Across the stage files: verify's verdicts, the Focus calls that fell back to the reference path by stage, and
+    FlexAttention's compilations by stage (the most any row saw), with what they mean for the figures."""
+    verdicts: dict[str, str] = {}
+    calls: dict[str, int] = {}
+    compilations: dict[str, dict] = {}
+    for stage in ("attention", "auto", "decode", "peak_memory", "model_prefill"):
+        data = load(out / f"{stage}.json")
+        rows = data.get("rows", []) if isinstance(data, dict) else data if isinstance(data, list) else []
+        for row in rows:
+            record = row.get("gpu_path") if isinstance(row, dict) else None
+            if not record:
+                continue
+            verdicts.update(record.get("verdicts", {}))
+            calls[stage] = calls.get(stage, 0) + fallbacks(row)
+            for kind, count in record.get("flex_compilations", {}).items():
+                compilations.setdefault(stage, {})[kind] = max(count, compilations.get(stage, {}).get(kind, 0))
+    total = sum(calls.values())
+    return {
+        "verdicts": verdicts,
+        "fallback_calls": calls,
+        "flex_compilations": compilations,
+        "focus_figures": (
+            "every Focus figure ran the GPU path (no call fell back)"
+            if total == 0
+            else f"{total} Focus calls fell back to the reference path: the figures of their rows are not Focus "
+            "figures and meet no target"
+        ),
     }
 
 
@@ -243,11 +286,11 @@ def figures(out: Path, cuda: bool) -> list[dict]:
             rows.append(figure("attention", label, None, row["error"], None, ""))
             continue
         target = TARGETS.get(("attention", row["top_k"], row["tokens"]))
-        rows.append(figure("attention", label, row["dense_s"], row["focus_s"], row["speedup"], "s", target))
+        rows.append(figure("attention", label, row["dense_s"], row["focus_s"], row["speedup"], "s", target, row))
         if row.get("peak_ratio") is not None:
             dense, focus = row["dense_peak_bytes"] / 2**20, row["focus_peak_bytes"] / 2**20
             target = ("<=", 1.10) if row["tokens"] == 1048576 else None
-            rows.append(figure("attention", label + " peak", dense, focus, row["peak_ratio"], "MiB", target))
+            rows.append(figure("attention", label + " peak", dense, focus, row["peak_ratio"], "MiB", target, row))
     for stage in ("auto", "decode"):
         data = load(out / f"{stage}.json")
         for row in data if isinstance(data, list) else []:
@@ -264,7 +307,7 @@ def figures(out: Path, cuda: bool) -> list[dict]:
             target = None if row.get("compiled") else target  # the targets are the eager steps'; compiled ones shown
             scale, unit = (1e3, "ms") if stage == "decode" else (1, "s")
             dense, focus = row["dense_s"] * scale, row["focus_s"] * scale
-            rows.append(figure(stage, label, dense, focus, dense / focus, unit, target))
+            rows.append(figure(stage, label, dense, focus, dense / focus, unit, target, row))
     memory = load(out / "peak_memory.json")
     memory = memory if isinstance(memory, list) else []
     for row in memory:
@@ -277,7 +320,7 @@ def figures(out: Path, cuda: bool) -> list[dict]:
             rows.append(figure("peak_memory", label, None, row.get("error"), None, ""))
             continue
         target = ("<=", 1.10) if row["seq_len"] == 1048576 else None
-        rows.append(figure("peak_memory", label, dense[key], row[key], row[key] / dense[key], "MiB", target))
+        rows.append(figure("peak_memory", label, dense[key], row[key], row[key] / dense[key], "MiB", target, row))
     model = load(out / "model_prefill.json")
     for row in model.get("rows", []) if isinstance(model, dict) else []:
         label = f"prefill {tokens_label(row['tokens'])}"
@@ -285,10 +328,10 @@ def figures(out: Path, cuda: bool) -> list[dict]:
             rows.append(figure("model_prefill", label, None, row["error"], None, ""))
             continue
         target = TARGETS.get(("model_prefill", None, row["tokens"]))
-        rows.append(figure("model_prefill", label, row["dense_s"], row["focus_s"], row["speedup"], "s", target))
+        rows.append(figure("model_prefill", label, row["dense_s"], row["focus_s"], row["speedup"], "s", target, row))
         if row.get("peak_ratio") is not None:
             dense, focus = row["dense_peak_bytes"] / 2**20, row["focus_peak_bytes"] / 2**20
-            rows.append(figure("model_prefill", label + " peak", dense, focus, row["peak_ratio"], "MiB"))
+            rows.append(figure("model_prefill", label + " peak", dense, focus, row["peak_ratio"], "MiB", None, row))
     train = load(out / "train.json")
     if isinstance(train, dict):
         ran = train.get("returncode") == 0 and train.get("router_dtypes") == ["F32"]
@@ -305,10 +348,13 @@ def figures(out: Path, cuda: bool) -> list[dict]:
 
 
 def meets(row: dict, cuda: bool) -> Optional[bool]:
-    """Whether a figure meets its issue-37 target; None where it has none, or off CUDA (the targets are GPU ones)."""
+    """Whether a figure meets its issue-37 target; None where it has none, or off CUDA (the targets are GPU ones).
+    A figure whose Focus calls fell back to the reference path meets none: it is not a Focus figure."""
     target = row["target"]
     if target is None or not cuda:
         return None
+    if row.get("fallback_calls"):
+        return False
     comparison, value = target
     if isinstance(value, bool):
         return value
@@ -350,7 +396,7 @@ def print_table(rows: list[dict], stages: dict[str, dict]) -> None:
 
 def write_summary(out: Path, base: dict, stages: dict, cuda: bool) -> list[dict]:
     rows = figures(out, cuda)
-    summary = {**base, "stages": stages, "figures": rows}
+    summary = {**base, "stages": stages, "gpu_path": gpu_path_summary(out), "figures": rows}
     summary["targets"] = (
         "issue 37's targets, checked on this run's figures" if cuda else "not checked: the targets are for CUDA"
     )
@@ -426,6 +472,9 @@ def main() -> int:
         write_summary(out, base, stages, cuda)
     rows = write_summary(out, base, stages, cuda)
     print_table(rows, stages)
+    path = gpu_path_summary(out)
+    print(f"\nGPU path: {path['focus_figures']}; fallback calls by stage {path['fallback_calls']}")
+    print(f"verdicts: {path['verdicts']}\nFlexAttention compilations by stage: {path['flex_compilations']}")
     print(f"\nwrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")
     return 0 if all(status.get("status") == "ok" for status in stages.values()) else 1
 

@@ -29,10 +29,10 @@ from focus_hf.attention.cpu.fast import (
 )
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
 from focus_hf.attention.crossover import dense_below
-from focus_hf.attention.gpu.flex import FlexRecompileLimit
+from focus_hf.attention.gpu.flex import FlexRecompileLimit, flex_compilations
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_sparse_attention
-from focus_hf.attention.gpu.verify import verified_kernels
+from focus_hf.attention.gpu.verify import verdicts, verified_kernels
 from focus_hf.attention.pattern import allowed_pairs, pair_distance, probes_every_group
 from focus_hf.attention.reference import dense_attention
 
@@ -45,6 +45,13 @@ def fallback_calls() -> dict[str, int]:
     """How many hard-mode calls of this process ran the exact reference path instead of the GPU path, by reason:
     "unverified" (`verify` refused the configuration) and "recompile limit" (`gpu.flex.FlexRecompileLimit`)."""
     return dict(_fallbacks)
+
+
+def path_record() -> dict:
+    """What ran this process's hard-mode calls on the GPU path, for benchmark rows: `verify`'s verdicts by
+    configuration, the calls that fell back to the reference path (`fallback_calls`: a figure measured on a fallback
+    is not a Focus figure), and FlexAttention's compilations by kind of call (`gpu.flex.flex_compilations`)."""
+    return {"verdicts": verdicts(), "fallback_calls": fallback_calls(), "flex_compilations": flex_compilations()}
 
 
 def forget_fallbacks() -> None:

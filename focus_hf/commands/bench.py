@@ -245,8 +245,9 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    from focus_hf.attention.hard import path_kind
+    from focus_hf.attention.hard import forget_fallbacks, path_kind
 
+    forget_fallbacks()  # the row counts its own length's fallbacks (`gpu_path_fields`)
     case = make_case(args, seq_len, device, dtype)
     skip = dense_skip_reason(args, seq_len, dtype, device)
     dense = dense_call(case)
@@ -304,6 +305,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "dtype": args.dtype,
                 "query_router": args.query_router,
                 "dense_below": crossovers[top_k],
+                **gpu_path_fields(args, device),
                 **machine_fields(device),
             }
         )
@@ -334,6 +336,17 @@ def machine_fields(device: torch.device) -> dict:
         "git_commit": git_commit(),
         "date": now(),
     }
+
+
+def gpu_path_fields(args: argparse.Namespace, device: torch.device) -> dict:
+    """On the GPU path (CUDA, or `--backend stock`), what ran the row's Focus calls (`hard.path_record`): verify's
+    verdicts, the calls since the row's length began that fell back to the reference path - a row with any is not a
+    Focus figure - and FlexAttention's compilations. Nothing elsewhere."""
+    if device.type != "cuda" and args.backend != "stock":
+        return {}
+    from focus_hf.attention.hard import path_record
+
+    return {"gpu_path": path_record()}
 
 
 def provenance(device: torch.device, command: Optional[str]) -> dict:
@@ -539,9 +552,10 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
 
     from focus_hf.attention.cpu.grouped_keys import one_step_behind
     from focus_hf.attention.cpu.native import serves
-    from focus_hf.attention.hard import hard_attention
+    from focus_hf.attention.hard import forget_fallbacks, hard_attention
     from focus_hf.attention.pattern import probes
 
+    forget_fallbacks()  # the rows count their own cache length's fallbacks (`gpu_path_fields`)
     case = make_case(args, cache_len, device, dtype)
     # A KV cache is head-major ([batch, kv_heads, n, dim] contiguous), not token-major like fresh projections.
     case = Case(case.query[:, :, -1:].contiguous(), case.key.contiguous(), case.value.contiguous(), case.routing)
@@ -647,6 +661,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 "kv_heads": args.kv_heads,
                 "head_dim": args.head_dim,
                 "dtype": args.dtype,
+                **gpu_path_fields(args, device),
                 **machine_fields(device),
             }
         )
@@ -812,7 +827,10 @@ def cuda_peak_memory_rows(args: argparse.Namespace, device: torch.device, dtype:
     so `peak_allocated_mib` includes them, as the CPU rows' peak RSS does."""
     import torch
 
+    from focus_hf.attention.hard import forget_fallbacks
+
     for seq_len in args.seq_lens:
+        forget_fallbacks()  # the rows count their own length's fallbacks (`gpu_path_fields`)
         with torch.inference_mode():
             warm_up = make_case(args, min(seq_len, PEAK_MEMORY_WARM_UP_TOKENS), device, dtype)
             context, kernel = dense_kernel(warm_up.query, warm_up.key, causal=True)
@@ -855,6 +873,7 @@ def cuda_peak_memory_rows(args: argparse.Namespace, device: torch.device, dtype:
                     kv_heads=args.kv_heads,
                     head_dim=args.head_dim,
                     dtype=args.dtype,
+                    **(gpu_path_fields(args, device) if top_k is not None else {}),
                     **machine_fields(device),
                 )
                 log.add(row)

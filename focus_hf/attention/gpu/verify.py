@@ -113,6 +113,16 @@ def verify(
     return _verdicts[configuration(query, key, kernels)]
 
 
+def verdicts() -> dict[str, str]:
+    """This process's verdicts, for benchmark rows: "exact", or what failed, by configuration ("kernels, device,
+    dtype, query heads per kv head x head dim")."""
+    return {
+        f"{config.kernels}, {config.device}, {str(config.dtype).removeprefix('torch.')}, "
+        f"{config.per_kv}x{config.head_dim}": failure or "exact"
+        for config, failure in _verdicts.items()
+    }
+
+
 def forget_verdicts() -> None:
     """Drop this process's verdicts (tests)."""
     _verdicts.clear()
