@@ -60,15 +60,23 @@ class StockKernels:
         return self.raw_varlen is not None and dtype in self.varlen_dtypes
 
     def flex(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockLists, scale: float
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        blocks: BlockLists,
+        scale: float,
+        check_values: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block-sparse attention: output [B, H, L, D] (query dtype) and lse [B, H, L] (float32, NEG if empty)."""
+        """Block-sparse attention: output [B, H, L, D] (query dtype) and lse [B, H, L] (float32, NEG if empty).
+        `blocks` is held to FlexAttention's contract first: its shapes always, its values when `check_values` (a
+        decoding step whose lists did not change leaves them out)."""
         dim = query.shape[-1]
         padded = self.head_dims(dim)
         if padded != dim:
             query, key, value = (F.pad(states, (0, padded - dim)) for states in (query, key, value))
-        # Every list is checked; its values only outside torch.compile (reading them would break the graph).
-        check_block_lists(blocks, values=not torch.compiler.is_compiling())
+        # Values are read outside torch.compile only (reading them would break the graph).
+        check_block_lists(blocks, values=check_values and not torch.compiler.is_compiling())
         output, lse = self.raw_flex(query, key, value, blocks, scale)
         return output[..., :dim], lse.float().clamp_min(NEG)
 

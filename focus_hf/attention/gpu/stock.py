@@ -230,7 +230,7 @@ def paged_decode(
     step first brings up to date (`PagedKeys.update`). Returns [batch, 1, heads, dim]."""
     paged.update(key, value, key_groups, key_sink, key_valid, window)
     blocks = paged.decode_blocks(query_groups[:, 0], key_groups, key_sink, key.shape[2])
-    output, _ = kernels.flex(query, paged.keys, paged.values, blocks, scaling)
+    output, _ = kernels.flex(query, paged.keys, paged.values, blocks, scaling, check_values=paged.take_refiled())
     return output.transpose(1, 2).contiguous()
 
 
