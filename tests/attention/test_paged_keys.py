@@ -171,7 +171,9 @@ def test_a_step_checks_its_lists_values_only_after_pages_were_filed(monkeypatch)
     store = PagedKeys(groups, window)
     for n in range(100, 110):
         arguments = (key[:, :, :n], value[:, :, :n], valid[:, :n], query_groups[:, n - 1 : n])
-        paged_decode(query[:, :, n - 1 : n], *arguments, key_groups[:, :n], sink[:, :n], window, SCALING, store, kernels)
+        paged_decode(
+            query[:, :, n - 1 : n], *arguments, key_groups[:, :n], sink[:, :n], window, SCALING, store, kernels
+        )
     filed = [paged_keys.filed_before(n, window) > paged_keys.filed_before(n - 1, window) for n in range(100, 110)]
     assert checked == [True] + filed[1:]  # the first step builds the copy
     assert 0 < sum(checked) < len(checked)
