@@ -37,18 +37,24 @@ def dense_attention(
         [batch, q, heads, head_dim] (and the weights with `return_weights`). A query with no allowed key gets a
         uniform average (finite, meaningless): such rows only occur at padding positions.
     """
-    repeats = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(repeats, dim=1)
-    value = value.repeat_interleave(repeats, dim=1)
-    scores = (query @ key.transpose(-1, -2)).float() * scaling
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    # The query heads of one kv head side by side as one matrix [batch, kv_heads, repeats * q, dim]: one product per
+    # kv head reads its keys in place, where repeating them for each query head would copy every key (and value).
+    # Memory order is the same, so the scores view as [batch, heads, q, kv] for free.
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * q_len, dim)
+    # In place where autograd allows (not on tanh's output, which its backward pass reads): each copy of the scores
+    # would cost a pass over them and as much memory again.
+    scores = (grouped @ key.transpose(-1, -2)).view(batch, heads, q_len, kv_len).float().mul_(scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
-        scores = scores + bias
+        scores = scores.add_(bias)
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
     if dropout > 0.0:
         weights = F.dropout(weights, p=dropout, training=True)
-    output = (weights @ value).transpose(1, 2).contiguous()
+    output = (weights.reshape(batch, kv_heads, -1, kv_len) @ value).view(batch, heads, q_len, value.shape[-1])
+    output = output.transpose(1, 2).contiguous()
     return (output, weights) if return_weights else output
