@@ -21,7 +21,7 @@ from focus_hf.attention.cpu.native import attend_runs
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.hard import hard_attention
 from focus_hf.attention.pattern import causal_positions, pair_distance
-from focus_hf.attention.reference import causal_bias, chunked_attention, hard_bias, soft_bias
+from focus_hf.attention.reference import ChunkBias, causal_bias, chunked_attention, hard_bias, soft_bias
 from focus_hf.attention.routing import RoutingState, TokenRouting
 from focus_hf.errors import FocusRuntimeError
 
@@ -142,13 +142,27 @@ def base_attention(
         )
     bias = causal_bias(as_bool_mask(attention_mask), query.shape[2], key.shape[2], query.device)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return _reference_attention(query, key, value, bias, scaling, dropout, kwargs)
+
+
+def _reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: ChunkBias,
+    scaling: float,
+    dropout: float,
+    kwargs: dict,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Dense attention over the pairs of `bias` in chunks of queries (`reference.chunked_attention`), with the
+    soft-capping and attention weights the call's transformers keyword arguments ask for."""
     return chunked_attention(
         query,
         key,
         value,
         bias,
         scaling=scaling,
-        softcap=softcap,
+        softcap=kwargs.get("softcap"),
         dropout=dropout,
         return_weights=bool(kwargs.get("output_attentions")),
     )
@@ -357,13 +371,4 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
         query_probs = routing.queries.probe_log_probs.exp()
         key_probs = keys.key_probs[:, start:]
         bias = soft_bias(query_probs, key_probs, key_sink, routing.window, routing.gate_floor, base_allowed)
-    return chunked_attention(
-        query,
-        key,
-        value,
-        bias,
-        scaling=scaling,
-        softcap=kwargs.get("softcap"),
-        dropout=dropout,
-        return_weights=output_attentions,
-    )
+    return _reference_attention(query, key, value, bias, scaling, dropout, kwargs)
