@@ -1,4 +1,4 @@
-"""Forwards of a 1-layer, 4-head llama-style model through `backend="reference"`, one per MODE:LENGTH[:whole]
+"""Forwards of a 1-layer, 4-head tiny llama (`tiny_models`) through `backend="reference"`, one per MODE:LENGTH[:whole]
 argument, each printed as a JSON line with the peak resident memory it added (Linux: the peak is reset before each
 forward). `whole` runs the call in one chunk, as the reference path did before it was chunked.
 
@@ -21,10 +21,11 @@ import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import focus_hf
-import focus_hf.attention.reference as reference
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for the tiny models
+from tiny_models import COMMON, VOCAB  # noqa: E402
 
-VOCAB = 128
+import focus_hf  # noqa: E402
+import focus_hf.attention.reference as reference  # noqa: E402
 
 
 def reset_peak() -> int:
@@ -44,20 +45,15 @@ def peak() -> int:
 def main(specs: list[str]) -> None:
     torch.manual_seed(0)
     runs = [(spec.split(":")[0], int(spec.split(":")[1]), spec.endswith(":whole")) for spec in specs]
+    longest = max(length for _, length, _ in runs)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max(length for _, length, _ in runs),
+        **{**COMMON, "num_hidden_layers": 1, "num_key_value_heads": 2, "max_position_embeddings": longest}
     )
     base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model = get_peft_model(base, focus_hf.FocusConfig(num_groups=8, group_dim=8, window=128, sink_tokens=4)).eval()
-    ids = torch.randint(3, VOCAB, (1, config.max_position_embeddings), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, VOCAB, (1, longest), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        for mode in {mode for mode, _, _ in runs}:  # first-call set-up outside the measurements
+        for mode in sorted({mode for mode, _, _ in runs}):  # first-call set-up outside the measurements
             focus_hf.set_routing(model, mode, backend="reference")
             model(input_ids=ids[:, :512])
         for mode, length, whole in runs:
