@@ -10,7 +10,7 @@ converted in its wrapper (tested on the CPU against its double in `doubles`). `c
 slot r sees key slots <= r); the fast path only asks for it with L == S.
 
 Backends (`focus_hf.set_routing(model, "hard", backend=...)`):
-  - "reference": the dense masked oracle of `reference.py` (no kernel here);
+  - "reference": the dense masked oracle of `reference.py`, in chunks of queries (no kernel here);
   - "sdpa": torch's own kernels - on CPU the flash kernel and the C kernels of `native`; on CUDA the stock-kernel
     path of `stock` (varlen flash attention + FlexAttention) for prefills, the memory-efficient kernel for the
     masked and decoding calls;

@@ -20,8 +20,8 @@ from focus_hf.attention.cpu.grouped_keys import GroupedKeys
 from focus_hf.attention.cpu.native import attend_runs
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.hard import hard_attention
-from focus_hf.attention.pattern import allowed_pairs, pair_distance, soft_gate
-from focus_hf.attention.reference import dense_attention
+from focus_hf.attention.pattern import causal_positions, pair_distance
+from focus_hf.attention.reference import ChunkBias, causal_bias, chunked_attention, hard_bias, soft_bias
 from focus_hf.attention.routing import RoutingState, TokenRouting
 from focus_hf.errors import FocusRuntimeError
 
@@ -123,12 +123,6 @@ def is_causal_padding_mask(mask: Optional[torch.Tensor], q_len: int, kv_len: int
     return bool(((mask[:, 0] == expected) | ~real_query[:, :, None]).all())
 
 
-def causal_positions(q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absolute positions of queries and keys when the keys are the last `kv_len` tokens, queries the last `q_len`."""
-    keys = torch.arange(kv_len, device=device)
-    return keys[kv_len - q_len :], keys
-
-
 def base_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -146,15 +140,32 @@ def base_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    allowed = as_bool_mask(attention_mask)
-    if allowed is None:
-        query_positions, key_positions = causal_positions(query.shape[2], key.shape[2], query.device)
-        allowed = (pair_distance(query_positions, key_positions) >= 0)[None, None]
+    bias = causal_bias(as_bool_mask(attention_mask), query.shape[2], key.shape[2], query.device)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    output, weights = dense_attention(
-        query, key, value, allowed, scaling=scaling, softcap=softcap, dropout=dropout, return_weights=True
+    return _reference_attention(query, key, value, bias, scaling, dropout, kwargs)
+
+
+def _reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: ChunkBias,
+    scaling: float,
+    dropout: float,
+    kwargs: dict,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Dense attention over the pairs of `bias` in chunks of queries (`reference.chunked_attention`), with the
+    soft-capping and attention weights the call's transformers keyword arguments ask for."""
+    return chunked_attention(
+        query,
+        key,
+        value,
+        bias,
+        scaling=scaling,
+        softcap=kwargs.get("softcap"),
+        dropout=dropout,
+        return_weights=bool(kwargs.get("output_attentions")),
     )
-    return output, weights if kwargs.get("output_attentions") else None
 
 
 def filled_slots(
@@ -352,40 +363,12 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             own_group=routing.queries.own_groups is None,
         )
         return output, None
-    query_positions = torch.arange(keys.seen - q_len, keys.seen, device=query.device)
-    key_positions = torch.arange(start, keys.seen, device=query.device)
-    causal = (pair_distance(query_positions, key_positions) >= 0)[None, None]
-    allowed = causal if base_allowed is None else causal & base_allowed
-    bias = None
+    # The reference path: the pattern (or soft mode's gate) over dense scores, in chunks of queries.
     if routing.mode == "hard":
-        pattern = allowed_pairs(
-            routing.queries.top_groups,
-            keys.key_groups[:, start:],
-            key_sink,
-            query_positions,
-            key_positions,
-            routing.window,
-        )
-        allowed = allowed & pattern[:, None]
+        key_groups = keys.key_groups[:, start:]
+        bias = hard_bias(routing.queries.top_groups, key_groups, key_sink, routing.window, base_allowed)
     else:
-        bias = soft_gate(
-            routing.queries.probe_log_probs.exp(),
-            keys.key_probs[:, start:],
-            key_sink,
-            query_positions,
-            key_positions,
-            routing.window,
-            routing.gate_floor,
-        )[:, None]
-    output, weights = dense_attention(
-        query,
-        key,
-        value,
-        allowed,
-        scaling=scaling,
-        bias=bias,
-        softcap=kwargs.get("softcap"),
-        dropout=dropout,
-        return_weights=True,
-    )
-    return output, weights if output_attentions else None
+        query_probs = routing.queries.probe_log_probs.exp()
+        key_probs = keys.key_probs[:, start:]
+        bias = soft_bias(query_probs, key_probs, key_sink, routing.window, routing.gate_floor, base_allowed)
+    return _reference_attention(query, key, value, bias, scaling, dropout, kwargs)

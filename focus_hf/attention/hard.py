@@ -33,8 +33,8 @@ from focus_hf.attention.gpu.flex import FlexRecompileLimit, flex_compilations
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_sparse_attention
 from focus_hf.attention.gpu.verify import verdicts, verified_kernels
-from focus_hf.attention.pattern import allowed_pairs, pair_distance, probes_every_group
-from focus_hf.attention.reference import dense_attention
+from focus_hf.attention.pattern import probes_every_group
+from focus_hf.attention.reference import chunked_attention, hard_bias
 
 # Calls of this process that took the reference path instead of the GPU path, by reason.
 _fallbacks: Counter = Counter()
@@ -214,13 +214,7 @@ def reference_hard_attention(
     window: int,
     scaling: float,
 ) -> torch.Tensor:
-    """The pattern and the model's mask applied to dense attention (`reference.dense_attention`): exact wherever it
-    runs, O(q kv) memory. [batch, q, heads, dim]."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    key_positions = torch.arange(kv_len, device=query.device)
-    query_positions = key_positions[kv_len - q_len :]
-    allowed = allowed_pairs(query_groups, key_groups, key_sink, query_positions, key_positions, window)[:, None]
-    allowed = allowed & (pair_distance(query_positions, key_positions) >= 0)
-    if model_mask is not None:
-        allowed = allowed & model_mask
-    return dense_attention(query, key, value, allowed, scaling=scaling)
+    """The pattern and the model's mask applied to dense attention in chunks of queries (`reference.chunked_attention`):
+    exact wherever it runs, memory growing with one chunk x kv. [batch, q, heads, dim]."""
+    bias = hard_bias(query_groups, key_groups, key_sink, window, model_mask)
+    return chunked_attention(query, key, value, bias, scaling=scaling)[0]

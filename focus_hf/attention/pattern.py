@@ -74,6 +74,12 @@ def pair_distance(query_positions: torch.Tensor, key_positions: torch.Tensor) ->
     return query_positions.to(torch.int32).unsqueeze(-1) - key_positions.to(torch.int32).unsqueeze(-2)
 
 
+def causal_positions(q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute positions of queries and keys when the keys are the last `kv_len` tokens, queries the last `q_len`."""
+    keys = torch.arange(kv_len, device=device)
+    return keys[kv_len - q_len :], keys
+
+
 def probes(query_groups: torch.Tensor, key_groups: torch.Tensor) -> torch.Tensor:
     """Bool [..., q, kv]: whether key j's single group is among query i's probed groups.
 
