@@ -20,7 +20,7 @@ import torch
 from flex_kernels import CompiledCalls, compiled_cpu_kernels, dynamo_kernels, eager_kernels, strict_twin
 from hypothesis import HealthCheck, given, settings
 from test_fast import ATOL, BASE_CASE, SCALING, cases, run_case
-from test_paged_keys import decoding_case
+from test_paged_keys import decoding_steps
 from test_stock import allowed_of, sparse_case
 from tiny_models import VOCAB
 
@@ -37,9 +37,7 @@ from focus_hf.attention.gpu.block_masks import (
 )
 from focus_hf.attention.gpu.flex import flex_compilations
 from focus_hf.attention.gpu.kernels import cpu_twin_kernels
-from focus_hf.attention.gpu.paged_keys import PagedKeys
-from focus_hf.attention.gpu.stock import paged_decode, stock_sparse_attention
-from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.gpu.stock import stock_sparse_attention
 from focus_hf.attention.reference import dense_attention
 
 
@@ -152,34 +150,15 @@ def test_eager_flex_attention_gives_the_reference(case):
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
-def decoding_steps(kernels, batch=2, groups=4, top_k=2, window=16, file_every=8, pad=30, sinks=3, length=300):
-    """Decoding steps through the paged copy (consecutive steps filing every `file_every` positions, then two steps
-    that rebuild it) against the dense oracle."""
-    query, key, value, query_groups, key_groups, valid, sink = decoding_case(
-        1, batch, length, groups, top_k, pad, sinks, separate=True
-    )
-    positions = torch.arange(length)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(paged_keys, "FILE_EVERY", file_every)
-        store = PagedKeys(groups, window)
-        for n in list(range(length - 30, length - 24)) + [length - 3, length]:
-            if n in (length - 3, length):  # as after a multi-token call: rebuilt from the cache
-                store.invalidate()
-            q = query[:, :, n - 1 : n]
-            arguments = (key[:, :, :n], value[:, :, :n], valid[:, :n], query_groups[:, n - 1 : n])
-            output = paged_decode(q, *arguments, key_groups[:, :n], sink[:, :n], window, SCALING, store, kernels)
-            allowed = allowed_pairs(
-                query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], positions[n - 1 : n], positions[:n], window
-            )
-            allowed = allowed & valid[:, None, :n]
-            expected = dense_attention(q, key[:, :, :n], value[:, :, :n], allowed[:, None], scaling=SCALING)
-            real = valid[:, n - 1]
-            torch.testing.assert_close(output[real], expected[real], atol=ATOL, rtol=0)
+def decode_a_while(kernels, length=300, **options):
+    """Six consecutive decoding steps (filing every 8 positions), then two that rebuild the paged copy."""
+    steps = list(range(length - 30, length - 24)) + [length - 3, length]
+    decoding_steps(kernels, steps, (length - 3, length), length, **options)
 
 
 @pytest.mark.parametrize("kernels", [strict_twin, eager_kernels], ids=["contract", "eager"])
 def test_every_decoding_mask_keeps_the_contract_and_says_everything(kernels):
-    decoding_steps(kernels())
+    decode_a_while(kernels())
 
 
 # --- torch's compiled CPU kernel on every kind of mask ---
@@ -235,7 +214,7 @@ def test_the_compiled_cpu_kernel_reads_a_model_mask_pair_by_pair(compiler):
 
 def test_the_compiled_cpu_kernel_runs_decoding_steps_with_filing(compiler):
     record = CompiledCalls()
-    decoding_steps(compiled_cpu_kernels(record))
+    decode_a_while(compiled_cpu_kernels(record))
     assert record.calls == 8
 
 
@@ -319,7 +298,7 @@ def test_twenty_configurations_compile_a_bounded_number_of_times(compiler):
             bfloat16_case(length, top_k, separate)
             configurations += 1
         for length, window, file_every in ((300, 16, 8), (420, 40, 5), (200, 3, 128), (350, 16, 4), (280, 9, 8)):
-            decoding_steps(dynamo_kernels(), window=window, file_every=file_every, length=length)
+            decode_a_while(dynamo_kernels(), length, window=window, file_every=file_every)
             configurations += 1
         counts = flex_compilations()
     assert configurations >= 20

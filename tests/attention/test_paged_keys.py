@@ -36,6 +36,45 @@ def decoding_case(seed, batch, length, groups, top_k, pad, sinks, separate=False
     return query, key, value, query_groups, key_groups, valid, sink
 
 
+def decoding_steps(
+    kernels,
+    steps,
+    rebuilt,
+    length,
+    seed=1,
+    batch=2,
+    groups=4,
+    top_k=2,
+    window=16,
+    file_every=8,
+    pad=30,
+    sinks=3,
+    separate=True,
+):
+    """One-query steps through the paged copy at the cache lengths `steps` (filing every `file_every` positions; the
+    copy invalidated before the lengths in `rebuilt`, as after a multi-token call), each against the dense oracle."""
+    query, key, value, query_groups, key_groups, valid, sink = decoding_case(
+        seed, batch, length, groups, top_k, pad, sinks, separate
+    )
+    positions = torch.arange(length)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_keys, "FILE_EVERY", file_every)
+        store = PagedKeys(groups, window)
+        for n in steps:
+            if n in rebuilt:
+                store.invalidate()
+            q = query[:, :, n - 1 : n]
+            arguments = (key[:, :, :n], value[:, :, :n], valid[:, :n], query_groups[:, n - 1 : n])
+            output = paged_decode(q, *arguments, key_groups[:, :n], sink[:, :n], window, SCALING, store, kernels)
+            allowed = allowed_pairs(
+                query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], positions[n - 1 : n], positions[:n], window
+            )
+            allowed = allowed & valid[:, None, :n]
+            expected = dense_attention(q, key[:, :, :n], value[:, :, :n], allowed[:, None], scaling=SCALING)
+            real = valid[:, n - 1]
+            torch.testing.assert_close(output[real], expected[real], atol=ATOL, rtol=0)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.integers(0, 2**16),
@@ -49,29 +88,10 @@ def decoding_case(seed, batch, length, groups, top_k, pad, sinks, separate=False
     st.booleans(),
 )
 def test_decoding_steps_equal_the_dense_oracle(seed, batch, groups, top_k, window, file_every, pad, sinks, separate):
-    top_k = min(top_k, groups)
-    length = 420
-    query, key, value, query_groups, key_groups, valid, sink = decoding_case(
-        seed, batch, length, groups, top_k, pad, sinks, separate
-    )
-    positions = torch.arange(length)
-    kernels = cpu_twin_kernels()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(paged_keys, "FILE_EVERY", file_every)
-        store = PagedKeys(groups, window)
-        for n in list(range(290, 297)) + list(range(395, 400)) + [420]:
-            if n in (395, 420):
-                store.invalidate()  # as after a multi-token call: rebuilt from the cache
-            q = query[:, :, n - 1 : n]
-            arguments = (key[:, :, :n], value[:, :, :n], valid[:, :n], query_groups[:, n - 1 : n])
-            output = paged_decode(q, *arguments, key_groups[:, :n], sink[:, :n], window, SCALING, store, kernels)
-            allowed = allowed_pairs(
-                query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], positions[n - 1 : n], positions[:n], window
-            )
-            allowed = allowed & valid[:, None, :n]
-            expected = dense_attention(q, key[:, :, :n], value[:, :, :n], allowed[:, None], scaling=SCALING)
-            real = valid[:, n - 1]
-            torch.testing.assert_close(output[real], expected[real], atol=ATOL, rtol=0)
+    steps = list(range(290, 297)) + list(range(395, 400)) + [420]
+    options = dict(seed=seed, batch=batch, groups=groups, top_k=min(top_k, groups), window=window, pad=pad)
+    options.update(file_every=file_every, sinks=sinks, separate=separate)
+    decoding_steps(cpu_twin_kernels(), steps, (395, 420), 420, **options)
 
 
 def test_a_step_reads_the_ring_the_sinks_and_its_probed_groups_pages_only(monkeypatch):
