@@ -230,3 +230,12 @@ def test_attention_engines_keep_to_their_folders():
                 if found:
                     crossings[module] = found
     assert crossings == {}
+
+
+def test_every_package_folder_is_installed():
+    """pyproject lists the packages by name: a folder missing there is left out of a non-editable install."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {_module_name(path) for path in PACKAGE_ROOT.rglob("__init__.py")}
+    assert folders - listed == set()
