@@ -33,6 +33,7 @@ from focus_hf.errors import (
     NotAFocusAdapterError,
     UnsupportedModelError,
 )
+from focus_hf.quiet import ImportHook, optional_import_hook
 
 if TYPE_CHECKING:
     from focus_hf.base_models import load_model_and_tokenizer
@@ -103,33 +104,13 @@ def _ensure_registered() -> None:
         raise
 
 
-class _RegisterAfterPeft(importlib.abc.MetaPathFinder):
-    """Makes the loader of `peft` run `_ensure_registered` right after peft's own module code (until registered)."""
-
-    def __init__(self) -> None:
-        self._searching = False
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "peft" or self._searching:
-            return None
-        self._searching = True
-        try:
-            spec = importlib.util.find_spec(fullname)  # the other finders; a fresh loader per spec
-        finally:
-            self._searching = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module: Any) -> None:
-            exec_module(module)
-            _ensure_registered()
-
-        spec.loader.exec_module = exec_then_register
-        return spec
+def _register_after(exec_module: Any, module: Any) -> None:
+    """Runs peft's own module code, then registers Focus with it (until registered)."""
+    exec_module(module)
+    _ensure_registered()
 
 
-_PEFT_HOOK = _RegisterAfterPeft()
+_PEFT_HOOK = ImportHook(("peft",), _register_after)
 
 
 def _remove_peft_hook() -> None:
@@ -189,6 +170,8 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, _MovedModuleFinder())
+# torchao and bitsandbytes (optional, imported by transformers when installed) report kernels they cannot load.
+sys.meta_path.insert(0, optional_import_hook())
 
 if "peft" in sys.modules or "transformers" in sys.modules:
     _ensure_registered()

@@ -12,6 +12,7 @@ folder and the card embeds it with a relative link, so the Hub shows it once the
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -118,6 +119,20 @@ def _evaluation_rows(eval_results: dict) -> list[dict[str, str]]:
     return rows
 
 
+# eval_results.json keys -> what the Evaluation text says was measured
+_MODE_TEXTS = {
+    "full": "the base model with full attention",
+    "soft": "the adapter with its soft (training-time) routing",
+    "hard": "the adapter with its hard sparse pattern (inference)",
+}
+
+
+def _evaluated_text(modes: list[str]) -> str:
+    """What the Evaluation table compares, naming only the rows it has."""
+    texts = [_MODE_TEXTS[mode] for mode in modes]
+    return ", ".join(texts[:-1]) + (" and " if len(texts) > 1 else "") + texts[-1] if texts else ""
+
+
 # A dataset split as the card's model-index may name it (train, test, heldout, held-out, validation...).
 _SPLIT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -187,12 +202,12 @@ def _eval_results_metadata(eval_results: dict, dataset: Optional[str]) -> list:
     ]
 
 
-def _training_rows(log: dict) -> list[tuple[str, str]]:
-    rows: list[tuple[str, str]] = []
+def _training_rows(log: dict) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
     metadata = log.get("metadata") if isinstance(log.get("metadata"), dict) else {}
     data = metadata.get("data") or metadata.get("dataset") or log.get("data")
     if data:
-        rows.append(("training data", f"`{data}`"))
+        rows.append(("training data", markdown_code(data, in_table=True)))
     fields = [
         ("steps", "steps"), ("tokens_seen", "tokens seen"), ("seq_len", "sequence length"),
         ("batch_size", "batch size"),
@@ -204,7 +219,7 @@ def _training_rows(log: dict) -> list[tuple[str, str]]:
         if log.get(key) is not None:
             rows.append((label, _number(log[key])))
     if log.get("base_weights"):
-        rows.append(("base weights used in training", f"`{log['base_weights']}`"))
+        rows.append(("base weights used in training", markdown_code(log["base_weights"], in_table=True)))
     heldout = log.get("heldout_dominance")
     if isinstance(heldout, dict) and heldout.get("max") is not None:
         rows.append(("largest group share (held-out)", _number(heldout["max"], 3)))
@@ -214,16 +229,61 @@ def _training_rows(log: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def _token_label(token: Any) -> str:
-    """A token as a Markdown code span: spaces shown as ␣, newlines and tabs escaped, pipes escaped for tables."""
-    text = str(token).replace(" ", "\u2423").replace("\n", "\\n").replace("\t", "\\t").replace("`", "'")
-    return f"`{text}`".replace("|", "\\|")
+def markdown_code(text: Any, *, in_table: bool = False):
+    """`text` as an inline code span that Markdown renderers show verbatim: no HTML escaping (a renderer shows an
+    entity inside a code span literally), a backtick fence longer than any run of backticks inside, and, for a table
+    cell, pipes escaped (GFM removes the backslash, also inside code spans)."""
+    import markupsafe
+
+    text = str(text).replace("\r", "\\r").replace("\n", "\\n")
+    if not text:
+        return markupsafe.Markup("(empty)")
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    span = f"{fence}{pad}{text}{pad}{fence}"
+    return markupsafe.Markup(span.replace("|", "\\|") if in_table else span)
+
+
+# ASCII punctuation that Markdown (or the HTML inside it, or the Hub's math) reads as syntax inside a line.
+_MARKDOWN_SYNTAX = re.compile(r"([\\`*_\[\]<>!|#~&$])")
+
+
+def markdown_text(value: Any):
+    """`value` as plain text inside a line of Markdown: whitespace runs (newlines too) become one space, and the
+    characters Markdown, HTML or math would read as syntax are backslash-escaped (a renderer shows them as they are,
+    where an HTML entity would show literally inside code); a leading character that could open a list or a heading
+    is escaped as well."""
+    import markupsafe
+
+    if isinstance(value, markupsafe.Markup):
+        return value
+    text = " ".join(str(value).split())
+    text = _MARKDOWN_SYNTAX.sub(r"\\\1", text)
+    text = re.sub(r"^([-+=])(?=\s|$|\1)", r"\\\1", text)
+    text = re.sub(r"^(\d+)([.)])(?=\s|$)", r"\1\\\2", text)
+    return markupsafe.Markup(text)
+
+
+def markdown_url(path: str):
+    """A link target: `path` percent-encoded (slashes kept), so that no character of it is Markdown syntax."""
+    import urllib.parse
+
+    import markupsafe
+
+    return markupsafe.Markup(urllib.parse.quote(str(path), safe="/"))
+
+
+def _token_label(token: Any):
+    """A token as a code span: spaces shown as ␣, newlines and tabs as escapes."""
+    return markdown_code(str(token).replace(" ", "\u2423").replace("\t", "\\t"), in_table=True)
 
 
 def _interpretability_context(data: Any) -> Optional[dict]:
     """{"summary": str, "rows": [...]} from an interpretability dict (as `focus-hf inspect --json` writes:
     {"summary": ..., "layers": [{"layer": i, "groups": [{"group", "share", "dominant_category", "purity",
     "top_tokens"}]}]}); unknown shapes give the summary only."""
+    import markupsafe
+
     if not isinstance(data, dict):
         return None
     rows = []
@@ -241,7 +301,7 @@ def _interpretability_context(data: Any) -> Optional[dict]:
                 "share": f"{group['share']:.1%}" if isinstance(group.get("share"), (int, float)) else "n/a",
                 "category": group.get("dominant_category") or "n/a",
                 "purity": f"{group['purity']:.0%}" if isinstance(group.get("purity"), (int, float)) else "n/a",
-                "tokens": " ".join(_token_label(w) for w in words),
+                "tokens": markupsafe.Markup(" ").join(_token_label(w) for w in words),
                 "_purity": group["purity"] if isinstance(group.get("purity"), (int, float)) else -1.0,
             })  # fmt: skip
     summary = data.get("summary")
@@ -252,6 +312,56 @@ def _interpretability_context(data: Any) -> Optional[dict]:
     for row in rows:
         del row["_purity"]
     return {"summary": str(summary) if summary else "", "rows": rows, "total": total}
+
+
+# eval_results.json "speed" keys -> row label, in table order (`focus-hf demo` writes the first eight).
+_SPEED_LABELS = {
+    "seq_len": "prompt length (tokens)",
+    "full_seconds": "prefill, full attention (s)",
+    "hard_seconds": "prefill, Focus hard routing (s)",
+    "speedup": "speed-up (full / Focus)",
+    "top_k": "groups each query probes (top-k)",
+    "repeats": "timed prefills per variant (best kept)",
+    "backend": "Focus attention backend",
+    "threads": "CPU threads",
+    "full_ms": "prefill, full attention (ms)",
+    "hard_ms": "prefill, Focus hard routing (ms)",
+}
+
+
+def _cell(value: Any):
+    """A table cell: a number as text, anything else (strings, lists) as code, as the JSON file holds it."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _number(value)
+    return markdown_code(value if isinstance(value, str) else json.dumps(value), in_table=True)
+
+
+def _speed_rows(speed: dict) -> list[tuple[Any, Any]]:
+    """(label, value) rows of the Speed table: known keys by name and in `_SPEED_LABELS` order, others as code."""
+    keys = [key for key in _SPEED_LABELS if key in speed] + [key for key in speed if key not in _SPEED_LABELS]
+    rows = []
+    for key in keys:
+        value = speed[key]
+        if key == "speedup" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            shown = f"{value:.2f}x"
+        else:
+            shown = _cell(value)
+        rows.append((_SPEED_LABELS.get(key) or markdown_code(key, in_table=True), shown))
+    return rows
+
+
+def _passkey_summary(passkey: Any) -> Optional[dict]:
+    """{"seq_len", "prompts", "base", "focus"} from the "passkey" entry `focus-hf demo` writes, or None."""
+    if not isinstance(passkey, dict) or not isinstance(passkey.get("cases"), list) or not passkey["cases"]:
+        return None
+    cases = [case for case in passkey["cases"] if isinstance(case, dict)]
+    seq_len = passkey.get("seq_len")
+    return {
+        "seq_len": f"{seq_len:,}" if isinstance(seq_len, int) and not isinstance(seq_len, bool) else None,
+        "prompts": len(cases),
+        "base": sum(case.get("base_ok") is True for case in cases),
+        "focus": sum(case.get("focus_ok") is True for case in cases),
+    }
 
 
 def python_string_literal(value: Any):
@@ -306,6 +416,7 @@ def render_model_card(
         base_model_relation="adapter" if base_model else None,
     )
     speed = eval_results.get("speed")
+    evaluation = _evaluation_rows(eval_results)
     context = {
         "card_data": card_data.to_yaml(),
         "title": f"{name}: Focus sparse-attention adapter" + (f" for {base_model}" if base_model else ""),
@@ -315,25 +426,33 @@ def render_model_card(
         "summary": summary,
         "size_text": _size(summary["weights_bytes"]),
         "training": _training_rows(training_log) if isinstance(training_log, dict) else [],
-        "evaluation": _evaluation_rows(eval_results),
+        "config_rows": [(markdown_code(key, in_table=True), _cell(value)) for key, value in summary["config"].items()],
+        "evaluation": evaluation,
+        "evaluated": _evaluated_text([mode for mode in _MODES if _ppl(eval_results.get(mode)) is not None]),
         "eval_data": dataset,
-        "speed": [(str(k), _number(v)) for k, v in speed.items()] if isinstance(speed, dict) else [],
+        "speed": _speed_rows(speed) if isinstance(speed, dict) else [],
+        "passkey": _passkey_summary(eval_results.get("passkey")),
         "interpretability": _interpretability_context(interpretability),
         "balance_chart": balance_chart,
         "balance_chart_note": None,
         "base_weights": training_log.get("base_weights") if isinstance(training_log, dict) else None,
     }
     if context["interpretability"] and balance_chart is None and not matplotlib_available():
-        context["balance_chart_note"] = (
-            f"The group-balance chart (`{BALANCE_CHART_NAME}`) is left out: matplotlib is not installed "
-            f"(`{MATPLOTLIB_HINT}`, then rerun `focus-hf card`)."
+        context["balance_chart_note"] = markupsafe.Markup(
+            f"The group-balance chart ({markdown_code(BALANCE_CHART_NAME)}) is left out: matplotlib is not installed "
+            f"({markdown_code(MATPLOTLIB_HINT)}, then rerun `focus-hf card`)."
         )
-    # Every value is escaped (config values come from the adapter folder, possibly someone else's): HTML special
-    # characters everywhere, and values in the usage snippet are written as Python string literals. Only the YAML
-    # block that huggingface_hub serialised is inserted as is.
+    # Every value is escaped for where it goes (config values come from the adapter folder, possibly someone
+    # else's): as Markdown text by default (`markdown_text`), as a code span (`code`, `cell_code`), as a Python
+    # string literal in the usage snippet. Only the YAML block that huggingface_hub serialised is inserted as is.
     context["card_data"] = markupsafe.Markup(context["card_data"])
-    environment = jinja2.Environment(keep_trailing_newline=True, undefined=jinja2.ChainableUndefined, autoescape=True)
+    environment = jinja2.Environment(
+        keep_trailing_newline=True, undefined=jinja2.ChainableUndefined, autoescape=False, finalize=markdown_text
+    )
     environment.filters["python_string"] = python_string_literal
+    environment.filters["code"] = markdown_code
+    environment.filters["url"] = markdown_url
+    environment.filters["cell_code"] = functools.partial(markdown_code, in_table=True)
     content = environment.from_string(TEMPLATE_PATH.read_text(encoding="utf-8")).render(**context)
     while "\n\n\n" in content:
         content = content.replace("\n\n\n", "\n\n")

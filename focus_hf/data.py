@@ -344,7 +344,9 @@ def passkey_prompt(tokenizer: Any, length: int, depth: float, key: str) -> torch
     needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
     question = " What is the pass key? The pass key is"
     budget = length - len(tokenizer(needle + question)["input_ids"]) - 2
-    filler = tokenizer(PASSKEY_FILLER * (budget // 10 + 10))["input_ids"][:budget]
+    # verbose=False: the filler is longer than the prompt on purpose (it is cut to the budget), and the prompt is as
+    # long as the caller asked; the tokenizer would warn whenever either passes the model's maximum length.
+    filler = tokenizer(PASSKEY_FILLER * (budget // 10 + 10), verbose=False)["input_ids"][:budget]
     cut = int(len(filler) * depth)
     text = tokenizer.decode(filler[:cut]) + needle + tokenizer.decode(filler[cut:]) + question
-    return torch.tensor(tokenizer(text)["input_ids"])
+    return torch.tensor(tokenizer(text, verbose=False)["input_ids"])

@@ -189,8 +189,15 @@ def _configured_top_k(model: nn.Module) -> Optional[int]:
     return values.pop() if len(values) == 1 else None
 
 
+# Tokens generated for a passkey answer: a five-digit key (one token per digit for SmolLM2's tokenizer), its full
+# stop, and one to spare.
+PASSKEY_ANSWER_TOKENS = 7
+
+
 @torch.no_grad()
-def passkey_answer(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, max_new_tokens: int = 7) -> str:
+def passkey_answer(
+    model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, max_new_tokens: int = PASSKEY_ANSWER_TOKENS
+) -> str:
     """The model's greedy continuation of one prompt `input_ids` [n] (e.g. `focus_hf.data.passkey_prompt`)."""
     output = model.generate(
         input_ids=input_ids[None],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any, Optional
@@ -40,6 +41,16 @@ _DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64,
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }  # fmt: skip
+
+
+def give_mode_of(path: os.PathLike | str, like: os.PathLike | str) -> None:
+    """Give the file `path` the permission bits of `like`, a file written beside it with `open()`.
+
+    safetensors 0.8 writes through a temporary file created with mode 0600 and renames it into place (safetensors
+    issue 782), so without this an adapter's weights are readable by their owner only while the config written
+    beside them is readable by everyone the umask allows (0644 under the usual 022).
+    """
+    os.chmod(path, stat.S_IMODE(os.stat(like).st_mode))
 
 
 def read_safetensors_header(path: os.PathLike | str) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -48,7 +48,6 @@ def adapter_size(
     from transformers import AutoModelForCausalLM
 
     import focus_hf
-    from focus_hf.tuner.upstream_warnings import quiet_peft_wrapping
 
     config = _model_config(model_config)
     if focus_config is None:
@@ -58,8 +57,7 @@ def adapter_size(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         base_parameters = sum(p.numel() for p in model.parameters())
-        with quiet_peft_wrapping():
-            peft_model = get_peft_model(model, focus_config)
+        peft_model = get_peft_model(model, focus_config)
     # Focus never saves embedding layers; PEFT's "auto" would look the base model's config up on disk or the Hub.
     state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
     # Uninitialised tensors of the saved shapes and dtypes: serialising them gives the file's exact layout.

@@ -28,6 +28,26 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _cards_read_right_once_rendered(monkeypatch):
+    """Every model card rendered in a test passes `card_checks.check_rendered_card` (tables, code spans, links,
+    metadata), whatever the test itself looks at."""
+    from card_checks import check_rendered_card, input_strings
+
+    import focus_hf.card
+
+    render = focus_hf.card.render_model_card
+
+    def render_and_check(adapter_dir, **kwargs):
+        card = render(adapter_dir, **kwargs)
+        # A value of the folder may itself read like an entity (a token "&amp;"): its code span shows it as it is.
+        literal = input_strings(Path(adapter_dir), kwargs.get("interpretability"), kwargs.get("eval_results"))
+        check_rendered_card(str(card), folder=Path(adapter_dir), literal_code=literal)
+        return card
+
+    monkeypatch.setattr(focus_hf.card, "render_model_card", render_and_check)
+
+
 WORDS = [f"w{i}" for i in range(60)]
 
 

@@ -2,9 +2,9 @@
 
 A *figure* is a measured-looking number: a ratio (`1.34x`), a share (`97.6%`), a quantity of time, memory or
 throughput (`2.2 MB`, `30 s`, `9.06 tokens/s`), a decimal (`1.006`) or a count of a total (`40/40`). Code (fenced
-blocks and `inline` spans), link targets, `{{ placeholders }}` and the paper's arXiv id are not prose. The docs'
-pages may hold figures only through placeholders (filled from the committed JSON at build time); the README, which
-GitHub shows as it is, may hold only figures that equal one of those values.
+blocks and `inline` spans), link targets, generated parts (`<!--fig:NAME-->...<!--/fig-->`, written from the
+committed JSON by docs/hooks/generated.py) and the paper's arXiv id are not prose. The docs' pages may hold figures
+only in generated parts; the README only there or as one of those values.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ NOT_PROSE = [
     FENCE,
     re.compile(r"`[^`\n]*`"),  # inline code
     re.compile(r"\]\([^)]*\)"),  # link targets
-    re.compile(r"\{\{[^}]*\}\}"),  # placeholders
+    re.compile(r"<!--fig:[^>]*-->.*?<!--/fig-->", re.S),  # generated parts
     re.compile(r"<!--.*?-->", re.S),
     re.compile(r"arXiv \d+\.\d+"),
 ]
@@ -40,7 +40,7 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
 
 
 def prose(text: str) -> str:
-    """`text` without code, link targets, placeholders and comments."""
+    """`text` without code, link targets, generated parts and comments."""
     for pattern in NOT_PROSE:
         text = pattern.sub(" ", text)
     return text

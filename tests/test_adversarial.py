@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from card_checks import renderer
+from huggingface_hub import ModelCard
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from tiny_models import assert_unmodified, make_adapter, snapshot, tiny_model
@@ -161,7 +163,9 @@ def test_card_escapes_html_and_quotes_the_usage_snippet(good, tmp_path):
         config={"base_model_name_or_path": evil_base, "base_model_type": "<script>alert(1)</script>"},
     )
     text = write_model_card(folder).read_text(encoding="utf-8")
-    assert "<script>" not in text and "&lt;script&gt;" in text
+    html = renderer().render(ModelCard(text).text)
+    # The crafted type shows as the text it is (escaped for HTML by the renderer), never as an element.
+    assert "<script>" not in html and "(&lt;script&gt;alert(1)&lt;/script&gt;)" in html
     snippet = text.split("```python\n", 1)[1].split("```", 1)[0]
     tree = ast.parse(snippet)  # still valid Python, and the crafted name stays one string argument
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)]

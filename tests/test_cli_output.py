@@ -1,7 +1,11 @@
-"""Every `focus-hf` command prints only what its user can act on: no Python warning on stderr, progress bars kept.
+"""Every `focus-hf` command prints only what its user can act on: nothing on stderr but progress bars and focus_hf's
+own messages (no Python warning, no other package's log line: tests/output_checks.py), with the test extras
+installed (torchao and bitsandbytes report kernels they cannot load when imported).
 
 The commands run in a child process with Python's default warning filters (what a user's shell shows), not under
-pytest's warning capture, and their stderr is read line by line.
+pytest's warning capture, with every warning a focus_hf module raises made an error; their stderr is read line by
+line. The files they write are checked too: cards as the Hub renders them, and no adapter file readable by its
+owner only.
 """
 
 from __future__ import annotations
@@ -10,18 +14,17 @@ import importlib.util
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from card_checks import check_rendered_card
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
+from output_checks import CHILD_PRELUDE, STDERR_LOG_ENV, python_warnings, unrequested_lines
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# How the warnings module prints a warning: "path/to/file.py:123: SomeWarning: message".
-WARNING_LINE = re.compile(r"^.*:\d+: \w*Warning: .*$", re.MULTILINE)
-DRIVER = """
+DRIVER = CHILD_PRELUDE + """
 import json, sys
 from focus_hf.cli import main
 for argv in json.loads(sys.argv[1]):
@@ -31,27 +34,47 @@ for argv in json.loads(sys.argv[1]):
 """
 
 
-def run_cli(commands: list[list[str]], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run `focus-hf` once per argument list, in one child process with the default warning filters."""
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def run_cli(commands: list[list[str]], env: dict[str, str], log: Path) -> subprocess.CompletedProcess:
+    """Run `focus-hf` once per argument list, in one child process with the default warning filters; the child
+    writes what wrote each piece of its stderr to `log` (tests/output_checks.py)."""
     env = {key: value for key, value in env.items() if key != "PYTHONWARNINGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    env[STDERR_LOG_ENV] = str(log)
     return subprocess.run(
         [sys.executable, "-c", DRIVER, json.dumps(commands)], env=env, cwd=REPO_ROOT, capture_output=True, text=True
     )
 
 
-def python_warnings(stderr: str) -> list[str]:
-    """The warning lines in `stderr` (progress bars redraw with carriage returns: each redraw is a line)."""
-    return WARNING_LINE.findall(stderr.replace("\r", "\n"))
-
-
-def test_warning_lines_are_recognised():
-    stderr = (
-        "distilling routers:  50%|#####     | 1/2\r/x/transformers/modeling_utils.py:3303: FutureWarning: "
-        "`is_gradient_checkpointing` is deprecated\n  warnings.warn(\n/w/focus_hf/distill.py:273: UserWarning: "
-        "Converting a tensor with requires_grad=True to a scalar\nfocus_hf: a plain message, not a warning\n"
-    )
-    assert [line.split(": ")[1] for line in python_warnings(stderr)] == ["FutureWarning", "UserWarning"]
+def test_unasked_output_is_recognised(tmp_path):
+    """What the checks catch: other packages' warnings and log lines, and writes past sys.stderr; not focus_hf's own
+    messages or any progress bar."""
+    code = CHILD_PRELUDE + """
+import logging, os, sys, warnings
+from tqdm import tqdm
+for _ in tqdm(range(2), desc="distilling routers"):
+    pass
+exec("import logging; logging.getLogger('torchao').warning('Failed to load /x/_C.so')", {"__name__": "torchao"})
+exec(compile("import warnings; warnings.warn('`is_gradient_checkpointing` is deprecated', FutureWarning)",
+             "/x/transformers/modeling_utils.py", "exec"), {"__name__": "transformers.modeling_utils"})
+logging.getLogger("focus_hf.hub.push").warning("Not pushing checkpoints/")
+print("focus-hf inspect: wrote page.html", file=sys.stderr)
+os.write(2, b"[W1126 03:23:42] written by C code\\n")
+"""
+    log = tmp_path / "stderr.json"
+    child = subprocess.run([sys.executable, "-c", code], env={**os.environ, STDERR_LOG_ENV: str(log)},
+                           capture_output=True, text=True)  # fmt: skip
+    assert child.returncode == 0, child.stderr
+    assert [line.split(": ")[1] for line in python_warnings(child.stderr)] == ["FutureWarning"]
+    unrequested = unrequested_lines(child.stderr, log)
+    sources = {line.split("]")[0].lstrip("[") for line in unrequested}
+    assert sources == {"torchao", "transformers.modeling_utils", "not through sys.stderr"}, unrequested
+    assert not any("Not pushing" in line or "distilling" in line or "wrote" in line for line in unrequested)
 
 
 def test_every_command_prints_no_python_warning(tiny_dir, text_file, tmp_path, hub_server):  # noqa: F811
@@ -78,11 +101,16 @@ def test_every_command_prints_no_python_warning(tiny_dir, text_file, tmp_path, h
         ["push", adapter, "focus-test/quiet"],
         ["pull", "focus-test/quiet", "--out", str(out / "pulled")],
     ]  # fmt: skip
-    result = run_cli(commands, hub_server.subprocess_env())
+    result = run_cli(commands, hub_server.subprocess_env(), tmp_path / "stderr.json")
     assert result.returncode == 0, result.stderr[-5000:]
     assert python_warnings(result.stderr) == [], result.stderr[-5000:]
+    assert unrequested_lines(result.stderr, tmp_path / "stderr.json") == [], result.stderr[-5000:]
     assert "distilling routers" in result.stderr  # the progress bars stay
     assert (out / "pulled" / "adapter_model.safetensors").is_file()
+    check_rendered_card((out / "pulled" / "README.md").read_text(), out / "pulled")
+    for folder in (Path(adapter), out / "lm", out / "pulled"):
+        modes = {path.name: oct(path.stat().st_mode & 0o777) for path in folder.iterdir() if path.is_file()}
+        assert set(modes.values()) == {oct(0o666 & ~current_umask())}, f"{folder}: {modes}"
 
 
 @pytest.mark.integration
@@ -94,9 +122,10 @@ def test_demo_end_to_end_prints_no_python_warning(tmp_path):
     arguments += ["--eval-blocks", "1", "--passkeys", "1", "--window", "128"]
     # As a user runs it: the dense/sparse crossover is measured, not fixed as in the rest of the suite.
     env = {key: value for key, value in os.environ.items() if key != "FOCUS_HF_NO_CALIBRATION"}
-    result = run_cli([arguments], env)
+    result = run_cli([arguments], env, tmp_path / "stderr.json")
     assert result.returncode == 0, result.stderr[-5000:]
     assert python_warnings(result.stderr) == [], result.stderr[-5000:]
+    assert unrequested_lines(result.stderr, tmp_path / "stderr.json") == [], result.stderr[-5000:]
     assert "distilling routers" in result.stderr  # the progress bars stay
     printed = result.stdout
     assert "Held-out perplexity" in printed and "Passkey retrieval" in printed and str(out) in printed
@@ -106,7 +135,8 @@ def test_demo_end_to_end_prints_no_python_warning(tmp_path):
         assert results[mode]["mode"] == mode and math.isfinite(results[mode]["ppl"]) and results[mode]["tokens"] == 383
     assert results["hard"]["top_k"] == 1
     assert results["passkey"]["cases"][0]["key"] in printed
-    assert (out / "README.md").is_file()
+    check_rendered_card((out / "README.md").read_text(), out)
+    assert all(path.stat().st_mode & 0o044 for path in out.iterdir() if path.is_file())  # none is owner-only
     assert results["speed"]["seq_len"] == 384 and results["speed"]["speedup"] > 0
     assert results["training"]["objective"] == "distill" and results["training"]["steps_per_layer"] == 3
     log = json.loads((out / "training_log.json").read_text())

@@ -1,5 +1,7 @@
-"""The documentation site: its figures come from committed JSON only, its generated pages match the code, and its
-plots draw. (`mkdocs build --strict` in .ci/run checks links and API references; this needs no mkdocs.)"""
+"""The documentation: its figures come from committed JSON only and are written into the committed pages (so that a
+page reads the same raw as built), its generated parts match the JSON and the code, its plots are committed PNG
+files drawn from the JSON, and its links work on a code host. (`mkdocs build --strict` in .ci/run checks the site's
+links and API references; this needs no mkdocs.)"""
 
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from docs_checks import DOCS, DOCS_HOOKS, REPO_ROOT, fenced_blocks, figure_tokens
+from docs_checks import DOCS, DOCS_HOOKS, FENCE, REPO_ROOT, fenced_blocks, figure_tokens
 
 sys.path.insert(0, str(DOCS_HOOKS))
 import figures  # noqa: E402
-import placeholders  # noqa: E402
+import generated  # noqa: E402
 import plots  # noqa: E402
 import reference  # noqa: E402
 
@@ -32,22 +34,44 @@ def test_every_page_is_in_the_navigation():
 
 
 @pytest.mark.parametrize("path", PAGES, ids=page_id)
-def test_pages_write_figures_only_through_placeholders(path):
-    """A measured figure in a page must be a `{{ placeholder }}`, filled from the committed JSON at build time."""
+def test_pages_write_figures_only_in_generated_parts(path):
+    """A measured figure in a page must sit in a generated part, written from the committed JSON."""
     assert figure_tokens(path.read_text(encoding="utf-8")) == set()
 
 
-@pytest.mark.parametrize("path", PAGES, ids=page_id)
-def test_placeholders_resolve(path):
+@pytest.mark.parametrize("path", [*PAGES, REPO_ROOT / "README.md"], ids=lambda path: path.name)
+def test_pages_read_the_same_raw_as_built(path):
+    """No template syntax left for a build to fill, and every generated part as the JSON and the code say now."""
     text = path.read_text(encoding="utf-8")
-    rendered = placeholders.render(text)
-    assert not placeholders.names(rendered)
-    for name in placeholders.names(text):
-        assert placeholders.expand(name).strip(), name
+    assert "{{" not in text and "}}" not in text
+    assert generated.fill(text, path) == text, "stale: run python docs/hooks/generated.py"
+
+
+def test_generated_constants_of_the_code_are_fresh():
+    for name in generated.OTHER_FILES:
+        path = REPO_ROOT / name
+        if path.suffix == ".py":
+            text = path.read_text(encoding="utf-8")
+            assert generated.names(text), f"{name} holds no generated constant"
+            assert generated.fill(text, path) == text, "stale: run python docs/hooks/generated.py"
+
+
+def test_generated_parts_are_found_and_filled(tmp_path):
+    page = tmp_path / "page.md"
+    text = "kept <!--fig:lc.ppl_8k-->old<!--/fig--> of it\n\n<!--fig:table.sinks--><!--/fig-->\n"
+    filled = generated.fill(text, page)
+    assert f"<!--fig:lc.ppl_8k-->{figures.value('lc.ppl_8k')}<!--/fig-->" in filled
+    assert "\n\n| " in filled and generated.names(filled) == ["lc.ppl_8k", "table.sinks"]
+    with pytest.raises(ValueError, match="starts a line"):
+        generated.fill("text\n<!--fig:lc.ppl_8k--><!--/fig--> more\n", page)
+    python = tmp_path / "module.py"
+    expected = f'X = "{figures.value("lc.ppl_8k")}"  # fig:lc.ppl_8k\n'
+    assert generated.fill('X = "old"  # fig:lc.ppl_8k\n', python) == expected
 
 
 def test_figure_scan_catches_a_literal_figure():
-    assert figure_tokens("prefill 1.34x faster, 97.6% kept, `1.5x in code` and {{ lc.ppl_8k }}") == {"1.34x", "97.6%"}
+    text = "prefill 1.34x faster, 97.6% kept, `1.5x in code` and <!--fig:lc.ppl_8k-->1.006x<!--/fig-->"
+    assert figure_tokens(text) == {"1.34x", "97.6%"}
 
 
 def test_figures_are_values_of_the_committed_json():
@@ -65,9 +89,9 @@ def test_figures_are_values_of_the_committed_json():
         assert figures.value(name), name  # every registered figure and table reads its file
 
 
-def test_unknown_placeholder_fails():
+def test_unknown_name_fails(tmp_path):
     with pytest.raises(KeyError, match="no figure or table"):
-        placeholders.render("{{ attn.top1_1m }}")
+        generated.fill("a <!--fig:attn.top1_1m--><!--/fig-->", tmp_path / "page.md")
 
 
 def test_architecture_lists_exactly_the_package_tree():
@@ -78,7 +102,7 @@ def test_architecture_lists_exactly_the_package_tree():
     rows = re.findall(r"^\| `([^`]+)` \| (.*) \|$", reference.architecture_table(), flags=re.M)
     assert [name for name, _ in rows] == [f"{folder}/" for folder in folders] + modules
     assert all(description.strip() for _, description in rows), "a folder or module without a docstring"
-    assert "{{ architecture }}" in (DOCS / "architecture.md").read_text()
+    assert "<!--fig:architecture-->" in (DOCS / "architecture.md").read_text()
 
 
 def test_cli_reference_covers_every_command_and_option():
@@ -92,36 +116,44 @@ def test_cli_reference_covers_every_command_and_option():
             if action.help != argparse.SUPPRESS and action.dest != "help":
                 shown = action.option_strings[0] if action.option_strings else (action.metavar or action.dest)
                 assert f"`{shown}" in section, f"focus-hf {name}: {shown} missing from the CLI reference"
-    assert "{{ cli.reference }}" in (DOCS / "cli.md").read_text()
+    assert "<!--fig:cli.reference-->" in (DOCS / "cli.md").read_text()
 
 
 def test_module_paths_of_the_docs_exist():
-    """Every module the docs name by key, and every focus_hf import in their code, is a real source file."""
-    for key, dotted in reference.MODULES.items():
-        assert reference.module_file(dotted).is_file(), key
+    """Every focus_hf module the docs import, render (`::: focus_hf.x`) or name in code is a real source file."""
     for path in PAGES:
-        code = "\n".join(block for _, block in fenced_blocks(placeholders.render(path.read_text(encoding="utf-8"))))
-        for name in re.findall(r"^\s*from (focus_hf[\w.]*) import", code, flags=re.M):
+        text = path.read_text(encoding="utf-8")
+        code = "\n".join(block for _, block in fenced_blocks(text))
+        named = re.findall(r"^\s*from (focus_hf[\w.]*) import", code, flags=re.M)
+        named += re.findall(r"^::: (focus_hf[\w.]*)", text, flags=re.M)
+        for name in named:
             assert reference.module_file(name), f"{page_id(path)}: {name}"
 
 
 @pytest.mark.parametrize("name", sorted(plots.PLOTS))
-def test_plots_draw_from_the_committed_json(name, tmp_path):
+def test_committed_plots_are_drawn_from_the_committed_json(name):
     from png_checks import assert_png
 
-    path = tmp_path / name
-    path.write_bytes(plots.PLOTS[name]())
+    path = DOCS / "img" / name
     assert_png(path, min_size=(600, 300))
+    png, digest = generated.plot_sources(name)
+    assert png and generated.recorded_digest(path) == digest, f"stale: run python docs/hooks/generated.py ({name})"
 
 
-def test_docs_links_to_images_exist():
-    """Images a page shows are files of docs/, generated plots (img/) or committed benchmark files."""
-    for path in PAGES:
-        for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", path.read_text(encoding="utf-8")):
-            if target.startswith("img/"):
-                assert target.removeprefix("img/") in plots.PLOTS, target
-            else:
-                assert (path.parent / target).is_file() or (REPO_ROOT / target).is_file(), f"{page_id(path)}: {target}"
+@pytest.mark.parametrize("path", [*PAGES, REPO_ROOT / "README.md"], ids=lambda path: path.name)
+def test_links_and_images_point_at_files_of_the_repository(path):
+    """Read raw on a code host, every relative link and image of a page resolves to a file of the repository."""
+    text = path.read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose_links(text)):
+        if "://" in target or target.startswith(("#", "mailto:")):
+            continue
+        resolved = (path.parent / target.split("#", 1)[0]).resolve()
+        assert resolved.exists() and REPO_ROOT in resolved.parents, f"{path.name}: {target}"
+
+
+def prose_links(text: str) -> str:
+    """`text` without fenced code (a snippet's `[...](...)` is Python, not a link)."""
+    return FENCE.sub("", text)
 
 
 def test_gpu_speed_is_reported_as_not_measured_while_no_gpu_json_is_committed():

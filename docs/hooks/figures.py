@@ -1,20 +1,22 @@
-"""Every measured figure the docs show, read from the committed JSON at build time.
+"""Every measured figure the docs show, read from the committed JSON.
 
-A page writes `{{ name }}` where a figure goes; the hook (`focus_docs.py`) replaces it with `value(name)`. A
-figure is a small function over the JSON rows, so the page can only show what a committed file holds, and a
-re-run benchmark updates the docs with it. Tables work the same way (`{{ table.name }}`). The tests
-(`tests/test_docs.py`) check that the docs' Markdown holds no figure outside these placeholders and that every
-figure the README quotes is one of these values.
+A page holds `<!--fig:NAME-->TEXT<!--/fig-->` where a figure goes, and `generated.py` writes `value(NAME)` in as
+TEXT. A figure is a small function over the JSON rows, so the page can only show what a committed file holds, and a
+re-run benchmark updates the docs with it (`python docs/hooks/generated.py`). Tables work the same way
+(`table.NAME`). The tests (`tests/test_docs.py`) check that the docs' Markdown holds no figure outside these
+generated parts, that every one is as the JSON says now, and that every other figure the README quotes is one of
+these values. `recording()` tells which files a computation read (the plots record a digest of them).
 
 Pure Python (json only): no mkdocs, no torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,14 +45,35 @@ LC_AUDIT = "benchmarks/long_context/results/audit.json"
 LC_ADAPTER_LOG = "benchmarks/long_context/adapter/training_log.json"
 LC_ADAPTER_CONFIG = "benchmarks/long_context/adapter/adapter_config.json"
 LC_CALIBRATION = "benchmarks/long_context/calibration.json"
+DEMO_RUN = "benchmarks/results/demo_run.json"  # benchmarks/demo_run.py: `focus-hf demo` timed from a fresh cache
 
 AS_SAVED = "focus as saved top-1, w=512, 18 dense heads, dense below 2048"  # the committed adapter's rows
 FOCUS_SAVED = "Focus hard as saved (top-1, w=512, 18 dense heads, dense below 2048)"  # the same, model benchmarks
 
 
-@functools.cache
+_recording: list[set[str]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set[str]]:
+    """Inside the block, the set it yields collects the path of every file `load` is asked for."""
+    read: set[str] = set()
+    _recording.append(read)
+    try:
+        yield read
+    finally:
+        _recording.remove(read)
+
+
 def load(path: str) -> Any:
     """The parsed JSON file at `path` (relative to the repository root)."""
+    for read in _recording:
+        read.add(path)
+    return _parse(path)
+
+
+@functools.cache
+def _parse(path: str) -> Any:
     return json.loads((ROOT / path).read_text(encoding="utf-8"))
 
 
@@ -182,7 +205,32 @@ def _ceiling(call: str) -> Callable[[], str]:
     return lambda: percent(pick(CEILING, call=call)["fraction_of_gemm"], 0)
 
 
+def _demo() -> dict:
+    """The last measured run of `focus-hf demo` with the default options."""
+    return [row for row in rows(DEMO_RUN) if row["command"] == "focus-hf demo"][-1]
+
+
+def _demo_machine() -> str:
+    row = _demo()
+    cpu = " ".join(word for word in row["cpu"].split() if word not in ("Processor", "(R)", "(TM)"))
+    return f"a {row['cores']}-core {cpu}" + (", shared with other work" if row["other_load_mean"] > 0.5 else "")
+
+
+def _demo_measured() -> str:
+    row = _demo()
+    # The CPU time does not depend on what else the machine ran; the wall time does.
+    return (
+        f"{round(row['wall_seconds'] / 60)} minutes and {row['peak_rss_bytes'] / 1e9:.1f} GB of memory on "
+        f"{_demo_machine()}, using {round(row['cpu_seconds'] / 60)} minutes of CPU time"
+    )
+
+
 FIGURES: dict[str, Callable[[], str]] = {
+    # `focus-hf demo` with the defaults, from a fresh cache: wall time, peak memory, the machine
+    "demo.minutes": lambda: f"{round(_demo()['wall_seconds'] / 60)} minutes",
+    "demo.memory": lambda: f"{_demo()['peak_rss_bytes'] / 1e9:.1f} GB",
+    "demo.machine": _demo_machine,
+    "demo.measured": _demo_measured,
     # the committed long-context adapter (SmolLM2-135M-Instruct, distilled, K=8, top-1, w=512, 18 dense heads)
     "adapter.parameters": lambda: count(load(LC_ADAPTER_LOG)["trainable_parameters"]),
     "adapter.size": _adapter_megabytes,
@@ -193,6 +241,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "lc.ppl_source_8k": lambda: times(ppl_ratio(AS_SAVED, data="python-source"), 3),
     "lc.density_8k": lambda: fixed(density(AS_SAVED), 2),
     "lc.passkey": lambda: _passkey(AS_SAVED),
+    "lc.passkey_prompts": lambda: str(len(pick(LC_PASSKEY, variant=AS_SAVED)["cases"])),
     "lc.passkey_dense": lambda: _passkey("dense", index=-1),  # the run of the committed adapter's prompts
     "lc.prefill_512": _lc_speed(512),
     "lc.prefill_1k": _lc_speed(1024),

@@ -1,4 +1,5 @@
-"""The pictures of the docs, drawn at build time from the committed JSON (matplotlib, no display).
+"""The pictures of the docs, drawn from the committed JSON (matplotlib, no display) into docs/img/ by
+`generated.py`, which records in each PNG the digest of the files it read.
 
 Each function returns PNG bytes; `PLOTS` maps the name a page links to (`img/<name>`) to its function. Nothing
 here is typed in: every point is a row of a committed JSON file (read through `figures.rows`).

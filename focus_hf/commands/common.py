@@ -162,11 +162,9 @@ def load_with_adapter(name: str, adapter: Optional[str | os.PathLike]) -> tuple[
         from peft import PeftModel
 
         from focus_hf.tuner.registration import register
-        from focus_hf.tuner.upstream_warnings import quiet_peft_wrapping
 
         register()
-        with quiet_peft_wrapping():
-            model = PeftModel.from_pretrained(model, adapter)
+        model = PeftModel.from_pretrained(model, adapter)
     return model, tokenizer
 
 

@@ -71,7 +71,6 @@ def train(args: argparse.Namespace) -> dict:
 
     from focus_hf.data import token_blocks
     from focus_hf.fitting.trainer import remove_checkpoints, train_adapter
-    from focus_hf.tuner.upstream_warnings import quiet_peft_wrapping
 
     out = Path(args.out)
     torch.manual_seed(args.seed)
@@ -79,8 +78,7 @@ def train(args: argparse.Namespace) -> dict:
     config = focus_config_from_args(args)
     if args.resume:
         config = resume_config(out, config)
-    with quiet_peft_wrapping():
-        model = get_peft_model(model, config)
+    model = get_peft_model(model, config)
     train_texts, heldout_texts = split_corpus(args)
     blocks = token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.max_train_blocks)
     balance = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=1) if args.balance_check else None
@@ -124,7 +122,6 @@ def distill(args: argparse.Namespace) -> dict:
     from focus_hf.fitting.layerwise import distill_routers_layerwise
     from focus_hf.fitting.parallel import is_main_process, start_process_group
     from focus_hf.tuner.controls import configure_adapter
-    from focus_hf.tuner.upstream_warnings import quiet_peft_wrapping
 
     start_process_group()  # under torchrun / accelerate launch each process distils on its share of the sequences
     out = Path(args.out)
@@ -134,8 +131,7 @@ def distill(args: argparse.Namespace) -> dict:
     if device or dtype:  # before the adapter: the routers are created where the base runs, in float32
         model.to(**({"device": device} if device else {}), **({"dtype": getattr(torch, dtype)} if dtype else {}))
     config = dataclasses.replace(focus_config_from_args(args), query_projection=args.query_router)
-    with quiet_peft_wrapping():
-        model = get_peft_model(model, config)
+    model = get_peft_model(model, config)
     model.eval()
     train_texts, heldout_texts = split_corpus(args)
     sequences = list(token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.sequences))

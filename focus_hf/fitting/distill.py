@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from focus_hf.attention.routing import causal_sinkhorn
+from focus_hf.files import give_mode_of
 from focus_hf.fitting.capture import DistantAttention, capture_layers, distant_attention, query_positions
 from focus_hf.fitting.parallel import all_sum, global_sum, is_main_process, shard, sum_gradients
 from focus_hf.tuner.controls import focus_layers
@@ -301,6 +302,7 @@ def _save_checkpoint(folder: Path, layers: list[FocusLayer], adapter: str, done:
     save_file(tensors, str(folder / CHECKPOINT_WEIGHTS))
     state = {"layers_done": [asdict(result) for result in done]}
     (folder / CHECKPOINT_STATE).write_text(json.dumps(state, indent=1))
+    give_mode_of(folder / CHECKPOINT_WEIGHTS, folder / CHECKPOINT_STATE)
 
 
 def _load_checkpoint(folder: Path, layers: list[FocusLayer], adapter: str) -> list[LayerResult]:

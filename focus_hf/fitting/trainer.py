@@ -32,6 +32,7 @@ from focus_hf.base_models import weights_source
 from focus_hf.files import CHECKPOINTS_DIR
 from focus_hf.fitting.metadata import base_model_id, jsonable, versions
 from focus_hf.interpret.groups import RoutingRecorder, group_assignments
+from focus_hf.quiet import quiet_logs
 from focus_hf.tuner.controls import focus_layers
 
 __all__ = [
@@ -44,6 +45,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# Trainer orders checkpoints by modification time and says so when two were written within a second of each other
+# (short runs, small models): it then orders them by step, which is what the rotation needs anyway.
+_TRAINER_NOISE = {"transformers.trainer_utils": (r"mtime may not be reliable on this filesystem",)}
 
 TRAINING_LOG_NAME = "training_log.json"
 DEFAULT_DOMINANCE_THRESHOLD = 0.5
@@ -392,7 +396,8 @@ def train_adapter(
     if resume_from is not None:
         extra_callbacks.append(_ResumedScheduleSync())
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=extra_callbacks)
-    result = trainer.train(resume_from_checkpoint=resume_from)
+    with quiet_logs(_TRAINER_NOISE):
+        result = trainer.train(resume_from_checkpoint=resume_from)
     run_seconds = time.perf_counter() - started
     model.eval()
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi, constants, snapshot_download
@@ -40,8 +40,9 @@ def _copy_files(snapshot: Path, rel_paths: list[str], out_dir: Path) -> None:
     for rel in rel_paths:
         destination = out_dir / rel
         destination.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".tmp")
-        os.close(fd)
+        # Not mkstemp: its file is 0600, and the copy would keep that mode. copyfile creates the file with open(),
+        # under the umask, as save_pretrained writes an adapter's files.
+        tmp = destination.parent / f".{destination.name}.{secrets.token_hex(8)}.tmp"
         try:
             shutil.copyfile(snapshot / rel, tmp)  # follows the cache symlink
             os.replace(tmp, destination)

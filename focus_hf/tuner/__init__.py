@@ -2,8 +2,7 @@
 around each attention module), `model` (the BaseTuner), `targets` (which modules of which architectures are
 routed), `controls` (run-time switches), `peft_type` and `registration` (with PEFT and transformers).
 `loader_source` finds the adapter PEFT or transformers is loading (checked before injection), `devices` where a
-module computes, and `dispatch` keeps routers on that device for accelerate-dispatched bases. `upstream_warnings`
-silences, around our own calls only, the PEFT / transformers warnings a user cannot act on.
+module computes, and `dispatch` keeps routers on that device for accelerate-dispatched bases.
 """
 
 # Every tuner module builds on peft. Importing it here, before any of them runs, lets `import focus_hf` register

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -13,7 +14,15 @@ from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME
 from focus_hf.errors import AdapterFileError, FocusMergeError, FocusRuntimeError
-from focus_hf.files import validate_adapter_folder, validate_adapter_state_dict
+from focus_hf.files import (
+    CONFIG_NAME,
+    PEFT_TYPE_NAME,
+    WEIGHTS_NAME,
+    give_mode_of,
+    validate_adapter_folder,
+    validate_adapter_state_dict,
+)
+from focus_hf.quiet import quiet_peft_wrapping
 from focus_hf.tuner.config import FocusConfig, FocusConfigError
 from focus_hf.tuner.dispatch import pin_routers, unpin_routers
 from focus_hf.tuner.layer import FocusLayer
@@ -104,8 +113,12 @@ PICKLE_SAVE_MESSAGE = (
 
 
 def install() -> None:
-    """Wrap two `PeftModel` methods so that, on a Focus model, they refuse at the call with our error (idempotent).
+    """Wrap three `PeftModel` methods and transformers' `save_pretrained` for Focus models (idempotent; models with
+    other adapter types, or none, are untouched).
 
+    - `__init__` (reached by `get_peft_model` and `PeftModel.from_pretrained`): runs under
+      `focus_hf.quiet.quiet_peft_wrapping`, which holds back the FutureWarning that peft 0.21 raises by reading
+      transformers 5's deprecated `is_gradient_checkpointing`: a user who wraps a model cannot act on it.
     - `set_adapter([a, b])`: PEFT looks the name up in `peft_config` before it reaches the tuner, so a list fails
       there with "unhashable type: 'list'" (a tuple with "Adapter (...) not found"), never reaching
       `FocusModel.set_adapter`. A list or tuple is checked first: more than one name raises `FocusRuntimeError` with
@@ -114,8 +127,9 @@ def install() -> None:
       load. Refused with `AdapterFileError` before anything is written, also when the caller passes `state_dict=`
       (then PEFT never calls the model's `state_dict()`). It also passes `save_embedding_layers=False` unless the
       caller chose: PEFT's "auto" looks the base model up on the Hub on every save, for embeddings Focus never has.
-
-    PEFT models of other adapter types are untouched.
+      The saved safetensors file then gets the mode of the config beside it (safetensors 0.8 writes it 0600).
+    - `PreTrainedModel.save_pretrained` of a model holding a Focus adapter (transformers' `load_adapter` path):
+      the same mode fix.
     """
     from peft import PeftModel
 
@@ -133,24 +147,72 @@ def install() -> None:
         set_adapter._focus_single_adapter = True
         PeftModel.set_adapter = set_adapter
 
+    init_original = PeftModel.__init__
+    if not getattr(init_original, "_focus_quiet", False):
+
+        @functools.wraps(init_original)
+        def __init__(self, model, peft_config, *args, **kwargs):
+            if getattr(peft_config, "peft_type", None) != PEFT_TYPE_NAME:
+                return init_original(self, model, peft_config, *args, **kwargs)
+            with quiet_peft_wrapping():
+                return init_original(self, model, peft_config, *args, **kwargs)
+
+        __init__._focus_quiet = True
+        PeftModel.__init__ = __init__
+
     save_original = PeftModel.save_pretrained
     if not getattr(save_original, "_focus_safetensors_only", False):
         signature = inspect.signature(save_original)
 
         @functools.wraps(save_original)
         def save_pretrained(self, *args, **kwargs):
-            if _is_focus_model(self):
-                bound = signature.bind(self, *args, **kwargs).arguments
-                if not bound.get("safe_serialization", True):
-                    raise AdapterFileError(PICKLE_SAVE_MESSAGE)
-                if "save_embedding_layers" not in bound:
-                    # Focus never holds embedding weights; PEFT's "auto" would ask the Hub whether the base's
-                    # vocabulary changed (a network call on every save, failing offline).
-                    kwargs["save_embedding_layers"] = False
-            return save_original(self, *args, **kwargs)
+            if not _is_focus_model(self):
+                return save_original(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs).arguments
+            if not bound.get("safe_serialization", True):
+                raise AdapterFileError(PICKLE_SAVE_MESSAGE)
+            if "save_embedding_layers" not in bound:
+                # Focus never holds embedding weights; PEFT's "auto" would ask the Hub whether the base's
+                # vocabulary changed (a network call on every save, failing offline).
+                kwargs["save_embedding_layers"] = False
+            result = save_original(self, *args, **kwargs)
+            if bound.get("is_main_process", True):
+                directory = Path(bound["save_directory"])
+                names = bound.get("selected_adapters") or list(self.peft_config)
+                # PEFT saves an adapter other than "default" into a subfolder of its name.
+                _give_weights_the_config_mode([directory if name == "default" else directory / name for name in names])
+            return result
 
         save_pretrained._focus_safetensors_only = True
         PeftModel.save_pretrained = save_pretrained
+
+    from transformers import PreTrainedModel
+
+    save_model_original = PreTrainedModel.save_pretrained
+    if not getattr(save_model_original, "_focus_file_modes", False):
+
+        @functools.wraps(save_model_original)
+        def save_model(self, save_directory, *args, **kwargs):
+            result = save_model_original(self, save_directory, *args, **kwargs)
+            loaded = getattr(self, "_hf_peft_config_loaded", False)
+            peft_configs = getattr(self, "peft_config", None) if loaded else None
+            if isinstance(peft_configs, dict) and any(
+                getattr(config, "peft_type", None) == PEFT_TYPE_NAME for config in peft_configs.values()
+            ):
+                _give_weights_the_config_mode([Path(save_directory)])
+            return result
+
+        save_model._focus_file_modes = True
+        PreTrainedModel.save_pretrained = save_model
+
+
+def _give_weights_the_config_mode(folders: list[Path]) -> None:
+    """The safetensors file of each saved adapter folder gets the mode of the config written beside it
+    (`focus_hf.files.give_mode_of`: safetensors 0.8 writes it 0600)."""
+    for folder in folders:
+        weights, config = folder / WEIGHTS_NAME, folder / CONFIG_NAME
+        if weights.is_file() and config.is_file():
+            give_mode_of(weights, config)
 
 
 def _is_focus_model(peft_model: nn.Module) -> bool:
