@@ -208,6 +208,7 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
         window=args.window,
         scaling=scaling,
         backend=args.backend,
+        own_group=routing.own_groups is None,  # as a model's routing says it
     )
 
 
@@ -252,12 +253,10 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
     skip = dense_skip_reason(args, seq_len, dtype, device)
     dense = dense_call(case)
     calls = {top_k: focus_call(args, case, top_k) for top_k in args.top_k}
-    crossovers = {
-        top_k: crossover_used(
-            args, case, top_k, path_kind(case.routing[top_k].top_groups, case.routing[top_k].key_groups, False)
-        )
-        for top_k in args.top_k
-    }
+    crossovers = {}
+    for top_k, routing in case.routing.items():
+        kind = path_kind(routing.top_groups, routing.key_groups, False, routing.own_groups is None)
+        crossovers[top_k] = crossover_used(args, case, top_k, kind)
     dense_context, kernel = dense_kernel(case.query, case.key, causal=True)
     dense_times: list[tuple[float, float]] = []
     focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
@@ -457,9 +456,10 @@ def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, 
     if args.backend != "auto":
         return None
     from focus_hf.attention.crossover import dense_below
+    from focus_hf.attention.hard import hard_attention
 
     query = case.query[:, :, -1:] if decode else case.query
-    return dense_below(query, case.key, top_k, args.groups, args.window, kind)
+    return dense_below(query, case.key, top_k, args.groups, args.window, kind, hard_attention)
 
 
 def paged_decode_times(
@@ -587,6 +587,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 scaling=scaling,
                 backend=args.backend,
                 grouped=[grouped],
+                own_group=routing.own_groups is None,
             )
 
         return step
@@ -701,6 +702,7 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
     import torch
 
     from focus_hf.attention.crossover import calibrate, make_shape
+    from focus_hf.attention.hard import hard_attention
 
     query = torch.empty(1, args.heads, 1, args.head_dim, dtype=dtype, device=device)
     key = torch.empty(1, args.kv_heads, 1, args.head_dim, dtype=dtype, device=device)
@@ -708,7 +710,7 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
     for top_k in args.top_k:
         for kind in ("shared", "probe" if top_k == 1 else "separate", "decode"):
             shape = make_shape(query, key, top_k, args.groups, args.window, kind)
-            entry = calibrate(shape, device)
+            entry = calibrate(shape, device, hard_attention)
             timings = "  ".join(
                 f"{row['length']}: {row['dense_s'] * 1e3:.2f}/{row['sparse_s'] * 1e3:.2f}" for row in entry["timings"]
             )
