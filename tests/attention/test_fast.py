@@ -105,6 +105,7 @@ def cases(draw):
         separate=draw(st.booleans()),
         adaptive=draw(st.booleans()),
         dense_masked=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -117,6 +118,8 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
     query = states(generator, batch, heads, q_len, case["dim"], case["token_major"])
     key = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
     value = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
+    dtype = case.get("dtype", torch.float32)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     query_groups, key_groups = random_routing(
         generator,
         batch,
@@ -140,7 +143,8 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
         query_groups[:, seq - q_len :], key_groups, sink, query_positions, positions, case["window"]
     )
     allowed = allowed[:, None] if model_mask is None else allowed[:, None] & model_mask
-    reference = dense_attention(query, key, value, allowed, scaling=SCALING)
+    # float64 on the same values: a bfloat16 result is then off by its own rounding only
+    reference = dense_attention(query.double(), key.double(), value.double(), allowed, scaling=SCALING)
     output = hard.hard_attention(
         query,
         key,
@@ -176,9 +180,11 @@ def test_fast_equals_dense_oracle(case):
         mock.patch.dict(os.environ, crossover),
     ):
         output, reference, rows = run_case(case, backend="auto" if case["dense_masked"] else "sdpa")
-    assert output.shape == reference.shape
+    assert output.shape == reference.shape and output.dtype == case["dtype"]
     assert torch.isfinite(output).all()
-    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+    # bfloat16: the output's rounding (2^-9 of it) and the weights' (2^-9 of the values, `test_prefill_kernel`)
+    atol = ATOL if case["dtype"] == torch.float32 else ATOL + 2**-8 * float(reference.abs().max())
+    torch.testing.assert_close(output[rows].double(), reference[rows], atol=atol, rtol=0)
 
 
 BASE_CASE = dict(
@@ -204,7 +210,7 @@ BASE_CASE = dict(
 @pytest.mark.parametrize("side", ["none", "left", "right"])
 def test_prefill_and_cached_steps(q_len, side):
     output, reference, rows = run_case(dict(BASE_CASE, q_len=q_len, side=side))
-    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+    torch.testing.assert_close(output[rows].double(), reference[rows], atol=ATOL, rtol=0)
 
 
 def test_gathers_from_a_static_cache_prefix_read_its_buffer():
@@ -228,12 +234,12 @@ def test_general_mask_runs_dense_with_the_models_mask():
     positions = torch.arange(BASE_CASE["seq"])
     sliding = (positions[:, None] - positions[None, :] < 20)[None, None]
     output, reference, rows = run_case(BASE_CASE, mask_is_padding=False, extra_mask=sliding)
-    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+    torch.testing.assert_close(output[rows].double(), reference[rows], atol=ATOL, rtol=0)
 
 
 def test_auto_below_crossover_runs_dense_masked():
     output, reference, rows = run_case(BASE_CASE, backend="auto")
-    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+    torch.testing.assert_close(output[rows].double(), reference[rows], atol=ATOL, rtol=0)
 
 
 def test_consecutive_segments_are_own_group_top_1_entries():
@@ -431,7 +437,7 @@ def test_prefill_calls_share_a_scratch_buffer_and_ignore_one_too_small():
     generator = torch.Generator().manual_seed(2)
     query, key, value = (torch.randn(2, h, 150, 32, generator=generator) for h in (4, 2, 2))
     plain = native.prefill_attention(query, key, value, causal=True, scale=SCALING)
-    for scratch in (native.packing_scratch(2, 32, (2, 150)), torch.empty(10)):
+    for scratch in (native.packing_scratch(torch.float32, 2, 32, (2, 150)), torch.empty(10)):
         scratch.fill_(float("nan"))  # what a buffer holds before a call must not matter
         shared = native.prefill_attention(query, key, value, causal=True, scale=SCALING, scratch=scratch)
         torch.testing.assert_close(shared, plain, atol=0, rtol=0)

@@ -185,32 +185,69 @@ def test_no_compiler_or_a_failed_build_falls_back_with_a_message(cc, monkeypatch
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob(".build-*"))
 
 
-def test_a_compiler_refusing_the_native_target_gets_the_default_one(monkeypatch, tmp_path):
-    """`-march=native` is not taken by every compiler (some ARM toolchains): the build retries without it."""
+def prefill_oracle(query, key, value, scale):
+    """float64 causal softmax of queries [batch, heads, L, dim] over keys/values [batch, kv_heads, L, dim]."""
+    sharing = query.shape[1] // key.shape[1]
+    key, value = (tensor.double().repeat_interleave(sharing, 1) for tensor in (key, value))
+    scores = torch.einsum("bhld,bhsd->bhls", query.double(), key) * scale
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    return torch.einsum("bhls,bhsd->bhld", torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1), value)
+
+
+def build_through(tmp_path, monkeypatch, script: str) -> None:
+    """Make the kernels build (again, in a cache of their own) through a compiler wrapper running `script` before it
+    calls the real compiler with its arguments; at -O0 - what is tested is what the build is given, and an -O3
+    build for the compiler's default target takes minutes of CPU (vectors of 16 floats split for a narrower one)."""
     real = native.compiler()
     if real is None:
         pytest.skip("no C compiler to build the kernel with")
     wrapper = tmp_path / "cc"
-    # It also compiles at -O0: what is tested is the retry, and the default target's -O3 build of the three sources
-    # takes minutes of CPU (vectors of 16 floats split for a narrower target).
     wrapper.write_text(
         "#!/bin/sh\n"
-        'for a in "$@"; do [ "$a" = -march=native ] && exit 1; done\n'
-        'for a in "$@"; do shift; [ "$a" = -O3 ] && a=-O0; set -- "$@" "$a"; done\n'
-        f'exec {real} "$@"\n'
+        + script
+        + 'for a in "$@"; do shift; [ "$a" = -O3 ] && a=-O0; set -- "$@" "$a"; done\n'
+        + f'exec {real} "$@"\n'
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path / "cache"))
     native.native_kernels.cache_clear()
+
+
+# Compiler wrappers' scripts (`build_through`): `-march=native` is not taken by every compiler (some ARM toolchains),
+# and the build retries without it - its generic vector code (no AVX-512) runs; AVX-512 without bfloat16 dot products
+# (Skylake-SP to Ice Lake): bfloat16 calls widen to float32 as they pack.
+REFUSE_NATIVE = 'for a in "$@"; do [ "$a" = -march=native ] && exit 1; done\n'
+NO_BF16_DOT = (
+    'for a in "$@"; do shift; [ "$a" = -march=native ] && a="-march=native -mno-avx512bf16"; set -- "$@" $a; done\n'
+)
+
+
+@pytest.mark.parametrize(
+    "script, absent",
+    [(REFUSE_NATIVE, "avx512 vectors"), (NO_BF16_DOT, "avx512_bf16 dot products")],
+    ids=["default-target", "no-bf16-dot"],
+)
+def test_other_build_targets_give_the_same_results(monkeypatch, tmp_path, script, absent):
+    build_through(tmp_path, monkeypatch, script)
+    generator = torch.Generator().manual_seed(4)
     try:
         query, keys = torch.randn(4, 32), torch.randn(2, 70, 32)
         output = native.attend_runs(query, [(keys, keys)], 0.2)
+        prefills = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            states = [torch.randn(2, heads, 150, 32, generator=generator).to(dtype) for heads in (6, 2, 2)]
+            prefills[dtype] = states, native.prefill_attention(*states, causal=True, scale=0.2)
+        record = native.build_record()
     finally:
         native.native_kernels.cache_clear()
     assert output is not None
     torch.testing.assert_close(output.double(), oracle(query, [(keys, keys)], 0.2), atol=2e-5, rtol=2e-5)
+    for dtype, (states, (prefill, _)) in prefills.items():
+        atol = 2e-5 if dtype == torch.float32 else 2**-8 * 4  # bfloat16: the output's rounding (|values| < 4 here)
+        torch.testing.assert_close(prefill.double(), prefill_oracle(*states, 0.2), atol=atol, rtol=0)
     assert len(list((tmp_path / "cache" / "kernels").glob("*.so"))) == 1
+    assert record["built"] and absent not in record["uses"]
 
 
 @needs_kernel
