@@ -320,15 +320,19 @@ def device_name(device: torch.device) -> str:
 
 
 def machine_fields(device: torch.device) -> dict:
-    """Where and when a row was measured: device, processor name, threads, load, package versions, the source's git
+    """Where and when a row was measured: device, processor name (on the CPU with its instruction sets and how the C
+    kernels were built: compiler, target, what the build uses), threads, load, package versions, the source's git
     commit and the date."""
     import torch
 
+    from focus_hf.attention.cpu.native import build_record, instruction_sets
     from focus_hf.attention.crossover import processor_name
 
+    cpu = {"instruction_sets": instruction_sets(), "cpu_kernels": build_record()} if device.type == "cpu" else {}
     return {
         "device": device_name(device),
         "processor": processor_name(device),
+        **cpu,
         "threads": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0],  # other processes on the machine skew CPU timings
         **{name: version for name, version in package_versions().items() if name != "python"},

@@ -213,6 +213,7 @@ def instruction_sets() -> list[str]:
 BUILD_FEATURES = {1: "avx512 vectors", 2: "avx2+fma", 4: "avx512_bf16 dot products", 8: "openmp"}
 
 
+@functools.lru_cache(maxsize=4)
 def resolved_target(cc: str, target: tuple[str, ...]) -> Optional[str]:
     """The processor `-march=native` stands for with this compiler (gcc's `-Q --help=target`, clang's `-###`), or
     None where it cannot say (or the build has no -march)."""
@@ -235,6 +236,16 @@ def resolved_target(cc: str, target: tuple[str, ...]) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=4)
+def compiler_version(cc: str) -> str:
+    """The first line of `cc --version` (`cc` itself where it does not say)."""
+    try:
+        answer = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return cc
+    return answer.stdout.splitlines()[0] if answer.stdout.strip() else cc
+
+
 def build_record() -> dict:
     """How the CPU kernels that run were built, for benchmark rows: the compiler and its version, the target flags
     (with `-march=native`, the processor the compiler took it for) and what the compiled code uses
@@ -242,15 +253,10 @@ def build_record() -> dict:
     kernels = native_kernels()
     if kernels is None:
         return {"built": False, "reason": "FOCUS_HF_NATIVE=0" if native_disabled() else "no compiler or build failed"}
-    try:
-        version = subprocess.run([kernels.compiler, "--version"], capture_output=True, text=True, timeout=30)
-        compiler_version = version.stdout.splitlines()[0] if version.stdout else kernels.compiler
-    except (OSError, subprocess.SubprocessError):
-        compiler_version = kernels.compiler
     features = kernels.build_features()
     return {
         "built": True,
-        "compiler": compiler_version,
+        "compiler": compiler_version(kernels.compiler),
         "flags": " ".join(COMPILE_FLAGS[:-1] + kernels.target),  # without -c
         "march": resolved_target(kernels.compiler, kernels.target),
         "uses": [name for bit, name in BUILD_FEATURES.items() if features & bit],
