@@ -197,7 +197,8 @@ def prefill_oracle(query, key, value, scale):
 def build_through(tmp_path, monkeypatch, script: str) -> None:
     """Make the kernels build (again, in a cache of their own) through a compiler wrapper running `script` before it
     calls the real compiler with its arguments; at -O0 - what is tested is what the build is given, and an -O3
-    build for the compiler's default target takes minutes of CPU (vectors of 16 floats split for a narrower one)."""
+    build for the compiler's default target takes most of a minute of CPU (vectors of 16 floats split for a narrower
+    one)."""
     real = native.compiler()
     if real is None:
         pytest.skip("no C compiler to build the kernel with")

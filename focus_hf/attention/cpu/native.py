@@ -14,9 +14,10 @@ runs set A of a block of queries of the fast path in one call, its keys read whe
 indices (sorted into segments by the counting sorts of csrc/segments.c, `segments.SegmentKeys`), and `sink_pairs`
 folds set B's sink pairs into the output.
 
-The library is built once per machine (`cc -O3 -march=native`, well under a second; without `-march=native` where
-the compiler refuses it, without `-fopenmp` where torch does not run GNU OpenMP) into `<cache>/kernels/`
-(`aliases.default_cache_dir`) and loaded with ctypes: no build step at install, no dependency.
+The library is built once per machine (`cc -O3 -march=native`, the three sources side by side: a few seconds of CPU
+each; without `-march=native` where the compiler refuses it, without `-fopenmp` where torch does not run GNU OpenMP)
+into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no build step at install, no
+dependency.
 
 The prefill kernels take float32, and bfloat16 with float32 sums: where the processor has bfloat16 dot products
 (AVX512_BF16) they multiply bfloat16 pairs, twice the products per instruction of float32 (csrc/prefill.c).
@@ -57,8 +58,8 @@ LINK_FLAGS = ("-shared",)
 # Tried in turn: this processor's instruction set, else the compiler's default target (vectors of 16 floats are
 # then split into what the target has); each with OpenMP first where torch runs on GNU OpenMP (`openmp_flags`).
 TARGETS = (("-march=native",), ())
-# A compiler call that takes longer is taken for hung (the slowest, prefill.c for the default target on a 2-core
-# AMD EPYC without AVX-512, took 134 s of CPU).
+# A compiler call that takes longer is taken for hung (the slowest, decode.c for the compiler's default target, takes
+# about half a minute of CPU on a 2-core AMD EPYC).
 BUILD_TIMEOUT_S = 600
 # Keys of a segment that `prefill_segments` packs at once (each slab's entries are folded into their rows before the
 # next): the packed copy stays at 1.5 MiB for 3 kv heads of 64 dims however long the segment, and in the cores'
@@ -293,7 +294,7 @@ def build(cc: str, target: tuple[str, ...], path: Path) -> None:
     os.close(handle)
     objects = [f"{temporary}.{number}.o" for number in range(len(SOURCES))]
     try:
-        # The sources compile side by side (prefill.c alone takes over two minutes of one core for the compiler's
+        # The sources compile side by side (decode.c alone takes about half a minute of one core for the compiler's
         # default target, whose vectors of 16 floats are split), then link.
         compiles = [[cc, *COMPILE_FLAGS, *target, str(source), "-o", out] for source, out in zip(SOURCES, objects)]
         with ThreadPoolExecutor(max_workers=len(compiles)) as pool:

@@ -45,7 +45,6 @@ typedef uint16_t hvec __attribute__((vector_size(32)));
 #define FLANES 16
 #define QB 32 /* query rows per task */
 #define KB 128 /* keys per block (64: 6-8% slower per pair on long calls) */
-#define KVECS (KB / FLANES)
 #define QK_ROWS 8 /* rows of the score micro-tile (8 x 32 keys: 16 accumulators) */
 #define PV_ROWS 4 /* rows of the value micro-tile (4 x dim) */
 #define LOG2E 1.44269504088896341f
@@ -346,9 +345,10 @@ static inline int32_t clamp_offset(int64_t offset)
     return (int32_t)(offset < -KB ? -KB : offset > KB ? KB : offset);
 }
 
-/* Hide the pairs of score row `row` (call row r, query position `position`) over keys c0 .. c0 + KB - 1 that `rule`
-   does not allow; keys at or past `cols` are beyond the call's. */
-static inline void hide(float* row, const Rule* rule, int64_t r, int64_t position, int64_t c0, int cols)
+/* Hide the pairs of score row `row` (call row r, query position `position`) over the keys of vectors first_vector ..
+   last_vector - 1 of the block at c0 that `rule` does not allow; keys at or past `cols` are beyond the call's. */
+static inline void hide(float* row, const Rule* rule, int64_t r, int64_t position, int64_t c0, int cols,
+                        int first_vector, int last_vector)
 {
     const int64_t begin = rule->row_begin ? rule->row_begin[r] - rule->base : 0; /* first key */
     const int64_t last = rule->row_end ? rule->row_end[r] - 1 - rule->base : rule->causal ? position : INT64_MAX;
@@ -361,7 +361,7 @@ static inline void hide(float* row, const Rule* rule, int64_t r, int64_t positio
     const ivec bits = isplat(rule->query_bits ? rule->query_bits[r] : 0), none = isplat(0);
     const union { float f; int32_t i; } hidden_score = {-FLT_MAX};
     const ivec hidden = isplat(hidden_score.i);
-    for (int u = 0; u < KVECS; ++u) {
+    for (int u = first_vector; u < last_vector; ++u) {
         const ivec slot = lane + isplat(u * FLANES);
         ivec visible = (slot < isplat(cols)) & (slot <= last_offset) & (slot >= begin_offset);
         if (rule->key_valid) visible &= iload(rule->key_valid + c0 + u * FLANES);
@@ -465,7 +465,8 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
     }
     for (int64_t c0 = lowest / KB * KB; c0 < key_end; c0 += KB) {
         const int cols = key_end - c0 < KB ? (int)(key_end - c0) : KB;
-        /* the block's keys that some row may see, in steps of two vectors: from `lowest` to the call's last key */
+        /* the block's keys that some row may see, in steps of two vectors: from `lowest` to the call's last key; the
+           scores, weights and products cover those vectors only (a local block's window spans parts of two blocks) */
         const int first_vector = lowest > c0 ? (int)((lowest - c0) / (2 * FLANES)) * 2 : 0;
         const int last_vector = (cols + 2 * FLANES - 1) / (2 * FLANES) * 2;
         const float* block = keys->packed + (c0 / KB) * dim * KB / (pairs ? 2 : 1);
@@ -473,9 +474,9 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
         for (int r = 0; r < padded; ++r) {
             float* row = scores + r * KB;
             const int64_t call_row = start + (r < rows ? r : rows - 1);
-            hide(row, rule, call_row, rule->first + call_row, c0, cols);
-            fvec top = fload(row);
-            for (int u = 1; u < KVECS; ++u) top = fmax_lanes(top, fload(row + u * FLANES));
+            hide(row, rule, call_row, rule->first + call_row, c0, cols, first_vector, last_vector);
+            fvec top = fload(row + first_vector * FLANES);
+            for (int u = first_vector + 1; u < last_vector; ++u) top = fmax_lanes(top, fload(row + u * FLANES));
             const float block_max = lane_max(top);
             if (block_max == -FLT_MAX) { /* nothing visible here: weights 0, the running state unchanged */
                 memset(row, 0, sizeof(float) * KB);
@@ -487,7 +488,7 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
             maxima[r] = new_max;
             const fvec offset = fsplat(new_max * unit), multiplier = fsplat(unit);
             fvec total = (fvec){0};
-            for (int u = 0; u < KVECS; ++u) {
+            for (int u = first_vector; u < last_vector; ++u) {
                 const fvec score = fload(row + u * FLANES);
                 fvec p = fexp2(score * multiplier - offset);
 #ifndef __AVX512F__
@@ -506,7 +507,7 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
                 for (int d = 0; d < dim; d += FLANES) fstore(acc + r * dim + d, fload(acc + r * dim + d) * fsplat(rescale));
 #if BF16_DOT
             if (pairs) /* the weights as bfloat16, two keys to a word, for the product with the value pairs */
-                for (int u = 0; u < KVECS; u += 2) {
+                for (int u = first_vector; u < last_vector; u += 2) {
                     const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(row + (u + 1) * FLANES),
                                                               _mm512_load_ps(row + u * FLANES));
                     _mm512_store_si512(weight_pairs + r * (KB / 2) + u * FLANES / 2, (__m512i)both);
@@ -530,29 +531,43 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
         finish_row(acc + r * dim, maxima[r] * scale, sums[r], where->out[r], where->lse[r], merge, where->out_type, dim);
 }
 
-/* `call(D, P)` with the head size as a constant D and the products' kind P (1: bfloat16 pairs) as a constant: each
-   compiles its own task. */
-#define DISPATCH_DIM(dim, call, P)                                                                                     \
-    switch (dim) {                                                                                                     \
-    case 16: call(16, P); break;                                                                                       \
-    case 32: call(32, P); break;                                                                                       \
-    case 48: call(48, P); break;                                                                                       \
-    case 64: call(64, P); break;                                                                                       \
-    case 80: call(80, P); break;                                                                                       \
-    case 96: call(96, P); break;                                                                                       \
-    case 112: call(112, P); break;                                                                                     \
-    default: call(128, P); break;                                                                                      \
+/* One task function per head size D and kind of product P (1: bfloat16 pairs), each compiled with both as
+   constants; the entry points call them through `task_function` (one copy of each, not one per caller: the build
+   takes half the time). */
+typedef void (*TaskFunction)(const Rows*, int64_t, const Keys*, int64_t, const Rule*, float, int);
+#define TASK_FUNCTION(D, P)                                                                                            \
+    static void task_##D##_##P(const Rows* where, int64_t rows, const Keys* keys, int64_t start, const Rule* rule,   \
+                               float scale, int merge)                                                                 \
+    {                                                                                                                  \
+        task(where, rows, keys, start, rule, scale, merge, D, P);                                                      \
     }
+#define TASK_FUNCTIONS(P)                                                                                              \
+    TASK_FUNCTION(16, P)                                                                                               \
+    TASK_FUNCTION(32, P)                                                                                               \
+    TASK_FUNCTION(48, P)                                                                                               \
+    TASK_FUNCTION(64, P)                                                                                               \
+    TASK_FUNCTION(80, P)                                                                                               \
+    TASK_FUNCTION(96, P)                                                                                               \
+    TASK_FUNCTION(112, P)                                                                                              \
+    TASK_FUNCTION(128, P)
+TASK_FUNCTIONS(0)
 #if BF16_DOT
-#define DISPATCH(dim, type, call)                                                                                      \
-    if (pairs_of(type)) {                                                                                              \
-        DISPATCH_DIM(dim, call, 1)                                                                                     \
-    } else {                                                                                                           \
-        DISPATCH_DIM(dim, call, 0)                                                                                     \
-    }
-#else
-#define DISPATCH(dim, type, call) DISPATCH_DIM(dim, call, 0)
+TASK_FUNCTIONS(1)
 #endif
+#define TASK_TABLE(P) {task_16_##P, task_32_##P, task_48_##P, task_64_##P, task_80_##P, task_96_##P, task_112_##P, task_128_##P}
+
+/* The task of a call of head size `dim` (a multiple of FLANES up to 128) and element type `type`. */
+static TaskFunction task_function(int64_t dim, int type)
+{
+    static const TaskFunction wide[8] = TASK_TABLE(0);
+#if BF16_DOT
+    static const TaskFunction pairs[8] = TASK_TABLE(1);
+    if (pairs_of(type)) return pairs[dim / FLANES - 1];
+#else
+    (void)type;
+#endif
+    return wide[dim / FLANES - 1];
+}
 
 int focus_prefill_supports(int64_t heads, int64_t kv_heads, int64_t dim)
 {
@@ -606,6 +621,7 @@ int focus_prefill(const void* q, const void* k, const void* v, void* out, float*
     const int out_type = merge ? FLOAT32 : type;
     const int64_t sharing = H / KH, blocks = (S + KB - 1) / KB, padded_keys = blocks * KB;
     const int64_t packed_size = packed_words(blocks, dim, type);
+    const TaskFunction run_task = task_function(dim, type);
     float* packed = take_scratch(scratch, scratch_words, packed_size * B * KH);
     if (!packed) return 1;
 #pragma omp parallel for
@@ -634,9 +650,7 @@ int focus_prefill(const void* q, const void* k, const void* v, void* out, float*
                 (char*)out + (b * o_strides[0] + h * o_strides[1] + (start + r) * o_strides[2]) * element_size(out_type);
             where.lse[r] = lse + b * l_strides[0] + h * l_strides[1] + (start + r) * l_strides[2];
         }
-#define TASK(D, P) task(&where, rows, &keys, start, &rule, scale, merge, D, P)
-        DISPATCH(dim, type, TASK)
-#undef TASK
+        run_task(&where, rows, &keys, start, &rule, scale, merge);
     }
     if (packed != scratch) free(packed);
     return 0;
@@ -672,6 +686,7 @@ int focus_prefill_segments(const void* q, const void* k, const void* v, float* o
     most = most < slab_keys ? most : slab_keys;
     const int64_t padded_keys = (most + KB - 1) / KB * KB, sharing = H / KH;
     const int64_t packed_size = packed_words(padded_keys / KB, dim, type);
+    const TaskFunction run_task = task_function(dim, type);
     float* packed = take_scratch(scratch, scratch_words, packed_size * KH);
     int64_t* key_offsets = malloc(sizeof(int64_t) * 2 * padded_keys);
     if (!packed || !key_offsets) {
@@ -715,9 +730,7 @@ int focus_prefill_segments(const void* q, const void* k, const void* v, float* o
                     where.out[r] = out + b * o_strides[0] + h * o_strides[1] + position * o_strides[2];
                     where.lse[r] = lse + b * l_strides[0] + h * l_strides[1] + position * l_strides[2];
                 }
-#define TASK(D, P) task(&where, rows, &keys, start, &rule, scale, 1, D, P)
-                DISPATCH(dim, type, TASK)
-#undef TASK
+                run_task(&where, rows, &keys, start, &rule, scale, 1);
             }
         }
     }
