@@ -27,10 +27,10 @@ def oracle(query, runs, scale):
     return torch.einsum("hn,hnd->hd", weights, values)
 
 
-def cache_slice(generator, kv_heads, length, dim, offset):
+def cache_slice(generator, kv_heads, length, dim, offset, dtype=torch.float32):
     """Keys and values [kv_heads, length, dim] as a slice of a longer head-major cache (a KV cache's window)."""
-    keys = torch.randn(kv_heads, offset + length + 3, dim, generator=generator)
-    values = torch.randn(kv_heads, offset + length + 3, dim, generator=generator)
+    keys = torch.randn(kv_heads, offset + length + 3, dim, generator=generator).to(dtype)
+    values = torch.randn(kv_heads, offset + length + 3, dim, generator=generator).to(dtype)
     return keys.narrow(1, offset, length), values.narrow(1, offset, length)
 
 
@@ -48,19 +48,20 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
     offset=st.integers(0, 5),
     magnitude=st.sampled_from([0.1, 1.0, 30.0]),
     dtype=st.sampled_from(list(TOLERANCE)),
+    spans=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_runs_equal_a_float64_softmax(kv_heads, sharing, dim, lengths, offset, magnitude, dtype, seed):
+def test_runs_equal_a_float64_softmax(kv_heads, sharing, dim, lengths, offset, magnitude, dtype, spans, seed):
     if sum(lengths) == 0:
         lengths = [*lengths[:-1], 1]
     generator = torch.Generator().manual_seed(seed)
     # Large magnitudes give peaked softmaxes: the running maximum must rescale what came before it.
     query = (torch.randn(kv_heads * sharing, dim, generator=generator) * magnitude).to(dtype)
-    runs = [
-        tuple(part.to(dtype) for part in cache_slice(generator, kv_heads, length, dim, offset)) for length in lengths
-    ]
+    runs = [cache_slice(generator, kv_heads, length, dim, offset, dtype) for length in lengths]
     scale = dim**-0.5
-    output = native.attend_runs(query, runs, scale)
+    # The same rows as views, or as spans of the buffers they lie in (read in place)
+    given = [(keys._base, values._base, offset, keys.shape[1]) for keys, values in runs] if spans else runs
+    output = native.attend_runs(query, given, scale)
     assert output is not None and output.shape == query.shape and output.dtype == dtype
     # Float32 rounds a logit to ~1e-7 of its size: at magnitude 30 (logits near 100) any float32 softmax is off by
     # ~1e-5 (torch's own: 1.4e-5 on one drawn case, where this kernel's AVX2 build gave 2.3e-5).
@@ -75,9 +76,7 @@ def test_long_calls_split_among_threads_equal_a_float64_softmax(dim, dtype):
     """Past PARALLEL_ROWS key rows a call goes in pieces of PIECE_ROWS keys, merged in order (csrc/decode.c)."""
     generator = torch.Generator().manual_seed(dim)
     query = torch.randn(9, dim, generator=generator).to(dtype) * 3
-    runs = [
-        tuple(part.to(dtype) for part in cache_slice(generator, 3, length, dim, 2)) for length in (2000, 1, 1024, 700)
-    ]
+    runs = [cache_slice(generator, 3, length, dim, 2, dtype) for length in (2000, 1, 1024, 700)]
     output = native.attend_runs(query, runs, dim**-0.5)
     assert output is not None
     tolerance = TOLERANCE[dtype]
@@ -100,8 +99,7 @@ def test_a_grouped_step_equals_the_torch_path(monkeypatch, dtype):
         monkeypatch.setattr(native, "native_kernels", native.native_kernels if enabled else lambda: None)
         copy = GroupedKeys(groups)
         assert copy.extend(keys, values, key_groups, sink, None, 560)
-        window = (keys[:, 560:], values[:, 560:])
-        outputs[enabled] = [copy.attend(query, *window, probed, 0.125) for probed in ([2], [4, 0, 1])]
+        outputs[enabled] = [copy.attend(query, keys, values, 560, probed, 0.125) for probed in ([2], [4, 0, 1])]
     tolerance = TOLERANCE[dtype] if dtype == torch.float32 else 2 * TOLERANCE[dtype]  # both paths round
     for with_kernel, without in zip(outputs[True], outputs[False]):
         torch.testing.assert_close(with_kernel.float(), without.float(), atol=tolerance, rtol=tolerance)

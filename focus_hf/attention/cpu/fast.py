@@ -333,9 +333,7 @@ def grouped_decode(
         if not copy.extend(keys, values, key_groups[sample], key_sink[sample], valid, first_window):
             return None
         probed = list(dict.fromkeys(probes[sample]))  # distinct, best first
-        width = kv_len - first_window
-        window_keys, window_values = keys.narrow(1, first_window, width), values.narrow(1, first_window, width)
-        outputs.append(copy.attend(query[sample, :, 0], window_keys, window_values, probed, scaling))
+        outputs.append(copy.attend(query[sample, :, 0], keys, values, first_window, probed, scaling))
     if len(outputs) == 1:
         return outputs[0].view(1, 1, *outputs[0].shape)
     return torch.stack(outputs).unsqueeze(1)

@@ -41,7 +41,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -348,43 +348,55 @@ def rows_contiguous(tensor: torch.Tensor) -> bool:
     return tensor.stride(2) == 1 and (tensor.shape[1] <= 1 or tensor.stride(1) == tensor.shape[2])
 
 
-def attend_runs(
-    query: torch.Tensor, runs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float
-) -> Optional[torch.Tensor]:
-    """One query [heads, dim] over the concatenation of `runs` of (keys, values) [kv_heads, n_r, dim], with one
-    softmax: [heads, dim]. Query head h reads kv head h // (heads // kv_heads), as in transformers' GQA. None where
-    the kernel cannot take the call (see the module docstring): the caller then computes it with torch."""
+# A run of keys and values for `attend_runs`: (keys, values) [kv_heads, n, dim], or (keys, values, start, length):
+# their rows start .. start + length - 1, read in place.
+Run = Union[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, int, int]]
+
+
+def attend_runs(query: torch.Tensor, runs: Sequence[Run], scale: float) -> Optional[torch.Tensor]:
+    """One query [heads, dim] over the concatenation of `runs` (`Run`: keys and values [kv_heads, n_r, dim], whole or
+    a span of their rows - a decoding step's slices cost more as tensor views than the kernel's work on them), with
+    one softmax: [heads, dim]. Query head h reads kv head h // (heads // kv_heads), as in transformers' GQA. None
+    where the kernel cannot take the call (see the module docstring): the caller then computes it with torch."""
     heads, dim = query.shape
     kv_heads = runs[0][0].shape[0]
-    if query.device.type != "cpu" or query.requires_grad or not serves(query.dtype, heads, kv_heads, dim):
+    if not query.is_cpu or query.requires_grad or not serves(query.dtype, heads, kv_heads, dim):
         return None
-    for keys, values in runs:
+    count = len(runs)
+    key_pointers, value_pointers = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
+    lengths, head_strides = (ctypes.c_int64 * count)(), (ctypes.c_int64 * count)()
+    size = query.element_size()
+    for index, run in enumerate(runs):
+        keys, values = run[0], run[1]
+        start, length = (run[2], run[3]) if len(run) == 4 else (0, keys.shape[1])
         if (
             keys.dtype != query.dtype
-            or keys.device != query.device
+            or not keys.is_cpu
+            or keys.shape != values.shape
             or keys.shape[0] != kv_heads
             or keys.shape[2] != dim
             or keys.stride() != values.stride()
             or not rows_contiguous(keys)
-            or keys.shape != values.shape
+            or not 0 <= start <= start + length <= keys.shape[1]
         ):
             return None
+        offset = start * keys.stride(1) * size
+        key_pointers[index] = keys.data_ptr() + offset
+        value_pointers[index] = values.data_ptr() + offset
+        lengths[index], head_strides[index] = length, keys.stride(0)
     query = query.contiguous()
     output = torch.empty_like(query)
-    count = len(runs)
-    kernel = native_kernels()
-    pointers, sizes = ctypes.c_void_p * count, ctypes.c_int64 * count
-    status = kernel.attend(
+    status = native_kernels().attend(
         query.data_ptr(),
         heads,
         kv_heads,
         dim,
         scale,
         count,
-        pointers(*(keys.data_ptr() for keys, _ in runs)),
-        pointers(*(values.data_ptr() for _, values in runs)),
-        sizes(*(keys.shape[1] for keys, _ in runs)),
-        sizes(*(keys.stride(0) for keys, _ in runs)),
+        key_pointers,
+        value_pointers,
+        lengths,
+        head_strides,
         output.data_ptr(),
         ELEMENT_TYPES[query.dtype],
     )
