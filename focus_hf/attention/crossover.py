@@ -407,7 +407,12 @@ def other_cores_meter() -> Callable[[], Optional[float]]:
 def calibrate(shape: Shape, device: torch.device, call: Callable[..., torch.Tensor]) -> dict:
     """Measure `shape` now with `call` (`measure`), store the result in the cache file (unless other processes loaded
     the CPU meanwhile) and in this process; returns the cache entry."""
-    meter = other_cores_meter() if device.type == "cpu" else None
+    meter = None
+    if device.type == "cpu":
+        from focus_hf.attention.cpu.native import native_kernels
+
+        native_kernels()  # built first: a first build's compiler processes would read as other processes' load
+        meter = other_cores_meter()
     crossover, rows = measure(shape, device, call)
     entry = {"dense_below": crossover, "timings": rows, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     other_cores = None if meter is None else meter()
