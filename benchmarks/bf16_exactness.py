@@ -8,8 +8,8 @@ reference (`hard.reference_hard_attention` on the inputs widened to float64) of
 - Focus's sparse path and its dense masked call (`auto` below the crossover) in bfloat16 (the C kernels' bfloat16
   products where the processor has them, float32 sums), and the sparse path in float32 on the same values;
 - the reference itself rounded to bfloat16: the error every bfloat16 output carries at least;
-- torch's dense causal SDPA in bfloat16 against its own float64 reference (plain causal attention, same inputs):
-  what a bfloat16 model's attention carries today.
+- torch's dense causal SDPA in bfloat16 against its own float64 reference (plain causal attention, same inputs),
+  and that reference rounded to bfloat16: what a bfloat16 model's attention carries today, and its floor.
 
     python benchmarks/bf16_exactness.py --json benchmarks/results/attention_cpu_bf16_exactness.json
 """
@@ -83,6 +83,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 wide.query, wide.key, wide.value, is_causal=True, enable_gqa=True
             )
             dense_errors = errors(dense, dense_reference)
+            dense_rounding = errors(dense_reference.bfloat16(), dense_reference)
             del dense, dense_reference
             for top_k in options.top_k:
                 routing = case.routing[top_k]
@@ -98,6 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "focus_sparse_float32": errors(focus(widened, args, top_k, "sdpa", None), reference),
                     "reference_rounded_to_bf16": errors(reference.bfloat16(), reference),
                     "dense_sdpa_bf16_causal": dense_errors,
+                    "dense_reference_rounded_to_bf16": dense_rounding,
                     "groups": args.groups,
                     "window": args.window,
                     "sinks": args.sinks,
