@@ -25,6 +25,8 @@ def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
     assert "git_commit" in row and row["device"].startswith("cpu")
     assert row["dense_kernel"] == "sdpa (torch's choice)"
     assert row["command"] is None  # called in-process: no command line of its own to record
+    # What other processes took of the machine while the length was timed (the load average counts the run's own).
+    assert row["other_cores_busy"] is None or row["other_cores_busy"] >= 0
     # The processor, its instruction sets and how the C kernels were built (what the figures depend on).
     assert row["processor"] and isinstance(row["instruction_sets"], list)
     assert set(row["instruction_sets"]) <= set(native.INSTRUCTION_SETS)

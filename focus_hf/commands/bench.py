@@ -268,11 +268,13 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
     if seq_len <= 16384 or cuda:
         for call in calls.values():
             time_call(call)
+    meter = other_cores(device)
     for _ in range(repeats_at(args, seq_len)):
         if skip is None:
             dense_times.append(time_call(dense, context=dense_context))
         for top_k, call in calls.items():
             focus_times[top_k].append(time_call(call))
+    others = meter()
     dense_s, dense_cpu_s = medians(dense_times)
     rows = []
     causal_pairs = seq_len * (seq_len + 1) // 2
@@ -304,11 +306,29 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "dtype": args.dtype,
                 "query_router": args.query_router,
                 "dense_below": crossovers[top_k],
+                "other_cores_busy": others,
                 **gpu_path_fields(args, device),
                 **machine_fields(device),
             }
         )
     return rows
+
+
+def other_cores(device: torch.device) -> Callable[[], Optional[float]]:
+    """Start watching the machine while a length is timed; the returned function gives the cores other processes
+    kept busy meanwhile, on average (`crossover.other_cores_meter`; None on a GPU or where /proc/stat is missing). The
+    rows' 1-minute load average counts the benchmark's own threads; this does not."""
+    from focus_hf.attention.crossover import other_cores_meter
+
+    if device.type != "cpu":
+        return lambda: None
+    stop = other_cores_meter()
+
+    def busy() -> Optional[float]:
+        cores = stop()
+        return None if cores is None else round(cores, 2)
+
+    return busy
 
 
 def device_name(device: torch.device) -> str:
@@ -600,6 +620,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     repeats = args.decode_repeats
     gpu_path = device.type == "cuda" or args.backend == "stock"
     timings = []  # (compiled, dense times, Focus times by top_k)
+    others = None  # cores other processes kept busy while the CPU steps were timed
     if gpu_path:
         from focus_hf.attention.gpu.paged_keys import FILE_EVERY
 
@@ -617,11 +638,13 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 time_call(call)
         dense_times: list[tuple[float, float]] = []
         focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
+        meter = other_cores(device)
         for _ in range(repeats):
             dense_times.append(time_call(dense, steps, dense_context))
             for top_k, call in calls.items():
                 focus_times[top_k].append(time_call(call, steps))
         timings.append((False, dense_times, focus_times))
+        others = meter()
     rows = []
     positions = torch.arange(cache_len, device=device)
     # What the group-sorted copy's attention runs on: the C kernel of `attention/cpu/native.py`, or torch operations.
@@ -654,6 +677,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 "decode_kernel": decode_kernel,
                 "dense_kernel": kernel,
                 "dense_below": crossover,
+                "other_cores_busy": others,
                 "repeats": repeats,
                 "steps_per_timing": steps,
                 "compiled": compiled,
