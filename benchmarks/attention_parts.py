@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import focus_hf.attention.cpu.partials as partials
 import focus_hf.attention.cpu.segments as segments
 from focus_hf.attention.hard import hard_attention
-from focus_hf.commands.bench import allowed_pair_count, machine_fields, make_case
+from focus_hf.commands.bench import allowed_pair_count, layer_fields, machine_fields, make_case
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -115,12 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "local_ns_per_pair_head": spent.get("local", 0.0) / (other_pairs * args.heads) * 1e9,
                         "sinks_cpu_s": spent.get("sinks", 0.0),
                         "rest_cpu_s": focus_s - sum(spent.values()),
-                        "groups": args.groups,
-                        "window": args.window,
-                        "sinks": args.sinks,
-                        "heads": args.heads,
-                        "kv_heads": args.kv_heads,
-                        "head_dim": args.head_dim,
+                        **layer_fields(args),
                         **machine_fields(device),
                         "command": command_line("attention_parts.py", argv),
                     }

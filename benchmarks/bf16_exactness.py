@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.hard import hard_attention, reference_hard_attention
-from focus_hf.commands.bench import Case, machine_fields, make_case
+from focus_hf.commands.bench import Case, layer_fields, machine_fields, make_case
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -100,12 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "reference_rounded_to_bf16": errors(reference.bfloat16(), reference),
                     "dense_sdpa_bf16_causal": dense_errors,
                     "dense_reference_rounded_to_bf16": dense_rounding,
-                    "groups": args.groups,
-                    "window": args.window,
-                    "sinks": args.sinks,
-                    "heads": args.heads,
-                    "kv_heads": args.kv_heads,
-                    "head_dim": args.head_dim,
+                    **layer_fields(args),
                     **machine_fields(device),
                     "command": command_line("bf16_exactness.py", argv),
                 }

@@ -297,12 +297,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "repeats": len(focus_times[top_k]),
                 "backend": args.backend,
                 "top_k": top_k,
-                "groups": args.groups,
-                "window": args.window,
-                "sinks": args.sinks,
-                "heads": args.heads,
-                "kv_heads": args.kv_heads,
-                "head_dim": args.head_dim,
+                **layer_fields(args),
                 "dtype": args.dtype,
                 "query_router": args.query_router,
                 "dense_below": crossovers[top_k],
@@ -312,6 +307,12 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
             }
         )
     return rows
+
+
+def layer_fields(args: argparse.Namespace) -> dict:
+    """The attention layer a row measures: K, window, sinks and head shape."""
+    names = ("groups", "window", "sinks", "heads", "kv_heads", "head_dim")
+    return {name: getattr(args, name) for name in names}
 
 
 def other_cores(device: torch.device) -> Callable[[], Optional[float]]:

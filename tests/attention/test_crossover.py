@@ -237,38 +237,14 @@ def test_auto_asks_for_the_path_that_runs_and_is_exact_either_side(monkeypatch, 
     positions = torch.arange(key.shape[2])
     allowed = allowed_pairs(query_groups, key_groups, sink, positions[key.shape[2] - q_len :], positions, 8)
     reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
+    routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
     for threshold in (0, 10**6):  # sparse path, then the dense masked call
         monkeypatch.setattr(hard, "dense_below", lambda *args, result=threshold: seen.append(args) or result)
-        output = hard.hard_attention(
-            query,
-            key,
-            value,
-            None,
-            query_groups=query_groups,
-            key_groups=key_groups,
-            key_sink=sink,
-            num_groups=4,
-            window=8,
-            scaling=0.25,
-            backend="auto",
-        )
+        output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto")
         torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
     assert [args[2:] for args in seen] == [(top_k, 4, 8, kind, hard.hard_attention)] * 2
     for path in crossover.PATHS:  # told which path to take (as the crossover's measurement does): the same result
-        output = hard.hard_attention(
-            query,
-            key,
-            value,
-            None,
-            query_groups=query_groups,
-            key_groups=key_groups,
-            key_sink=sink,
-            num_groups=4,
-            window=8,
-            scaling=0.25,
-            backend="auto",
-            path=path,
-        )
+        output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", path=path)
         torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
     assert len(seen) == 2
 
