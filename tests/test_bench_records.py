@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from focus_hf.attention.cpu import native
 from focus_hf.cli import main as cli_main
 from focus_hf.commands import bench
 
@@ -24,6 +25,20 @@ def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
     assert "git_commit" in row and row["device"].startswith("cpu")
     assert row["dense_kernel"] == "sdpa (torch's choice)"
     assert row["command"] is None  # called in-process: no command line of its own to record
+    # What other processes took of the machine while the length was timed (the load average counts the run's own).
+    assert row["other_cores_busy"] is None or row["other_cores_busy"] >= 0
+    # The processor, its instruction sets and how the C kernels were built (what the figures depend on).
+    assert row["processor"] and isinstance(row["instruction_sets"], list)
+    assert set(row["instruction_sets"]) <= set(native.INSTRUCTION_SETS)
+    kernels = row["cpu_kernels"]
+    if native.native_kernels() is None:
+        assert kernels["built"] is False
+    else:
+        assert kernels["built"] and kernels["compiler"] and "-O3" in kernels["flags"]
+        assert set(kernels["uses"]) <= set(native.BUILD_FEATURES.values())
+        # no instructions the processor lacks (a -march=native build uses what the compiler knows of them)
+        assert "avx512 vectors" not in kernels["uses"] or "avx512f" in row["instruction_sets"]
+        assert "avx512_bf16 dot products" not in kernels["uses"] or "avx512_bf16" in row["instruction_sets"]
 
 
 def test_a_failing_length_is_reported_and_the_others_measured(tmp_path, monkeypatch, capsys):

@@ -26,6 +26,10 @@ ATTENTION_QUERY_ROUTER = "benchmarks/results/attention_cpu_query_router.json"
 ATTENTION_DECODE = "benchmarks/results/attention_cpu_decode.json"
 ATTENTION_MEMORY = "benchmarks/results/attention_cpu_peak_memory.json"
 ATTENTION_AUTO = {k: f"benchmarks/results/attention_cpu_auto_K{k}.json" for k in (4, 8, 16)}
+ATTENTION_BF16 = "benchmarks/results/attention_cpu_bf16.json"
+BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
+ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
+CROSSOVER = "benchmarks/results/crossover_cpu.json"
 CEILING = "benchmarks/results/arithmetic_ceiling.json"
 MODEL_PREFILL = "benchmarks/results/model_prefill.json"
 MODEL_DECODE = "benchmarks/results/model_decode.json"
@@ -138,6 +142,23 @@ def _attention(path: str, seq_len: int, top_k: int, field: str = "speedup") -> C
     def figure() -> str:
         row = pick(path, seq_len=seq_len, top_k=top_k)
         return times(row[field]) if field == "speedup" else fixed(row[field], 2)
+
+    return figure
+
+
+def _decode(cache_len: int, top_k: int = 1) -> Callable[[], str]:
+    return lambda: times(pick(ATTENTION_DECODE, cache_len=cache_len, top_k=top_k)["speedup"])
+
+
+def _bf16_error(field: str, floor: str = "reference_rounded_to_bf16") -> Callable[[], str]:
+    """Focus's (or dense SDPA's) root-mean-square error in bfloat16 over that of its float64 reference rounded to
+    bfloat16 (`floor`), at the longest length measured, top-1: how many times bfloat16's own rounding error it
+    carries."""
+
+    def figure() -> str:
+        longest = max(row["seq_len"] for row in rows(BF16_EXACTNESS))
+        row = pick(BF16_EXACTNESS, seq_len=longest, top_k=1)
+        return times(row[field]["rms"] / row[floor]["rms"])
 
     return figure
 
@@ -273,10 +294,20 @@ FIGURES: dict[str, Callable[[], str]] = {
     "attn.top2_16k": _attention(ATTENTION, 16384, 2),
     "attn.top2_64k": _attention(ATTENTION, 65536, 2),
     "attn.qr_top1_64k": _attention(ATTENTION_QUERY_ROUTER, 65536, 1),
-    "attn.decode_1k": lambda: times(pick(ATTENTION_DECODE, cache_len=1024)["speedup"]),
-    "attn.decode_8k": lambda: times(pick(ATTENTION_DECODE, cache_len=8192)["speedup"]),
-    "attn.decode_64k": lambda: times(pick(ATTENTION_DECODE, cache_len=65536)["speedup"]),
-    "attn.decode_128k": lambda: times(pick(ATTENTION_DECODE, cache_len=131072)["speedup"]),
+    "attn.decode_1k": _decode(1024),
+    "attn.decode_8k": _decode(8192),
+    "attn.decode_64k": _decode(65536),
+    "attn.decode_128k": _decode(131072),
+    "attn.decode_top2_1k": _decode(1024, 2),
+    "attn.decode_top2_64k": _decode(65536, 2),
+    "attn.bf16_top1_4k": _attention(ATTENTION_BF16, 4096, 1),
+    "attn.bf16_top1_16k": _attention(ATTENTION_BF16, 16384, 1),
+    "attn.bf16_top1_64k": _attention(ATTENTION_BF16, 65536, 1),
+    "attn.bf16_top2_4k": _attention(ATTENTION_BF16, 4096, 2),
+    "attn.bf16_top2_16k": _attention(ATTENTION_BF16, 16384, 2),
+    "attn.bf16_top2_64k": _attention(ATTENTION_BF16, 65536, 2),
+    "attn.bf16_error": _bf16_error("focus_sparse_bf16"),
+    "attn.bf16_dense_error": _bf16_error("dense_sdpa_bf16_causal", "dense_reference_rounded_to_bf16"),
     "attn.auto_lowest": lambda: times(min(_auto_cells())),
     "attn.auto_cells": lambda: str(len(_auto_cells())),
     "attn.auto_kept": lambda: str(sum(value >= 0.95 for value in _auto_cells())),
@@ -405,41 +436,113 @@ def auto_table() -> str:
 
 
 def targets_table() -> str:
-    """The speed targets of the attention layer and where they stand."""
+    """The speed targets of the attention layer and where they stand, each judged from the JSON."""
 
-    def efficiency(path: str, seq_len: int, top_k: int) -> str:
-        return fixed(
-            pick(path, seq_len=seq_len, top_k=top_k)["speedup"]
-            / pick(path, seq_len=seq_len, top_k=top_k)["ideal_speedup"],
-            2,
-        )
+    def ratio(path: str, seq_len: int, top_k: int) -> float:
+        row = pick(path, seq_len=seq_len, top_k=top_k)
+        return row["speedup"] / row["ideal_speedup"]
 
     lengths = (4096, 16384, 65536)
+    floors = {4096: 0.6, 16384: 0.8, 65536: 0.8}
     eff = {
-        (routing, k): " / ".join(efficiency(path, n, k) for n in lengths)
+        (routing, k): " / ".join(fixed(ratio(path, n, k), 2) for n in lengths)
         for routing, path in (("own", ATTENTION), ("query", ATTENTION_QUERY_ROUTER))
         for k in (1, 2)
     }
-    decode = {row["cache_len"]: row["speedup"] for row in rows(ATTENTION_DECODE)}
-    body = [
-        [
+    efficient = all(ratio(ATTENTION, n, k) >= floors[n] for n in lengths for k in (1, 2))
+    prefill = [row["speedup"] for row in rows(ATTENTION) if row["seq_len"] >= 1024]
+    decode = [row["speedup"] for row in rows(ATTENTION_DECODE) if row["cache_len"] >= 1024]
+    decode_64k = pick(ATTENTION_DECODE, cache_len=65536, top_k=1)["speedup"]
+    bf16 = {k: " / ".join(value(f"attn.bf16_top{k}_{n // 1024}k") for n in lengths) for k in (1, 2)}
+    checks = [
+        (
+            "`auto` >= 0.95x dense at every length from 1K (prefill, top-1 and top-2, K=8)",
+            f"lowest {times(min(prefill))}",
+            min(prefill) >= 0.95,
+        ),
+        (
             "`auto` >= 0.95x dense in every cell (K 4-16, top-k 1-4, 256-16K tokens)",
             f"{value('attn.auto_kept')} of {value('attn.auto_cells')} cells, lowest {value('attn.auto_lowest')}",
-        ],
-        [
+            min(_auto_cells()) >= 0.95,
+        ),
+        (
             "efficiency (speedup / pair-count ideal) >= 0.6 at 4K, >= 0.8 at 16K and 64K",
             f"top-1 {eff['own', 1]}, top-2 {eff['own', 2]} (query router: {eff['query', 1]}, {eff['query', 2]})",
-        ],
-        [
-            "decoding >= 0.95x dense at 1K-128K, >= 3x at 64K (top-1, K=8)",
-            f"{times(min(decode.values()))} at the lowest, {times(decode[65536])} at 64K",
-        ],
-        [
+            efficient,
+        ),
+        (
+            "decoding >= 0.95x dense at every cache from 1K (top-1 and top-2), >= 3x at 64K (top-1, K=8)",
+            f"{times(min(decode))} at the lowest, {times(decode_64k)} at 64K",
+            min(decode) >= 0.95 and decode_64k >= 3,
+        ),
+        (
+            "bfloat16 prefill against dense bfloat16 SDPA, 4K / 16K / 64K",
+            f"top-1 {bf16[1]}, top-2 {bf16[2]}; root-mean-square error {value('attn.bf16_error')} that of bfloat16's "
+            f"rounding (dense bfloat16 SDPA: {value('attn.bf16_dense_error')})",
+            None,
+        ),
+        (
             "peak memory of a 128K prefill <= dense",
             f"{value('attn.memory_128k_top1')} (top-1), {value('attn.memory_128k_top2')} (top-2)",
-        ],
+            None,
+        ),
     ]
-    return _table(["target", "measured"], body)
+    verdict = {True: "met", False: "**not met**", None: ""}
+    return _table(["target", "measured", ""], [[target, measured, verdict[ok]] for target, measured, ok in checks])
+
+
+def parts_table() -> str:
+    """Where a prefill's time goes on one thread, per visible pair and query head, against dense SDPA's kernel."""
+    body = []
+    for row in sorted(rows(ATTENTION_PARTS), key=lambda row: (row["dtype"], row["top_k"], row["seq_len"])):
+        body.append(
+            [
+                row["dtype"],
+                f"top-{row['top_k']}",
+                count(row["seq_len"]),
+                fixed(row["dense_ns_per_pair_head"], 2),
+                fixed(row["set_a_ns_per_pair_head"], 2),
+                fixed(row["local_ns_per_pair_head"], 2),
+                percent(row["set_a_cpu_s"] / row["focus_cpu_s"], 0),
+                percent(row["local_cpu_s"] / row["focus_cpu_s"], 0),
+                times(row["speedup"]) + " / " + times(row["ideal_speedup"]),
+            ]
+        )
+    header = ["dtype", "top-k", "tokens", "dense ns", "set A ns", "local ns", "set A time", "local time"]
+    return _table(header + ["speedup / ideal"], body)
+
+
+def processors_table() -> str:
+    """Which processor each CPU results file of the attention layer was measured on, with its instruction sets, the C
+    kernels' build and the cores other processes kept busy while it was timed, where the rows record them (rows
+    written before they did say "not recorded")."""
+    paths = [ATTENTION, ATTENTION_QUERY_ROUTER, ATTENTION_DECODE, ATTENTION_BF16, BF16_EXACTNESS, ATTENTION_PARTS]
+    paths.append(CROSSOVER)
+    paths += [*ATTENTION_AUTO.values(), ATTENTION_MEMORY, CEILING]
+    body = []
+    for path in paths:
+        found = [row for row in rows(path) if "processor" in row]
+        first = found[0] if found else {"processor": "not recorded"}
+        kernels = first.get("cpu_kernels")
+        build = "not recorded"
+        if kernels is not None:
+            build = ", ".join(kernels["uses"]) if kernels.get("built") else "not built: torch operations"
+        others = [row["other_cores_busy"] for row in found if row.get("other_cores_busy") is not None]
+        loads = [row["load_avg_1m"] for row in found if "load_avg_1m" in row]
+        machine = f"at most {max(others):.2f} cores" if others else "not recorded"
+        if loads:
+            machine += f" (1-min load {min(loads):.2f}-{max(loads):.2f}, the run's own threads included)"
+        body.append(
+            [
+                f"[{path.removeprefix('benchmarks/results/')}]({path})",
+                first["processor"],
+                ", ".join(first["instruction_sets"]) if "instruction_sets" in first else "not recorded",
+                build,
+                machine,
+            ]
+        )
+    header = ["results file", "processor", "instruction sets", "C kernels use", "other processes while timed"]
+    return _table(header, body)
 
 
 def model_targets_table() -> str:
@@ -512,6 +615,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.long_context": long_context_table,
     "table.auto": auto_table,
     "table.targets": targets_table,
+    "table.processors": processors_table,
+    "table.parts": parts_table,
 }
 
 

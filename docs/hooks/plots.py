@@ -68,8 +68,9 @@ def attention_speed() -> bytes:
     prefill.set_ylabel("speedup over dense causal SDPA")
     prefill.set_title("prefill (one layer, K=8, w=128)", fontsize=10)
     prefill.legend(fontsize=8)
-    points = sorted((r["cache_len"], r["speedup"]) for r in figures.rows(ATTENTION_DECODE))
-    decode.plot(*zip(*points), marker="o", color="tab:blue", label="top-1, one new token")
+    for top_k, color in ((1, "tab:blue"), (2, "tab:orange")):
+        points = sorted((r["cache_len"], r["speedup"]) for r in figures.rows(ATTENTION_DECODE) if r["top_k"] == top_k)
+        decode.plot(*zip(*points), marker="o", color=color, label=f"top-{top_k}, one new token")
     _lengths(decode, "tokens in the KV cache")
     decode.set_yscale("log", base=2)
     decode.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}x"))

@@ -18,8 +18,8 @@ Backends (`focus_hf.set_routing(model, "hard", backend=...)`):
   - "stock": the CUDA path of `stock` wherever the model is - on CPU its twin (the kernels' doubles: exact, slow),
     which shows on any machine what the GPU path computes;
   - "auto": "flash" where it applies, else "sdpa", and below `crossover.dense_below(...)` keys (measured once
-    per machine and shape) the exact pattern is run as one dense masked call, which is faster than the sparse
-    path on short sequences (on CPU in float32 the C kernel of `native` evaluates the pattern as it goes; elsewhere
+    per machine and shape) the exact pattern is run as one dense masked call, which is faster than the sparse path on
+    short sequences (on CPU in float32 and bfloat16 the C kernel of `native` evaluates the pattern as it goes; elsewhere
     the kernel reads the pattern as a bias, slower than unmasked dense attention).
 On CUDA no fast path runs before `verify` has shown it exact on that device and dtype.
 """

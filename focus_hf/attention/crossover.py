@@ -1,16 +1,19 @@
 """Where "auto" switches from one dense masked call to the sparse path: measured once per machine and shape.
 
-The crossover (key count below which the dense masked call is faster) depends on the processor, the thread count,
-the dtype, the head shape, top_k, K, the window and which sparse path runs (`kind`): "shared" (queries probe their
-own key group first), "probe" (a separate query router with top_k = 1), "separate" (a separate query router with
-top_k > 1) - all three run set A through `partials.probe_part`, but their group balance differs - or "decode" (a few
-queries against a longer cache, `fast.decode_attention`). On first use of a shape, `dense_below` times both paths on
-random inputs at lengths 256, 512, ... until the sparse path wins twice in a row by at least WIN_MARGIN (a few
-seconds at most; never beyond MAX_LENGTH) and stores the first of those two lengths in `<cache>/crossover.json`
-(`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`), where every later process finds it.
-A CPU measurement taken while other processes kept more than OTHER_CORES_MAX cores busy (from /proc/stat) is used by
-this process only and not stored: under load the many small calls of the sparse path slow down more than the one
-dense call (a decode crossover measured so came out at 16K keys instead of 2K), and a stored value would stay wrong.
+The crossover (key count below which the dense masked call is faster) depends on the processor, the thread count, the
+dtype, the head shape, top_k, K, the window and which sparse path runs (`kind`): "shared" (queries probe their own key
+group first), "probe" (a separate query router with top_k = 1), "separate" (a separate query router with top_k > 1) -
+all three run set A through `partials.probe_part`, but their group balance differs - or "decode" (a few queries
+against a longer cache, `fast.decode_attention`). On first use of a shape, `dense_below` times both paths at lengths
+256, 512, ... through the very function that dispatches the call (`hard.hard_attention`, told which path to take), on
+random inputs laid out as a model hands them over and with the per-step work of a decoding step (the update of the
+layer's copy of the distant keys) - so that what is measured is what then runs - until the sparse path wins twice in a
+row by at least WIN_MARGIN (a few seconds at most; never beyond MAX_LENGTH) and stores the first of those two lengths
+in `<cache>/crossover.json` (`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`), where every
+later process finds it. A CPU measurement taken while other processes kept more than OTHER_CORES_MAX cores busy (from
+/proc/stat) is used by this process only and not stored: under load the many small calls of the sparse path slow down
+more than the one dense call (a decode crossover measured so came out at 16K keys instead of 2K), and a stored value
+would stay wrong.
 
 Environment:
   FOCUS_HF_CROSSOVER=<tokens>   use this crossover for every shape (no measurement);
@@ -48,8 +51,10 @@ CACHE_FILE = "crossover.json"
 # = 1 every segment's chunks read the sinks, no separate sink pass; 17: float32 CPU calls run the C prefill kernel
 # - the dense masked call with the pattern read from group bits, causal squares, staircases and the local part;
 # 18: set A runs in one call of the C kernel, blocks of 128 keys; 19: its group sort is a counting sort in C, the
-# sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen).
-CACHE_VERSION = 20
+# sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen; 21: both
+# sides are timed through `hard.hard_attention`, the function that dispatches them, CUDA decoding steps in runs of
+# FILE_EVERY).
+CACHE_VERSION = 21
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -195,14 +200,16 @@ def find_crossover(
     return min(lengths[-1], MAX_LENGTH), rows
 
 
-def random_inputs(shape: Shape, length: int, device: torch.device, generator: torch.Generator) -> dict:
-    """Random q/k/v (token-major, as projections come; a KV cache for "decode") and routing of the shape's kind."""
+def random_inputs(shape: Shape, length: int, queries: int, device: torch.device, generator: torch.Generator) -> dict:
+    """Random q/k/v and routing of the shape's kind over `length` tokens, with queries for the last `queries` of them,
+    laid out as a model hands them to the attention function: a prefill's q/k/v token-major (projections viewed
+    [batch, heads, tokens, dim]), a decoding step's keys and values head-major (a KV cache), its query one token."""
     dtype = getattr(torch, shape.dtype)
-    q_len = 1 if shape.kind == "decode" else length
+    decode = shape.kind == "decode"
 
     def states(heads: int, n: int) -> torch.Tensor:
         tokens = torch.randn(1, n, heads, shape.head_dim, generator=generator).to(device, dtype)
-        return tokens.transpose(1, 2).contiguous() if shape.kind == "decode" else tokens.transpose(1, 2)
+        return tokens.transpose(1, 2).contiguous() if decode else tokens.transpose(1, 2)
 
     scores = torch.rand(1, length, shape.num_groups, generator=generator)
     key_groups = scores.argmax(dim=-1)
@@ -210,29 +217,101 @@ def random_inputs(shape: Shape, length: int, device: torch.device, generator: to
         scores = torch.rand(1, length, shape.num_groups, generator=generator)
     query_groups = scores.argsort(dim=-1, descending=True)[..., : shape.top_k]  # else: own group first
     return {
-        "query": states(shape.heads, q_len),
+        "query": states(shape.heads, queries),
         "key": states(shape.kv_heads, length),
         "value": states(shape.kv_heads, length),
-        "query_groups": query_groups[:, length - q_len :].to(device),
+        "query_groups": query_groups[:, length - queries :].to(device),
         "key_groups": key_groups.to(device),
         "key_sink": (torch.arange(length) < SINKS)[None].to(device),
     }
 
 
-def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGTHS) -> tuple[int, list[dict]]:
-    """Time the dense masked call against the sparse path of `shape.kind` on random inputs; see `find_crossover`."""
-    from focus_hf.attention.backends import select_kernel
-    from focus_hf.attention.cpu.fast import decode_attention, masked_attention, sparse_attention
+# The two paths `call` takes when told (`hard.hard_attention`'s `path`): the pattern as one dense masked call, and
+# the sparse path of the call's kind.
+PATHS = ("dense", "sparse")
+# A timing: (untimed preparation, the timed calls, how many steps they make).
+Timing = tuple[Callable[[], object], Callable[[], object], int]
+
+
+def dispatched_calls(
+    shape: Shape, length: int, device: torch.device, generator: torch.Generator, call: Callable[..., torch.Tensor]
+) -> dict[str, Timing]:
+    """What `auto` runs at `length` keys for `shape`, on each path: `call` (the function that dispatches a model's
+    calls, `hard.hard_attention`) with the arguments a model gives it - own_group as the routing knows it; a
+    decoding step with the layer's copy of the distant keys, which each step brings up to date (on the CPU the
+    group-sorted copy, one key appended per step as in generate(); on CUDA the paged copy, timed over FILE_EVERY
+    consecutive steps, so that its ring writes and its one filing count)."""
     from focus_hf.attention.cpu.grouped_keys import one_step_behind
-    from focus_hf.attention.gpu.paged_keys import PagedKeys, filed_before
-    from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_sparse_attention
-    from focus_hf.attention.gpu.verify import verified_kernels
+    from focus_hf.attention.gpu.paged_keys import FILE_EVERY, PagedKeys
 
-    kernel = select_kernel("sdpa", device)
-    generator = torch.Generator().manual_seed(0)
-    scaling = shape.head_dim**-0.5
+    decode = shape.kind == "decode"
+    steps = FILE_EVERY if decode and device.type == "cuda" else 1
+    inputs = random_inputs(shape, length + steps - 1, 1 if decode else length, device, generator)
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    query_groups, key_groups, key_sink = inputs["query_groups"], inputs["key_groups"], inputs["key_sink"]
+    routing = {
+        "num_groups": shape.num_groups,
+        "window": shape.window,
+        "scaling": shape.head_dim**-0.5,
+        "backend": "auto",
+        "own_group": shape.kind in ("shared", "decode"),  # `random_inputs`: queries probe their own group first
+    }
 
-    def timed(function: Callable[[], torch.Tensor]) -> float:
+    def nothing() -> None:
+        return None
+
+    if not decode:
+        routing.update(query_groups=query_groups, key_groups=key_groups, key_sink=key_sink)
+        return {
+            path: (nothing, functools.partial(call, query, key, value, None, **routing, path=path), 1) for path in PATHS
+        }
+    if device.type != "cuda":
+        grouped, rewind = one_step_behind(key, value, key_groups, key_sink, shape.num_groups, shape.window)
+        routing.update(query_groups=query_groups, key_groups=key_groups, key_sink=key_sink, grouped=[grouped])
+        return {
+            path: (rewind, functools.partial(call, query, key, value, None, **routing, path=path), 1) for path in PATHS
+        }
+    paged = PagedKeys(shape.num_groups, shape.window)
+
+    def step(n: int, path: str) -> torch.Tensor:
+        """The step whose newest key is n - 1 (the same query each step: the keys are what changes)."""
+        return call(
+            query,
+            key[:, :, :n],
+            value[:, :, :n],
+            None,
+            query_groups=query_groups,
+            key_groups=key_groups[:, :n],
+            key_sink=key_sink[:, :n],
+            paged=paged,
+            path=path,
+            **routing,
+        )
+
+    def rebuilt() -> None:  # the copy as generate() leaves it before the first timed step
+        paged.invalidate()
+        step(length - 1, "sparse")
+
+    def run(path: str) -> None:
+        for n in range(length, length + steps):
+            step(n, path)
+
+    return {
+        "dense": (nothing, functools.partial(run, "dense"), steps),
+        "sparse": (rebuilt, functools.partial(run, "sparse"), steps),
+    }
+
+
+def measure(
+    shape: Shape,
+    device: torch.device,
+    call: Callable[..., torch.Tensor],
+    lengths: Optional[tuple[int, ...]] = None,
+) -> tuple[int, list[dict]]:
+    """Time `call` - the function that dispatches "auto"'s calls, `hard.hard_attention` - on its dense masked path
+    against its sparse path (`dispatched_calls`) at each of `lengths` (default LENGTHS); see `find_crossover`."""
+
+    def timed(function: Callable[[], object]) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -241,52 +320,27 @@ def measure(shape: Shape, device: torch.device, lengths: tuple[int, ...] = LENGT
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
+    generator = torch.Generator().manual_seed(0)
+
     def time_at(length: int) -> tuple[float, float]:
-        inputs = random_inputs(shape, length, device, generator)
-        query, key, value = inputs["query"], inputs["key"], inputs["value"]
-        groups, key_groups, sink = inputs["query_groups"], inputs["key_groups"], inputs["key_sink"]
-        # On CUDA both sides run on the GPU path's kernels (`hard`), which `verify` has shown exact there.
-        stock = verified_kernels(query, key) if device.type == "cuda" else None
-        if shape.kind == "decode" and stock is not None:
-            # The GPU path's step reads a paged copy; at a cache length where a step files no positions, repeating the
-            # step repeats the same work (its ring write).
-            if filed_before(length, shape.window) != filed_before(length - 1, shape.window):
-                key, value, key_groups, sink = key[:, :, :-1], value[:, :, :-1], key_groups[:, :-1], sink[:, :-1]
-            paged = PagedKeys(shape.num_groups, shape.window)
-        arguments = (groups, key_groups, sink, shape.window, scaling, kernel)
-
-        def dense() -> torch.Tensor:
-            if stock is not None:
-                return pattern_attention(query, key, value, None, *arguments[:-1], stock)
-            return masked_attention(query, key, value, None, *arguments, shape.num_groups)
-
-        if shape.kind == "decode" and stock is None:  # a CPU decoding step with a KV cache (see bench's timing)
-            grouped, rewind = one_step_behind(key, value, key_groups, sink, shape.num_groups, shape.window)
-
-        def sparse() -> torch.Tensor:
-            if shape.kind == "decode" and stock is not None:
-                return paged_decode(query, key, value, None, *arguments[:-1], paged, stock)
-            if shape.kind == "decode":
-                rewind()
-                return decode_attention(query, key, value, None, *arguments, grouped=[grouped])
-            routing = (groups, key_groups, sink, shape.num_groups, shape.window, scaling)
-            if stock is not None:
-                return stock_sparse_attention(query, key, value, None, *routing, stock, shape.kind == "shared")
-            return sparse_attention(query, key, value, None, *routing, kernel)
-
-        # Decode calls take a fraction of a millisecond: many repetitions; prefills: the median of three (one timing
-        # at 4K and beyond once put a crossover where the sparse path then ran 0.68x of dense), within BUDGET_S.
-        repeats = 31 if shape.kind == "decode" else 3
-        dense(), sparse()
-        dense_times, sparse_times = [], []
+        calls = dispatched_calls(shape, length, device, generator, call)
+        # CPU decoding steps take a fraction of a millisecond: many repetitions; prefills (and runs of CUDA decoding
+        # steps): the median of three (one timing at 4K and beyond once put a crossover where the sparse path then
+        # ran 0.68x of dense), within BUDGET_S.
+        repeats = 31 if shape.kind == "decode" and device.type != "cuda" else 3
+        for prepare, run, _ in calls.values():  # warm-up
+            prepare()
+            run()
+        times: dict[str, list[float]] = {path: [] for path in PATHS}
         for _ in range(repeats):  # alternating, so that both see the same machine
-            dense_times.append(timed(dense))
-            sparse_times.append(timed(sparse))
+            for path, (prepare, run, steps) in calls.items():
+                prepare()
+                times[path].append(timed(run) / steps)
         # Medians: a best-of favours the path of many small calls, whose typical time varies the most.
-        return statistics.median(dense_times), statistics.median(sparse_times)
+        return statistics.median(times["dense"]), statistics.median(times["sparse"])
 
     with torch.inference_mode():
-        return find_crossover(time_at, lengths)
+        return find_crossover(time_at, LENGTHS if lengths is None else lengths)
 
 
 # Whether this process has said that a measurement under load is not stored.
@@ -350,11 +404,16 @@ def other_cores_meter() -> Callable[[], Optional[float]]:
     return stop
 
 
-def calibrate(shape: Shape, device: torch.device) -> dict:
-    """Measure `shape` now, store the result in the cache file (unless other processes loaded the CPU meanwhile)
-    and in this process; returns the cache entry."""
-    meter = other_cores_meter() if device.type == "cpu" else None
-    crossover, rows = measure(shape, device)
+def calibrate(shape: Shape, device: torch.device, call: Callable[..., torch.Tensor]) -> dict:
+    """Measure `shape` now with `call` (`measure`), store the result in the cache file (unless other processes loaded
+    the CPU meanwhile) and in this process; returns the cache entry."""
+    meter = None
+    if device.type == "cpu":
+        from focus_hf.attention.cpu.native import native_kernels
+
+        native_kernels()  # built first: a first build's compiler processes would read as other processes' load
+        meter = other_cores_meter()
+    crossover, rows = measure(shape, device, call)
     entry = {"dense_below": crossover, "timings": rows, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     other_cores = None if meter is None else meter()
     if other_cores is not None:
@@ -375,16 +434,24 @@ def calibrate(shape: Shape, device: torch.device) -> dict:
 
 
 def dense_below(
-    query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str = "shared"
+    query: torch.Tensor,
+    key: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    window: int,
+    kind: str,
+    call: Callable[..., torch.Tensor],
 ) -> int:
-    """Key count below which "auto" runs the pattern as one dense masked call rather than the sparse path `kind`."""
+    """Key count below which "auto" runs the pattern as one dense masked call rather than the sparse path `kind`;
+    where it is not known yet, measured on `call`, the function that dispatches the call (`hard.hard_attention`,
+    which passes itself: so the measurement times what runs)."""
     forced = forced_crossover()
     if forced is not None:
         return forced
     if calibration_disabled() or query.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
         return default_dense_below(query.device.type, top_k)
-    call = _call_key(query, key, top_k, num_groups, window, kind)
-    known = _known.get(call)
+    signature = _call_key(query, key, top_k, num_groups, window, kind)
+    known = _known.get(signature)
     if known is not None:
         return known
     shape = make_shape(query, key, top_k, num_groups, window, kind)
@@ -393,9 +460,9 @@ def dense_below(
         crossover = entry["dense_below"]
     else:
         try:
-            crossover = calibrate(shape, query.device)["dense_below"]
+            crossover = calibrate(shape, query.device, call)["dense_below"]
         except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
             print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
             crossover = default_dense_below(query.device.type, top_k)
-    _known[call] = crossover
+    _known[signature] = crossover
     return crossover

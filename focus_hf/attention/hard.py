@@ -98,6 +98,7 @@ def hard_attention(
     grouped: Optional[list[GroupedKeys]] = None,
     paged: Optional[PagedKeys] = None,
     own_group: Optional[bool] = None,
+    path: Optional[str] = None,
 ) -> torch.Tensor:
     """Hard-mode Focus attention on backend "sdpa", "flash", "stock" or "auto" (see `backends`).
 
@@ -123,6 +124,9 @@ def hard_attention(
             (`paged_keys`); None: gather.
         own_group: whether each query's first probe is its own key group (no separate query router), as the routing
             knows; None: read from the groups (a device sync).
+        path: "dense" (the pattern as one dense masked call) or "sparse": the choice "auto" makes from the measured
+            crossover, made here instead. The crossover's measurement times this function so (`crossover.measure`),
+            so that what it times is what runs. None: "auto" asks the crossover, other backends run sparse.
 
     Returns:
         [batch, q, heads, dim]; rows of padding queries are finite and meaningless.
@@ -150,9 +154,13 @@ def hard_attention(
             )
         return output.transpose(1, 2).contiguous()
     decode = q_len <= DECODE_MAX_QUERIES and q_len < kv_len
-    short = backend == "auto" and kv_len < dense_below(
-        query, key, query_groups.shape[-1], num_groups, window, path_kind(query_groups, key_groups, decode, own_group)
-    )
+    if path is not None:
+        short = path == "dense"
+    else:
+        kind = path_kind(query_groups, key_groups, decode, own_group)
+        short = backend == "auto" and kv_len < dense_below(
+            query, key, query_groups.shape[-1], num_groups, window, kind, hard_attention
+        )
     if stock is not None:
         try:
             return _gpu_path(

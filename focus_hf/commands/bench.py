@@ -208,6 +208,7 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
         window=args.window,
         scaling=scaling,
         backend=args.backend,
+        own_group=routing.own_groups is None,  # as a model's routing says it
     )
 
 
@@ -252,12 +253,10 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
     skip = dense_skip_reason(args, seq_len, dtype, device)
     dense = dense_call(case)
     calls = {top_k: focus_call(args, case, top_k) for top_k in args.top_k}
-    crossovers = {
-        top_k: crossover_used(
-            args, case, top_k, path_kind(case.routing[top_k].top_groups, case.routing[top_k].key_groups, False)
-        )
-        for top_k in args.top_k
-    }
+    crossovers = {}
+    for top_k, routing in case.routing.items():
+        kind = path_kind(routing.top_groups, routing.key_groups, False, routing.own_groups is None)
+        crossovers[top_k] = crossover_used(args, case, top_k, kind)
     dense_context, kernel = dense_kernel(case.query, case.key, causal=True)
     dense_times: list[tuple[float, float]] = []
     focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
@@ -269,11 +268,13 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
     if seq_len <= 16384 or cuda:
         for call in calls.values():
             time_call(call)
+    meter = other_cores(device)
     for _ in range(repeats_at(args, seq_len)):
         if skip is None:
             dense_times.append(time_call(dense, context=dense_context))
         for top_k, call in calls.items():
             focus_times[top_k].append(time_call(call))
+    others = meter()
     dense_s, dense_cpu_s = medians(dense_times)
     rows = []
     causal_pairs = seq_len * (seq_len + 1) // 2
@@ -296,20 +297,39 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "repeats": len(focus_times[top_k]),
                 "backend": args.backend,
                 "top_k": top_k,
-                "groups": args.groups,
-                "window": args.window,
-                "sinks": args.sinks,
-                "heads": args.heads,
-                "kv_heads": args.kv_heads,
-                "head_dim": args.head_dim,
+                **layer_fields(args),
                 "dtype": args.dtype,
                 "query_router": args.query_router,
                 "dense_below": crossovers[top_k],
+                "other_cores_busy": others,
                 **gpu_path_fields(args, device),
                 **machine_fields(device),
             }
         )
     return rows
+
+
+def layer_fields(args: argparse.Namespace) -> dict:
+    """The attention layer a row measures: K, window, sinks and head shape."""
+    names = ("groups", "window", "sinks", "heads", "kv_heads", "head_dim")
+    return {name: getattr(args, name) for name in names}
+
+
+def other_cores(device: torch.device) -> Callable[[], Optional[float]]:
+    """Start watching the machine while a length is timed; the returned function gives the cores other processes
+    kept busy meanwhile, on average (`crossover.other_cores_meter`; None on a GPU or where /proc/stat is missing). The
+    rows' 1-minute load average counts the benchmark's own threads; this does not."""
+    from focus_hf.attention.crossover import other_cores_meter
+
+    if device.type != "cpu":
+        return lambda: None
+    stop = other_cores_meter()
+
+    def busy() -> Optional[float]:
+        cores = stop()
+        return None if cores is None else round(cores, 2)
+
+    return busy
 
 
 def device_name(device: torch.device) -> str:
@@ -321,15 +341,19 @@ def device_name(device: torch.device) -> str:
 
 
 def machine_fields(device: torch.device) -> dict:
-    """Where and when a row was measured: device, processor name, threads, load, package versions, the source's git
+    """Where and when a row was measured: device, processor name (on the CPU with its instruction sets and how the C
+    kernels were built: compiler, target, what the build uses), threads, load, package versions, the source's git
     commit and the date."""
     import torch
 
+    from focus_hf.attention.cpu.native import build_record, instruction_sets
     from focus_hf.attention.crossover import processor_name
 
+    cpu = {"instruction_sets": instruction_sets(), "cpu_kernels": build_record()} if device.type == "cpu" else {}
     return {
         "device": device_name(device),
         "processor": processor_name(device),
+        **cpu,
         "threads": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0],  # other processes on the machine skew CPU timings
         **{name: version for name, version in package_versions().items() if name != "python"},
@@ -457,9 +481,10 @@ def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, 
     if args.backend != "auto":
         return None
     from focus_hf.attention.crossover import dense_below
+    from focus_hf.attention.hard import hard_attention
 
     query = case.query[:, :, -1:] if decode else case.query
-    return dense_below(query, case.key, top_k, args.groups, args.window, kind)
+    return dense_below(query, case.key, top_k, args.groups, args.window, kind, hard_attention)
 
 
 def paged_decode_times(
@@ -587,6 +612,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 scaling=scaling,
                 backend=args.backend,
                 grouped=[grouped],
+                own_group=routing.own_groups is None,
             )
 
         return step
@@ -595,6 +621,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     repeats = args.decode_repeats
     gpu_path = device.type == "cuda" or args.backend == "stock"
     timings = []  # (compiled, dense times, Focus times by top_k)
+    others = None  # cores other processes kept busy while the CPU steps were timed
     if gpu_path:
         from focus_hf.attention.gpu.paged_keys import FILE_EVERY
 
@@ -612,11 +639,13 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 time_call(call)
         dense_times: list[tuple[float, float]] = []
         focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
+        meter = other_cores(device)
         for _ in range(repeats):
             dense_times.append(time_call(dense, steps, dense_context))
             for top_k, call in calls.items():
                 focus_times[top_k].append(time_call(call, steps))
         timings.append((False, dense_times, focus_times))
+        others = meter()
     rows = []
     positions = torch.arange(cache_len, device=device)
     # What the group-sorted copy's attention runs on: the C kernel of `attention/cpu/native.py`, or torch operations.
@@ -649,6 +678,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
                 "decode_kernel": decode_kernel,
                 "dense_kernel": kernel,
                 "dense_below": crossover,
+                "other_cores_busy": others,
                 "repeats": repeats,
                 "steps_per_timing": steps,
                 "compiled": compiled,
@@ -701,6 +731,7 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
     import torch
 
     from focus_hf.attention.crossover import calibrate, make_shape
+    from focus_hf.attention.hard import hard_attention
 
     query = torch.empty(1, args.heads, 1, args.head_dim, dtype=dtype, device=device)
     key = torch.empty(1, args.kv_heads, 1, args.head_dim, dtype=dtype, device=device)
@@ -708,7 +739,7 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
     for top_k in args.top_k:
         for kind in ("shared", "probe" if top_k == 1 else "separate", "decode"):
             shape = make_shape(query, key, top_k, args.groups, args.window, kind)
-            entry = calibrate(shape, device)
+            entry = calibrate(shape, device, hard_attention)
             timings = "  ".join(
                 f"{row['length']}: {row['dense_s'] * 1e3:.2f}/{row['sparse_s'] * 1e3:.2f}" for row in entry["timings"]
             )

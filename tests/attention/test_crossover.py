@@ -80,7 +80,7 @@ def calibrating(monkeypatch, tmp_path):
     monkeypatch.setattr(crossover, "_known", {})
     calls = []
 
-    def fake_measure(shape, device, lengths=crossover.LENGTHS):
+    def fake_measure(shape, device, call, lengths=None):
         calls.append(shape)
         found = 512 * shape.top_k + (1 if shape.kind == "decode" else 0)
         return found, [{"length": found, "dense_s": 1.0, "sparse_s": 0.5}]
@@ -90,14 +90,19 @@ def calibrating(monkeypatch, tmp_path):
     return calls
 
 
+def dense_below(*args):
+    """`crossover.dense_below` as `hard.hard_attention` asks it (measuring through itself)."""
+    return crossover.dense_below(*args, hard.hard_attention)
+
+
 def tensors(heads=9, kv_heads=3, length=8):
     return torch.zeros(1, heads, length, 16), torch.zeros(1, kv_heads, length, 16)
 
 
 def test_calibration_runs_once_per_shape_and_is_reused(calibrating, tmp_path):
     query, key = tensors()
-    assert crossover.dense_below(query, key, 1, 8, 128, "shared") == 512
-    assert crossover.dense_below(query, key, 1, 8, 128, "shared") == 512
+    assert dense_below(query, key, 1, 8, 128, "shared") == 512
+    assert dense_below(query, key, 1, 8, 128, "shared") == 512
     assert len(calibrating) == 1
     entries = json.loads((tmp_path / crossover.CACHE_FILE).read_text())["entries"]
     (entry,) = entries.values()
@@ -105,13 +110,13 @@ def test_calibration_runs_once_per_shape_and_is_reused(calibrating, tmp_path):
 
     # A new process (nothing known in memory) reads the file instead of measuring.
     crossover._known.clear()
-    assert crossover.dense_below(query, key, 1, 8, 128, "shared") == 512
+    assert dense_below(query, key, 1, 8, 128, "shared") == 512
     assert len(calibrating) == 1
 
     # Any other shape or path is measured on its own, and both stay in the file.
-    assert crossover.dense_below(query, key, 2, 8, 128, "shared") == 1024
-    assert crossover.dense_below(query, key, 1, 8, 128, "decode") == 513
-    assert crossover.dense_below(*tensors(heads=6, kv_heads=2), 1, 8, 128, "shared") == 512
+    assert dense_below(query, key, 2, 8, 128, "shared") == 1024
+    assert dense_below(query, key, 1, 8, 128, "decode") == 513
+    assert dense_below(*tensors(heads=6, kv_heads=2), 1, 8, 128, "shared") == 512
     assert len(calibrating) == 4
     assert len(json.loads((tmp_path / crossover.CACHE_FILE).read_text())["entries"]) == 4
 
@@ -120,15 +125,15 @@ def test_measurement_under_load_is_not_stored(calibrating, tmp_path, monkeypatch
     monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: 1.4)
     monkeypatch.setattr(crossover, "_said_under_load", [])
     query, key = tensors()
-    assert crossover.dense_below(query, key, 1, 8, 128, "decode") == 513
-    assert crossover.dense_below(query, key, 1, 8, 128, "decode") == 513  # this process keeps it
+    assert dense_below(query, key, 1, 8, 128, "decode") == 513
+    assert dense_below(query, key, 1, 8, 128, "decode") == 513  # this process keeps it
     assert len(calibrating) == 1 and not (tmp_path / crossover.CACHE_FILE).exists()
-    assert crossover.dense_below(query, key, 2, 8, 128, "decode") == 1025  # another shape, measured under load too
+    assert dense_below(query, key, 2, 8, 128, "decode") == 1025  # another shape, measured under load too
     assert err_count(capsys, "other processes kept 1.4 CPU cores busy") == 1  # said once per process
     # The next process measures again; on an idle machine the result is stored, with the load it saw.
     crossover._known.clear()
     monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: 0.1)
-    assert crossover.dense_below(query, key, 1, 8, 128, "decode") == 513
+    assert dense_below(query, key, 1, 8, 128, "decode") == 513
     assert len(calibrating) == 3
     (entry,) = json.loads((tmp_path / crossover.CACHE_FILE).read_text())["entries"].values()
     assert entry["other_cores_busy"] == 0.1
@@ -171,7 +176,7 @@ def test_shape_key_names_the_machine_and_the_call():
 def test_unreadable_cache_is_measured_again_and_rewritten(calibrating, tmp_path, content):
     (tmp_path / crossover.CACHE_FILE).write_text(content)
     query, key = tensors()
-    assert crossover.dense_below(query, key, 1, 8, 128) == 512
+    assert dense_below(query, key, 1, 8, 128, "shared") == 512
     assert len(calibrating) == 1
     assert json.loads((tmp_path / crossover.CACHE_FILE).read_text())["version"] == crossover.CACHE_VERSION
 
@@ -181,8 +186,8 @@ def test_unwritable_cache_keeps_the_value_in_memory(calibrating, tmp_path, monke
     blocker.write_text("")
     monkeypatch.setenv("FOCUS_HF_CACHE", str(blocker / "sub"))  # a folder under a file cannot be created
     query, key = tensors()
-    assert crossover.dense_below(query, key, 1, 8, 128) == 512
-    assert crossover.dense_below(query, key, 1, 8, 128) == 512
+    assert dense_below(query, key, 1, 8, 128, "shared") == 512
+    assert dense_below(query, key, 1, 8, 128, "shared") == 512
     assert len(calibrating) == 1
     assert "could not write the crossover cache" in capsys.readouterr().err
 
@@ -190,22 +195,22 @@ def test_unwritable_cache_keeps_the_value_in_memory(calibrating, tmp_path, monke
 def test_forced_crossover_skips_measurement(calibrating, monkeypatch):
     monkeypatch.setenv(crossover.CROSSOVER_ENV, "777")
     query, key = tensors()
-    assert crossover.dense_below(query, key, 3, 8, 128, "separate") == 777
+    assert dense_below(query, key, 3, 8, 128, "separate") == 777
     monkeypatch.setenv(crossover.CROSSOVER_ENV, "measure")
-    assert crossover.dense_below(query, key, 3, 8, 128, "separate") == 1536
+    assert dense_below(query, key, 3, 8, 128, "separate") == 1536
     assert len(calibrating) == 1
     monkeypatch.setenv(crossover.CROSSOVER_ENV, "soon")
     with pytest.raises(ValueError, match="FOCUS_HF_CROSSOVER"):
-        crossover.dense_below(query, key, 1, 8, 128)
+        dense_below(query, key, 1, 8, 128, "shared")
 
 
 def test_no_calibration_uses_the_default_and_ignores_the_cache(calibrating, monkeypatch):
     query, key = tensors()
-    crossover.dense_below(query, key, 1, 8, 128)  # measured and cached: 512
+    dense_below(query, key, 1, 8, 128, "shared")  # measured and cached: 512
     crossover._known.clear()
     monkeypatch.setenv(crossover.NO_CALIBRATION_ENV, "1")
-    assert crossover.dense_below(query, key, 1, 8, 128) == crossover.default_dense_below("cpu", 1)
-    assert crossover.dense_below(query, key, 3, 8, 128) == crossover.default_dense_below("cpu", 3) == 3072
+    assert dense_below(query, key, 1, 8, 128, "shared") == crossover.default_dense_below("cpu", 1)
+    assert dense_below(query, key, 3, 8, 128, "shared") == crossover.default_dense_below("cpu", 3) == 3072
     assert len(calibrating) == 1
 
 
@@ -232,9 +237,73 @@ def test_auto_asks_for_the_path_that_runs_and_is_exact_either_side(monkeypatch, 
     positions = torch.arange(key.shape[2])
     allowed = allowed_pairs(query_groups, key_groups, sink, positions[key.shape[2] - q_len :], positions, 8)
     reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
+    routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
     for threshold in (0, 10**6):  # sparse path, then the dense masked call
         monkeypatch.setattr(hard, "dense_below", lambda *args, result=threshold: seen.append(args) or result)
-        output = hard.hard_attention(
+        output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto")
+        torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
+    assert [args[2:] for args in seen] == [(top_k, 4, 8, kind, hard.hard_attention)] * 2
+    for path in crossover.PATHS:  # told which path to take (as the crossover's measurement does): the same result
+        output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", path=path)
+        torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
+    assert len(seen) == 2
+
+
+def call_record(query, key, value, model_mask, arguments):
+    """What a call of `hard.hard_attention` is made of, but for the path it is told to take: tensors' dtype, device,
+    shape ranks and layouts (token-major projections or a head-major cache), and every other argument's kind."""
+
+    def layout(tensor):
+        return (
+            tensor.dtype,
+            tensor.device,
+            tensor.dim(),
+            tensor.is_contiguous(),
+            tensor.transpose(1, 2).is_contiguous(),
+        )
+
+    record = {"tensors": [layout(tensor) for tensor in (query, key, value)], "mask": model_mask is None}
+    record["decode"] = query.shape[2] == 1 < key.shape[2]
+    for name, argument in arguments.items():
+        if name == "path":
+            continue
+        if isinstance(argument, torch.Tensor):
+            record[name] = (argument.dtype, argument.dim(), argument.shape[-1] if name == "query_groups" else None)
+        elif isinstance(argument, list):
+            record[name] = [type(item) for item in argument]
+        else:
+            record[name] = argument
+    return record
+
+
+@pytest.mark.parametrize("kind, top_k", [("shared", 1), ("shared", 2), ("probe", 1), ("separate", 2), ("decode", 1)])
+def test_calibration_times_the_call_that_auto_dispatches(monkeypatch, tmp_path, kind, top_k):
+    """The crossover's measurement calls the very function that dispatches "auto"'s call - both paths, with arguments
+    of the same kind (layouts, routing, the decoding step's copy of the distant keys) - and nothing else."""
+    from focus_hf.attention.cpu.grouped_keys import GroupedKeys
+
+    monkeypatch.delenv(crossover.NO_CALIBRATION_ENV, raising=False)
+    monkeypatch.delenv(crossover.CROSSOVER_ENV, raising=False)
+    monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(crossover, "_known", {})
+    monkeypatch.setattr(crossover, "LENGTHS", (160, 192))
+    monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: 0.0)
+    dispatch, records = hard.hard_attention, []
+
+    def recorded(query, key, value, model_mask, **arguments):
+        records.append((arguments.get("path"), call_record(query, key, value, model_mask, arguments)))
+        return dispatch(query, key, value, model_mask, **arguments)
+
+    monkeypatch.setattr(hard, "hard_attention", recorded)
+    decode = kind == "decode"
+    query, key, value, query_groups, key_groups, sink = routed_case(kind, q_len=1 if decode else 200, top_k=top_k)
+    if decode:  # a KV cache is head-major; a fresh projection token-major
+        key, value = key.contiguous(), value.contiguous()
+    else:
+        query, key, value = (tensor.transpose(1, 2).contiguous().transpose(1, 2) for tensor in (query, key, value))
+    extra = {"grouped": [GroupedKeys(4)]} if decode else {}
+    with torch.inference_mode():
+        recorded(
             query,
             key,
             value,
@@ -246,16 +315,22 @@ def test_auto_asks_for_the_path_that_runs_and_is_exact_either_side(monkeypatch, 
             window=8,
             scaling=0.25,
             backend="auto",
+            own_group=kind != "probe" and kind != "separate",
+            **extra,
         )
-        torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
-    assert [args[2:] for args in seen] == [(top_k, 4, 8, kind)] * 2
+    (dispatched_path, dispatched), *timed = records
+    assert dispatched_path is None and timed
+    assert {path for path, _ in timed} == set(crossover.PATHS)
+    assert all(record == dispatched for _, record in timed)
+    (entry,) = json.loads((tmp_path / crossover.CACHE_FILE).read_text())["entries"].values()
+    assert entry["shape"]["kind"] == kind and [row["length"] for row in entry["timings"]][0] == 160
 
 
 @pytest.mark.parametrize("kind, top_k", [("shared", 2), ("probe", 1), ("decode", 1)])
 def test_real_measurement_runs_on_tiny_lengths(kind, top_k):
     query, key = tensors(heads=4, kv_heads=2)
     shape = crossover.make_shape(query, key, top_k, 4, 8, kind)
-    found, rows = crossover.measure(shape, torch.device("cpu"), lengths=(32, 64))
+    found, rows = crossover.measure(shape, torch.device("cpu"), hard.hard_attention, lengths=(32, 64))
     assert found in (32, 64) and [row["length"] for row in rows] in ([32], [32, 64])
     assert all(row["dense_s"] > 0 and row["sparse_s"] > 0 for row in rows)
 
@@ -308,12 +383,12 @@ def test_few_query_attention_equals_the_kernel(dtype, tolerance):
 
 
 def test_failed_measurement_falls_back_to_the_default(calibrating, monkeypatch, capsys):
-    def broken(shape, device, lengths=crossover.LENGTHS):
+    def broken(shape, device, call, lengths=None):
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(crossover, "measure", broken)
     query, key = tensors()
-    assert crossover.dense_below(query, key, 2, 8, 128) == crossover.default_dense_below("cpu", 2)
+    assert dense_below(query, key, 2, 8, 128, "shared") == crossover.default_dense_below("cpu", 2)
     assert "calibration failed" in capsys.readouterr().err
 
 

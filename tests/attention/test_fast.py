@@ -109,14 +109,23 @@ def cases(draw):
     )
 
 
+# bfloat16 cases keep their values within this bound, which bounds the error of the weights' rounding (below).
+BF16_VALUE_BOUND = 4.0
+
+
 def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
-    """Fast attention and the dense oracle on one case; returns (fast, reference, rows to compare)."""
+    """Fast attention and the dense oracle (float64 on the same inputs) on one case; returns (fast, reference, rows
+    to compare). The case's "dtype" (default float32) is the inputs'; a float32 case gets the reference in float32."""
     generator = torch.Generator().manual_seed(case["seed"])
     batch, seq, q_len = case["batch"], case["seq"], case["q_len"]
     heads = case["kv_heads"] * case["gqa"]
     query = states(generator, batch, heads, q_len, case["dim"], case["token_major"])
     key = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
     value = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
+    dtype = case.get("dtype", torch.float32)
+    if dtype != torch.float32:
+        value = value.clamp(-BF16_VALUE_BOUND, BF16_VALUE_BOUND)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     query_groups, key_groups = random_routing(
         generator,
         batch,
@@ -140,7 +149,8 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
         query_groups[:, seq - q_len :], key_groups, sink, query_positions, positions, case["window"]
     )
     allowed = allowed[:, None] if model_mask is None else allowed[:, None] & model_mask
-    reference = dense_attention(query, key, value, allowed, scaling=SCALING)
+    # float64 on the same values: a bfloat16 result is then off by its own rounding only
+    reference = dense_attention(query.double(), key.double(), value.double(), allowed, scaling=SCALING)
     output = hard.hard_attention(
         query,
         key,
@@ -156,12 +166,12 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
         mask_is_padding=mask_is_padding,
     )
     # Padding queries may output anything finite.
-    return output, reference, valid[:, seq - q_len :]
+    return output, reference if dtype != torch.float32 else reference.float(), valid[:, seq - q_len :]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_fast_equals_dense_oracle(case):
+@given(cases(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_fast_equals_dense_oracle(case, dtype):
     # "auto" below its crossover runs the one dense masked call.
     crossover = {CROSSOVER_ENV: str(10**9)} if case["dense_masked"] else {}
     with (
@@ -175,10 +185,15 @@ def test_fast_equals_dense_oracle(case):
         mock.patch.object(fast, "DIRECT_GATHER_MAX", case["direct_gather"]),
         mock.patch.dict(os.environ, crossover),
     ):
-        output, reference, rows = run_case(case, backend="auto" if case["dense_masked"] else "sdpa")
-    assert output.shape == reference.shape
+        output, reference, rows = run_case(dict(case, dtype=dtype), backend="auto" if case["dense_masked"] else "sdpa")
+    assert output.shape == reference.shape and output.dtype == dtype
     assert torch.isfinite(output).all()
-    torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
+    # bfloat16: the output's rounding (half a unit in the last place: at most 2^-8 of it) and the weights' (2^-9 of
+    # the values in their average, `test_prefill_kernel`)
+    tolerance = ATOL
+    if dtype == torch.bfloat16:
+        tolerance += 2**-8 * float(reference.abs().max()) + 2**-9 * BF16_VALUE_BOUND
+    torch.testing.assert_close(output[rows].double(), reference[rows].double(), atol=tolerance, rtol=0)
 
 
 BASE_CASE = dict(
@@ -431,7 +446,7 @@ def test_prefill_calls_share_a_scratch_buffer_and_ignore_one_too_small():
     generator = torch.Generator().manual_seed(2)
     query, key, value = (torch.randn(2, h, 150, 32, generator=generator) for h in (4, 2, 2))
     plain = native.prefill_attention(query, key, value, causal=True, scale=SCALING)
-    for scratch in (native.packing_scratch(2, 32, (2, 150)), torch.empty(10)):
+    for scratch in (native.packing_scratch(torch.float32, 2, 32, (2, 150)), torch.empty(10)):
         scratch.fill_(float("nan"))  # what a buffer holds before a call must not matter
         shared = native.prefill_attention(query, key, value, causal=True, scale=SCALING, scratch=scratch)
         torch.testing.assert_close(shared, plain, atol=0, rtol=0)

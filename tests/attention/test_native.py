@@ -27,10 +27,10 @@ def oracle(query, runs, scale):
     return torch.einsum("hn,hnd->hd", weights, values)
 
 
-def cache_slice(generator, kv_heads, length, dim, offset):
+def cache_slice(generator, kv_heads, length, dim, offset, dtype=torch.float32):
     """Keys and values [kv_heads, length, dim] as a slice of a longer head-major cache (a KV cache's window)."""
-    keys = torch.randn(kv_heads, offset + length + 3, dim, generator=generator)
-    values = torch.randn(kv_heads, offset + length + 3, dim, generator=generator)
+    keys = torch.randn(kv_heads, offset + length + 3, dim, generator=generator).to(dtype)
+    values = torch.randn(kv_heads, offset + length + 3, dim, generator=generator).to(dtype)
     return keys.narrow(1, offset, length), values.narrow(1, offset, length)
 
 
@@ -48,19 +48,20 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
     offset=st.integers(0, 5),
     magnitude=st.sampled_from([0.1, 1.0, 30.0]),
     dtype=st.sampled_from(list(TOLERANCE)),
+    spans=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_runs_equal_a_float64_softmax(kv_heads, sharing, dim, lengths, offset, magnitude, dtype, seed):
+def test_runs_equal_a_float64_softmax(kv_heads, sharing, dim, lengths, offset, magnitude, dtype, spans, seed):
     if sum(lengths) == 0:
         lengths = [*lengths[:-1], 1]
     generator = torch.Generator().manual_seed(seed)
     # Large magnitudes give peaked softmaxes: the running maximum must rescale what came before it.
     query = (torch.randn(kv_heads * sharing, dim, generator=generator) * magnitude).to(dtype)
-    runs = [
-        tuple(part.to(dtype) for part in cache_slice(generator, kv_heads, length, dim, offset)) for length in lengths
-    ]
+    runs = [cache_slice(generator, kv_heads, length, dim, offset, dtype) for length in lengths]
     scale = dim**-0.5
-    output = native.attend_runs(query, runs, scale)
+    # The same rows as views, or as spans of the buffers they lie in (read in place)
+    given = [(keys._base, values._base, offset, keys.shape[1]) for keys, values in runs] if spans else runs
+    output = native.attend_runs(query, given, scale)
     assert output is not None and output.shape == query.shape and output.dtype == dtype
     # Float32 rounds a logit to ~1e-7 of its size: at magnitude 30 (logits near 100) any float32 softmax is off by
     # ~1e-5 (torch's own: 1.4e-5 on one drawn case, where this kernel's AVX2 build gave 2.3e-5).
@@ -75,9 +76,7 @@ def test_long_calls_split_among_threads_equal_a_float64_softmax(dim, dtype):
     """Past PARALLEL_ROWS key rows a call goes in pieces of PIECE_ROWS keys, merged in order (csrc/decode.c)."""
     generator = torch.Generator().manual_seed(dim)
     query = torch.randn(9, dim, generator=generator).to(dtype) * 3
-    runs = [
-        tuple(part.to(dtype) for part in cache_slice(generator, 3, length, dim, 2)) for length in (2000, 1, 1024, 700)
-    ]
+    runs = [cache_slice(generator, 3, length, dim, 2, dtype) for length in (2000, 1, 1024, 700)]
     output = native.attend_runs(query, runs, dim**-0.5)
     assert output is not None
     tolerance = TOLERANCE[dtype]
@@ -100,8 +99,7 @@ def test_a_grouped_step_equals_the_torch_path(monkeypatch, dtype):
         monkeypatch.setattr(native, "native_kernels", native.native_kernels if enabled else lambda: None)
         copy = GroupedKeys(groups)
         assert copy.extend(keys, values, key_groups, sink, None, 560)
-        window = (keys[:, 560:], values[:, 560:])
-        outputs[enabled] = [copy.attend(query, *window, probed, 0.125) for probed in ([2], [4, 0, 1])]
+        outputs[enabled] = [copy.attend(query, keys, values, 560, probed, 0.125) for probed in ([2], [4, 0, 1])]
     tolerance = TOLERANCE[dtype] if dtype == torch.float32 else 2 * TOLERANCE[dtype]  # both paths round
     for with_kernel, without in zip(outputs[True], outputs[False]):
         torch.testing.assert_close(with_kernel.float(), without.float(), atol=tolerance, rtol=tolerance)
@@ -185,32 +183,70 @@ def test_no_compiler_or_a_failed_build_falls_back_with_a_message(cc, monkeypatch
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob(".build-*"))
 
 
-def test_a_compiler_refusing_the_native_target_gets_the_default_one(monkeypatch, tmp_path):
-    """`-march=native` is not taken by every compiler (some ARM toolchains): the build retries without it."""
+def prefill_oracle(query, key, value, scale):
+    """float64 causal softmax of queries [batch, heads, L, dim] over keys/values [batch, kv_heads, L, dim]."""
+    sharing = query.shape[1] // key.shape[1]
+    key, value = (tensor.double().repeat_interleave(sharing, 1) for tensor in (key, value))
+    scores = torch.einsum("bhld,bhsd->bhls", query.double(), key) * scale
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    return torch.einsum("bhls,bhsd->bhld", torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1), value)
+
+
+def build_through(tmp_path, monkeypatch, script: str) -> None:
+    """Make the kernels build (again, in a cache of their own) through a compiler wrapper running `script` before it
+    calls the real compiler with its arguments; at -O0 - what is tested is what the build is given, and an -O3
+    build for the compiler's default target takes most of a minute of CPU (vectors of 16 floats split for a narrower
+    one)."""
     real = native.compiler()
     if real is None:
         pytest.skip("no C compiler to build the kernel with")
     wrapper = tmp_path / "cc"
-    # It also compiles at -O0: what is tested is the retry, and the default target's -O3 build of the three sources
-    # takes minutes of CPU (vectors of 16 floats split for a narrower target).
     wrapper.write_text(
         "#!/bin/sh\n"
-        'for a in "$@"; do [ "$a" = -march=native ] && exit 1; done\n'
-        'for a in "$@"; do shift; [ "$a" = -O3 ] && a=-O0; set -- "$@" "$a"; done\n'
-        f'exec {real} "$@"\n'
+        + script
+        + 'for a in "$@"; do shift; [ "$a" = -O3 ] && a=-O0; set -- "$@" "$a"; done\n'
+        + f'exec {real} "$@"\n'
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path / "cache"))
     native.native_kernels.cache_clear()
+
+
+# Compiler wrappers' scripts (`build_through`): `-march=native` is not taken by every compiler (some ARM toolchains),
+# and the build retries without it - its generic vector code (no AVX-512) runs; AVX-512 without bfloat16 dot products
+# (Skylake-SP to Ice Lake): bfloat16 calls widen to float32 as they pack.
+REFUSE_NATIVE = 'for a in "$@"; do [ "$a" = -march=native ] && exit 1; done\n'
+NO_BF16_DOT = (
+    'for a in "$@"; do shift; [ "$a" = -march=native ] && a="-march=native -mno-avx512bf16"; set -- "$@" $a; done\n'
+)
+
+
+@pytest.mark.parametrize(
+    "script, absent",
+    [(REFUSE_NATIVE, "avx512 vectors"), (NO_BF16_DOT, "avx512_bf16 dot products")],
+    ids=["default-target", "no-bf16-dot"],
+)
+def test_other_build_targets_give_the_same_results(monkeypatch, tmp_path, script, absent):
+    build_through(tmp_path, monkeypatch, script)
+    generator = torch.Generator().manual_seed(4)
     try:
         query, keys = torch.randn(4, 32), torch.randn(2, 70, 32)
         output = native.attend_runs(query, [(keys, keys)], 0.2)
+        prefills = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            states = [torch.randn(2, heads, 150, 32, generator=generator).to(dtype) for heads in (6, 2, 2)]
+            prefills[dtype] = states, native.prefill_attention(*states, causal=True, scale=0.2)
+        record = native.build_record()
     finally:
         native.native_kernels.cache_clear()
     assert output is not None
     torch.testing.assert_close(output.double(), oracle(query, [(keys, keys)], 0.2), atol=2e-5, rtol=2e-5)
+    for dtype, (states, (prefill, _)) in prefills.items():
+        atol = 2e-5 if dtype == torch.float32 else 2**-8 * 4  # bfloat16: the output's rounding (|values| < 4 here)
+        torch.testing.assert_close(prefill.double(), prefill_oracle(*states, 0.2), atol=atol, rtol=0)
     assert len(list((tmp_path / "cache" / "kernels").glob("*.so"))) == 1
+    assert record["built"] and absent not in record["uses"]
 
 
 @needs_kernel

@@ -1,6 +1,7 @@
 """The CPU prefill kernel (`native.prefill_attention`, csrc/prefill.c): many queries over many keys - causal, on a
 staircase or unordered; with the Focus pattern or the fast path's local part evaluated from group bits - against a
-float64 softmax over the pairs the rule allows (`pattern.allowed_pairs`, `pattern.probes`)."""
+float64 softmax over the pairs the rule allows (`pattern.allowed_pairs`, `pattern.probes`), in float32 and in
+bfloat16 (float32 sums; exact within bfloat16's rounding of the softmax weights and of the output)."""
 
 from __future__ import annotations
 
@@ -50,11 +51,12 @@ def float64_attention(query, key, value, visible, scale):
     token_major=st.booleans(),
     magnitude=st.sampled_from([0.3, 1.0, 4.0]),
     merge=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
 def test_prefill_equals_a_float64_softmax_over_the_allowed_pairs(
     batch, kv_heads, sharing, dim, keys, queries, order, rule, num_groups, top_k, window, sinks, padding,
-    token_major, magnitude, merge, seed,
+    token_major, magnitude, merge, dtype, seed,
 ):  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     length = {"all": keys, "one": 1, "few": min(keys, 5), "some": max(1, keys - 40)}[queries]
@@ -70,6 +72,7 @@ def test_prefill_equals_a_float64_softmax_over_the_allowed_pairs(
 
     # Large query magnitudes give peaked softmaxes: the running maximum must rescale what came before it.
     query, key, value = states(heads, length) * magnitude, states(kv_heads, keys), states(kv_heads, keys)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)  # the reference takes the same values
     key_groups = torch.randint(num_groups, (batch, keys), generator=generator)
     query_groups = torch.randint(num_groups, (batch, length, min(top_k, num_groups)), generator=generator)
     key_sink = (torch.arange(keys) < sinks).expand(batch, -1)
@@ -124,8 +127,15 @@ def test_prefill_equals_a_float64_softmax_over_the_allowed_pairs(
         total = torch.logaddexp(held_lse.double(), expected_lse)
         expected = held * (held_lse - total).exp()[..., None] + expected * (expected_lse - total).exp()[..., None]
         expected_lse = torch.where(expected_lse > FLOAT_MIN, total, held_lse.double())
-    # float32 scores carry a relative error ~1e-7 of |q||k|, which the softmax turns into the output's error.
-    torch.testing.assert_close(output.double(), expected, atol=5e-5 * magnitude, rtol=0)
+    # float32 scores carry a relative error ~1e-7 of |q||k|, which the softmax turns into the output's error. In
+    # bfloat16 the weights are rounded to 8 bits for the product with the values (a relative error of 2^-9 each,
+    # at most 2^-9 of the largest value in their average), and an output that is not merged is rounded too (half a
+    # unit in the last place: at most 2^-8 of it).
+    atol = 5e-5 * magnitude
+    if dtype == torch.bfloat16:
+        atol += 2**-9 * float(value.abs().max()) + (0 if merge else 2**-8 * float(expected.abs().max()))
+    assert output.dtype == (torch.float32 if merge else dtype)
+    torch.testing.assert_close(output.double(), expected, atol=atol, rtol=0)
     torch.testing.assert_close(lse.double(), expected_lse, atol=5e-5 * magnitude, rtol=1e-6)
 
 
@@ -159,7 +169,7 @@ def test_causal_unmasked_cpu_calls_run_in_the_kernel_and_equal_torch(monkeypatch
     [
         {"dim": 40},  # not a multiple of 16
         {"dim": 144},  # beyond 128
-        {"dtype": torch.bfloat16},  # float32 only
+        {"dtype": torch.float16},  # float32 and bfloat16 only
         {"strided_rows": True},  # rows not contiguous
         {"grad": True},  # the kernel has no backward
         {"kv_heads": 4},  # 6 query heads do not share 4 kv heads evenly

@@ -22,7 +22,7 @@ their block and the block itself, as overlapping strided views of the keys, unde
 and the pairs with sinks farther than the window that did not ride in A (top_k > 1, and the few queries before the
 last sink), a handful of keys done with two small matmuls.
 
-On CPU in float32 the C prefill kernel of `native` runs A in one call per block of SET_A_ROWS queries
+On CPU in float32 and bfloat16 the C prefill kernel of `native` runs A in one call per block of SET_A_ROWS queries
 (`segments.SegmentKeys`, the group sort a counting sort in C): it reads each segment's keys where they lie through
 their token indices (no gathered copy), gives each entry its reach (skipping the key blocks past a query block's
 last) and folds each entry into its query's row of the output as it finishes - no chunks, calls or merges in
@@ -40,20 +40,20 @@ whose layer keeps group-sorted copies of each sample's distant keys (`grouped_ke
 by `tuner.layer`) reads its probed groups from the copy and its window from the cache, as slices: no gather (on CPU
 in one call of the C kernel of `native`, where it could be built).
 
-Below `crossover.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the
-pattern as one dense masked call; so does every backend when the model's mask is more than causal + padding
-(sliding-window layers), since the fast paths read only the key padding from it. On CPU in float32 (and a mask of
-no more than causal + padding) the C prefill kernel reads the pattern from per-token group bits
-(`pattern.pattern_bits`) as it goes, 1.0-1.5x the speed of unmasked dense SDPA at 256-2K tokens; elsewhere its
-bias is built by `pattern.pattern_bias` (the kernel's causal flag hiding the future keys of square calls). When
-every query probes all K groups, the pattern is causal attention, and one causal call runs it.
+Below `crossover.dense_below` keys (a crossover measured once per machine, shape and path), "auto" runs the pattern as
+one dense masked call; so does every backend when the model's mask is more than causal + padding (sliding-window
+layers), since the fast paths read only the key padding from it. On CPU in float32 and bfloat16 (and a mask of no more
+than causal + padding) the C prefill kernel reads the pattern from per-token group bits (`pattern.pattern_bits`) as it
+goes, 1.0-1.5x the speed of unmasked dense SDPA at 256-2K tokens; elsewhere its bias is built by `pattern.pattern_bias`
+(the kernel's causal flag hiding the future keys of square calls). When every query probes all K groups, the pattern is
+causal attention, and one causal call runs it.
 
 Forward only: the attention kernels' backward ignores the gradient of the log-sum-exp they return, which the
 merge depends on, so `attention.focus_attention_forward` sends calls that need gradients to the reference path.
 
 Costs (n tokens, K groups, window w, top-k probes): A ~ k n^2 / 2K (+ n PROBE_CHUNK / 2 on the staircases),
 B ~ n (w + partials.LOCAL_BLOCK); memory: the float32 output and log-sum-exp, one segment's keys and one block of
-STREAM_ROWS queries' partial results - on CPU in float32 the output, 4 bytes per key (the sorted keys), one
+STREAM_ROWS queries' partial results - on CPU in float32 and bfloat16 the output, 4 bytes per key (the sorted keys), one
 block's log-sum-exp and entries and one packing buffer (`native.packing_scratch`): less than dense SDPA adds to
 its output at 128K tokens. A decoding step reads
 ~ k n / K + w keys; the group-sorted copy it reads them from holds the routed heads' distant keys and values a
@@ -198,7 +198,7 @@ def sparse_attention(
     block_lse = query.new_empty(batch, block_rows, heads, dtype=torch.float32)
     # The local part's calls read a block of queries and the window before it; set A's read slabs of one segment.
     local_keys = min(STREAM_ROWS + window, key.shape[2])
-    scratch = packing_scratch(key.shape[1], dim, (batch, local_keys), (1, SEGMENT_SLAB_KEYS))
+    scratch = packing_scratch(key.dtype, key.shape[1], dim, (batch, local_keys), (1, SEGMENT_SLAB_KEYS))
     for start in range(0, q_len, block_rows):
         end = min(start + block_rows, q_len)
         lse = block_lse[:, : end - start].fill_(torch.finfo(torch.float32).min)
@@ -333,9 +333,7 @@ def grouped_decode(
         if not copy.extend(keys, values, key_groups[sample], key_sink[sample], valid, first_window):
             return None
         probed = list(dict.fromkeys(probes[sample]))  # distinct, best first
-        width = kv_len - first_window
-        window_keys, window_values = keys.narrow(1, first_window, width), values.narrow(1, first_window, width)
-        outputs.append(copy.attend(query[sample, :, 0], window_keys, window_values, probed, scaling))
+        outputs.append(copy.attend(query[sample, :, 0], keys, values, first_window, probed, scaling))
     if len(outputs) == 1:
         return outputs[0].view(1, 1, *outputs[0].shape)
     return torch.stack(outputs).unsqueeze(1)

@@ -77,15 +77,14 @@ class GroupedKeys:
             if key_valid is not None and not bool(key_valid[first]):
                 self.filled = upto
                 return True
-            one_key, one_value = key.narrow(1, first, 1), value.narrow(1, first, 1)
             if bool(key_sink[first]):
-                if not self._append_sinks(one_key, one_value):
+                if not self._append_sinks(key, value, first, 1):
                     return False
             else:
                 group = int(key_groups[first])
                 if group < 0:
                     return False
-                self._append(group, one_key, one_value)
+                self._append(group, key, value, first, 1)
             self.filled = upto
             return True
         span = slice(first, upto)
@@ -99,7 +98,7 @@ class GroupedKeys:
             if len(members) and int(members[0]) < int(sinks[-1]):
                 return False
             position = sinks + first
-            if not self._append_sinks(key.index_select(1, position), value.index_select(1, position)):
+            if not self._append_sinks(key.index_select(1, position), value.index_select(1, position), 0, len(sinks)):
                 return False
         member_groups = groups[members]
         order = torch.sort(member_groups, stable=True).indices
@@ -108,27 +107,29 @@ class GroupedKeys:
         start = 0
         for group, count in enumerate(torch.bincount(member_groups, minlength=self.num_groups).tolist()):
             if count:
-                self._append(group, sorted_keys[:, start : start + count], sorted_values[:, start : start + count])
+                self._append(group, sorted_keys, sorted_values, start, count)
                 start += count
         self.filled = upto
         return True
 
-    def _append_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    def _append_sinks(self, keys: torch.Tensor, values: torch.Tensor, start: int, added: int) -> bool:
         """Sinks go in front of every buffer, so they must come before any group's keys."""
         if any(count != self.sinks for count in self.counts):
             return False
         for group in range(self.num_groups):
-            self._append(group, keys, values)
-        self.sinks += keys.shape[1]
+            self._append(group, keys, values, start, added)
+        self.sinks += added
         return True
 
-    def _append(self, group: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        count, added = self.counts[group], keys.shape[1]
+    def _append(self, group: int, keys: torch.Tensor, values: torch.Tensor, start: int, added: int) -> None:
+        """Append rows start .. start + added - 1 of keys/values [kv_heads, n, dim] to the group's buffers."""
+        count = self.counts[group]
         self._reserve(group, count + added, keys)
-        # A decoding step's one key: one C call for keys and values (four tensor operations otherwise).
-        if added != 1 or not copy_row(self.keys[group], self.values[group], count, keys, values, 0):
-            self.keys[group].narrow(1, count, added).copy_(keys)
-            self.values[group].narrow(1, count, added).copy_(values)
+        # A decoding step's one key: one C call for keys and values, read in place (four tensor operations and two
+        # views otherwise).
+        if added != 1 or not copy_row(self.keys[group], self.values[group], count, keys, values, start):
+            self.keys[group].narrow(1, count, added).copy_(keys.narrow(1, start, added))
+            self.values[group].narrow(1, count, added).copy_(values.narrow(1, start, added))
         self.counts[group] = count + added
 
     def _reserve(self, group: int, slots: int, like: torch.Tensor) -> None:
@@ -147,29 +148,37 @@ class GroupedKeys:
     def attend(
         self,
         query: torch.Tensor,
-        window_keys: torch.Tensor,
-        window_values: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        window_start: int,
         groups: list[int],
         scale: float,
     ) -> torch.Tensor:
-        """One query [heads, dim] over the distant keys of `groups` (distinct; sinks counted once) and the window's
-        keys/values [kv_heads, w, dim]: [heads, dim].
+        """One query [heads, dim] over the distant keys of `groups` (distinct; sinks counted once) and the window: rows
+        window_start .. of the sample's cached keys/values [kv_heads, n, dim]. Returns [heads, dim].
 
-        The CPU kernel (`native.attend_runs`) reads the groups' buffers and the window where they lie. Otherwise the
-        window is copied behind the first group's keys, into free slots of its buffer (the next append overwrites
-        them), so that the first group and the window are one run of keys: with one group the step is one attention
-        call. Scores of several parts share one float32 softmax."""
-        kv_heads, width, dim = window_keys.shape
+        The CPU kernel (`native.attend_runs`) reads the groups' buffers and the window where they lie, as spans (no
+        tensor views: per step they cost more than the kernel's work at short caches). Otherwise the window is copied
+        behind the first group's keys, into free slots of its buffer (the next append overwrites them), so that the
+        first group and the window are one run of keys: with one group the step is one attention call. Scores of
+        several parts share one float32 softmax."""
         first = groups[0]
         count = self.counts[first]
-        spans = [(group, slice(self.sinks, self.counts[group])) for group in groups[1:]]
-        others = [  # the sinks are read once, with the first group
-            (self.keys[group][:, span], self.values[group][:, span]) for group, span in spans if span.stop > span.start
+        width = keys.shape[1] - window_start
+        spans = [
+            (self.keys[group], self.values[group], self.sinks, self.counts[group] - self.sinks) for group in groups[1:]
         ]
-        own = [(self.keys[first].narrow(1, 0, count), self.values[first].narrow(1, 0, count))] if count else []
-        output = attend_runs(query, [*own, *others, (window_keys, window_values)], scale)
+        others = [span for span in spans if span[3] > 0]  # the sinks are read once, with the first group
+        own = [(self.keys[first], self.values[first], 0, count)] if count else []
+        output = attend_runs(query, [*own, *others, (keys, values, window_start, width)], scale)
         if output is not None:
             return output
+        kv_heads, dim = keys.shape[0], keys.shape[2]
+        window_keys, window_values = keys.narrow(1, window_start, width), values.narrow(1, window_start, width)
+        others = [
+            (part_keys.narrow(1, start, length), part_values.narrow(1, start, length))
+            for part_keys, part_values, start, length in others
+        ]
         self._reserve(first, count + width, window_keys)
         keys = self.keys[first].narrow(1, 0, count + width)
         values = self.values[first].narrow(1, 0, count + width)

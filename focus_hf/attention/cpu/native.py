@@ -14,14 +14,18 @@ runs set A of a block of queries of the fast path in one call, its keys read whe
 indices (sorted into segments by the counting sorts of csrc/segments.c, `segments.SegmentKeys`), and `sink_pairs`
 folds set B's sink pairs into the output.
 
-The library is built once per machine (`cc -O3 -march=native`, well under a second; without `-march=native` where
-the compiler refuses it, without `-fopenmp` where torch does not run GNU OpenMP) into `<cache>/kernels/`
-(`aliases.default_cache_dir`) and loaded with ctypes: no build step at install, no dependency.
+The library is built once per machine (`cc -O3 -march=native`, the three sources side by side: a few seconds of CPU
+each; without `-march=native` where the compiler refuses it, without `-fopenmp` where torch does not run GNU OpenMP)
+into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no build step at install, no
+dependency.
+
+The prefill kernels take float32, and bfloat16 with float32 sums: where the processor has bfloat16 dot products
+(AVX512_BF16) they multiply bfloat16 pairs, twice the products per instruction of float32 (csrc/prefill.c).
 
 Where it cannot run - no C compiler (`$CC`, else `cc`, `gcc` or `clang` on the PATH), a failed build, a dtype other
-than float32, bfloat16 and float16 (float32 only for `prefill_attention`), a head shape it does not take - the
-functions here return None and the caller runs its torch path, which gives the same result. `FOCUS_HF_NATIVE=0`
-turns the kernels off.
+than float32, bfloat16 and float16 (float32 and bfloat16 for the prefill kernels), a head shape it does not take -
+the functions here return None and the caller runs its torch path, which gives the same result. `FOCUS_HF_NATIVE=0`
+turns the kernels off. `build_record` says how the kernels in use were built, for benchmark rows.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +58,8 @@ LINK_FLAGS = ("-shared",)
 # Tried in turn: this processor's instruction set, else the compiler's default target (vectors of 16 floats are
 # then split into what the target has); each with OpenMP first where torch runs on GNU OpenMP (`openmp_flags`).
 TARGETS = (("-march=native",), ())
-# A compiler call that takes longer is taken for hung (the slowest, prefill.c for the default target on a 2-core
-# AMD EPYC without AVX-512, took 134 s of CPU).
+# A compiler call that takes longer is taken for hung (the slowest, decode.c for the compiler's default target, takes
+# about half a minute of CPU on a 2-core AMD EPYC).
 BUILD_TIMEOUT_S = 600
 # Keys of a segment that `prefill_segments` packs at once (each slab's entries are folded into their rows before the
 # next): the packed copy stays at 1.5 MiB for 3 kv heads of 64 dims however long the segment, and in the cores'
@@ -74,9 +78,10 @@ class NativeKernels:
     (csrc/prefill.c),
     `segment_keys(...)` and `segment_entries(...)` (csrc/segments.c)."""
 
-    def __init__(self, library: ctypes.CDLL, threaded: bool) -> None:
+    def __init__(self, library: ctypes.CDLL, cc: str, target: tuple[str, ...]) -> None:
         # Built with OpenMP (torch's pool): a prefill call splits its work among torch's threads.
-        self.threaded = threaded
+        self.threaded = "-fopenmp" in target
+        self.compiler, self.target = cc, target  # what it was built with (`build_record`)
         size, pointer = ctypes.c_int64, ctypes.c_void_p
         self.supports = library.focus_decode_supports
         self.supports.argtypes = [size, size, size, ctypes.c_int]
@@ -92,7 +97,7 @@ class NativeKernels:
         self.prefill_supports.restype = ctypes.c_int
         self.prefill = library.focus_prefill
         # q, k, v, out, lse, B, H, KH, L, S, dim, 5 stride triples, row ends, query bits, key bits, key valid, window,
-        # first, causal, local, merge, scale, scratch, scratch floats
+        # first, causal, local, merge, scale, scratch, scratch words, element type
         flag = ctypes.c_int
         self.prefill.argtypes = [
             *[pointer] * 5,
@@ -106,20 +111,27 @@ class NativeKernels:
             ctypes.c_float,
             pointer,
             size,
+            flag,
         ]
         self.prefill.restype = ctypes.c_int
         self.prefill_segments = library.focus_prefill_segments
         # q, k, v, out, lse, H, KH, dim, 5 stride triples, q tokens, kv tokens, segments, entry starts, key starts,
-        # entry query, key token, row begin, row end, slab keys, scale, scratch, scratch floats
+        # entry query, key token, row begin, row end, slab keys, scale, scratch, scratch words, element type
         self.prefill_segments.argtypes = [*[pointer] * 5, *[size] * 3, *[pointer] * 5, *[size] * 3, *[pointer] * 6]
-        self.prefill_segments.argtypes += [size, ctypes.c_float, pointer, size]
+        self.prefill_segments.argtypes += [size, ctypes.c_float, pointer, size, flag]
         self.prefill_segments.restype = ctypes.c_int
         self.sink_pairs = library.focus_sink_pairs
         # q, k, v, out, lse, B, H, KH, L, dim, 5 stride triples, sink position, sink group, S, probes, top_k, done,
-        # window, first, scale
+        # window, first, scale, element type
         self.sink_pairs.argtypes = [*[pointer] * 5, *[size] * 5, *[pointer] * 7, size, pointer, size, pointer]
-        self.sink_pairs.argtypes += [size, size, ctypes.c_float]
+        self.sink_pairs.argtypes += [size, size, ctypes.c_float, flag]
         self.sink_pairs.restype = ctypes.c_int
+        self.packed_words = library.focus_packed_words
+        self.packed_words.argtypes = [size, size, flag]
+        self.packed_words.restype = size
+        self.build_features = library.focus_build_features
+        self.build_features.argtypes = []
+        self.build_features.restype = flag
         self.segment_keys = library.focus_segment_keys
         # groups, group strides, valid, sinks, batch, kv, K, key token, key starts, riders, last sink
         self.segment_keys.argtypes = [*[pointer] * 4, *[size] * 3, *[pointer] * 4]
@@ -160,6 +172,98 @@ def machine_tag() -> str:
     return tag
 
 
+# The instruction sets that decide how fast attention runs on a CPU (as /proc/cpuinfo names them), for benchmark
+# rows: vector widths, fused multiply-add, and the bfloat16 / float16 / int8 dot products and tile units.
+INSTRUCTION_SETS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512dq",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def instruction_sets() -> list[str]:
+    """Which of INSTRUCTION_SETS this processor has (from /proc/cpuinfo's flags; [] where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                return [name for name in INSTRUCTION_SETS if name in flags]
+    except OSError:
+        pass
+    return []
+
+
+# focus_build_features' bits (csrc/prefill.c): what the compiled kernels use.
+BUILD_FEATURES = {1: "avx512 vectors", 2: "avx2+fma", 4: "avx512_bf16 dot products", 8: "openmp"}
+
+
+@functools.lru_cache(maxsize=4)
+def resolved_target(cc: str, target: tuple[str, ...]) -> Optional[str]:
+    """The processor `-march=native` stands for with this compiler (gcc's `-Q --help=target`, clang's `-###`), or
+    None where it cannot say (or the build has no -march)."""
+    if "-march=native" not in target:
+        return None
+    for command, marker in (
+        ([cc, "-march=native", "-Q", "--help=target"], "-march="),
+        ([cc, "-march=native", "-###", "-x", "c", "-c", os.devnull], '"-target-cpu"'),
+    ):
+        try:
+            answer = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        for line in (answer.stdout + answer.stderr).splitlines():
+            words = line.replace('" "', " ").replace('"', "").split() if marker.startswith('"') else line.split()
+            if marker.startswith('"') and "-target-cpu" in words:
+                return words[words.index("-target-cpu") + 1]
+            if not marker.startswith('"') and len(words) == 2 and words[0] == marker:
+                return words[1]
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def compiler_version(cc: str) -> str:
+    """The first line of `cc --version` (`cc` itself where it does not say)."""
+    try:
+        answer = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return cc
+    return answer.stdout.splitlines()[0] if answer.stdout.strip() else cc
+
+
+def build_record() -> dict:
+    """How the CPU kernels that run were built, for benchmark rows: the compiler and its version, the target flags
+    (with `-march=native`, the processor the compiler took it for) and what the compiled code uses
+    (BUILD_FEATURES); {"built": False, ...} where they are not in use."""
+    kernels = native_kernels()
+    if kernels is None:
+        return {"built": False, "reason": "FOCUS_HF_NATIVE=0" if native_disabled() else "no compiler or build failed"}
+    features = kernels.build_features()
+    return {
+        "built": True,
+        "compiler": compiler_version(kernels.compiler),
+        "flags": " ".join(COMPILE_FLAGS[:-1] + kernels.target),  # without -c
+        "march": resolved_target(kernels.compiler, kernels.target),
+        "uses": [name for bit, name in BUILD_FEATURES.items() if features & bit],
+    }
+
+
 def openmp_flags() -> tuple[tuple[str, ...], ...]:
     """(("-fopenmp",), ()) where this process already runs GNU OpenMP (torch's pip wheels bundle libgomp.so.1, and a
     library linked with -fopenmp then shares torch's thread pool instead of starting a second one); else ((),)."""
@@ -190,7 +294,7 @@ def build(cc: str, target: tuple[str, ...], path: Path) -> None:
     os.close(handle)
     objects = [f"{temporary}.{number}.o" for number in range(len(SOURCES))]
     try:
-        # The sources compile side by side (prefill.c alone takes over two minutes of one core for the compiler's
+        # The sources compile side by side (decode.c alone takes about half a minute of one core for the compiler's
         # default target, whose vectors of 16 floats are split), then link.
         compiles = [[cc, *COMPILE_FLAGS, *target, str(source), "-o", out] for source, out in zip(SOURCES, objects)]
         with ThreadPoolExecutor(max_workers=len(compiles)) as pool:
@@ -221,7 +325,7 @@ def native_kernels() -> Optional[NativeKernels]:
         try:
             if not path.exists():
                 build(cc, target, path)
-            return NativeKernels(ctypes.CDLL(str(path)), threaded="-fopenmp" in target)
+            return NativeKernels(ctypes.CDLL(str(path)), cc, target)
         except (OSError, subprocess.SubprocessError) as error:
             failure = getattr(error, "stderr", None) or error
     print(f"focus_hf: could not build the CPU kernels ({failure}); using torch operations", file=sys.stderr)
@@ -244,43 +348,55 @@ def rows_contiguous(tensor: torch.Tensor) -> bool:
     return tensor.stride(2) == 1 and (tensor.shape[1] <= 1 or tensor.stride(1) == tensor.shape[2])
 
 
-def attend_runs(
-    query: torch.Tensor, runs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float
-) -> Optional[torch.Tensor]:
-    """One query [heads, dim] over the concatenation of `runs` of (keys, values) [kv_heads, n_r, dim], with one
-    softmax: [heads, dim]. Query head h reads kv head h // (heads // kv_heads), as in transformers' GQA. None where
-    the kernel cannot take the call (see the module docstring): the caller then computes it with torch."""
+# A run of keys and values for `attend_runs`: (keys, values) [kv_heads, n, dim], or (keys, values, start, length):
+# their rows start .. start + length - 1, read in place.
+Run = Union[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, int, int]]
+
+
+def attend_runs(query: torch.Tensor, runs: Sequence[Run], scale: float) -> Optional[torch.Tensor]:
+    """One query [heads, dim] over the concatenation of `runs` (`Run`: keys and values [kv_heads, n_r, dim], whole or
+    a span of their rows - a decoding step's slices cost more as tensor views than the kernel's work on them), with
+    one softmax: [heads, dim]. Query head h reads kv head h // (heads // kv_heads), as in transformers' GQA. None
+    where the kernel cannot take the call (see the module docstring): the caller then computes it with torch."""
     heads, dim = query.shape
     kv_heads = runs[0][0].shape[0]
-    if query.device.type != "cpu" or query.requires_grad or not serves(query.dtype, heads, kv_heads, dim):
+    if not query.is_cpu or query.requires_grad or not serves(query.dtype, heads, kv_heads, dim):
         return None
-    for keys, values in runs:
+    count = len(runs)
+    key_pointers, value_pointers = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
+    lengths, head_strides = (ctypes.c_int64 * count)(), (ctypes.c_int64 * count)()
+    size = query.element_size()
+    for index, run in enumerate(runs):
+        keys, values = run[0], run[1]
+        start, length = (run[2], run[3]) if len(run) == 4 else (0, keys.shape[1])
         if (
             keys.dtype != query.dtype
-            or keys.device != query.device
+            or not keys.is_cpu
+            or keys.shape != values.shape
             or keys.shape[0] != kv_heads
             or keys.shape[2] != dim
             or keys.stride() != values.stride()
             or not rows_contiguous(keys)
-            or keys.shape != values.shape
+            or not 0 <= start <= start + length <= keys.shape[1]
         ):
             return None
+        offset = start * keys.stride(1) * size
+        key_pointers[index] = keys.data_ptr() + offset
+        value_pointers[index] = values.data_ptr() + offset
+        lengths[index], head_strides[index] = length, keys.stride(0)
     query = query.contiguous()
     output = torch.empty_like(query)
-    count = len(runs)
-    kernel = native_kernels()
-    pointers, sizes = ctypes.c_void_p * count, ctypes.c_int64 * count
-    status = kernel.attend(
+    status = native_kernels().attend(
         query.data_ptr(),
         heads,
         kv_heads,
         dim,
         scale,
         count,
-        pointers(*(keys.data_ptr() for keys, _ in runs)),
-        pointers(*(values.data_ptr() for _, values in runs)),
-        sizes(*(keys.shape[1] for keys, _ in runs)),
-        sizes(*(keys.stride(0) for keys, _ in runs)),
+        key_pointers,
+        value_pointers,
+        lengths,
+        head_strides,
         output.data_ptr(),
         ELEMENT_TYPES[query.dtype],
     )
@@ -319,6 +435,10 @@ def copy_row(
     return True
 
 
+# The element types of the prefill kernels (csrc/prefill.c): queries, keys and values of one of them, float32 sums.
+PREFILL_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
 def prefill_kernels(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *into: torch.Tensor
 ) -> Optional[NativeKernels]:
@@ -328,8 +448,9 @@ def prefill_kernels(
     if (
         kernels is None
         or query.device.type != "cpu"
+        or query.dtype not in PREFILL_TYPES
         or any(
-            tensor.dtype != torch.float32 or tensor.stride(-1) != 1 or tensor.requires_grad
+            tensor.dtype != query.dtype or tensor.stride(-1) != 1 or tensor.requires_grad
             for tensor in (query, key, value)
         )
         or any(tensor.dtype != torch.float32 or tensor.device.type != "cpu" for tensor in into)
@@ -358,18 +479,22 @@ def addresses(*tensors: torch.Tensor) -> list[int]:
     return [tensor.data_ptr() for tensor in tensors]
 
 
-def packing_scratch(kv_heads: int, dim: int, *calls: tuple[int, int]) -> torch.Tensor:
-    """A float32 buffer for the packed keys of each of `calls` ((batch, keys): a prefill call over `keys` keys of
-    `batch` samples of `kv_heads` heads; `prefill_segments` packs at most SEGMENT_SLAB_KEYS keys of one sample), to
-    pass to every call of a loop (`prefill_attention`, `prefill_segments`): buffers that each call allocates and
-    frees land in different places of the heap and leave it larger than any one of them needs (at 128K tokens, a
-    few MiB more resident memory than the call ever held at once)."""
-    padded = max(batch * -(-keys // PREFILL_KEY_BLOCK) * PREFILL_KEY_BLOCK for batch, keys in calls)
-    return torch.empty(kv_heads * padded * dim, dtype=torch.float32)
+def packing_scratch(dtype: torch.dtype, kv_heads: int, dim: int, *calls: tuple[int, int]) -> Optional[torch.Tensor]:
+    """A float32 buffer for the packed keys (and values, in bfloat16) of each of `calls` ((batch, keys): a prefill
+    call of element type `dtype` over `keys` keys of `batch` samples of `kv_heads` heads; `prefill_segments` packs
+    at most SEGMENT_SLAB_KEYS keys of one sample), to pass to every call of a loop (`prefill_attention`,
+    `prefill_segments`): buffers that each call allocates and frees land in different places of the heap and leave
+    it larger than any one of them needs (at 128K tokens, a few MiB more resident memory than the call ever held at
+    once). None where the kernels do not take the dtype."""
+    kernels = native_kernels()
+    if kernels is None or dtype not in PREFILL_TYPES:
+        return None
+    words = max(batch * kernels.packed_words(keys, dim, PREFILL_TYPES[dtype]) for batch, keys in calls)
+    return torch.empty(kv_heads * words, dtype=torch.float32)
 
 
 def scratch_arguments(scratch: Optional[torch.Tensor]) -> tuple[Optional[int], int]:
-    """(pointer, floats) of a `packing_scratch` buffer for the C calls; (None, 0): none, the call allocates."""
+    """(pointer, 32-bit words) of a `packing_scratch` buffer for the C calls; (None, 0): none, the call allocates."""
     if scratch is None or scratch.dtype != torch.float32 or scratch.device.type != "cpu" or not scratch.is_contiguous():
         return None, 0
     return scratch.data_ptr(), scratch.numel()
@@ -392,9 +517,10 @@ def prefill_attention(
     into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     scratch: Optional[torch.Tensor] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Queries [batch, heads, L, dim] over keys/values [batch, kv_heads, S, dim] (float32, GQA as in transformers)
-    in one call of the C kernel: output [batch, heads, L, dim] (laid out [batch, L, heads, dim], as torch's CPU kernel
-    gives it) and float32 lse [batch, heads, L]; None where the kernel cannot take the call.
+    """Queries [batch, heads, L, dim] over keys/values [batch, kv_heads, S, dim] (float32 or bfloat16, sums in
+    float32; GQA as in transformers) in one call of the C kernel: output [batch, heads, L, dim] of the inputs' dtype
+    (laid out [batch, L, heads, dim], as torch's CPU kernel gives it) and float32 lse [batch, heads, L]; None where
+    the kernel cannot take the call.
 
     Query row r is token `first + r`, key slot j token j. Pair (r, j) is visible iff j <= first + r (with `causal`;
     with `row_end` [batch, L], non-decreasing in r, instead iff j < row_end[r]: a staircase),
@@ -421,7 +547,8 @@ def prefill_attention(
     key_bits = per_key(key_bits)
     real = None if key_valid is None else per_key(-key_valid.to(torch.int32))  # -1: real, 0: padding
     if into is None:
-        output, lse = query.new_empty(batch, length, heads, dim).transpose(1, 2), query.new_empty(batch, heads, length)
+        output = query.new_empty(batch, length, heads, dim).transpose(1, 2)
+        lse = query.new_empty(batch, heads, length, dtype=torch.float32)
     else:
         output, lse = into
     status = kernels.prefill(
@@ -444,6 +571,7 @@ def prefill_attention(
         int(into is not None),
         scale,
         *scratch_arguments(scratch),
+        PREFILL_TYPES[query.dtype],
     )
     return (output, lse) if status == 0 else None
 
@@ -492,6 +620,7 @@ def prefill_segments(
         SEGMENT_SLAB_KEYS,
         scale,
         *scratch_arguments(scratch),
+        PREFILL_TYPES[query.dtype],
     )
     return status == 0
 
@@ -537,5 +666,6 @@ def sink_pairs(
         window,
         key.shape[2] - length,
         scale,
+        PREFILL_TYPES[query.dtype],
     )
     return status == 0

@@ -155,13 +155,13 @@ def local_part(
     before each query whose group the query does not probe - and that are not sinks (`key_sink` [batch, kv]) for
     the queries that `sinks_done` [batch, q] marks (their sink pairs rode in set A, `probe_part`).
 
-    On CPU in float32 the C kernel of `native` takes the whole part in one call, the rule evaluated from group bits
-    (`pattern.local_bits`) as it goes, with no mask to build (the sparse path, K=8 top-1 at 4K tokens, alternating
-    in one process: 63.4 -> 60.1 ms), and folds it straight into `into` (float32 output [batch, q, heads, dim] and
-    lse [batch, q, heads] of the other parts), if given: it then returns None (`scratch`: `native.packing_scratch`,
-    for the packed keys). Elsewhere queries go in blocks of
-    LOCAL_BLOCK; block t reads the keys from `window` before its first query to its last, as overlapping strided
-    views of the keys (no per-block copies), under a mask built here.
+    On CPU in float32 and bfloat16 the C kernel of `native` takes the whole part in one call, the rule evaluated from
+    group bits (`pattern.local_bits`) as it goes, with no mask to build (the sparse path, K=8 top-1 at 4K tokens,
+    alternating in one process: 63.4 -> 60.1 ms), and folds it straight into `into` (float32 output [batch, q, heads,
+    dim] and lse [batch, q, heads] of the other parts), if given: it then returns None (`scratch`:
+    `native.packing_scratch`, for the packed keys). Elsewhere queries go in blocks of LOCAL_BLOCK; block t reads the
+    keys from `window` before its first query to its last, as overlapping strided views of the keys (no per-block
+    copies), under a mask built here.
     """
     batch, heads, q_len, dim = query.shape
     kv_len, device = key.shape[2], query.device
@@ -240,10 +240,10 @@ def sink_part(
     """Set B's sink pairs: sinks farther than `window` whose group the query does not probe (and, `done` [batch, q]
     given, not for the queries it marks: `probe_part` included their sink pairs).
 
-    On CPU in float32 the C kernel of `native` folds them straight into `into` (float32 output [batch, q, heads,
-    dim] and lse [batch, q, heads] of the other parts), if given, with nothing allocated per query (a 128K prefill
-    held ~10 MiB more at top_k = 2 with the partial results below); it then returns None. Elsewhere: a handful of
-    keys, two small matmuls instead of an attention kernel, whose per-row overhead would dominate. Every query head
+    On CPU in float32 and bfloat16 the C kernel of `native` folds them straight into `into` (float32 output [batch, q,
+    heads, dim] and lse [batch, q, heads] of the other parts), if given, with nothing allocated per query (a 128K
+    prefill held ~10 MiB more at top_k = 2 with the partial results below); it then returns None. Elsewhere: a handful
+    of keys, two small matmuls instead of an attention kernel, whose per-row overhead would dominate. Every query head
     is scored against the sinks of every kv head (a kv_heads-fold waste on a tiny product) so that the token-major
     queries need no copy; the other kv heads' logits are hidden.
 
@@ -446,7 +446,7 @@ def staircase_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query entries [1, heads, c, dim] over keys begin .. end - 1 of [1, kv_heads, S, dim], entry r seeing those
     before reach[r] (non-decreasing): the staircase as a mask (for every key when begin is 0, folded with the query
-    heads otherwise). Float32 output and lse. (On CPU in float32 the C kernel takes all of set A,
+    heads otherwise). Float32 output and lse. (On CPU in float32 and bfloat16 the C kernel takes all of set A,
     `segments.SegmentKeys`, so this path serves other devices and dtypes.)"""
     keys, values = key[:, :, begin:end], value[:, :, begin:end]
     visible = None
@@ -490,9 +490,9 @@ def probe_part(
     sinks out of their window), at the cost of a few more keys per call instead of a separate pass over every query
     (`sink_part`, memory-bound: 12 of 69 ms at 4K tokens, CPU, K=8 top-1).
 
-    On CPU in float32 the C kernel takes set A instead (`segments.SegmentKeys`, which `fast.sparse_attention`
-    chooses): the chunks, gathers and merges here are the path of other devices and dtypes (K=8, 4K / 16K tokens,
-    alternating in one process: top-1 52 -> 42 ms / 380 -> 334 ms, top-2 81 -> 66 ms / 813 -> 591 ms).
+    On CPU in float32 and bfloat16 the C kernel takes set A instead (`segments.SegmentKeys`, which
+    `fast.sparse_attention` chooses): the chunks, gathers and merges here are the path of other devices and dtypes (K=8,
+    4K / 16K tokens, alternating in one process: top-1 52 -> 42 ms / 380 -> 334 ms, top-2 81 -> 66 ms / 813 -> 591 ms).
 
     Args:
         probe_groups: [batch, q, top_k] the groups each query probes (the queries are the last q keys): distinct,

@@ -1,4 +1,4 @@
-"""Set A of the fast path in the C kernel, one block of query rows at a time (CPU, float32).
+"""Set A of the fast path in the C kernel, one block of query rows at a time (CPU, float32 and bfloat16).
 
 `partials.probe_part` sorts keys and query entries into segments (sample, group) with tensor operations and holds
 every query's partial result and log-sum-exp at once. Here the sorts are counting sorts in C (csrc/segments.c)

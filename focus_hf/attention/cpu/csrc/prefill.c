@@ -14,44 +14,99 @@
    keys, read where they lie through token indices, each entry seeing keys row_begin[e] .. row_end[e] - 1.
    The pattern is evaluated on the fly: no n x n mask or bias is built or read. Each task is QB query rows of one
    head over blocks of KB keys: the scores of a block are one register-blocked product into a buffer that stays in
-   the core's cache, then an online softmax (running maximum and sum per row), then one register-blocked product
-   with the values. The query heads that share a kv head read the same packed keys. A row's result is written, or
-   folded by log-sum-exp into a partial result already in its output row (`finish_row`).
-   float32 only; head dims that are multiples of 16 up to 128 (each compiled with its dim as a constant).
+   the core's cache, then an online softmax (running maximum and sum per row, in powers of two: the scale and log2(e)
+   are one multiplier of the raw scores), then one register-blocked product with the values. The query heads that
+   share a kv head read the same packed keys. A row's result is written, or folded by log-sum-exp into a partial
+   result already in its output row (`finish_row`).
+
+   Element types: float32, or bfloat16 queries, keys and values with float32 sums. Where the processor has bfloat16
+   dot products (AVX512_BF16, compiled in with -march=native), a bfloat16 call multiplies bfloat16 pairs into
+   float32 sums (`vdpbf16ps`: twice the products per instruction of a float32 FMA): keys packed in pairs of dims,
+   values in pairs of keys, the softmax weights rounded to bfloat16 for the product with the values (as torch's
+   kernels do) while their sum stays float32. Elsewhere bfloat16 keys and values are widened to float32 as they are
+   packed and the float32 products run. Head dims that are multiples of 16 up to 128 (each compiled with its dim as
+   a constant).
 
    Compiled with -O3 -march=native -ffast-math (see decode.c): scores are finite (hidden pairs are -FLT_MAX, the
-   running maximum starts there) and exp is only taken of values <= 0. */
+   running maximum starts there) and powers of two are only taken of values <= 0. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef float fvec __attribute__((vector_size(64)));
 typedef int32_t ivec __attribute__((vector_size(64)));
+typedef uint32_t uvec __attribute__((vector_size(64)));
+typedef uint16_t hvec __attribute__((vector_size(32)));
 #define FLANES 16
 #define QB 32 /* query rows per task */
 #define KB 128 /* keys per block (64: 6-8% slower per pair on long calls) */
-#define KVECS (KB / FLANES)
 #define QK_ROWS 8 /* rows of the score micro-tile (8 x 32 keys: 16 accumulators) */
 #define PV_ROWS 4 /* rows of the value micro-tile (4 x dim) */
+#define LOG2E 1.44269504088896341f
+
+/* Element types of queries, keys and values (one per call; as in decode.c); outputs are float32, or with a call
+   that writes rather than merges, of the inputs' type. */
+enum { FLOAT32 = 0, BFLOAT16 = 1 };
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16_DOT 1 /* bfloat16 calls multiply bfloat16 pairs (`vdpbf16ps`) */
+#else
+#define BF16_DOT 0 /* bfloat16 calls widen to float32 as they pack */
+#endif
 
 static inline fvec fload(const float* p) { fvec v; memcpy(&v, p, sizeof v); return v; }
 static inline void fstore(float* p, fvec v) { memcpy(p, &v, sizeof v); }
 static inline ivec iload(const int32_t* p) { ivec v; memcpy(&v, p, sizeof v); return v; }
+static inline uvec uload(const uint32_t* p) { uvec v; memcpy(&v, p, sizeof v); return v; }
 static inline fvec fsplat(float x) { return (fvec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline ivec isplat(int32_t x) { return (ivec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline uvec usplat(uint32_t x) { return (uvec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline float widen(uint16_t bits) /* a bfloat16 is the high half of a float32 */
+{
+    const uint32_t word = (uint32_t)bits << 16;
+    float x;
+    memcpy(&x, &word, sizeof x);
+    return x;
+}
+static inline uint16_t narrow(float x) /* round to nearest even, as torch does */
+{
+    uint32_t word;
+    memcpy(&word, &x, sizeof word);
+    return (uint16_t)((word + 0x7fff + ((word >> 16) & 1)) >> 16);
+}
+/* Element i of a row of `type`, as a float. */
+static inline float element(const void* row, int64_t i, int type)
+{
+    return type == BFLOAT16 ? widen(((const uint16_t*)row)[i]) : ((const float*)row)[i];
+}
+static inline size_t element_size(int type) { return type == BFLOAT16 ? 2 : 4; }
+static inline const void* element_at(const void* base, int64_t offset, int type)
+{
+    return (const char*)base + offset * (int64_t)element_size(type);
+}
 static inline float lane_max(fvec v)
 {
+#ifdef __AVX512F__
+    return _mm512_reduce_max_ps((__m512)v);
+#else
     float m = v[0];
     for (int i = 1; i < FLANES; ++i) m = v[i] > m ? v[i] : m;
     return m;
+#endif
 }
 static inline float lane_total(fvec v)
 {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)v);
+#else
     float s = 0.f;
     for (int i = 0; i < FLANES; ++i) s += v[i];
     return s;
+#endif
 }
 static inline fvec fmax_lanes(fvec a, fvec b)
 {
@@ -59,25 +114,37 @@ static inline fvec fmax_lanes(fvec a, fvec b)
     for (int i = 0; i < FLANES; ++i) r[i] = a[i] > b[i] ? a[i] : b[i];
     return r;
 }
-/* e^x for x in [-80, 0], inline (a call into libm's vector routine per 16 lanes cost more than the products it
-   sits between): x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (a few ulp), 2^n built in the
-   exponent bits. Truncating x log2(e) - 1/2 toward zero rounds it to the nearest integer for x <= 0. */
-static inline fvec fexp(fvec x)
+/* 2^x for x <= 0, inline (a call into libm's vector routine per 16 lanes cost more than the products it sits
+   between): x = n + r with |r| <= 1/2, 2^r by Cephes' degree-6 polynomial (a few ulp), times 2^n. With AVX-512,
+   rounding and scaling by 2^n are one instruction each and any x far below the range gives 0 (so do hidden scores,
+   -FLT_MAX); elsewhere x is clamped at -126 and 2^n built in the exponent bits, and the caller zeroes hidden
+   weights. */
+static inline fvec fexp2(fvec x)
 {
-    const ivec n = __builtin_convertvector(x * fsplat(1.44269504088896341f) - fsplat(0.5f), ivec);
-    const fvec nf = __builtin_convertvector(n, fvec);
-    const fvec r = x - nf * fsplat(0.693359375f) - nf * fsplat(-2.12194440e-4f);
-    fvec p = fsplat(1.9875691500e-4f);
-    p = p * r + fsplat(1.3981999507e-3f);
-    p = p * r + fsplat(8.3334519073e-3f);
-    p = p * r + fsplat(4.1665795894e-2f);
-    p = p * r + fsplat(1.6666665459e-1f);
-    p = p * r + fsplat(5.0000001201e-1f);
-    p = p * r * r + r + fsplat(1.f);
-    const ivec scale_bits = (n + isplat(127)) << 23;
+#ifdef __AVX512F__
+    const fvec n = (fvec)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const fvec r = x - n;
+#else
+    x = fmax_lanes(x, fsplat(-126.f));
+    /* truncating x - 1/2 toward zero rounds it to the nearest integer for x <= 0 */
+    const ivec whole = __builtin_convertvector(x - fsplat(0.5f), ivec);
+    const fvec r = x - __builtin_convertvector(whole, fvec);
+#endif
+    fvec p = fsplat(1.535336188319500e-4f);
+    p = p * r + fsplat(1.339887440266574e-3f);
+    p = p * r + fsplat(9.618437357674640e-3f);
+    p = p * r + fsplat(5.550332471162809e-2f);
+    p = p * r + fsplat(2.402264791363012e-1f);
+    p = p * r + fsplat(6.931472028550421e-1f);
+    p = p * r + fsplat(1.f);
+#ifdef __AVX512F__
+    return (fvec)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
+    const ivec scale_bits = (whole + isplat(127)) << 23;
     fvec two_n;
     memcpy(&two_n, &scale_bits, sizeof two_n);
     return p * two_n;
+#endif
 }
 
 /* Key j's row lies at `offsets[j]` elements past the head's base (or j * stride without offsets). */
@@ -86,43 +153,106 @@ static inline int64_t row_offset(const int64_t* offsets, int64_t stride, int64_t
     return offsets ? offsets[j] : j * stride;
 }
 
-/* The packed keys' buffer: the caller's `scratch` (64-byte aligned) where it holds `floats`, else a new one (which
-   the caller frees). A caller that loops over calls passes one buffer to all of them: buffers allocated and freed
-   by each call land in different places of the heap and leave it larger than any one of them needs. */
-static float* take_scratch(float* scratch, int64_t scratch_floats, int64_t floats)
+/* How a call of element type `type` packs its keys and values (`pack_block`):
+   - float32 calls pack their keys, each block [dim][KB] floats, and read their values where they lie;
+   - bfloat16 calls with BF16_DOT ("pairs") pack keys as [dim / 2][KB] pairs of dims and values as [KB / 2][dim]
+     pairs of keys (32 bits each);
+   - other bfloat16 calls pack keys as float32 calls do and values as [KB][dim] floats, widened. */
+static inline int pairs_of(int type) { return BF16_DOT && type == BFLOAT16; }
+
+/* 32-bit words a kv head's packed keys and values take, for `blocks` blocks. */
+static inline int64_t packed_words(int64_t blocks, int64_t dim, int type)
 {
-    if (scratch && scratch_floats >= floats && ((uintptr_t)scratch & 63) == 0) return scratch;
-    return aligned_alloc(64, sizeof(float) * floats);
+    const int64_t keys = blocks * KB * dim;
+    return type == FLOAT32 ? keys : pairs_of(type) ? keys : 2 * keys;
 }
 
-/* keys [S rows] -> blocks of KB keys, each [dim][KB], zero-padded. */
-static void pack_keys(const float* keys, const int64_t* offsets, int64_t stride, int64_t S, int dim, float* packed)
+/* The packed buffer: the caller's `scratch` (64-byte aligned) where it holds `words`, else a new one (which the
+   caller frees). A caller that loops over calls passes one buffer to all of them: buffers allocated and freed by
+   each call land in different places of the heap and leave it larger than any one of them needs. */
+static float* take_scratch(float* scratch, int64_t scratch_words, int64_t words)
 {
-    for (int64_t block = 0; block * KB < S; ++block) {
+    if (scratch && scratch_words >= words && ((uintptr_t)scratch & 63) == 0) return scratch;
+    return aligned_alloc(64, sizeof(float) * words);
+}
+
+/* Pack keys (and values, for bfloat16) rows 0 .. S - 1 into `packed` (`packed_words(blocks)` words: the keys'
+   blocks, then the values' blocks), zero-padded to whole blocks. Row j lies at row_offset(key_offsets, key_stride,
+   j) elements from `keys`, and likewise for `values`. */
+static void pack_keys(const void* keys, const void* values, const int64_t* key_offsets, const int64_t* value_offsets,
+                      int64_t key_stride, int64_t value_stride, int64_t S, int dim, int type, float* packed)
+{
+    const int64_t blocks = (S + KB - 1) / KB;
+    if (pairs_of(type)) {
+        uint32_t* key_pairs = (uint32_t*)packed;
+        uint32_t* value_pairs = key_pairs + blocks * KB * dim / 2;
+        for (int64_t block = 0; block < blocks; ++block) {
+            uint32_t* k_out = key_pairs + block * KB * dim / 2;
+            uint32_t* v_out = value_pairs + block * KB * dim / 2;
+            for (int j = 0; j < KB; ++j) {
+                const int64_t key = block * KB + j;
+                const uint16_t* k_row = key < S ? (const uint16_t*)keys + row_offset(key_offsets, key_stride, key) : NULL;
+                const uint16_t* v_row =
+                    key < S ? (const uint16_t*)values + row_offset(value_offsets, value_stride, key) : NULL;
+                for (int d = 0; d < dim; d += 2)
+                    k_out[d / 2 * KB + j] = k_row ? (uint32_t)k_row[d] | (uint32_t)k_row[d + 1] << 16 : 0;
+                /* key j's value is the low half of pair j / 2 for even j, the high half for odd j */
+                uint16_t* v_halves = (uint16_t*)(v_out + j / 2 * dim) + (j & 1);
+                for (int d = 0; d < dim; ++d) v_halves[2 * d] = v_row ? v_row[d] : 0;
+            }
+        }
+        return;
+    }
+    float* value_rows = packed + blocks * KB * dim;
+    for (int64_t block = 0; block < blocks; ++block) {
         float* out = packed + block * dim * KB;
         for (int j = 0; j < KB; ++j) {
             const int64_t key = block * KB + j;
-            const float* row = key < S ? keys + row_offset(offsets, stride, key) : NULL;
-            for (int d = 0; d < dim; ++d) out[d * KB + j] = row ? row[d] : 0.f;
+            const void* row = key < S ? element_at(keys, row_offset(key_offsets, key_stride, key), type) : NULL;
+            for (int d = 0; d < dim; ++d) out[d * KB + j] = row ? element(row, d, type) : 0.f;
+            if (type == FLOAT32) continue;
+            const void* v_row = key < S ? element_at(values, row_offset(value_offsets, value_stride, key), type) : NULL;
+            for (int d = 0; d < dim; ++d) value_rows[key * dim + d] = v_row ? element(v_row, d, type) : 0.f;
         }
     }
 }
 
 /* Scores of vectors first .. last - 1 of a block (even bounds: the micro-tile takes two); the others are left
-   unwritten, for `hide` to cover (they lie outside every row's keys). */
-static inline __attribute__((always_inline)) void block_scores(const float* q, const float* packed, float* scores,
-                                                               int rows, int first, int last, const int dim)
+   unwritten, for `hide` to cover (they lie outside every row's keys). Float32: q [rows][dim] floats, the block
+   [dim][KB]; pairs: q [rows][dim / 2] and the block [dim / 2][KB] pairs. Each pair of key vectors is taken by every
+   row in turn, so that its slice of the block stays in the first-level cache. */
+static inline __attribute__((always_inline)) void block_scores(const void* q, const void* block, float* scores,
+                                                               int rows, int first, int last, const int dim,
+                                                               const int pairs)
 {
-    for (int r0 = 0; r0 < rows; r0 += QK_ROWS)
-        for (int u0 = first; u0 < last; u0 += 2) {
+    for (int u0 = first; u0 < last; u0 += 2)
+        for (int r0 = 0; r0 < rows; r0 += QK_ROWS) {
             fvec s[QK_ROWS][2];
             for (int r = 0; r < QK_ROWS; ++r) s[r][0] = s[r][1] = (fvec){0};
-            for (int d = 0; d < dim; ++d) {
-                const fvec k0 = fload(packed + d * KB + u0 * FLANES), k1 = fload(packed + d * KB + (u0 + 1) * FLANES);
-                for (int r = 0; r < QK_ROWS; ++r) {
-                    const fvec qv = fsplat(q[(r0 + r) * dim + d]);
-                    s[r][0] += qv * k0;
-                    s[r][1] += qv * k1;
+            if (pairs) {
+#if BF16_DOT
+                const uint32_t* qp = (const uint32_t*)q + r0 * (dim / 2);
+                const uint32_t* kp = (const uint32_t*)block + u0 * FLANES;
+                for (int d = 0; d < dim / 2; ++d) {
+                    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + d * KB);
+                    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + d * KB + FLANES);
+                    for (int r = 0; r < QK_ROWS; ++r) {
+                        const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qp[r * (dim / 2) + d]);
+                        s[r][0] = (fvec)_mm512_dpbf16_ps((__m512)s[r][0], qv, k0);
+                        s[r][1] = (fvec)_mm512_dpbf16_ps((__m512)s[r][1], qv, k1);
+                    }
+                }
+#endif
+            } else {
+                const float* qf = (const float*)q + r0 * dim;
+                const float* kf = (const float*)block + u0 * FLANES;
+                for (int d = 0; d < dim; ++d) {
+                    const fvec k0 = fload(kf + d * KB), k1 = fload(kf + d * KB + FLANES);
+                    for (int r = 0; r < QK_ROWS; ++r) {
+                        const fvec qv = fsplat(qf[r * dim + d]);
+                        s[r][0] += qv * k0;
+                        s[r][1] += qv * k1;
+                    }
                 }
             }
             for (int r = 0; r < QK_ROWS; ++r) {
@@ -132,7 +262,7 @@ static inline __attribute__((always_inline)) void block_scores(const float* q, c
         }
 }
 
-/* acc[rows][dim] += p[rows][begin .. cols - 1] x the value rows `values[begin .. cols - 1]`. */
+/* acc[rows][dim] += p[rows][begin .. cols - 1] x the value rows `values[begin .. cols - 1]` (float32). */
 static inline __attribute__((always_inline)) void block_values(const float* p, const float* const* values, float* acc,
                                                                int rows, int begin, int cols, const int dim)
 {
@@ -154,6 +284,32 @@ static inline __attribute__((always_inline)) void block_values(const float* p, c
     }
 }
 
+#if BF16_DOT
+/* acc[rows][dim] += w[rows][pairs first .. last - 1] x the block's value pairs [KB / 2][dim] (bfloat16 pairs: the
+   weights of keys 2i and 2i + 1 against their values, one `vdpbf16ps` per 16 dims). */
+static inline __attribute__((always_inline)) void block_value_pairs(const uint32_t* w, const uint32_t* values,
+                                                                    float* acc, int rows, int first, int last,
+                                                                    const int dim)
+{
+    const int vectors = dim / FLANES;
+    for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {
+        __m512 a[PV_ROWS][8];
+        for (int r = 0; r < PV_ROWS; ++r)
+            for (int i = 0; i < vectors; ++i) a[r][i] = _mm512_loadu_ps(acc + (r0 + r) * dim + i * FLANES);
+        for (int j = first; j < last; ++j) {
+            __m512bh v[8];
+            for (int i = 0; i < vectors; ++i) v[i] = (__m512bh)_mm512_loadu_si512(values + j * dim + i * FLANES);
+            for (int r = 0; r < PV_ROWS; ++r) {
+                const __m512bh weight = (__m512bh)_mm512_set1_epi32((int)w[(r0 + r) * (KB / 2) + j]);
+                for (int i = 0; i < vectors; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], weight, v[i]);
+            }
+        }
+        for (int r = 0; r < PV_ROWS; ++r)
+            for (int i = 0; i < vectors; ++i) _mm512_storeu_ps(acc + (r0 + r) * dim + i * FLANES, a[r][i]);
+    }
+}
+#endif
+
 typedef struct {
     const int32_t* row_begin;  /* [rows of the call] or NULL: from key 0 */
     const int32_t* row_end;    /* [rows of the call] or NULL: causal as `causal` says */
@@ -165,19 +321,23 @@ typedef struct {
     int causal, local;
 } Rule;
 
-/* Where a task's rows read and write: query row r (unscaled), its output row and its log-sum-exp. */
+/* Where a task's rows read and write: query row r (unscaled, of the call's element type), its output row (float32,
+   or of `out_type`) and its log-sum-exp. */
 typedef struct {
-    const float* query[QB];
-    float* out[QB];
+    const void* query[QB];
+    void* out[QB];
     float* lse[QB];
+    int type, out_type;
 } Rows;
 
-/* A task's keys: packed blocks (`pack_keys`) and value rows at `values` + row_offset(offsets, stride, j). */
+/* A task's keys: packed blocks (`pack_keys`); value rows at `values` + row_offset(offsets, stride, j) (float32
+   calls) or in the packed buffer. */
 typedef struct {
     const float* packed;
     const float* values;
     const int64_t* offsets;
     int64_t stride, count;
+    int type;
 } Keys;
 
 static inline int32_t clamp_offset(int64_t offset)
@@ -185,9 +345,10 @@ static inline int32_t clamp_offset(int64_t offset)
     return (int32_t)(offset < -KB ? -KB : offset > KB ? KB : offset);
 }
 
-/* Hide the pairs of score row `row` (call row r, query position `position`) over keys c0 .. c0 + KB - 1 that `rule`
-   does not allow; keys at or past `cols` are beyond the call's. */
-static inline void hide(float* row, const Rule* rule, int64_t r, int64_t position, int64_t c0, int cols)
+/* Hide the pairs of score row `row` (call row r, query position `position`) over the keys of vectors first_vector ..
+   last_vector - 1 of the block at c0 that `rule` does not allow; keys at or past `cols` are beyond the call's. */
+static inline void hide(float* row, const Rule* rule, int64_t r, int64_t position, int64_t c0, int cols,
+                        int first_vector, int last_vector)
 {
     const int64_t begin = rule->row_begin ? rule->row_begin[r] - rule->base : 0; /* first key */
     const int64_t last = rule->row_end ? rule->row_end[r] - 1 - rule->base : rule->causal ? position : INT64_MAX;
@@ -200,7 +361,7 @@ static inline void hide(float* row, const Rule* rule, int64_t r, int64_t positio
     const ivec bits = isplat(rule->query_bits ? rule->query_bits[r] : 0), none = isplat(0);
     const union { float f; int32_t i; } hidden_score = {-FLT_MAX};
     const ivec hidden = isplat(hidden_score.i);
-    for (int u = 0; u < KVECS; ++u) {
+    for (int u = first_vector; u < last_vector; ++u) {
         const ivec slot = lane + isplat(u * FLANES);
         ivec visible = (slot < isplat(cols)) & (slot <= last_offset) & (slot >= begin_offset);
         if (rule->key_valid) visible &= iload(rule->key_valid + c0 + u * FLANES);
@@ -215,46 +376,69 @@ static inline void hide(float* row, const Rule* rule, int64_t r, int64_t positio
     }
 }
 
-/* Write a row's result (acc / sum, lse) to its output row, or with `merge` fold it into what the row holds there
-   already (a partial over other keys: an lse of -FLT_MAX means none yet) by log-sum-exp. A row that saw no key
-   writes 0 and -FLT_MAX, or with `merge` leaves its row as it is. */
-static inline void finish_row(const float* acc, float maximum, float sum, float* out, float* lse, int merge,
-                              int dim)
+/* Write a row's result (acc / sum, lse; `maximum` of the scaled scores) to its output row - float32 or bfloat16 as
+   `out_type` says - or with `merge` fold it into what the float32 row holds there already (a partial over other
+   keys: an lse of -FLT_MAX means none yet) by log-sum-exp. A row that saw no key writes 0 and -FLT_MAX, or with
+   `merge` leaves its row as it is. */
+static inline void finish_row(const float* acc, float maximum, float sum, void* out, float* lse, int merge,
+                              int out_type, int dim)
 {
     if (sum <= 0.f) {
         if (!merge) {
-            memset(out, 0, sizeof(float) * dim);
+            memset(out, 0, element_size(out_type) * dim);
             *lse = -FLT_MAX;
         }
         return;
     }
     const float part_lse = maximum + logf(sum);
+    float* row = out;
     if (merge && *lse > -FLT_MAX) {
         const float held = *lse, top = held > part_lse ? held : part_lse;
         const float held_weight = expf(held - top), part_weight = expf(part_lse - top), total = held_weight + part_weight;
         const float keep = held_weight / total, add = part_weight / total / sum;
-        for (int d = 0; d < dim; ++d) out[d] = out[d] * keep + acc[d] * add;
+        for (int d = 0; d < dim; ++d) row[d] = row[d] * keep + acc[d] * add;
         *lse = top + logf(total);
         return;
     }
     const float inverse = 1.f / sum;
-    for (int d = 0; d < dim; ++d) out[d] = acc[d] * inverse;
+    if (out_type == BFLOAT16)
+        for (int d = 0; d < dim; ++d) ((uint16_t*)out)[d] = narrow(acc[d] * inverse);
+    else
+        for (int d = 0; d < dim; ++d) row[d] = acc[d] * inverse;
     *lse = part_lse;
 }
 
+/* The query rows of a task in the layout its products take: float32 [rows][dim] (bfloat16 widened), or with `pairs`
+   the bfloat16 rows as they are ([rows][dim / 2] pairs). Rows past `rows` repeat the last (the micro-tiles take
+   QK_ROWS at a time). */
+static void load_queries(const Rows* where, int64_t rows, int padded, int dim, int pairs, void* queries)
+{
+    for (int r = 0; r < padded; ++r) {
+        const void* source = where->query[r < rows ? r : rows - 1];
+        if (pairs)
+            memcpy((uint16_t*)queries + r * dim, source, sizeof(uint16_t) * dim);
+        else
+            for (int d = 0; d < dim; ++d) ((float*)queries)[r * dim + d] = element(source, d, where->type);
+    }
+}
+
 static inline __attribute__((always_inline)) void task(const Rows* where, int64_t rows, const Keys* keys, int64_t start,
-                                                       const Rule* rule, float scale, int merge, const int dim)
+                                                       const Rule* rule, float scale, int merge, const int dim,
+                                                       const int pairs)
 {
     float queries[QB * 128] __attribute__((aligned(64)));
     float scores[QB * KB] __attribute__((aligned(64)));
+    uint32_t weight_pairs[QB * KB / 2] __attribute__((aligned(64))); /* with `pairs` */
     float acc[QB * 128] __attribute__((aligned(64)));
     float maxima[QB], sums[QB];
     const float* value_rows[KB];
-    const int64_t S = keys->count;
+    const int64_t S = keys->count, blocks = (S + KB - 1) / KB;
+    const float* packed_values = keys->packed + blocks * KB * dim / (pairs ? 2 : 1); /* past the keys' blocks */
+    /* 2^(s * unit) = e^(s * scale) for a raw score s */
+    const float unit = scale * LOG2E;
     const int padded = (int)((rows + QK_ROWS - 1) / QK_ROWS * QK_ROWS);
+    load_queries(where, rows, padded, dim, pairs, queries);
     for (int r = 0; r < padded; ++r) {
-        const float* source = where->query[r < rows ? r : rows - 1];
-        for (int d = 0; d < dim; ++d) queries[r * dim + d] = source[d] * scale;
         maxima[r] = -FLT_MAX;
         sums[r] = 0.f;
     }
@@ -281,91 +465,172 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
     }
     for (int64_t c0 = lowest / KB * KB; c0 < key_end; c0 += KB) {
         const int cols = key_end - c0 < KB ? (int)(key_end - c0) : KB;
-        /* the block's keys that some row may see, in steps of two vectors: from `lowest` to the call's last key */
+        /* the block's keys that some row may see, in steps of two vectors: from `lowest` to the call's last key; the
+           scores, weights and products cover those vectors only (a local block's window spans parts of two blocks) */
         const int first_vector = lowest > c0 ? (int)((lowest - c0) / (2 * FLANES)) * 2 : 0;
         const int last_vector = (cols + 2 * FLANES - 1) / (2 * FLANES) * 2;
-        block_scores(queries, keys->packed + (c0 / KB) * dim * KB, scores, padded, first_vector, last_vector, dim);
+        const float* block = keys->packed + (c0 / KB) * dim * KB / (pairs ? 2 : 1);
+        block_scores(queries, block, scores, padded, first_vector, last_vector, dim, pairs);
         for (int r = 0; r < padded; ++r) {
             float* row = scores + r * KB;
             const int64_t call_row = start + (r < rows ? r : rows - 1);
-            hide(row, rule, call_row, rule->first + call_row, c0, cols);
-            fvec top = fload(row);
-            for (int u = 1; u < KVECS; ++u) top = fmax_lanes(top, fload(row + u * FLANES));
+            hide(row, rule, call_row, rule->first + call_row, c0, cols, first_vector, last_vector);
+            fvec top = fload(row + first_vector * FLANES);
+            for (int u = first_vector + 1; u < last_vector; ++u) top = fmax_lanes(top, fload(row + u * FLANES));
             const float block_max = lane_max(top);
             if (block_max == -FLT_MAX) { /* nothing visible here: weights 0, the running state unchanged */
                 memset(row, 0, sizeof(float) * KB);
+                if (pairs) memset(weight_pairs + r * (KB / 2), 0, sizeof(uint32_t) * (KB / 2));
                 continue;
             }
             const float new_max = block_max > maxima[r] ? block_max : maxima[r];
-            const float rescale = expf(maxima[r] - new_max);
+            const float rescale = exp2f((maxima[r] - new_max) * unit);
             maxima[r] = new_max;
+            const fvec offset = fsplat(new_max * unit), multiplier = fsplat(unit);
             fvec total = (fvec){0};
-            for (int u = 0; u < KVECS; ++u) {
-                /* hidden scores (-FLT_MAX) are clamped for exp and their weight zeroed after; a visible weight below
-                   e^-80 is ~1e-35 of the row's largest, far below float32's resolution of the sum */
+            for (int u = first_vector; u < last_vector; ++u) {
                 const fvec score = fload(row + u * FLANES);
+                fvec p = fexp2(score * multiplier - offset);
+#ifndef __AVX512F__
+                /* hidden scores (-FLT_MAX) were clamped for the power: their weight is zeroed here */
                 const ivec visible = score > fsplat(-FLT_MAX);
-                const fvec p = fexp(fmax_lanes(score - fsplat(new_max), fsplat(-80.f)));
-                ivec weight;
-                memcpy(&weight, &p, sizeof weight);
-                weight &= visible;
-                memcpy(row + u * FLANES, &weight, sizeof weight);
-                fvec kept;
-                memcpy(&kept, &weight, sizeof kept);
-                total += kept;
+                ivec bits;
+                memcpy(&bits, &p, sizeof bits);
+                bits &= visible;
+                memcpy(&p, &bits, sizeof p);
+#endif
+                fstore(row + u * FLANES, p);
+                total += p;
             }
             sums[r] = sums[r] * rescale + lane_total(total);
             if (rescale != 1.f)
                 for (int d = 0; d < dim; d += FLANES) fstore(acc + r * dim + d, fload(acc + r * dim + d) * fsplat(rescale));
+#if BF16_DOT
+            if (pairs) /* the weights as bfloat16, two keys to a word, for the product with the value pairs */
+                for (int u = first_vector; u < last_vector; u += 2) {
+                    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(row + (u + 1) * FLANES),
+                                                              _mm512_load_ps(row + u * FLANES));
+                    _mm512_store_si512(weight_pairs + r * (KB / 2) + u * FLANES / 2, (__m512i)both);
+                }
+#endif
         }
+#if BF16_DOT
+        if (pairs) {
+            const uint32_t* value_block = (const uint32_t*)packed_values + (c0 / KB) * (KB / 2) * dim;
+            block_value_pairs(weight_pairs, value_block, acc, padded, first_vector * FLANES / 2, (cols + 1) / 2, dim);
+            continue;
+        }
+#endif
         for (int j = first_vector * FLANES; j < cols; ++j)
-            value_rows[j] = keys->values + row_offset(keys->offsets, keys->stride, c0 + j);
+            value_rows[j] = keys->type == FLOAT32
+                                ? keys->values + row_offset(keys->offsets, keys->stride, c0 + j)
+                                : packed_values + (c0 + j) * dim;
         block_values(scores, value_rows, acc, padded, first_vector * FLANES, cols, dim);
     }
-    for (int r = 0; r < rows; ++r) finish_row(acc + r * dim, maxima[r], sums[r], where->out[r], where->lse[r], merge, dim);
+    for (int r = 0; r < rows; ++r)
+        finish_row(acc + r * dim, maxima[r] * scale, sums[r], where->out[r], where->lse[r], merge, where->out_type, dim);
 }
 
-/* `call(D)` with the head size as a constant D (each size compiles its own task). */
-#define DISPATCH(dim, call)                                                                                             \
-    switch (dim) {                                                                                                     \
-    case 16: call(16); break;                                                                                          \
-    case 32: call(32); break;                                                                                          \
-    case 48: call(48); break;                                                                                          \
-    case 64: call(64); break;                                                                                          \
-    case 80: call(80); break;                                                                                          \
-    case 96: call(96); break;                                                                                          \
-    case 112: call(112); break;                                                                                        \
-    default: call(128); break;                                                                                         \
+/* One task function per head size D and kind of product P (1: bfloat16 pairs), each compiled with both as
+   constants; the entry points call them through `task_function` (one copy of each, not one per caller: the build
+   takes half the time). */
+typedef void (*TaskFunction)(const Rows*, int64_t, const Keys*, int64_t, const Rule*, float, int);
+#define TASK_FUNCTION(D, P)                                                                                            \
+    static void task_##D##_##P(const Rows* where, int64_t rows, const Keys* keys, int64_t start, const Rule* rule,   \
+                               float scale, int merge)                                                                 \
+    {                                                                                                                  \
+        task(where, rows, keys, start, rule, scale, merge, D, P);                                                      \
     }
+#define TASK_FUNCTIONS(P)                                                                                              \
+    TASK_FUNCTION(16, P)                                                                                               \
+    TASK_FUNCTION(32, P)                                                                                               \
+    TASK_FUNCTION(48, P)                                                                                               \
+    TASK_FUNCTION(64, P)                                                                                               \
+    TASK_FUNCTION(80, P)                                                                                               \
+    TASK_FUNCTION(96, P)                                                                                               \
+    TASK_FUNCTION(112, P)                                                                                              \
+    TASK_FUNCTION(128, P)
+TASK_FUNCTIONS(0)
+#if BF16_DOT
+TASK_FUNCTIONS(1)
+#endif
+#define TASK_TABLE(P) {task_16_##P, task_32_##P, task_48_##P, task_64_##P, task_80_##P, task_96_##P, task_112_##P, task_128_##P}
+
+/* The task of a call of head size `dim` (a multiple of FLANES up to 128) and element type `type`. */
+static TaskFunction task_function(int64_t dim, int type)
+{
+    static const TaskFunction wide[8] = TASK_TABLE(0);
+#if BF16_DOT
+    static const TaskFunction pairs[8] = TASK_TABLE(1);
+    if (pairs_of(type)) return pairs[dim / FLANES - 1];
+#else
+    (void)type;
+#endif
+    return wide[dim / FLANES - 1];
+}
 
 int focus_prefill_supports(int64_t heads, int64_t kv_heads, int64_t dim)
 {
     return kv_heads > 0 && heads % kv_heads == 0 && dim % FLANES == 0 && dim >= FLANES && dim <= 128;
 }
 
-/* query [B, H, L, dim], key/value [B, KH, S, dim] float32 with contiguous rows; strides in elements {batch, head,
-   row} (q_strides, k_strides, v_strides, o_strides, l_strides); out [B, H, L, dim], lse [B, H, L]. row_end and
-   query_bits [B, L], key_bits and key_valid [B, S rounded up to a multiple of KB] int32 (key_valid -1 for a real
-   key, 0 for padding), each NULL or contiguous; `local` needs the bits. With `merge`, out and lse hold a partial
-   result over other keys, which each row's is folded into (`finish_row`). Returns 0, or 1 for a call it does not
-   take (nothing written). */
-int focus_prefill(const float* q, const float* k, const float* v, float* out, float* lse, int64_t B, int64_t H,
+/* 32-bit words of packed keys (and values) a call of element type `type` over `keys` keys of one kv head takes: the
+   size of the `scratch` that spares it an allocation (times kv heads and samples). */
+int64_t focus_packed_words(int64_t keys, int64_t dim, int type)
+{
+    return packed_words((keys + KB - 1) / KB, dim, type);
+}
+
+/* What the library was compiled to use: 1 AVX-512 (16-float vectors in one register), 2 AVX2 and FMA, 4 bfloat16
+   dot products (`vdpbf16ps`, BF16_DOT), 8 OpenMP threads. */
+int focus_build_features(void)
+{
+    int features = 0;
+#ifdef __AVX512F__
+    features |= 1;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    features |= 2;
+#endif
+#if BF16_DOT
+    features |= 4;
+#endif
+#ifdef _OPENMP
+    features |= 8;
+#endif
+    return features;
+}
+
+/* query [B, H, L, dim], key/value [B, KH, S, dim] of element type `type` (float32 or bfloat16) with contiguous rows;
+   strides in elements {batch, head, row} (q_strides, k_strides, v_strides, o_strides, l_strides); out [B, H, L,
+   dim] (float32 with `merge`, else of `type`), lse [B, H, L] float32. row_end and query_bits [B, L], key_bits and
+   key_valid [B, S rounded up to a multiple of KB] int32 (key_valid -1 for a real key, 0 for padding), each NULL or
+   contiguous; `local` needs the bits. With `merge`, out and lse hold a partial result over other keys, which each
+   row's is folded into (`finish_row`). `scratch` holds `scratch_words` 32-bit words (`focus_packed_words` per kv
+   head and sample) or is NULL. Returns 0, or 1 for a call it does not take (nothing written). */
+int focus_prefill(const void* q, const void* k, const void* v, void* out, float* lse, int64_t B, int64_t H,
                   int64_t KH, int64_t L, int64_t S, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
                   const int64_t* v_strides, const int64_t* o_strides, const int64_t* l_strides, const int32_t* row_end,
                   const int32_t* query_bits, const int32_t* key_bits, const int32_t* key_valid, int64_t window,
                   int64_t first, int causal, int local, int merge, float scale, float* scratch,
-                  int64_t scratch_floats)
+                  int64_t scratch_words, int type)
 {
-    if (!focus_prefill_supports(H, KH, dim) || L <= 0 || S <= 0 || (query_bits && !key_bits) || (local && !query_bits))
+    if (!focus_prefill_supports(H, KH, dim) || L <= 0 || S <= 0 || (query_bits && !key_bits) || (local && !query_bits) ||
+        (type != FLOAT32 && type != BFLOAT16))
         return 1;
+    const int out_type = merge ? FLOAT32 : type;
     const int64_t sharing = H / KH, blocks = (S + KB - 1) / KB, padded_keys = blocks * KB;
-    const int64_t packed_size = padded_keys * dim;
-    float* packed = take_scratch(scratch, scratch_floats, packed_size * B * KH);
+    const int64_t packed_size = packed_words(blocks, dim, type);
+    const TaskFunction run_task = task_function(dim, type);
+    float* packed = take_scratch(scratch, scratch_words, packed_size * B * KH);
     if (!packed) return 1;
 #pragma omp parallel for
-    for (int64_t bh = 0; bh < B * KH; ++bh)
-        pack_keys(k + (bh / KH) * k_strides[0] + (bh % KH) * k_strides[1], NULL, k_strides[2], S, (int)dim,
-                  packed + bh * packed_size);
+    for (int64_t bh = 0; bh < B * KH; ++bh) {
+        const int64_t b = bh / KH, kh = bh % KH;
+        pack_keys(element_at(k, b * k_strides[0] + kh * k_strides[1], type),
+                  element_at(v, b * v_strides[0] + kh * v_strides[1], type), NULL, NULL, k_strides[2], v_strides[2],
+                  S, (int)dim, type, packed + bh * packed_size);
+    }
     const int64_t chunks = (L + QB - 1) / QB, heads = B * H;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < heads * chunks; ++t) {
@@ -376,17 +641,16 @@ int focus_prefill(const float* q, const float* k, const float* v, float* out, fl
         const Rule rule = {NULL, row_end ? row_end + b * L : NULL, 0, query_bits ? query_bits + b * L : NULL,
                            key_bits ? key_bits + b * padded_keys : NULL, key_valid ? key_valid + b * padded_keys : NULL,
                            window, first, causal, local};
-        const Keys keys = {packed + (b * KH + kh) * packed_size, v + b * v_strides[0] + kh * v_strides[1], NULL,
-                           v_strides[2], S};
-        Rows where;
+        const Keys keys = {packed + (b * KH + kh) * packed_size,
+                           (const float*)v + b * v_strides[0] + kh * v_strides[1], NULL, v_strides[2], S, type};
+        Rows where = {.type = type, .out_type = out_type};
         for (int64_t r = 0; r < rows; ++r) {
-            where.query[r] = q + b * q_strides[0] + h * q_strides[1] + (start + r) * q_strides[2];
-            where.out[r] = out + b * o_strides[0] + h * o_strides[1] + (start + r) * o_strides[2];
+            where.query[r] = element_at(q, b * q_strides[0] + h * q_strides[1] + (start + r) * q_strides[2], type);
+            where.out[r] =
+                (char*)out + (b * o_strides[0] + h * o_strides[1] + (start + r) * o_strides[2]) * element_size(out_type);
             where.lse[r] = lse + b * l_strides[0] + h * l_strides[1] + (start + r) * l_strides[2];
         }
-#define TASK(D) task(&where, rows, &keys, start, &rule, scale, merge, D)
-        DISPATCH(dim, TASK)
-#undef TASK
+        run_task(&where, rows, &keys, start, &rule, scale, merge);
     }
     if (packed != scratch) free(packed);
     return 0;
@@ -397,29 +661,33 @@ int focus_prefill(const float* q, const float* k, const float* v, float* out, fl
    entry_starts[s + 1] - 1 and keys key_starts[s] .. key_starts[s + 1] - 1; entry e is query row entry_query[e]
    (sample * q_tokens + token) and sees the segment's keys row_begin[e] .. row_end[e] - 1 (counted from the
    segment's first key; row_end non-decreasing within a segment); key i is token key_token[i] (sample * kv_tokens +
-   token). query [B, H, q_tokens, dim], key/value [B, KH, kv_tokens, dim], out [B, H, q_tokens, dim] and lse
-   [B, H, q_tokens] (strides in elements {batch, head, row}); out and lse hold a partial result (lse -FLT_MAX: none
-   yet) that each entry is folded into.
+   token). query [B, H, q_tokens, dim], key/value [B, KH, kv_tokens, dim] of element type `type`, out [B, H, q_tokens,
+   dim] and lse [B, H, q_tokens] float32 (strides in elements {batch, head, row}); out and lse hold a partial result
+   (lse -FLT_MAX: none yet) that each entry is folded into.
    A segment's keys are packed `slab_keys` at a time, and each slab's entries are folded into their rows before the next:
    the packed copy stays small whatever the length, and a row's merges never overlap - slabs and segments run one
    after another, and a query's entries lie in segments of their own. Returns 0, or 1 for a call it does not take
    (nothing written). */
-int focus_prefill_segments(const float* q, const float* k, const float* v, float* out, float* lse, int64_t H,
+int focus_prefill_segments(const void* q, const void* k, const void* v, float* out, float* lse, int64_t H,
                            int64_t KH, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
                            const int64_t* v_strides, const int64_t* o_strides, const int64_t* l_strides,
                            int64_t q_tokens, int64_t kv_tokens, int64_t segments, const int64_t* entry_starts,
                            const int64_t* key_starts, const int32_t* entry_query, const int32_t* key_token,
                            const int32_t* row_begin, const int32_t* row_end, int64_t slab_keys, float scale,
-                           float* scratch, int64_t scratch_floats)
+                           float* scratch, int64_t scratch_words, int type)
 {
-    if (!focus_prefill_supports(H, KH, dim) || q_tokens <= 0 || kv_tokens <= 0 || slab_keys <= 0) return 1;
+    if (!focus_prefill_supports(H, KH, dim) || q_tokens <= 0 || kv_tokens <= 0 || slab_keys <= 0 ||
+        (type != FLOAT32 && type != BFLOAT16))
+        return 1;
     int64_t most = 0;
     for (int64_t s = 0; s < segments; ++s)
         most = key_starts[s + 1] - key_starts[s] > most ? key_starts[s + 1] - key_starts[s] : most;
     if (most == 0) return 0;
     most = most < slab_keys ? most : slab_keys;
-    const int64_t padded_keys = (most + KB - 1) / KB * KB, packed_size = padded_keys * dim, sharing = H / KH;
-    float* packed = take_scratch(scratch, scratch_floats, packed_size * KH);
+    const int64_t padded_keys = (most + KB - 1) / KB * KB, sharing = H / KH;
+    const int64_t packed_size = packed_words(padded_keys / KB, dim, type);
+    const TaskFunction run_task = task_function(dim, type);
+    float* packed = take_scratch(scratch, scratch_words, packed_size * KH);
     int64_t* key_offsets = malloc(sizeof(int64_t) * 2 * padded_keys);
     if (!packed || !key_offsets) {
         if (packed != scratch) free(packed);
@@ -443,7 +711,8 @@ int focus_prefill_segments(const float* q, const float* k, const float* v, float
             }
 #pragma omp parallel for
             for (int64_t kh = 0; kh < KH; ++kh)
-                pack_keys(k + kh * k_strides[1], key_offsets, 0, slab, (int)dim, packed + kh * packed_size);
+                pack_keys(element_at(k, kh * k_strides[1], type), element_at(v, kh * v_strides[1], type), key_offsets,
+                          value_offsets, 0, 0, slab, (int)dim, type, packed + kh * packed_size);
             const int64_t first_chunk = reaching / QB, chunks = (entries + QB - 1) / QB - first_chunk;
             const Rule rule = {row_begin + first_entry, row_end + first_entry, base, NULL, NULL, NULL, 0, 0, 0, 0};
 #pragma omp parallel for schedule(dynamic, 1)
@@ -451,18 +720,17 @@ int focus_prefill_segments(const float* q, const float* k, const float* v, float
                 /* the heads of one chunk in a row; the last chunks (the entries that reach the most keys) first */
                 const int64_t h = t % H, kh = h / sharing, chunk = first_chunk + chunks - 1 - t / H;
                 const int64_t start = chunk * QB, rows = entries - start < QB ? entries - start : QB;
-                const Keys keys = {packed + kh * packed_size, v + kh * v_strides[1], value_offsets, 0, slab};
-                Rows where;
+                const Keys keys = {packed + kh * packed_size, (const float*)v + kh * v_strides[1], value_offsets, 0,
+                                   slab, type};
+                Rows where = {.type = type, .out_type = FLOAT32};
                 for (int64_t r = 0; r < rows; ++r) {
                     const int64_t row = entry_query[first_entry + start + r];
                     const int64_t b = row / q_tokens, position = row % q_tokens;
-                    where.query[r] = q + b * q_strides[0] + h * q_strides[1] + position * q_strides[2];
+                    where.query[r] = element_at(q, b * q_strides[0] + h * q_strides[1] + position * q_strides[2], type);
                     where.out[r] = out + b * o_strides[0] + h * o_strides[1] + position * o_strides[2];
                     where.lse[r] = lse + b * l_strides[0] + h * l_strides[1] + position * l_strides[2];
                 }
-#define TASK(D) task(&where, rows, &keys, start, &rule, scale, 1, D)
-                DISPATCH(dim, TASK)
-#undef TASK
+                run_task(&where, rows, &keys, start, &rule, scale, 1);
             }
         }
     }
@@ -475,14 +743,15 @@ int focus_prefill_segments(const float* q, const float* k, const float* v, float
    by log-sum-exp (`finish_row`): sink t of sample b - position sink_position[b * S + t] (-1: none), group
    sink_group[b * S + t] - is visible to row r iff it lies more than `window` before it, its group is none of the
    row's probes [B, L, top_k] (int64, contiguous) and done[b * L + r] (when given) is 0. A handful of keys per row:
-   scores, softmax and the weighted values in one pass, with nothing allocated. Strides as in `focus_prefill`. */
-int focus_sink_pairs(const float* q, const float* k, const float* v, float* out, float* lse, int64_t B, int64_t H,
+   scores, softmax and the weighted values in one pass, with nothing allocated. Strides as in `focus_prefill`; q, k
+   and v of element type `type`, out and lse float32. */
+int focus_sink_pairs(const void* q, const void* k, const void* v, float* out, float* lse, int64_t B, int64_t H,
                      int64_t KH, int64_t L, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
                      const int64_t* v_strides, const int64_t* o_strides, const int64_t* l_strides,
                      const int64_t* sink_position, const int64_t* sink_group, int64_t S, const int64_t* probes,
-                     int64_t top_k, const uint8_t* done, int64_t window, int64_t first, float scale)
+                     int64_t top_k, const uint8_t* done, int64_t window, int64_t first, float scale, int type)
 {
-    if (!focus_prefill_supports(H, KH, dim) || S > 64) return 1;
+    if (!focus_prefill_supports(H, KH, dim) || S > 64 || (type != FLOAT32 && type != BFLOAT16)) return 1;
     const int64_t sharing = H / KH;
 #pragma omp parallel for schedule(static)
     for (int64_t row = 0; row < B * L; ++row) {
@@ -499,23 +768,23 @@ int focus_sink_pairs(const float* q, const float* k, const float* v, float* out,
         if (!count) continue;
         for (int64_t h = 0; h < H; ++h) {
             const int64_t kh = h / sharing;
-            const float* query = q + b * q_strides[0] + h * q_strides[1] + r * q_strides[2];
+            const void* query = element_at(q, b * q_strides[0] + h * q_strides[1] + r * q_strides[2], type);
             float scores[64], maximum = -FLT_MAX, sum = 0.f, acc[128] = {0};
             for (int64_t t = 0; t < count; ++t) {
-                const float* key = k + b * k_strides[0] + kh * k_strides[1] + visible[t] * k_strides[2];
+                const void* key = element_at(k, b * k_strides[0] + kh * k_strides[1] + visible[t] * k_strides[2], type);
                 float dot = 0.f;
-                for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+                for (int64_t d = 0; d < dim; ++d) dot += element(query, d, type) * element(key, d, type);
                 scores[t] = dot * scale;
                 maximum = scores[t] > maximum ? scores[t] : maximum;
             }
             for (int64_t t = 0; t < count; ++t) {
                 const float weight = expf(scores[t] - maximum);
-                const float* value = v + b * v_strides[0] + kh * v_strides[1] + visible[t] * v_strides[2];
+                const void* value = element_at(v, b * v_strides[0] + kh * v_strides[1] + visible[t] * v_strides[2], type);
                 sum += weight;
-                for (int64_t d = 0; d < dim; ++d) acc[d] += weight * value[d];
+                for (int64_t d = 0; d < dim; ++d) acc[d] += weight * element(value, d, type);
             }
             finish_row(acc, maximum, sum, out + b * o_strides[0] + h * o_strides[1] + r * o_strides[2],
-                       lse + b * l_strides[0] + h * l_strides[1] + r * l_strides[2], 1, (int)dim);
+                       lse + b * l_strides[0] + h * l_strides[1] + r * l_strides[2], 1, FLOAT32, (int)dim);
         }
     }
     return 0;
