@@ -33,8 +33,9 @@ class FocusRuntimeError(FocusError, RuntimeError):
     """Focus attention was asked to run in a situation it does not support."""
 
 
-class FocusServingError(FocusError, ValueError):
-    """A vLLM configuration Focus cannot serve exactly (`focus_hf.vllm`): refused at start-up, never run dense."""
+class FocusServingError(FocusError, RuntimeError):
+    """A vLLM configuration Focus cannot serve exactly (`focus_hf.vllm`): refused at start-up, never run dense. Not a
+    ValueError: vLLM checks its configuration in pydantic validators, which would bury a ValueError's message."""
 
 
 class FocusMergeError(FocusError, NotImplementedError):

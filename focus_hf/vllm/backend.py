@@ -163,7 +163,7 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 mask = mask[None, None]
             result, _ = focus_attention_forward(
                 module,
-                query[first:last].transpose(0, 1)[None],
+                query[first:last].transpose(0, 1)[None].contiguous(),
                 request_keys,
                 request_values,
                 mask,
@@ -186,4 +186,5 @@ def _paged_rows(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch
     [num_blocks, kv_heads, block_size, dim] (a view, possibly transposed) through its block ids."""
     gathered = cache[blocks]  # [blocks, kv_heads, block_size, dim]
     kv_heads, dim = gathered.shape[1], gathered.shape[3]
-    return gathered.transpose(0, 1).reshape(kv_heads, -1, dim)[None, :, :length]
+    # Contiguous: the project's CPU kernels read plain row-major tensors.
+    return gathered.transpose(0, 1).reshape(kv_heads, -1, dim)[None, :, :length].contiguous()

@@ -14,6 +14,7 @@ import functools
 import logging
 from typing import Any, Optional
 
+from focus_hf.errors import FocusError, FocusServingError
 from focus_hf.vllm.adapter import ServedAdapter, load_served_adapter
 from focus_hf.vllm.checks import check_engine, requested_adapter
 from focus_hf.vllm.versions import SUPPORTED_VLLM, installed_vllm
@@ -77,7 +78,13 @@ def _prepare_engine(vllm_config: Any, platform_name: str) -> None:
     if requested is None or vllm_config.model_config is None:
         return
     check_engine(vllm_config, platform_name)
-    adapter = served_adapter(vllm_config)
+    try:
+        adapter = served_adapter(vllm_config)
+    except FocusError as error:
+        if isinstance(error, FocusServingError):
+            raise
+        # The Hub and file checks raise ValueErrors, which vLLM's pydantic validation would wrap out of sight.
+        raise FocusServingError(f"Focus adapter {requested[0]!r} refused: {error}") from error
     _run_eagerly(vllm_config)
     logger.info("%s", adapter.describe())
     print(f"focus_hf.vllm: {adapter.describe()}", flush=True)
