@@ -18,6 +18,7 @@ from focus_hf.errors import FocusServingError
 from focus_hf.files import CONFIG_NAME, WEIGHTS_NAME, validate_adapter_folder
 from focus_hf.tuner.config import FocusConfig
 from focus_hf.tuner.layer import RouterSettings
+from focus_hf.vllm.checks import requested_adapter
 
 LAYER_MODULE = "model.layers.{index}.self_attn"
 
@@ -210,3 +211,15 @@ def load_served_adapter(
     """
     config_json = json.dumps(hf_config.to_dict(), sort_keys=True, default=str)
     return _load(source, revision, model, config_json)
+
+
+def served_adapter(vllm_config: Any) -> Optional[ServedAdapter]:
+    """The adapter the engine of `vllm_config` serves (loaded and checked once per process), or None."""
+    if vllm_config is None or vllm_config.model_config is None:
+        return None
+    requested = requested_adapter(vllm_config.additional_config)
+    if requested is None:
+        return None
+    source, revision = requested
+    model_config = vllm_config.model_config
+    return load_served_adapter(source, model_config.model, model_config.hf_config, revision=revision)

@@ -12,6 +12,7 @@ import functools
 import logging
 from typing import Any
 
+from focus_hf.vllm.adapter import served_adapter
 from focus_hf.vllm.backend import ROUTER_ATTRIBUTE, SCORES_ATTRIBUTE
 
 logger = logging.getLogger("focus_hf.vllm")
@@ -42,7 +43,6 @@ def _routed_init(original):
         from vllm.config import get_current_vllm_config
         from vllm.model_executor.models.utils import extract_layer_index
 
-        from focus_hf.vllm.plugin import served_adapter
 
         adapter = served_adapter(get_current_vllm_config())
         if adapter is None:

@@ -15,7 +15,7 @@ import logging
 from typing import Any, Optional
 
 from focus_hf.errors import FocusError, FocusServingError
-from focus_hf.vllm.adapter import ServedAdapter, load_served_adapter
+from focus_hf.vllm.adapter import served_adapter
 from focus_hf.vllm.checks import check_engine, requested_adapter
 from focus_hf.vllm.versions import SUPPORTED_VLLM, installed_vllm
 
@@ -96,15 +96,3 @@ def _run_eagerly(vllm_config: Any) -> None:
     vllm_config.model_config.enforce_eager = True
     vllm_config.compilation_config.mode = CompilationMode.NONE
     vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-
-
-def served_adapter(vllm_config: Any) -> Optional[ServedAdapter]:
-    """The adapter the engine of `vllm_config` serves (loaded and checked once per process), or None."""
-    if vllm_config is None or vllm_config.model_config is None:
-        return None
-    requested = requested_adapter(vllm_config.additional_config)
-    if requested is None:
-        return None
-    source, revision = requested
-    model_config = vllm_config.model_config
-    return load_served_adapter(source, model_config.model, model_config.hf_config, revision=revision)
