@@ -1,4 +1,7 @@
-"""Serve Focus adapters with vLLM (`pip install -e ".[vllm]"`).
+"""Serving Focus adapters with vLLM's CPU engine (the `vllm` extra), a vLLM plugin: `plugin` (the entry point vLLM
+loads), `checks` (what is refused at start-up), `adapter` (fetched, verified, split into routers), `model_hooks` (the
+routers in vLLM's attention modules), `backend` (the CPU_ATTN subclass), `side_cache` (groups and Sinkhorn state per
+cached token, paged like the KV cache), `decode` (a decoding step over the keys its pattern shows it) and `versions`.
 
 One adapter per server, named when the engine starts::
 
@@ -11,8 +14,7 @@ with the project's Hub code (`adapter`), gives each attention layer of the serve
 and replaces the CPU engine's attention backend by one that keeps each cached token's group in a side cache sharing
 vLLM's block table (`side_cache`) and runs the Focus pattern over the paged keys (`backend`).
 
-Modules: `versions` (the vLLM releases supported), `plugin`, `checks`, `adapter`, `model_hooks`, `side_cache`,
-`backend`. Nothing here imports vLLM at import time except `backend` and `model_hooks`, which run inside vLLM.
+Nothing here imports vLLM at import time except `backend` and `model_hooks`, which run inside vLLM.
 """
 
 from focus_hf.errors import FocusServingError

@@ -5,9 +5,10 @@ vLLM's CPU platform always picks `CPU_ATTN`, so the plugin registers this subcla
 
 A routed layer's call, per request of the batch: resume routing after the request's cached tokens from the side
 cache (`side_cache`), route the call's tokens with the routers' scores (`routing.route_tokens`, the function the
-transformers adapter runs), record them, read the request's keys, values and key groups through the block table,
-and run the very attention function the transformers adapter registers (`attention.function.focus_attention_forward`:
-window, sinks, groups, dense heads, `dense_below`, the CPU kernels), so vLLM and transformers compute one thing.
+transformers adapter runs) and record them. A prefill chunk then reads the request's keys, values and key groups
+through the block table and runs the very attention function the transformers adapter registers
+(`attention.function.focus_attention_forward`: window, sinks, groups, dense heads, `dense_below`, the CPU kernels);
+a decoding step reads only the keys its pattern shows it (`decode`), with the same pattern and kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from focus_hf.attention.function import LayerRouting, focus_attention_forward
 from focus_hf.attention.routing import RoutingState, route_tokens
 from focus_hf.errors import FocusRuntimeError
 from focus_hf.vllm.adapter import LayerRouter
+from focus_hf.vllm.decode import decode_step, visible_positions
 from focus_hf.vllm.side_cache import SideCache
 
 # Attributes the model hooks (`model_hooks`) leave on vLLM's `Attention` layer.
@@ -131,6 +133,31 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 token_columns=True,
             )
             side.write(slots[cached:], routed.key_groups[0], routed.token_column_lse[0])
+            if request == 0 and int(metadata.slot_mapping[last - 1]) >= 0:
+                # the layout check: the call's last key, as read back from its block, is the one vLLM wrote
+                block = metadata.block_table[request, (seq_len - 1) // block_size].long()
+                written = key.view(-1, self.num_kv_heads, head_dim)[last - 1]
+                _check_layout(key_cache[block, :, (seq_len - 1) % block_size], written, layer)
+            if q_len == 1 and cached:
+                # A decoding step reads only the keys its pattern shows it, straight from the paged cache.
+                visible = visible_positions(
+                    tokens.top_groups[0, 0],
+                    side.key_groups(slots),
+                    settings.sink_tokens,
+                    settings.window,
+                    settings.dense_below,
+                )
+                out[first] = decode_step(
+                    query[first],
+                    key_cache,
+                    value_cache,
+                    metadata.block_table[request],
+                    visible,
+                    seq_len,
+                    router.dense_kv_heads,
+                    self.scale,
+                )
+                continue
             positions = torch.arange(seq_len, device=key_scores.device)
             keys = RoutingState(
                 seen=seq_len,
@@ -155,8 +182,6 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
             blocks = metadata.block_table[request, : -(-seq_len // block_size)].long()
             request_keys = _paged_rows(key_cache, blocks, seq_len)
             request_values = _paged_rows(value_cache, blocks, seq_len)
-            if request == 0:  # the layout check of `_paged_rows`: the call's last key, as read back, is the one written
-                _check_layout(request_keys[0, :, -1], key.view(-1, self.num_kv_heads, head_dim)[last - 1], layer)
             mask = None
             if 1 < q_len < seq_len:  # a later chunk: causal from the bottom-right corner, which SDPA's flag is not
                 mask = positions[None, :] <= (cached + torch.arange(q_len, device=positions.device))[:, None]
@@ -173,11 +198,14 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
 
 
 def _check_layout(read: torch.Tensor, written: torch.Tensor, layer: nn.Module) -> None:
-    if not torch.equal(read, written):
+    """Refuse a KV-cache layout this backend does not read right: a misread layout gives other numbers entirely,
+    where the same layout gives the stored values (NaN included, should a model produce any)."""
+    if not torch.allclose(read, written, rtol=0.0, atol=0.0, equal_nan=True):
         raise FocusRuntimeError(
-            f"{layer.layer_name}: the keys read back from vLLM's paged KV cache are not the keys it stored: this "
-            f"KV-cache layout (ISA {getattr(layer, 'isa', '?')!r}, dtype {written.dtype}) is not supported by "
-            "focus_hf.vllm. Serve in float32 on an x86 CPU (the 'vec' kernels), the configuration it is tested on."
+            f"{layer.layer_name}: the keys read back from vLLM's paged KV cache are not the keys it stored (largest "
+            f"difference {(read - written).abs().nan_to_num(0.0).max().item():.3g}): this KV-cache layout (ISA "
+            f"{getattr(layer, 'isa', '?')!r}, dtype {written.dtype}) is not supported by focus_hf.vllm. Serve in "
+            "float32 on an x86 CPU (the 'vec' kernels), the configuration it is tested on."
         )
 
 
