@@ -33,13 +33,28 @@ def engine_env(extra: Optional[dict] = None) -> dict:
     return env
 
 
-def run_engine(tmp_path: Path, model: Path, engine: dict, calls: list, max_tokens: int, timeout: int = 900) -> list:
-    """Run vLLM on `calls` (lists of prompts, each a list of token ids) in a fresh process; the per-call results."""
+def run_engine(
+    tmp_path: Path,
+    model: Path,
+    engine: dict,
+    calls: list,
+    max_tokens: int,
+    timeout: int = 900,
+    log: Optional[list] = None,
+) -> list:
+    """Run vLLM on `calls` (lists of prompts, each a list of token ids) in a fresh process; the per-call results
+    (the engine's output lines are appended to `log` when one is given)."""
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"model": str(model), "engine": engine, "calls": calls, "max_tokens": max_tokens}))
     done = subprocess.run(
-        [sys.executable, str(RUNNER), str(job)], env=engine_env(), capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(RUNNER), str(job)],
+        env=engine_env({"VLLM_LOG_STATS_INTERVAL": "1"}),  # the engine's stats lines (used when it keeps stats)
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
+    if log is not None:
+        log.extend((done.stdout + done.stderr).splitlines())
     if done.returncode != 0:
         raise AssertionError(f"vLLM failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -25,13 +25,11 @@ def main() -> None:
         for output in outputs:
             completion = output.outputs[0]
             logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-            preemptions = output.metrics.num_preemptions if output.metrics is not None else None
             results.append(
                 {
                     "tokens": list(completion.token_ids),
                     "logprobs": logprobs,
                     "cached": output.num_cached_tokens or 0,
-                    "preemptions": preemptions,  # None unless the engine keeps stats (disable_log_stats=False)
                 }
             )
         calls.append(results)

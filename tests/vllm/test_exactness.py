@@ -51,21 +51,6 @@ def test_tiny_model_matches_transformers(request, tmp_path, tiny_llama_dir, adap
     assert_same_continuations(calls[0] + calls[1], reference, TOLERANCE)
 
 
-def test_preempted_requests_resume_exactly(tmp_path, tiny_llama_dir, tiny_adapter):
-    """A KV cache too small for the batch: vLLM preempts requests and recomputes them later (their routing with
-    them, in new blocks); the continuations stay those of transformers."""
-    batch = _random_prompts([300, 280, 260, 240], seed=5)
-    # 2 layers x 2 kv heads x 32 x 2 (keys, values) x 4 bytes = 1 KiB per token: room for about 700 tokens
-    engine = _engine(
-        tiny_adapter, max_model_len=512, max_num_batched_tokens=128, max_num_seqs=4, block_size=32,
-        kv_cache_memory_bytes=704 * 1024, enable_prefix_caching=False, disable_log_stats=False,
-    )  # fmt: skip
-    calls = run_engine(tmp_path, tiny_llama_dir, engine, [batch], max_tokens=150)
-    assert sum(result["preemptions"] for result in calls[0]) > 0, "the test should make vLLM preempt a request"
-    reference = transformers_greedy(tiny_llama_dir, tiny_adapter, batch, max_tokens=150)
-    assert_same_continuations(calls[0], reference, TOLERANCE)
-
-
 @pytest.mark.integration
 def test_smollm2_distilled_adapter_matches_transformers(tmp_path, smollm2_dir):
     """The committed distilled adapter on SmolLM2-135M-Instruct at 1K, 4K and 8K-token prompts of real text, in one
