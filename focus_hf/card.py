@@ -371,6 +371,16 @@ def python_string_literal(value: Any):
     return markupsafe.Markup(json.dumps(str(value), ensure_ascii=True))
 
 
+def shell_word(value: Any):
+    """`value` as one shell word for the card's command line (`shlex.quote`; dicts and lists as JSON first)."""
+    import shlex
+
+    import markupsafe
+
+    text = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+    return markupsafe.Markup(shlex.quote(text))
+
+
 def render_model_card(
     adapter_dir: str | os.PathLike,
     *,
@@ -450,6 +460,7 @@ def render_model_card(
         keep_trailing_newline=True, undefined=jinja2.ChainableUndefined, autoescape=False, finalize=markdown_text
     )
     environment.filters["python_string"] = python_string_literal
+    environment.filters["shell_word"] = shell_word
     environment.filters["code"] = markdown_code
     environment.filters["url"] = markdown_url
     environment.filters["cell_code"] = functools.partial(markdown_code, in_table=True)

@@ -33,6 +33,11 @@ class FocusRuntimeError(FocusError, RuntimeError):
     """Focus attention was asked to run in a situation it does not support."""
 
 
+class FocusServingError(FocusError, RuntimeError):
+    """A vLLM configuration Focus cannot serve exactly (`focus_hf.vllm`): refused at start-up, never run dense. Not a
+    ValueError: vLLM checks its configuration in pydantic validators, which would bury a ValueError's message."""
+
+
 class FocusMergeError(FocusError, NotImplementedError):
     """A Focus adapter cannot be merged into the base weights (it changes the attention pattern, not a weight)."""
 

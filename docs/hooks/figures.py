@@ -48,6 +48,7 @@ LC_GENERATE = "benchmarks/long_context/results/generate.json"
 LC_AUDIT = "benchmarks/long_context/results/audit.json"
 LC_ADAPTER_LOG = "benchmarks/long_context/adapter/training_log.json"
 LC_ADAPTER_CONFIG = "benchmarks/long_context/adapter/adapter_config.json"
+VLLM_SERVING = "benchmarks/results/vllm_serving.json"
 LC_CALIBRATION = "benchmarks/long_context/calibration.json"
 DEMO_RUN = "benchmarks/results/demo_run.json"  # benchmarks/demo_run.py: `focus-hf demo` timed from a fresh cache
 
@@ -246,7 +247,18 @@ def _demo_measured() -> str:
     )
 
 
+def _vllm(prompt_tokens: int, field: str) -> Callable[[], str]:
+    return lambda: times(pick(VLLM_SERVING, prompt_tokens=prompt_tokens)[field])
+
+
 FIGURES: dict[str, Callable[[], str]] = {
+    # vLLM's CPU engine, Focus (the committed adapter) over vLLM's dense attention (benchmarks/vllm_serving.py)
+    **{
+        f"vllm.{kind}_{length // 1024}k": _vllm(length, f"{kind}_speedup")
+        for length in (4096, 8192, 16384, 32768)
+        for kind in ("prefill", "decode")
+    },
+    "vllm.kv_ratio": lambda: times(rows(VLLM_SERVING)[0]["kv_bytes_per_token"]["ratio"]),
     # `focus-hf demo` with the defaults, from a fresh cache: wall time, peak memory, the machine
     "demo.minutes": lambda: f"{round(_demo()['wall_seconds'] / 60)} minutes",
     "demo.memory": lambda: f"{_demo()['peak_rss_bytes'] / 1e9:.1f} GB",

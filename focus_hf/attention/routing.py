@@ -33,6 +33,9 @@ class RoutingState:
             (`defer_tokens`): their key_groups are -1 and key_probs covers only the seen - p tokens before them,
             until `settle` routes them; None when no token waits.
         pending_valid: [batch, p] validity of those tokens, or None.
+        token_column_lse: [batch, new, iterations, groups], the running log column sums after each token of the call
+            that made this state (`route_tokens(token_columns=True)`), or None. A paged cache keeps them per token
+            (`focus_hf.vllm.side_cache`) so that routing can resume after any cached prefix.
     """
 
     seen: int
@@ -43,6 +46,7 @@ class RoutingState:
     key_sink: torch.Tensor
     pending_hidden: Optional[torch.Tensor] = None
     pending_valid: Optional[torch.Tensor] = None
+    token_column_lse: Optional[torch.Tensor] = None
 
     @property
     def pending(self) -> int:
@@ -108,7 +112,8 @@ def causal_sinkhorn(
     valid: torch.Tensor,
     iterations: int,
     column_lse: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    token_columns: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Balance group assignments with Sinkhorn iterations whose column sums run over the prefix only.
 
     Args:
@@ -116,37 +121,45 @@ def causal_sinkhorn(
         valid: [batch, seq] bool, False for padding; padding never enters any column sum.
         iterations: number of (column, row) normalisation rounds.
         column_lse: [batch, iterations, groups] running log column sums from earlier calls, or None.
+        token_columns: also return the running log column sums after each token, [batch, seq, iterations, groups]
+            (the `column_lse` a later call would start from, had this one stopped after that token).
 
     Returns:
-        (log_probs [batch, seq, groups] whose rows sum to one, updated column_lse).
+        (log_probs [batch, seq, groups] whose rows sum to one, updated column_lse[, per-token column_lse]).
     """
     batch, seq, groups = scores.shape
     if column_lse is None:
         column_lse = scores.new_full((batch, iterations, groups), LOG_ZERO)
     if seq and float(scores.detach().abs().amax()) <= PROBABILITY_SPACE_LIMIT:
-        return _probability_space_sinkhorn(scores, valid, iterations, column_lse)
-    return _log_space_sinkhorn(scores, valid, iterations, column_lse)
+        result = _probability_space_sinkhorn(scores, valid, iterations, column_lse, token_columns)
+    else:
+        result = _log_space_sinkhorn(scores, valid, iterations, column_lse, token_columns)
+    return result if token_columns else result[:2]
 
 
 def _probability_space_sinkhorn(
-    scores: torch.Tensor, valid: torch.Tensor, iterations: int, column_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    scores: torch.Tensor, valid: torch.Tensor, iterations: int, column_lse: torch.Tensor, token_columns: bool = False
+) -> tuple[torch.Tensor, ...]:
     """The iteration on probabilities in float64: a cumulative sum and two divisions per round, ~9x faster on a
     CPU than log-sum-exp prefixes. Equal to `_log_space_sinkhorn` within float32 rounding."""
     tiny = torch.finfo(torch.float64).tiny
     # No shift: one computed from the call's tokens would make earlier tokens depend on later ones.
     q = torch.exp(scores.double()).clamp_min(tiny)
     if scores.shape[1] == 1 and bool(valid.all()):
-        return _one_token_sinkhorn(q, iterations, column_lse, scores.dtype)
+        log_probs, new_column_lse = _one_token_sinkhorn(q, iterations, column_lse, scores.dtype)
+        return log_probs, new_column_lse, new_column_lse[:, None]
     keep = valid.unsqueeze(-1).double()
-    new_column_lse = []
+    new_column_lse, per_token = [], []
     for step in range(iterations):
         prefix = torch.exp(column_lse[:, step].double())[:, None, :] + torch.cumsum(q * keep, dim=1)
         new_column_lse.append(torch.log(prefix[:, -1]).float().clamp_min(LOG_ZERO))
+        if token_columns:
+            per_token.append(torch.log(prefix).float().clamp_min(LOG_ZERO))
         # Padding rows are normalised by their own mass too, only to keep them finite.
         q = q / torch.where(keep.bool(), prefix, prefix + q)
         q = (q / q.sum(dim=-1, keepdim=True)).clamp_min(tiny)
-    return torch.log(q).to(scores.dtype), torch.stack(new_column_lse, dim=1)
+    columns = torch.stack(per_token, dim=2) if token_columns else None
+    return torch.log(q).to(scores.dtype), torch.stack(new_column_lse, dim=1), columns
 
 
 def _one_token_sinkhorn(
@@ -168,20 +181,23 @@ def _one_token_sinkhorn(
 
 
 def _log_space_sinkhorn(
-    scores: torch.Tensor, valid: torch.Tensor, iterations: int, column_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    scores: torch.Tensor, valid: torch.Tensor, iterations: int, column_lse: torch.Tensor, token_columns: bool = False
+) -> tuple[torch.Tensor, ...]:
     """The iteration in log space (log-sum-exp prefixes): exact for any score spread."""
     keep = valid.unsqueeze(-1)
     log_q = scores
-    new_column_lse = []
+    new_column_lse, per_token = [], []
     for step in range(iterations):
         contribution = log_q.masked_fill(~keep, LOG_ZERO)
         prefix = torch.logaddexp(torch.logcumsumexp(contribution, dim=1), column_lse[:, step, None, :])
         new_column_lse.append(prefix[:, -1] if prefix.shape[1] else column_lse[:, step])
+        if token_columns:
+            per_token.append(prefix)
         # Padding rows are normalised by their own mass too, only to keep them finite.
         normaliser = torch.where(keep, prefix, torch.logaddexp(prefix, log_q))
         log_q = torch.log_softmax(log_q - normaliser, dim=-1)
-    return log_q, torch.stack(new_column_lse, dim=1)
+    columns = torch.stack(per_token, dim=2) if token_columns else None
+    return log_q, torch.stack(new_column_lse, dim=1), columns
 
 
 @dataclass
@@ -257,6 +273,7 @@ def route_tokens(
     sink_tokens: int,
     query_scores: Optional[torch.Tensor] = None,
     probe_mass: Optional[float] = None,
+    token_columns: bool = False,
 ) -> tuple[TokenRouting, RoutingState]:
     """Route new tokens that follow `state`, returning their routing and the state including them.
 
@@ -264,11 +281,14 @@ def route_tokens(
     of the same assignment, or, when `query_scores` is given (a separate query-side projection), of
     softmax(query_scores): a query then looks for the groups that hold the keys it needs, which need not be
     the group it is itself filed under. With `probe_mass`, a query probes fewer than top_k groups where the first
-    ones already hold that much of its routing probability (`probed_groups`).
+    ones already hold that much of its routing probability (`probed_groups`). With `token_columns`, the new state
+    also holds the running column sums after each new token (`RoutingState.token_column_lse`).
     """
     if state.pending:
         raise ValueError("route_tokens after deferred tokens: settle(state, key_scores, iterations) them first.")
-    log_probs, column_lse = causal_sinkhorn(scores, valid, iterations, state.column_lse)
+    log_probs, column_lse, *per_token = causal_sinkhorn(
+        scores, valid, iterations, state.column_lse, token_columns=token_columns
+    )
     query_log_probs = log_probs if query_scores is None else torch.log_softmax(query_scores, dim=-1)
     top_groups = probed_groups(query_log_probs, top_k, probe_mass)
     key_groups = top_groups[..., 0] if query_scores is None else log_probs.argmax(dim=-1)
@@ -287,6 +307,7 @@ def route_tokens(
         key_probs=torch.cat([state.key_probs, log_probs.exp()], dim=1),
         key_groups=torch.cat([state.key_groups, key_groups], dim=1),
         key_sink=torch.cat([state.key_sink, sink], dim=1),
+        token_column_lse=per_token[0] if per_token else None,
     )
     return tokens, new_state
 

@@ -1,0 +1,40 @@
+"""Runs vLLM's offline engine on a job and prints the results as JSON (one process per engine, as a user runs it).
+
+    python tests/vllm/run_engine.py JOB.json
+
+JOB: {"model": folder, "engine": {LLM keyword arguments}, "calls": [[prompt token ids, ...], ...], "max_tokens": n}.
+Each call is one `LLM.generate` over its prompts (greedy, the sampled token's log-probability kept); later calls
+can hit the prefix cache that earlier ones filled. Prints "RESULT " and
+{"calls": [[{"tokens", "logprobs", "cached"}, ...], ...]} on one line (vLLM logs around it).
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    job = json.loads(open(sys.argv[1]).read())
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(job["model"], **job["engine"])
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, logprobs=0, ignore_eos=True)
+    calls = []
+    for prompts in job["calls"]:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        results = []
+        for output in outputs:
+            completion = output.outputs[0]
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+            results.append(
+                {
+                    "tokens": list(completion.token_ids),
+                    "logprobs": logprobs,
+                    "cached": output.num_cached_tokens or 0,
+                }
+            )
+        calls.append(results)
+    print("RESULT " + json.dumps({"calls": calls}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
