@@ -52,6 +52,7 @@ def test_openai_server_serves_adapter_from_hub(tmp_path, hub_server, tiny_llama_
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(tiny_llama_dir), "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+        "--gpu-memory-utilization", "0.3",
         "--additional-config", json.dumps({"focus_adapter": REPO}),
     ]  # fmt: skip
     env = engine_env(hub_server.subprocess_env())
