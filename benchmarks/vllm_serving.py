@@ -5,10 +5,10 @@ For each prompt length, one request at a time (greedy, --decode-tokens new token
 is reused; one untimed request first): time to first token and prefill tokens/s from the engine's own request
 timestamps (scheduled -> first token), decode tokens/s from first -> last token. KV memory per token: vLLM's
 paged cache (layers x 2 x kv heads x head_dim x 4 bytes, float32) plus, for Focus, the side cache of
-`focus_hf.vllm.side_cache` (its allocated table per slot). Both engines run eagerly (Focus needs it; the dense
-engine is run the same way so that only attention differs) in float32. SmolLM2 was trained to 8K positions: 16K
-and 32K prompts run past that (vLLM is allowed with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1); speed is what is measured
-there, not quality.
+`focus_hf.vllm.side_cache` (its tables per slot and per block, at the engine's block size). Both engines run
+eagerly (Focus needs it; the dense engine is run the same way so that only attention differs) in float32.
+SmolLM2 was trained to 8K positions: 16K and 32K prompts run past that (vLLM is allowed with
+VLLM_ALLOW_LONG_MAX_MODEL_LEN=1); speed is what is measured there, not quality.
 
     .venv-vllm/bin/python benchmarks/vllm_serving.py --lengths 4096 8192 16384 32768 \
         --json benchmarks/results/vllm_serving.json
@@ -85,11 +85,14 @@ def run_engine(args: argparse.Namespace) -> None:
                 "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             }
         )
-    print("RESULT " + json.dumps({"load_seconds": round(load_seconds, 1), "rows": rows}), flush=True)
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    result = {"load_seconds": round(load_seconds, 1), "block_size": block_size, "rows": rows}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
-def kv_bytes_per_token(model_dir: Path, focus: bool) -> int:
-    """Bytes of KV cache per token over all layers: vLLM's paged cache (float32), plus Focus's side cache."""
+def kv_bytes_per_token(model_dir: Path, focus: bool, block_size: int) -> float:
+    """Bytes of KV cache per token over all layers: vLLM's paged cache (float32), plus Focus's side cache (blocks of
+    `block_size` tokens)."""
     config = json.loads((model_dir / "config.json").read_text())
     layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -99,8 +102,8 @@ def kv_bytes_per_token(model_dir: Path, focus: bool) -> int:
         from focus_hf.vllm.side_cache import SideCache
 
         adapter = FocusConfig.from_pretrained(str(ADAPTER))
-        side = SideCache(1, 32, adapter.sinkhorn_iterations, adapter.num_groups, device="cpu")
-        total += layers * side.nbytes // 32
+        side = SideCache(1, block_size, adapter.sinkhorn_iterations, adapter.num_groups, device="cpu")
+        total += layers * side.nbytes / block_size
     return total
 
 
@@ -150,7 +153,9 @@ def main() -> None:
         results[variant] = json.loads(lines[-1].removeprefix("RESULT "))
         print(variant, json.dumps(results[variant]["rows"]), flush=True)
 
-    dense_kv, focus_kv = kv_bytes_per_token(model_dir, False), kv_bytes_per_token(model_dir, True)
+    block_size = results["focus"]["block_size"]
+    dense_kv = kv_bytes_per_token(model_dir, False, block_size)
+    focus_kv = kv_bytes_per_token(model_dir, True, block_size)
     rows = []
     for dense, focus in zip(results["dense"]["rows"], results["focus"]["rows"]):
 
@@ -167,7 +172,11 @@ def main() -> None:
                 "prefill_speedup": ratio("prefill_tokens_per_s"),
                 "ttft_speedup": ratio("ttft_s", invert=True),
                 "decode_speedup": ratio("decode_tokens_per_s"),
-                "kv_bytes_per_token": {"dense": dense_kv, "focus": focus_kv, "ratio": round(focus_kv / dense_kv, 3)},
+                "kv_bytes_per_token": {
+                    "dense": round(dense_kv, 1),
+                    "focus": round(focus_kv, 1),
+                    "ratio": round(focus_kv / dense_kv, 3),
+                },
             }
         )
     import torch
@@ -180,6 +189,7 @@ def main() -> None:
         "adapter": str(ADAPTER.relative_to(ROOT)),
         "engine": "vLLM CPU engine, eager, chunked prefill, one request at a time, prefix caching off",
         "chunk_tokens": args.chunk,
+        "block_size": block_size,
         "decode_tokens": args.decode_tokens,
         "vllm": vllm.__version__,
         "torch": torch.__version__,

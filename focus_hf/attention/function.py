@@ -17,7 +17,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
-from focus_hf.attention.cpu.native import attend_runs
+from focus_hf.attention.cpu.native import attend_runs, prefill_attention
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.hard import hard_attention
 from focus_hf.attention.pattern import causal_positions, pair_distance
@@ -134,14 +134,24 @@ def base_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Unrestricted attention, as the base model computes it (SDPA, or the dense path when SDPA cannot: soft-capped
-    logits, or `output_attentions=True`, whose weights SDPA does not return)."""
-    softcap = kwargs.get("softcap")
-    if softcap is None and not kwargs.get("output_attentions"):
+    logits, or `output_attentions=True`, whose weights SDPA does not return).
+
+    Without a mask the queries are the last of the keys (causal from the bottom-right corner), as everywhere in
+    Focus: a later chunk of a prefill (vLLM's paged cache, `focus_hf.vllm`) comes so. SDPA's causal flag aligns
+    them with the first keys instead, so such a call runs the C kernel of `native` (or the dense path)."""
+    plain = kwargs.get("softcap") is None and not kwargs.get("output_attentions")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    later_chunk = attention_mask is None and 1 < q_len < kv_len
+    if plain and later_chunk and dropout == 0.0:
+        computed = prefill_attention(query, key, value, causal=True, scale=scaling, first=kv_len - q_len)
+        if computed is not None:
+            return computed[0].transpose(1, 2), None
+    if plain and not later_chunk:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    bias = causal_bias(as_bool_mask(attention_mask), query.shape[2], key.shape[2], query.device)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    bias = causal_bias(as_bool_mask(attention_mask), q_len, kv_len, query.device)
     return _reference_attention(query, key, value, bias, scaling, dropout, kwargs)
 
 
@@ -230,8 +240,8 @@ def focus_attention_forward(
 def _routed_queries(module, routing, query, key, value, attention_mask, dropout, scaling, kwargs, kv_heads=None):
     """Focus attention for routed heads; the call's first queries below `dense_below` with the base attention.
 
-    Only ever splits queries of heads that are routed: the base attention of a query subset would be causal from
-    the wrong corner without a mask, and its dense part here is square whenever the call is."""
+    Only ever splits queries of heads that are routed; the dense part's queries are the last of its keys, which
+    `base_attention` reads right with or without a mask."""
     count = routing.dense_queries(query.shape[2])
     if not count:
         return _routed_attention(

@@ -1,7 +1,8 @@
 """Serving Focus adapters with vLLM's CPU engine (the `vllm` extra), a vLLM plugin: `plugin` (the entry point vLLM
 loads), `checks` (what is refused at start-up), `adapter` (fetched, verified, split into routers), `model_hooks` (the
-routers in vLLM's attention modules), `backend` (the CPU_ATTN subclass), `side_cache` (groups and Sinkhorn state per
-cached token, paged like the KV cache), `decode` (a decoding step over the keys its pattern shows it) and `versions`.
+routers in vLLM's attention modules), `backend` (the CPU_ATTN subclass), `side_cache` (each cached token's group and
+each block's Sinkhorn state, paged like the KV cache), `decode` (a decoding step read from the paged cache in place)
+and `versions`.
 
 One adapter per server, named when the engine starts::
 

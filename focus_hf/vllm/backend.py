@@ -24,13 +24,14 @@ from focus_hf.attention.function import LayerRouting, focus_attention_forward
 from focus_hf.attention.routing import RoutingState, route_tokens
 from focus_hf.errors import FocusRuntimeError
 from focus_hf.vllm.adapter import LayerRouter
-from focus_hf.vllm.decode import decode_step, visible_positions
+from focus_hf.vllm.decode import decode_step
 from focus_hf.vllm.side_cache import SideCache
 
 # Attributes the model hooks (`model_hooks`) leave on vLLM's `Attention` layer.
 ROUTER_ATTRIBUTE = "_focus_router"
 SCORES_ATTRIBUTE = "_focus_scores"
 SIDE_CACHE_ATTRIBUTE = "_focus_side_cache"
+LAYOUT_CHECKED_ATTRIBUTE = "_focus_layout_checked"  # the cache tensor (its address) whose layout was verified
 
 
 class FocusCPUAttentionBackend(CPUAttentionBackend):
@@ -99,11 +100,10 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         # Per block and kv head: block_size keys then as many values (`CPUAttentionBackendImpl.forward`); the CPU
         # kernels of vLLM 0.32 ("vec", "vec16" ISAs) store the keys transposed, [head_dim, block_size], and the values
-        # as rows, [block_size, head_dim]. `_check_layout` verifies that reading at every call.
+        # as rows, [block_size, head_dim]. `_check_layout` verifies that reading on each layer's cache tensor.
         halves = kv_cache.view(num_blocks, num_kv_heads, 2, -1)
         key_cache = halves[:, :, 0].view(num_blocks, num_kv_heads, self.head_size, block_size).transpose(2, 3)
         value_cache = halves[:, :, 1].view(num_blocks, num_kv_heads, block_size, self.head_size)
-        module = _AttentionModule(self.num_heads, self.num_kv_heads, router.layer_index)
         starts = metadata.query_start_loc.tolist()
         lengths = metadata.seq_lens.tolist()
         head_dim = self.head_size
@@ -115,12 +115,14 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
             if q_len == 0:
                 continue
             cached = seq_len - q_len
-            slots = side.slots(metadata.block_table[request], seq_len)
+            block_row = metadata.block_table[request]
+            # The slots from the last cached token on: where routing resumes, and where the call's tokens go.
+            slots = side.slots(block_row, seq_len, start=max(cached - 1, 0))
             state = RoutingState.empty(1, settings.sinkhorn_iterations, settings.num_groups, key_scores.device)
             if cached:
                 state.seen = cached
                 state.valid_count = torch.tensor([cached], device=key_scores.device)
-                state.column_lse = side.column_lse(slots[cached - 1])
+                state.column_lse = side.column_lse(int(slots[0]))
             tokens, routed = route_tokens(
                 key_scores[None, first:last],
                 torch.ones(1, q_len, dtype=torch.bool, device=key_scores.device),
@@ -132,30 +134,30 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 probe_mass=settings.probe_mass,
                 token_columns=True,
             )
-            side.write(slots[cached:], routed.key_groups[0], routed.token_column_lse[0])
-            if request == 0 and int(metadata.slot_mapping[last - 1]) >= 0:
+            side.write(slots[-q_len:], routed.key_groups[0], routed.token_column_lse[0])
+            layout_unchecked = getattr(layer, LAYOUT_CHECKED_ATTRIBUTE, None) != kv_cache.data_ptr()
+            if layout_unchecked and int(metadata.slot_mapping[last - 1]) >= 0:
                 # the layout check: the call's last key, as read back from its block, is the one vLLM wrote
-                block = metadata.block_table[request, (seq_len - 1) // block_size].long()
+                block = block_row[(seq_len - 1) // block_size].long()
                 written = key.view(-1, self.num_kv_heads, head_dim)[last - 1]
                 _check_layout(key_cache[block, :, (seq_len - 1) % block_size], written, layer)
+                setattr(layer, LAYOUT_CHECKED_ATTRIBUTE, kv_cache.data_ptr())
             if q_len == 1 and cached:
                 # A decoding step reads only the keys its pattern shows it, straight from the paged cache.
-                visible = visible_positions(
-                    tokens.top_groups[0, 0],
-                    side.key_groups(slots),
-                    settings.sink_tokens,
-                    settings.window,
-                    settings.dense_below,
-                )
                 out[first] = decode_step(
                     query[first],
                     key_cache,
                     value_cache,
-                    metadata.block_table[request],
-                    visible,
+                    block_row,
                     seq_len,
-                    router.dense_kv_heads,
-                    self.scale,
+                    side.slot_groups,
+                    tokens.top_groups[0, 0],
+                    num_groups=settings.num_groups,
+                    sink_tokens=settings.sink_tokens,
+                    window=settings.window,
+                    dense_below=settings.dense_below,
+                    dense_kv_heads=router.dense_kv_heads,
+                    scale=self.scale,
                 )
                 continue
             positions = torch.arange(seq_len, device=key_scores.device)
@@ -164,9 +166,10 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 valid_count=torch.tensor([seq_len]),
                 column_lse=routed.column_lse,
                 key_probs=routed.key_probs[:, :0],  # hard routing reads groups and sinks only
-                key_groups=side.key_groups(slots)[None],
+                key_groups=side.key_groups(side.slots(block_row, seq_len))[None],
                 key_sink=(positions < settings.sink_tokens)[None],
             )
+            module = _AttentionModule(self.num_heads, self.num_kv_heads, router.layer_index)
             module._focus_routing = LayerRouting(
                 mode="hard",
                 backend="auto",
@@ -179,19 +182,17 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 dense_below=settings.dense_below,
                 dense_kv_heads=router.dense_kv_heads,
             )
-            blocks = metadata.block_table[request, : -(-seq_len // block_size)].long()
+            blocks = block_row[: -(-seq_len // block_size)].long()
             request_keys = _paged_rows(key_cache, blocks, seq_len)
             request_values = _paged_rows(value_cache, blocks, seq_len)
-            mask = None
-            if 1 < q_len < seq_len:  # a later chunk: causal from the bottom-right corner, which SDPA's flag is not
-                mask = positions[None, :] <= (cached + torch.arange(q_len, device=positions.device))[:, None]
-                mask = mask[None, None]
+            # No mask: the call's queries are the last of its keys (a later chunk is causal from the bottom-right
+            # corner), which is what the attention function assumes of a call without one.
             result, _ = focus_attention_forward(
                 module,
                 query[first:last].transpose(0, 1)[None].contiguous(),
                 request_keys,
                 request_values,
-                mask,
+                None,
                 scaling=self.scale,
             )
             out[first:last] = result[0]
@@ -211,8 +212,9 @@ def _check_layout(read: torch.Tensor, written: torch.Tensor, layer: nn.Module) -
 
 def _paged_rows(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """[1, kv_heads, length, dim]: one request's keys (or values) gathered from the paged cache
-    [num_blocks, kv_heads, block_size, dim] (a view, possibly transposed) through its block ids."""
-    gathered = cache[blocks]  # [blocks, kv_heads, block_size, dim]
-    kv_heads, dim = gathered.shape[1], gathered.shape[3]
-    # Contiguous: the project's CPU kernels read plain row-major tensors.
-    return gathered.transpose(0, 1).reshape(kv_heads, -1, dim)[None, :, :length].contiguous()
+    [num_blocks, kv_heads, block_size, dim] (a view, possibly transposed) through its block ids, in one copy into
+    rows the project's CPU kernels read (each head's rows one after another)."""
+    _, kv_heads, block_size, dim = cache.shape
+    rows = cache.new_empty(kv_heads, len(blocks), block_size, dim)
+    torch.index_select(cache, 0, blocks, out=rows.permute(1, 0, 2, 3))
+    return rows.view(kv_heads, -1, dim)[None, :, :length]

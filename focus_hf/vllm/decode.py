@@ -1,10 +1,11 @@
 """A decoding step of Focus read straight from vLLM's paged KV cache: only the keys the pattern lets the query see.
 
 One query's pattern is a set of keys (its window, the sinks, the keys of the groups it probes), so its attention is
-plain attention over that set: the step picks the set with `pattern.allowed_pairs` from the side cache's groups,
-reads those keys and values from their blocks, and runs the project's one-query C kernel (`native.attend_runs`)
-over them. Dense kv heads read all their keys. Gathering every key of the request first, as the prefill path does,
-would move the whole cache at every step - more than vLLM's dense kernel reads.
+plain attention over that set. The C kernel `native.paged_decode` evaluates the pattern from the side cache's groups
+slot by slot as it walks the request's blocks, and reads keys and values where vLLM stored them: scores only for
+the pieces of a block that hold a visible key, values only of visible keys, nothing gathered or copied. Dense kv
+heads read every key. Where the kernel cannot run (no C compiler, another dtype), the step picks the set with
+`pattern.allowed_pairs`, gathers it and runs torch - the same result.
 """
 
 from __future__ import annotations
@@ -14,27 +15,26 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.cpu.native import attend_runs
+from focus_hf.attention.cpu.native import attend_runs, paged_decode
 from focus_hf.attention.pattern import allowed_pairs
 
 
+def sees_everything(length: int, window: int, dense_below: int) -> bool:
+    """Whether the last of `length` tokens sees every key: all lie in its window, or it is a query `dense_below`
+    keeps dense."""
+    return length - 1 <= window or length < dense_below
+
+
 def visible_positions(
-    query_groups: torch.Tensor,
-    key_groups: torch.Tensor,
-    sink_tokens: int,
-    window: int,
-    dense_below: int,
-) -> Optional[torch.Tensor]:
-    """Positions [m] of the keys the last of `len(key_groups)` tokens sees, or None when it sees them all.
+    query_groups: torch.Tensor, key_groups: torch.Tensor, sink_tokens: int, window: int
+) -> torch.Tensor:
+    """Positions [m] of the keys the last of `len(key_groups)` tokens sees.
 
     Args:
         query_groups: [top_k] the groups the query probes.
         key_groups: [n] every key's group (the query's own last).
     """
-    length = key_groups.shape[0]
-    if length - 1 <= window or length < dense_below:  # all within the window, or a query `dense_below` keeps dense
-        return None
-    positions = torch.arange(length, device=key_groups.device)
+    positions = torch.arange(key_groups.shape[0], device=key_groups.device)
     allowed = allowed_pairs(
         query_groups[None, None], key_groups[None], (positions < sink_tokens)[None], positions[-1:], positions, window
     )[0, 0]
@@ -56,8 +56,14 @@ def decode_step(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_row: torch.Tensor,
-    visible: Optional[torch.Tensor],
     length: int,
+    slot_groups: torch.Tensor,
+    query_groups: torch.Tensor,
+    *,
+    num_groups: int,
+    sink_tokens: int,
+    window: int,
+    dense_below: int,
     dense_kv_heads: tuple[int, ...],
     scale: float,
 ) -> torch.Tensor:
@@ -65,29 +71,51 @@ def decode_step(
 
     Args:
         key_cache, value_cache: [num_blocks, kv_heads, block_size, dim] views of vLLM's paged cache.
-        visible: `visible_positions` of the routed heads (None: every key).
         length: the request's tokens, the query's own included.
+        slot_groups: int32 [num_blocks * block_size]: each slot's key group (`SideCache.slot_groups`).
+        query_groups: [top_k] the groups the query probes.
         dense_kv_heads: kv heads that see every key.
     """
+    kv_heads = key_cache.shape[1]
+    every_key = torch.zeros(kv_heads, dtype=torch.bool)
+    every_key[list(dense_kv_heads)] = True
+    if sees_everything(length, window, dense_below):
+        every_key[:] = True
+    block_row = block_row.to(torch.int32)
+    output = paged_decode(
+        query, key_cache, value_cache, block_row, length, slot_groups, num_groups, query_groups, every_key,
+        sink_tokens, window, scale,
+    )  # fmt: skip
+    if output is not None:
+        return output
+    return _gathered_step(query, key_cache, value_cache, block_row, length, slot_groups, query_groups, every_key,
+                          sink_tokens, window, scale)  # fmt: skip
+
+
+def _gathered_step(
+    query, key_cache, value_cache, block_row, length, slot_groups, query_groups, every_key, sink_tokens, window, scale
+) -> torch.Tensor:
+    """`decode_step` in torch: the visible keys gathered from their blocks, then one attention call per kind of head."""
     block_size = key_cache.shape[2]
     per_kv = query.shape[0] // key_cache.shape[1]
+    positions = torch.arange(length, device=block_row.device)
+    blocks = block_row[positions // block_size].long()
+    offsets = positions % block_size
 
-    def read(positions: Optional[torch.Tensor], head: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [kv_heads (or 1), m, dim] at `positions` (None: all), contiguous rows for the kernel."""
-        if positions is None:
-            positions = torch.arange(length, device=block_row.device)
-        blocks = block_row[positions // block_size].long()
-        offsets = positions % block_size
-        if head is not None:  # one kv head: [m, dim]
-            return key_cache[blocks, head, offsets][None], value_cache[blocks, head, offsets][None]
-        keys, values = key_cache[blocks, :, offsets], value_cache[blocks, :, offsets]  # [m, kv_heads, dim]
+    def read(chosen: torch.Tensor, head: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [kv_heads (or 1), m, dim] at positions `chosen`, contiguous rows for the kernel."""
+        if head is not None:
+            return key_cache[blocks[chosen], head, offsets[chosen]][None], value_cache[
+                blocks[chosen], head, offsets[chosen]
+            ][None]
+        keys, values = key_cache[blocks[chosen], :, offsets[chosen]], value_cache[blocks[chosen], :, offsets[chosen]]
         return keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()
 
-    keys, values = read(visible)
-    output = attend(query, keys, values, scale)
-    if visible is not None:
-        for head in dense_kv_heads:
-            dense_keys, dense_values = read(None, head)
-            queries = slice(head * per_kv, (head + 1) * per_kv)
-            output[queries] = attend(query[queries], dense_keys, dense_values, scale)
+    if bool(every_key.all()):
+        return attend(query, *read(positions), scale)
+    key_groups = slot_groups[blocks * block_size + offsets].long()
+    output = attend(query, *read(visible_positions(query_groups, key_groups, sink_tokens, window)), scale)
+    for head in every_key.nonzero()[:, 0].tolist():
+        queries = slice(head * per_kv, (head + 1) * per_kv)
+        output[queries] = attend(query[queries], *read(positions, head), scale)
     return output

@@ -1,11 +1,16 @@
 """The routing record of each cached token, paged like vLLM's KV cache and addressed through the same block table.
 
-For exact routing later, a layer needs two things per cached token: its group as a key, and the causal Sinkhorn
-state after it (`RoutingState.column_lse`: the running log column sums of every iteration), from which routing
-resumes when a later call starts right after that token - the next chunk of a chunked prefill, a decoding step, a
-prompt that hits the prefix cache, a request recomputed after preemption. Both are functions of the tokens up to
-that one only (routing is causal), so a block holds the same record whichever request computed it, exactly as its
-keys and values: the record lives in slot `block_id * block_size + offset`, the slot vLLM writes the token's keys to.
+For exact routing later, a layer needs each cached token's group as a key, and the causal Sinkhorn state
+(`RoutingState.column_lse`: the running log column sums of every iteration) after the token a later call starts
+right after - the next chunk of a chunked prefill, a decoding step, a prompt that hits the prefix cache, a request
+recomputed after preemption. Both are functions of the tokens up to that one only (routing is causal), so a block
+holds the same record whichever request computed it, exactly as its keys and values: a token's group lives in slot
+`block_id * block_size + offset`, the slot vLLM writes the token's keys to.
+
+A call always starts right after the last token written to its block: tokens fill a block in order, a chunk or
+step continues its request's last one, and a prefix-cache hit ends on a whole block (vLLM caches whole blocks
+only). So each block keeps one state, the one after its last token so far (and that token's offset, checked on
+resuming): 4 bytes per slot and (1 + iterations x K) x 4 bytes per block, instead of the state of every token.
 
 Sinks need no record: vLLM holds no padding, so a token is a sink iff its position is below `sink_tokens`.
 """
@@ -14,39 +19,57 @@ from __future__ import annotations
 
 import torch
 
+from focus_hf.errors import FocusRuntimeError
+
 
 class SideCache:
-    """One layer's records: a float32 table [slots, 1 + iterations * K]: column 0 the token's key group (small
-    integers are exact in float32), then its column sums after it, by iteration then group."""
+    """One layer's records: each slot's key group (int32 [slots], which the decoding kernel reads in place, slot by
+    slot as it reads the keys) and each block's state after its last token so far (float32 [blocks, 1 + iterations
+    * K]: that token's offset in the block, then the column sums by iteration then group)."""
 
     def __init__(self, num_blocks: int, block_size: int, iterations: int, groups: int, device: torch.device) -> None:
         self.block_size = block_size
         self.iterations = iterations
         self.groups = groups
-        self.table = torch.zeros(num_blocks * block_size, 1 + iterations * groups, device=device)
+        self.slot_groups = torch.zeros(num_blocks * block_size, dtype=torch.int32, device=device)
+        self.table = torch.full((num_blocks, 1 + iterations * groups), -1.0, device=device)
 
     @property
     def nbytes(self) -> int:
-        return self.table.numel() * self.table.element_size()
+        return sum(tensor.numel() * tensor.element_size() for tensor in (self.slot_groups, self.table))
 
     def fits(self, num_blocks: int, block_size: int) -> bool:
         """Whether this cache covers a KV cache of `num_blocks` blocks of `block_size` (vLLM allocates it once)."""
-        return self.block_size == block_size and self.table.shape[0] == num_blocks * block_size
+        return self.block_size == block_size and self.table.shape[0] == num_blocks
 
-    def slots(self, block_row: torch.Tensor, length: int) -> torch.Tensor:
-        """Slots [length] of positions 0 .. length - 1 of the request whose block-table row is `block_row`."""
-        positions = torch.arange(length, device=block_row.device)
+    def slots(self, block_row: torch.Tensor, end: int, start: int = 0) -> torch.Tensor:
+        """Slots [end - start] of positions start .. end - 1 of the request whose block-table row is `block_row`."""
+        positions = torch.arange(start, end, device=block_row.device)
         return block_row[positions // self.block_size].long() * self.block_size + positions % self.block_size
 
     def write(self, slots: torch.Tensor, key_groups: torch.Tensor, column_lse: torch.Tensor) -> None:
-        """Record new tokens: slots [n], their key groups [n], their column sums [n, iterations, K]."""
-        self.table[slots, 0] = key_groups.to(self.table.dtype)
-        self.table[slots, 1:] = column_lse.reshape(len(slots), -1).to(self.table.dtype)
+        """Record new tokens of one request, in order: slots [n], their key groups [n], the column sums after each
+        [n, iterations, K] (each block keeps those after its last token)."""
+        self.slot_groups[slots] = key_groups.to(torch.int32)
+        blocks = slots // self.block_size
+        last = torch.ones_like(blocks, dtype=torch.bool)
+        last[:-1] = blocks[1:] != blocks[:-1]
+        offsets = (slots[last] % self.block_size)[:, None].to(self.table.dtype)
+        sums = column_lse[last].reshape(-1, self.iterations * self.groups).to(self.table.dtype)
+        self.table[blocks[last]] = torch.cat([offsets, sums], dim=1)
 
     def key_groups(self, slots: torch.Tensor) -> torch.Tensor:
         """Key groups [n] (int64) of the tokens in `slots`."""
-        return self.table[slots, 0].long()
+        return self.slot_groups[slots].long()
 
-    def column_lse(self, slot: torch.Tensor) -> torch.Tensor:
-        """[1, iterations, K]: the Sinkhorn column sums after the token in `slot` (where routing resumes)."""
-        return self.table[slot, 1:].reshape(1, self.iterations, self.groups)
+    def column_lse(self, slot: int) -> torch.Tensor:
+        """[1, iterations, K]: the Sinkhorn column sums after the token in `slot`, from which routing resumes (the
+        last token written to its block)."""
+        record = self.table[slot // self.block_size]
+        if int(record[0]) != slot % self.block_size:
+            raise FocusRuntimeError(
+                f"focus_hf.vllm: routing should resume after slot {slot}, but its block's last routed token is at "
+                f"offset {int(record[0])}: the engine resumed a request where Focus keeps no state (a prefix-cache "
+                "hit inside a block?). Please report this with the vLLM version and engine options."
+            )
+        return record[1:].reshape(1, self.iterations, self.groups)

@@ -41,9 +41,11 @@ def run_engine(
     max_tokens: int,
     timeout: int = 900,
     log: Optional[list] = None,
+    stats: Optional[dict] = None,
 ) -> list:
     """Run vLLM on `calls` (lists of prompts, each a list of token ids) in a fresh process; the per-call results
-    (the engine's output lines are appended to `log` when one is given)."""
+    (the engine's output lines are appended to `log` when one is given, and its counts - "preemptions" - put in
+    `stats`)."""
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"model": str(model), "engine": engine, "calls": calls, "max_tokens": max_tokens}))
     done = subprocess.run(
@@ -60,7 +62,10 @@ def run_engine(
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not results:
         raise AssertionError(f"vLLM printed no result:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-    return json.loads(results[-1].removeprefix("RESULT "))["calls"]
+    result = json.loads(results[-1].removeprefix("RESULT "))
+    if stats is not None:
+        stats["preemptions"] = result["preemptions"]
+    return result["calls"]
 
 
 def engine_log(tmp_path: Path, model: Path, engine: dict) -> subprocess.CompletedProcess:

@@ -5,7 +5,8 @@
 JOB: {"model": folder, "engine": {LLM keyword arguments}, "calls": [[prompt token ids, ...], ...], "max_tokens": n}.
 Each call is one `LLM.generate` over its prompts (greedy, the sampled token's log-probability kept); later calls
 can hit the prefix cache that earlier ones filled. Prints "RESULT " and
-{"calls": [[{"tokens", "logprobs", "cached"}, ...], ...]} on one line (vLLM logs around it).
+{"calls": [[{"tokens", "logprobs", "cached"}, ...], ...], "preemptions": n or null} on one line (vLLM logs around
+it; preemptions are counted where the engine keeps stats, `disable_log_stats=False`).
 """
 
 import json
@@ -37,7 +38,11 @@ def main() -> None:
                 }
             )
         calls.append(results)
-    print("RESULT " + json.dumps({"calls": calls}), flush=True)
+    # The engine's own count of preempted requests (a Prometheus counter; kept where stats are on)
+    preemptions = None
+    if job["engine"].get("disable_log_stats") is False:
+        preemptions = sum(metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
+    print("RESULT " + json.dumps({"calls": calls, "preemptions": preemptions}), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from focus_hf.attention.cpu import native
 from focus_hf.attention.function import LayerRouting, focus_attention_forward
 from focus_hf.attention.routing import RoutingState, TokenRouting
-from focus_hf.vllm.decode import decode_step, visible_positions
+from focus_hf.vllm import decode
 
 
 class _Module(torch.nn.Module):
@@ -18,28 +19,56 @@ class _Module(torch.nn.Module):
         self.is_causal = True
 
 
-@pytest.mark.parametrize("length", [40, 300, 1000])
+def _paged_cache(num_blocks, kv_heads, block_size, dim, layout):
+    """Key and value views [num_blocks, kv_heads, block_size, dim] of a paged cache: vLLM's CPU layout (per block and
+    kv head, keys as [dim, block_size], then values as [block_size, dim]) or plain rows."""
+    cache = torch.randn(num_blocks, kv_heads, 2, dim * block_size)
+    if layout == "transposed":
+        key_cache = cache[:, :, 0].view(num_blocks, kv_heads, dim, block_size).transpose(2, 3)
+    else:
+        key_cache = cache[:, :, 0].view(num_blocks, kv_heads, block_size, dim)
+    return key_cache, cache[:, :, 1].view(num_blocks, kv_heads, block_size, dim)
+
+
+@pytest.mark.parametrize(
+    "length, block_size, layout",
+    [(40, 16, "transposed"), (300, 16, "rows"), (1000, 128, "transposed"), (3000, 128, "transposed"),
+     (3000, 32, "rows"), (700, 24, "transposed")],
+)  # fmt: skip
 @pytest.mark.parametrize("dense_heads", [(), (1,)])
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_decode_step_matches_the_attention_function(length, dense_heads, top_k):
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_decode_step_matches_the_attention_function(
+    length, block_size, layout, dense_heads, top_k, kernel, monkeypatch
+):
     torch.manual_seed(length + top_k)
-    heads, kv_heads, dim, block_size, groups, window, sinks = 6, 3, 32, 16, 4, 64, 3
+    heads, kv_heads, dim, groups, window, sinks = 6, 3, 32, 4, 64, 3
+    if kernel == "torch":
+        monkeypatch.setattr(decode, "paged_decode", lambda *args: None)
     blocks = -(-length // block_size)
     num_blocks = blocks + 5
-    # vLLM's CPU layout: per block and kv head, keys as [dim, block_size], then values as [block_size, dim]
-    cache = torch.randn(num_blocks, kv_heads, 2, dim * block_size)
-    key_cache = cache[:, :, 0].view(num_blocks, kv_heads, dim, block_size).transpose(2, 3)
-    value_cache = cache[:, :, 1].view(num_blocks, kv_heads, block_size, dim)
+    key_cache, value_cache = _paged_cache(num_blocks, kv_heads, block_size, dim, layout)
     block_row = torch.randperm(num_blocks)[:blocks].int()
     positions = torch.arange(length)
+    slots = block_row[positions // block_size].long() * block_size + positions % block_size
     keys = key_cache[block_row[positions // block_size].long(), :, positions % block_size].transpose(0, 1)[None]
     values = value_cache[block_row[positions // block_size].long(), :, positions % block_size].transpose(0, 1)[None]
     query = torch.randn(heads, dim)
     key_groups = torch.randint(0, groups, (length,))
+    slot_groups = torch.randint(0, groups, (num_blocks * block_size,), dtype=torch.int32)  # other requests' slots
+    slot_groups[slots] = key_groups.int()
     query_groups = torch.randperm(groups)[:top_k]
 
-    visible = visible_positions(query_groups, key_groups, sinks, window, dense_below=0)
-    got = decode_step(query, key_cache, value_cache, block_row, visible, length, dense_heads, dim**-0.5)
+    got = decode.decode_step(
+        query, key_cache, value_cache, block_row, length, slot_groups, query_groups, num_groups=groups,
+        sink_tokens=sinks, window=window, dense_below=0, dense_kv_heads=dense_heads, scale=dim**-0.5,
+    )  # fmt: skip
+    if kernel == "native":
+        assert native.native_kernels() is not None, "the C kernels must build on this machine (cc on the PATH)"
+        assert decode.paged_decode(
+            query, key_cache, value_cache, block_row, length, slot_groups, groups, query_groups,
+            torch.zeros(kv_heads, dtype=torch.bool), sinks, window, dim**-0.5,
+        ) is not None  # fmt: skip
 
     module = _Module(heads // kv_heads)
     module._focus_routing = LayerRouting(
@@ -64,4 +93,31 @@ def test_decode_step_matches_the_attention_function(length, dense_heads, top_k):
     want, _ = focus_attention_forward(module, query[None, :, None], keys, values, None, scaling=dim**-0.5)
     torch.testing.assert_close(got, want[0, 0], atol=1e-5, rtol=1e-5)
     if length > window + 1:
-        assert visible is not None and len(visible) < length  # the step reads fewer keys than the cache holds
+        visible = decode.visible_positions(query_groups, key_groups, sinks, window)
+        assert len(visible) < length  # the step reads fewer keys than the cache holds
+
+
+@pytest.mark.parametrize("length, dense_below", [(50, 0), (900, 1000), (1000, 1000)])
+def test_decode_step_sees_every_key_where_the_pattern_hides_none(length, dense_below):
+    """Within the window, or below `dense_below`, a step is dense attention over the request's keys."""
+    torch.manual_seed(length)
+    heads, kv_heads, dim, block_size, window = 4, 2, 32, 16, 64
+    blocks = -(-length // block_size)
+    key_cache, value_cache = _paged_cache(blocks + 2, kv_heads, block_size, dim, "transposed")
+    block_row = torch.randperm(blocks + 2)[:blocks].int()
+    positions = torch.arange(length)
+    keys = key_cache[block_row[positions // block_size].long(), :, positions % block_size].transpose(0, 1)
+    values = value_cache[block_row[positions // block_size].long(), :, positions % block_size].transpose(0, 1)
+    query = torch.randn(heads, dim)
+    slot_groups = torch.randint(0, 4, ((blocks + 2) * block_size,), dtype=torch.int32)
+    got = decode.decode_step(
+        query, key_cache, value_cache, block_row, length, slot_groups, torch.tensor([0]), num_groups=4,
+        sink_tokens=2, window=window, dense_below=dense_below, dense_kv_heads=(), scale=dim**-0.5,
+    )  # fmt: skip
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query[None, :, None], keys[None], values[None], scale=dim**-0.5, enable_gqa=True
+    )[0, :, 0]
+    if length >= dense_below and length - 1 > window:
+        assert not torch.allclose(got, want, atol=1e-3)  # the pattern hides keys here
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

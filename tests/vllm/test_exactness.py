@@ -51,6 +51,28 @@ def test_tiny_model_matches_transformers(request, tmp_path, tiny_llama_dir, adap
     assert_same_continuations(calls[0] + calls[1], reference, TOLERANCE)
 
 
+def test_preempted_requests_resume_routing_exactly(tmp_path, tiny_llama_dir, tiny_adapter):
+    """A KV cache too small for the batch: the scheduler preempts running requests (their blocks freed, the side
+    cache's records with them) and recomputes them later in other blocks; the continuations are still those of
+    transformers."""
+    batch = _random_prompts([300, 280, 260, 240], seed=3)
+    stats: dict = {}
+    engine = _engine(
+        tiny_adapter,
+        max_model_len=512,
+        max_num_batched_tokens=96,
+        max_num_seqs=4,
+        block_size=32,
+        num_gpu_blocks_override=20,  # 640 token slots for four requests of ~330 tokens each
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+    )
+    calls = run_engine(tmp_path, tiny_llama_dir, engine, [batch], max_tokens=60, stats=stats)
+    assert stats["preemptions"] > 0, "the engine should have preempted a request"
+    reference = transformers_greedy(tiny_llama_dir, tiny_adapter, batch, max_tokens=60)
+    assert_same_continuations(calls[0], reference, TOLERANCE)
+
+
 @pytest.mark.integration
 def test_smollm2_distilled_adapter_matches_transformers(tmp_path, smollm2_dir):
     """The committed distilled adapter on SmolLM2-135M-Instruct at 1K, 4K and 8K-token prompts of real text, in one

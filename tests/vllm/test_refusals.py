@@ -46,6 +46,26 @@ def test_pipeline_parallel_is_refused(tiny_llama_dir, tiny_adapter):
         _configure(tiny_llama_dir, tiny_adapter, pipeline_parallel_size=2, distributed_executor_backend="mp")
 
 
+def test_tensor_parallel_is_refused(tiny_llama_dir, tiny_adapter):
+    with pytest.raises(FocusServingError, match="tensor parallelism"):
+        _configure(tiny_llama_dir, tiny_adapter, tensor_parallel_size=2, distributed_executor_backend="mp")
+
+
+def test_quantized_kv_cache_is_refused(tiny_llama_dir, tiny_adapter):
+    with pytest.raises(FocusServingError, match="quantized KV cache"):
+        _configure(tiny_llama_dir, tiny_adapter, kv_cache_dtype="fp8")
+
+
+def test_sliding_window_model_is_refused(tmp_path, tiny_llama_dir, tiny_adapter):
+    folder = tmp_path / "windowed"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["sliding_window"] = 64
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FocusServingError, match="sliding window"):
+        _configure(folder, tiny_adapter)
+
+
 def test_unsupported_model_family_is_refused(tmp_path, tiny_llama_dir, tiny_adapter):
     folder = tmp_path / "qwen2"
     shutil.copytree(tiny_llama_dir, folder)

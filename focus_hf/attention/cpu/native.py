@@ -90,6 +90,12 @@ class NativeKernels:
         # query, heads, kv_heads, dim, scale, runs, keys, values, lengths, head_strides, out, element type
         self.attend.argtypes = [pointer, size, size, size, ctypes.c_float, size, *[pointer] * 5, ctypes.c_int]
         self.attend.restype = ctypes.c_int
+        self.paged_decode = library.focus_paged_decode
+        # query, heads, kv_heads, dim, scale, keys, values, 5 strides, block size, block row, length, groups,
+        # groups count, probes, top_k, every key, sink tokens, window, out
+        self.paged_decode.argtypes = [pointer, *[size] * 3, ctypes.c_float, pointer, pointer, *[size] * 6]
+        self.paged_decode.argtypes += [pointer, size, pointer, size, pointer, size, pointer, size, size, pointer]
+        self.paged_decode.restype = ctypes.c_int
         self.copy_row = library.focus_copy_row
         self.copy_row.argtypes = [pointer, pointer, size, pointer, pointer, size, size, size]
         self.prefill_supports = library.focus_prefill_supports
@@ -399,6 +405,84 @@ def attend_runs(query: torch.Tensor, runs: Sequence[Run], scale: float) -> Optio
         head_strides,
         output.data_ptr(),
         ELEMENT_TYPES[query.dtype],
+    )
+    return output if status == 0 else None
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    length: int,
+    slot_groups: torch.Tensor,
+    num_groups: int,
+    probes: torch.Tensor,
+    every_key: torch.Tensor,
+    sink_tokens: int,
+    window: int,
+    scale: float,
+) -> Optional[torch.Tensor]:
+    """One decoding query [heads, dim] of a request whose `length` tokens lie in a paged KV cache, attending with the
+    Focus pattern straight from the cache (csrc/decode.c, `focus_paged_decode`): no key is gathered or copied.
+
+    Args:
+        key_cache, value_cache: [num_blocks, kv_heads, block_size, dim] views of the cache (any strides; values'
+            elements of a row side by side).
+        block_row: int32 [>= blocks of the request]: the cache block of each of the request's blocks.
+        slot_groups: int32 [num_blocks * block_size]: the group of the key in each slot of the cache.
+        probes: int64 [top_k]: the groups the query probes, of `num_groups`.
+        every_key: bool [kv_heads]: kv heads that see every key (dense heads; all of them where the pattern hides
+            nothing). The others see the sinks, the window and the keys of the probed groups.
+
+    Returns:
+        [heads, dim], or None where the kernel cannot take the call (no kernels, a dtype other than float32, a head
+        shape or block size it does not take): the caller then gathers the keys and runs its torch path.
+    """
+    kernels = native_kernels()
+    heads, dim = query.shape
+    num_blocks, kv_heads, block_size, _ = key_cache.shape
+    if (
+        kernels is None
+        or any(t.dtype != torch.float32 or not t.is_cpu for t in (query, key_cache, value_cache))
+        or query.requires_grad
+        or value_cache.stride(3) != 1
+        or key_cache.stride()[:2] != value_cache.stride()[:2]
+        or block_row.dtype != torch.int32
+        or slot_groups.dtype != torch.int32
+        or not (block_row.is_contiguous() and slot_groups.is_contiguous())
+        or slot_groups.shape[0] < num_blocks * block_size
+        or block_row.shape[0] * block_size < length
+    ):
+        return None
+    query = query.contiguous()
+    probes = probes.to(torch.int64).contiguous()
+    flags = every_key.to(torch.uint8).contiguous()
+    output = torch.empty_like(query)
+    status = kernels.paged_decode(
+        query.data_ptr(),
+        heads,
+        kv_heads,
+        dim,
+        scale,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        key_cache.stride(3),
+        value_cache.stride(2),
+        block_size,
+        block_row.data_ptr(),
+        length,
+        slot_groups.data_ptr(),
+        num_groups,
+        probes.data_ptr(),
+        probes.numel(),
+        flags.data_ptr(),
+        sink_tokens,
+        window,
+        output.data_ptr(),
     )
     return output if status == 0 else None
 

@@ -262,3 +262,187 @@ void focus_copy_row(char* dst_keys, char* dst_values, int64_t dst_head_stride, c
         memcpy(dst_values + h * dst_head_stride, src_values + h * src_head_stride, row_bytes);
     }
 }
+
+/* ---- A decoding step read straight from vLLM's paged KV cache (`focus_hf.vllm.decode`) ----
+
+   One query of a request whose tokens lie in blocks of `block_size` slots (block b of the request is block
+   block_row[b] of the cache). Key (t, d) of kv head h in cache block B lies at element B * block_stride +
+   h * head_stride + t * key_row_stride + d * key_dim_stride of `keys` (vLLM's CPU layout stores a block's keys
+   transposed: key_row_stride 1, key_dim_stride block_size; rows, key_dim_stride 1, are read too), value (t, d) at
+   B * block_stride + h * head_stride + t * value_row_stride + d. A kv head with every_key[h] sees every token;
+   the others see position p of the `length` tokens iff p < sink_tokens, length - 1 - p <= window, or the group
+   of its slot (groups[B * block_size + t], int32) is one of the query's `top_k` probes. Scores are computed only
+   for the 16-slot pieces of a block that hold a visible key, values read only for visible keys. float32. */
+#define MAX_BLOCK_SLOTS 1024
+#define MAX_GROUPS 4096
+#define PAGED_PIECE_KEYS 1024
+#define CHUNK_PIECES 4 /* 16-slot pieces whose scores are computed together (64 slots x 64 dims: 16 KiB of keys) */
+#define CHUNK_SLOTS (CHUNK_PIECES * LANES)
+
+typedef struct {
+    const float *query, *keys, *values;
+    int64_t sharing, dim, block_size, length;
+    int64_t block_stride, head_stride, key_row_stride, key_dim_stride, value_row_stride;
+    const int32_t *block_row, *groups;
+    const unsigned char *probed, *every_key;
+    int64_t sink_tokens, window;
+    float scale;
+} PagedCall;
+
+static inline __attribute__((always_inline)) void paged_blocks(
+    const int vectors, const PagedCall* c, int64_t h, int64_t first_block, int64_t end_block, Partial* part)
+{
+    const int64_t sharing = c->sharing, dim = c->dim, bs = c->block_size, last = c->length - 1;
+    const int transposed = c->key_row_stride == 1 && bs % LANES == 0;
+    vec q[MAX_SHARING][MAX_VECTORS], acc[MAX_SHARING][MAX_VECTORS];
+    float qf[MAX_SHARING][MAX_VECTORS * LANES];
+    float scores[MAX_SHARING][MAX_BLOCK_SLOTS];
+    int32_t visible[MAX_BLOCK_SLOTS];
+    unsigned char piece_seen[MAX_BLOCK_SLOTS / LANES];
+    for (int64_t g = 0; g < sharing; ++g)
+        for (int i = 0; i < vectors; ++i) {
+            q[g][i] = load(c->query, (h * sharing + g) * dim + i * LANES, FLOAT32) * c->scale;
+            acc[g][i] = load(part->acc[g], i * LANES, FLOAT32);
+            store(qf[g], i * LANES, q[g][i], FLOAT32);
+        }
+    for (int64_t b = first_block; b < end_block; ++b) {
+        const int64_t p0 = b * bs, count = c->length - p0 < bs ? c->length - p0 : bs;
+        const int64_t block = c->block_row[b];
+        const float* kb = c->keys + block * c->block_stride + h * c->head_stride;
+        const float* vb = c->values + block * c->block_stride + h * c->head_stride;
+        int64_t n = 0;
+        memset(piece_seen, 0, (size_t)((bs + LANES - 1) / LANES));
+        if (c->every_key[h]) {
+            for (int64_t t = 0; t < count; ++t) visible[n++] = (int32_t)t;
+            memset(piece_seen, 1, (size_t)((count + LANES - 1) / LANES));
+        } else {
+            const int32_t* groups = c->groups + block * bs;
+            for (int64_t t = 0; t < count; ++t) {
+                const int64_t p = p0 + t;
+                if (p < c->sink_tokens || last - p <= c->window || c->probed[groups[t]]) {
+                    visible[n++] = (int32_t)t;
+                    piece_seen[t / LANES] = 1;
+                }
+            }
+        }
+        if (n == 0) continue;
+        if (transposed) { /* CHUNK_SLOTS slots at once: their keys' element d lie side by side */
+            for (int64_t t0 = 0; t0 < count; t0 += CHUNK_SLOTS) {
+                const int64_t pieces = (count - t0 + LANES - 1) / LANES < CHUNK_PIECES ? (count - t0 + LANES - 1) / LANES
+                                                                                       : CHUNK_PIECES;
+                int seen = 0;
+                for (int64_t i = 0; i < pieces; ++i) seen |= piece_seen[t0 / LANES + i];
+                if (!seen) continue;
+                const float* chunk = kb + t0;
+                for (int64_t g = 0; g < sharing; ++g) { /* the chunk's keys stay in L1 for the next query head */
+                    vec s[CHUNK_PIECES] = {{0}};
+                    for (int64_t d = 0; d < dim; ++d) {
+                        const float qd = qf[g][d];
+                        const float* line = chunk + d * c->key_dim_stride;
+                        if (pieces == CHUNK_PIECES)
+                            for (int i = 0; i < CHUNK_PIECES; ++i) s[i] += qd * load(line, i * LANES, FLOAT32);
+                        else
+                            for (int64_t i = 0; i < pieces; ++i) s[i] += qd * load(line, i * LANES, FLOAT32);
+                    }
+                    memcpy(&scores[g][t0], s, sizeof(vec) * (size_t)pieces);
+                }
+            }
+            for (int64_t g = 0; g < sharing; ++g) /* compacted in place: visible[j] >= j */
+                for (int64_t j = 0; j < n; ++j) scores[g][j] = scores[g][visible[j]];
+        } else {
+            for (int64_t j = 0; j < n; ++j) {
+                const float* row = kb + visible[j] * c->key_row_stride;
+                for (int64_t g = 0; g < sharing; ++g) {
+                    float dot = 0.f;
+                    for (int64_t d = 0; d < dim; ++d) dot += qf[g][d] * row[d * c->key_dim_stride];
+                    scores[g][j] = dot;
+                }
+            }
+        }
+        for (int64_t g = 0; g < sharing; ++g) {
+            float top = part->max[g];
+            for (int64_t j = 0; j < n; ++j) top = scores[g][j] > top ? scores[g][j] : top;
+            const float rescale = expf(part->max[g] - top);
+            float sum = 0.f;
+            part->max[g] = top;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; ++j) {
+                const float e = expf(scores[g][j] - top);
+                scores[g][j] = e;
+                sum += e;
+            }
+            part->sum[g] = part->sum[g] * rescale + sum;
+            for (int i = 0; i < vectors; ++i) acc[g][i] *= rescale;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            vec v[MAX_VECTORS];
+            for (int i = 0; i < vectors; ++i) v[i] = load(vb, visible[j] * c->value_row_stride + i * LANES, FLOAT32);
+            for (int64_t g = 0; g < sharing; ++g) {
+                const float w = scores[g][j];
+                for (int i = 0; i < vectors; ++i) acc[g][i] += w * v[i];
+            }
+        }
+    }
+    for (int64_t g = 0; g < sharing; ++g)
+        for (int i = 0; i < vectors; ++i) store(part->acc[g], i * LANES, acc[g][i], FLOAT32);
+}
+
+static void paged_piece(const PagedCall* c, int64_t h, int64_t first_block, int64_t end_block, Partial* part)
+{
+    if (c->dim == 64) paged_blocks(4, c, h, first_block, end_block, part);
+    else if (c->dim == 128) paged_blocks(8, c, h, first_block, end_block, part);
+    else paged_blocks(c->dim / LANES, c, h, first_block, end_block, part);
+}
+
+/* query, out: [heads, dim] contiguous float32; probes: the query's `top_k` groups (of `groups_count`); every_key:
+   [kv_heads] flags. Calls over at least PARALLEL_ROWS rows (all kv heads) go in pieces of about PAGED_PIECE_KEYS
+   keys on the OpenMP threads, merged in order. Returns 0, or 1 for a call it does not take (head shape, block size,
+   groups, out of memory): nothing is written then. */
+int focus_paged_decode(const float* query, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                       const float* keys, const float* values, int64_t block_stride, int64_t head_stride,
+                       int64_t key_row_stride, int64_t key_dim_stride, int64_t value_row_stride, int64_t block_size,
+                       const int32_t* block_row, int64_t length, const int32_t* groups, int64_t groups_count,
+                       const int64_t* probes, int64_t top_k, const unsigned char* every_key, int64_t sink_tokens,
+                       int64_t window, float* out)
+{
+    if (!focus_decode_supports(heads, kv_heads, dim, FLOAT32) || block_size < 1 || block_size > MAX_BLOCK_SLOTS ||
+        groups_count < 1 || groups_count > MAX_GROUPS || length < 1)
+        return 1;
+    unsigned char probed[MAX_GROUPS];
+    memset(probed, 0, (size_t)groups_count);
+    for (int64_t k = 0; k < top_k; ++k) {
+        if (probes[k] < 0 || probes[k] >= groups_count) return 1;
+        probed[probes[k]] = 1;
+    }
+    const PagedCall call = {query, keys, values, heads / kv_heads, dim, block_size, length, block_stride,
+                            head_stride, key_row_stride, key_dim_stride, value_row_stride, block_row, groups,
+                            probed, every_key, sink_tokens, window, scale};
+    const int64_t sharing = heads / kv_heads, blocks = (length + block_size - 1) / block_size;
+    const int64_t per_piece = block_size >= PAGED_PIECE_KEYS ? 1 : PAGED_PIECE_KEYS / block_size;
+    const int64_t count = (blocks + per_piece - 1) / per_piece;
+    if (length * kv_heads < PARALLEL_ROWS || count == 1) {
+        Partial part;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            partial_init(&part, sharing, dim);
+            paged_piece(&call, h, 0, blocks, &part);
+            partial_store(&part, sharing, dim, out, h * sharing, FLOAT32);
+        }
+        return 0;
+    }
+    Partial* parts = malloc(sizeof(Partial) * count * kv_heads);
+    if (!parts) return 1;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < count * kv_heads; ++task) {
+        const int64_t h = task / count, first = (task % count) * per_piece;
+        const int64_t end = first + per_piece < blocks ? first + per_piece : blocks;
+        partial_init(&parts[task], sharing, dim);
+        paged_piece(&call, h, first, end, &parts[task]);
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t index = 1; index < count; ++index)
+            partial_merge(&parts[h * count], &parts[h * count + index], sharing, dim);
+        partial_store(&parts[h * count], sharing, dim, out, h * sharing, FLOAT32);
+    }
+    free(parts);
+    return 0;
+}
