@@ -169,13 +169,13 @@ def _one_token_sinkhorn(
     the same operations on the same values (a prefix sum of one token is the token), in a quarter of the calls -
     decoding runs it once per layer per token, where per-call overhead is most of the cost."""
     tiny = torch.finfo(torch.float64).tiny
-    columns = torch.exp(column_lse.double())
+    columns = torch.exp(column_lse.double()).unsqueeze(2).unbind(1)  # per iteration [batch, 1, K], views made once
     prefixes = []
     for step in range(iterations):
-        prefix = columns[:, step, None, :] + q
+        prefix = columns[step] + q
         prefixes.append(prefix)
         q = q / prefix
-        q = (q / q.sum(dim=-1, keepdim=True)).clamp_min(tiny)
+        q = (q / q.sum(dim=-1, keepdim=True)).clamp_min_(tiny)
     new_column_lse = torch.log(torch.cat(prefixes, dim=1)).float().clamp_min(LOG_ZERO)
     return torch.log(q).to(dtype), new_column_lse
 

@@ -116,13 +116,11 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 continue
             cached = seq_len - q_len
             block_row = metadata.block_table[request]
-            # The slots from the last cached token on: where routing resumes, and where the call's tokens go.
-            slots = side.slots(block_row, seq_len, start=max(cached - 1, 0))
             state = RoutingState.empty(1, settings.sinkhorn_iterations, settings.num_groups, key_scores.device)
-            if cached:
+            if cached:  # routing resumes after the last cached token
                 state.seen = cached
                 state.valid_count = torch.tensor([cached], device=key_scores.device)
-                state.column_lse = side.column_lse(int(slots[0]))
+                state.column_lse = side.column_lse(block_row, cached - 1)
             tokens, routed = route_tokens(
                 key_scores[None, first:last],
                 torch.ones(1, q_len, dtype=torch.bool, device=key_scores.device),
@@ -134,7 +132,7 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 probe_mass=settings.probe_mass,
                 token_columns=True,
             )
-            side.write(slots[-q_len:], routed.key_groups[0], routed.token_column_lse[0])
+            side.write(block_row, cached, routed.key_groups[0], routed.token_column_lse[0])
             layout_unchecked = getattr(layer, LAYOUT_CHECKED_ATTRIBUTE, None) != kv_cache.data_ptr()
             if layout_unchecked and int(metadata.slot_mapping[last - 1]) >= 0:
                 # the layout check: the call's last key, as read back from its block, is the one vLLM wrote

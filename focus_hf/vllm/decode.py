@@ -10,6 +10,7 @@ heads read every key. Where the kernel cannot run (no C compiler, another dtype)
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -76,11 +77,7 @@ def decode_step(
         query_groups: [top_k] the groups the query probes.
         dense_kv_heads: kv heads that see every key.
     """
-    kv_heads = key_cache.shape[1]
-    every_key = torch.zeros(kv_heads, dtype=torch.bool)
-    every_key[list(dense_kv_heads)] = True
-    if sees_everything(length, window, dense_below):
-        every_key[:] = True
+    every_key = _every_key_flags(key_cache.shape[1], dense_kv_heads, sees_everything(length, window, dense_below))
     block_row = block_row.to(torch.int32)
     output = paged_decode(
         query, key_cache, value_cache, block_row, length, slot_groups, num_groups, query_groups, every_key,
@@ -90,6 +87,17 @@ def decode_step(
         return output
     return _gathered_step(query, key_cache, value_cache, block_row, length, slot_groups, query_groups, every_key,
                           sink_tokens, window, scale)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _every_key_flags(kv_heads: int, dense_kv_heads: tuple[int, ...], everything: bool) -> torch.Tensor:
+    """uint8 [kv_heads]: 1 for the kv heads that see every key (one tensor per layer's case, made once: a step runs
+    this in every routed layer). Read only."""
+    flags = torch.zeros(kv_heads, dtype=torch.uint8)
+    flags[list(dense_kv_heads)] = 1
+    if everything:
+        flags[:] = 1
+    return flags
 
 
 def _gathered_step(

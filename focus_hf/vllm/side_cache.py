@@ -47,9 +47,22 @@ class SideCache:
         positions = torch.arange(start, end, device=block_row.device)
         return block_row[positions // self.block_size].long() * self.block_size + positions % self.block_size
 
-    def write(self, slots: torch.Tensor, key_groups: torch.Tensor, column_lse: torch.Tensor) -> None:
-        """Record new tokens of one request, in order: slots [n], their key groups [n], the column sums after each
-        [n, iterations, K] (each block keeps those after its last token)."""
+    def slot(self, block_row: torch.Tensor, position: int) -> int:
+        """The slot of one position (`slots` without tensors: a decoding step's few scalars cost less so)."""
+        return int(block_row[position // self.block_size]) * self.block_size + position % self.block_size
+
+    def write(self, block_row: torch.Tensor, start: int, key_groups: torch.Tensor, column_lse: torch.Tensor) -> None:
+        """Record the new tokens at positions start, start + 1, ... of the request whose block-table row is
+        `block_row`: their key groups [n] and the column sums after each [n, iterations, K] (each block keeps those
+        after its last token)."""
+        if len(key_groups) == 1:  # a decoding step: scalars, a third of the tensor operations
+            slot = self.slot(block_row, start)
+            block = slot // self.block_size
+            self.slot_groups[slot] = key_groups[0]
+            self.table[block, 0] = slot % self.block_size
+            self.table[block, 1:] = column_lse.reshape(-1)
+            return
+        slots = self.slots(block_row, start + len(key_groups), start)
         self.slot_groups[slots] = key_groups.to(torch.int32)
         blocks = slots // self.block_size
         last = torch.ones_like(blocks, dtype=torch.bool)
@@ -62,14 +75,16 @@ class SideCache:
         """Key groups [n] (int64) of the tokens in `slots`."""
         return self.slot_groups[slots].long()
 
-    def column_lse(self, slot: int) -> torch.Tensor:
-        """[1, iterations, K]: the Sinkhorn column sums after the token in `slot`, from which routing resumes (the
-        last token written to its block)."""
+    def column_lse(self, block_row: torch.Tensor, position: int) -> torch.Tensor:
+        """[1, iterations, K]: the Sinkhorn column sums after the token at `position` of the request whose
+        block-table row is `block_row`, from which routing resumes (the last token written to its block)."""
+        slot = self.slot(block_row, position)
         record = self.table[slot // self.block_size]
         if int(record[0]) != slot % self.block_size:
             raise FocusRuntimeError(
-                f"focus_hf.vllm: routing should resume after slot {slot}, but its block's last routed token is at "
-                f"offset {int(record[0])}: the engine resumed a request where Focus keeps no state (a prefix-cache "
-                "hit inside a block?). Please report this with the vLLM version and engine options."
+                f"focus_hf.vllm: routing should resume after position {position}, but its block's last routed token "
+                f"is at offset {int(record[0])}, not {slot % self.block_size}: the engine resumed a request where "
+                "Focus keeps no state (a prefix-cache hit inside a block?). Please report this with the vLLM version "
+                "and engine options."
             )
         return record[1:].reshape(1, self.iterations, self.groups)

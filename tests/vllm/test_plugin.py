@@ -61,18 +61,19 @@ def test_side_cache_resumes_where_routing_stopped():
     empty = RoutingState.empty(1, 10, 4, scores.device)
     whole, state = route_tokens(scores, valid, empty, token_columns=True, **options)
     side = SideCache(num_blocks=4, block_size=16, iterations=10, groups=4, device=scores.device)
-    slots = side.slots(torch.tensor([3, 0, 2]), 40)  # blocks in any order, as vLLM hands them out
-    cuts = (1, 16, 23, 39, 40)  # calls end mid-block and on a block's end, as chunks and steps do
+    block_row = torch.tensor([3, 0, 2], dtype=torch.int32)  # blocks in any order, as vLLM hands them out
+    slots = side.slots(block_row, 40)
+    cuts = (1, 16, 23, 24, 39, 40)  # calls end mid-block and on a block's end, as chunks and steps do
     for start, cut in zip((0,) + cuts, cuts):
-        side.write(slots[start:cut], state.key_groups[0, start:cut], state.token_column_lse[0, start:cut])
+        side.write(block_row, start, state.key_groups[0, start:cut], state.token_column_lse[0, start:cut])
         resumed = RoutingState.empty(1, 10, 4, scores.device)
         resumed.seen, resumed.valid_count = cut, torch.tensor([cut])
-        resumed.column_lse = side.column_lse(int(slots[cut - 1]))
+        resumed.column_lse = side.column_lse(block_row, cut - 1)
         tail, _ = route_tokens(scores[:, cut:], valid[:, cut:], resumed, **options)
         assert torch.equal(tail.top_groups, whole.top_groups[:, cut:])
         torch.testing.assert_close(tail.log_probs, whole.log_probs[:, cut:], atol=1e-5, rtol=1e-5)
     assert torch.equal(side.key_groups(slots), state.key_groups[0])
     # a whole block keeps the state after its last token (a prefix-cache hit resumes there); inside it, none
-    torch.testing.assert_close(side.column_lse(int(slots[15])), state.token_column_lse[0, 15][None])
+    torch.testing.assert_close(side.column_lse(block_row, 15), state.token_column_lse[0, 15][None])
     with pytest.raises(FocusRuntimeError, match="resume"):
-        side.column_lse(int(slots[10]))
+        side.column_lse(block_row, 10)

@@ -432,8 +432,8 @@ def paged_decode(
         block_row: int32 [>= blocks of the request]: the cache block of each of the request's blocks.
         slot_groups: int32 [num_blocks * block_size]: the group of the key in each slot of the cache.
         probes: int64 [top_k]: the groups the query probes, of `num_groups`.
-        every_key: bool [kv_heads]: kv heads that see every key (dense heads; all of them where the pattern hides
-            nothing). The others see the sinks, the window and the keys of the probed groups.
+        every_key: bool or uint8 [kv_heads]: kv heads that see every key (dense heads; all of them where the pattern
+            hides nothing). The others see the sinks, the window and the keys of the probed groups.
 
     Returns:
         [heads, dim], or None where the kernel cannot take the call (no kernels, a dtype other than float32, a head
