@@ -110,7 +110,7 @@ def kv_bytes_per_token(model_dir: Path, focus: bool, block_size: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    parser.add_argument("--decode-tokens", type=int, default=17)
+    parser.add_argument("--decode-tokens", type=int, default=65)
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (chunked prefill)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--engine-job", dest="job", help=argparse.SUPPRESS)

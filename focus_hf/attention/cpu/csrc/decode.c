@@ -272,12 +272,12 @@ void focus_copy_row(char* dst_keys, char* dst_values, int64_t dst_head_stride, c
    B * block_stride + h * head_stride + t * value_row_stride + d. A kv head with every_key[h] sees every token;
    the others see position p of the `length` tokens iff p < sink_tokens, length - 1 - p <= window, or the group
    of its slot (groups[B * block_size + t], int32) is one of the query's `top_k` probes. Scores are computed only
-   for the 16-slot pieces of a block that hold a visible key, values read only for visible keys. float32. */
+   for the 16-slot pieces of a block that hold a visible key (in the transposed layout, a piece's keys are one
+   cache line per element: a piece without one is never read), values read only for visible keys. float32. */
 #define MAX_BLOCK_SLOTS 1024
 #define MAX_GROUPS 4096
 #define PAGED_PIECE_KEYS 1024
 #define CHUNK_PIECES 4 /* 16-slot pieces whose scores are computed together (64 slots x 64 dims: 16 KiB of keys) */
-#define CHUNK_SLOTS (CHUNK_PIECES * LANES)
 
 typedef struct {
     const float *query, *keys, *values;
@@ -326,25 +326,26 @@ static inline __attribute__((always_inline)) void paged_blocks(
             }
         }
         if (n == 0) continue;
-        if (transposed) { /* CHUNK_SLOTS slots at once: their keys' element d lie side by side */
-            for (int64_t t0 = 0; t0 < count; t0 += CHUNK_SLOTS) {
-                const int64_t pieces = (count - t0 + LANES - 1) / LANES < CHUNK_PIECES ? (count - t0 + LANES - 1) / LANES
-                                                                                       : CHUNK_PIECES;
-                int seen = 0;
-                for (int64_t i = 0; i < pieces; ++i) seen |= piece_seen[t0 / LANES + i];
-                if (!seen) continue;
-                const float* chunk = kb + t0;
-                for (int64_t g = 0; g < sharing; ++g) { /* the chunk's keys stay in L1 for the next query head */
+        if (transposed) { /* the 16 keys of a piece lie side by side in each element d: one line per element */
+            int32_t seen[MAX_BLOCK_SLOTS / LANES];
+            int64_t seen_count = 0;
+            for (int64_t i = 0; i < (count + LANES - 1) / LANES; ++i)
+                if (piece_seen[i]) seen[seen_count++] = (int32_t)i;
+            for (int64_t first = 0; first < seen_count; first += CHUNK_PIECES) {
+                const int64_t pieces = seen_count - first < CHUNK_PIECES ? seen_count - first : CHUNK_PIECES;
+                int64_t at[CHUNK_PIECES];
+                for (int64_t i = 0; i < pieces; ++i) at[i] = (int64_t)seen[first + i] * LANES;
+                for (int64_t g = 0; g < sharing; ++g) { /* the pieces' keys stay in L1 for the next query head */
                     vec s[CHUNK_PIECES] = {{0}};
                     for (int64_t d = 0; d < dim; ++d) {
                         const float qd = qf[g][d];
-                        const float* line = chunk + d * c->key_dim_stride;
+                        const float* line = kb + d * c->key_dim_stride;
                         if (pieces == CHUNK_PIECES)
-                            for (int i = 0; i < CHUNK_PIECES; ++i) s[i] += qd * load(line, i * LANES, FLOAT32);
+                            for (int i = 0; i < CHUNK_PIECES; ++i) s[i] += qd * load(line, at[i], FLOAT32);
                         else
-                            for (int64_t i = 0; i < pieces; ++i) s[i] += qd * load(line, i * LANES, FLOAT32);
+                            for (int64_t i = 0; i < pieces; ++i) s[i] += qd * load(line, at[i], FLOAT32);
                     }
-                    memcpy(&scores[g][t0], s, sizeof(vec) * (size_t)pieces);
+                    for (int64_t i = 0; i < pieces; ++i) memcpy(&scores[g][at[i]], &s[i], sizeof(vec));
                 }
             }
             for (int64_t g = 0; g < sharing; ++g) /* compacted in place: visible[j] >= j */
