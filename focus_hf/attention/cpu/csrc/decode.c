@@ -90,6 +90,36 @@ static void partial_init(Partial* part, int64_t sharing, int64_t dim)
     }
 }
 
+/* Fold one block's scores into the running softmax of `sharing` query heads: weights + g * stride holds query head
+   g's `rows` scores and comes out as their exp(score - new maximum); the running maximum and sum of `part` and the
+   accumulated values `acc` are rescaled to that maximum. block_max: the block's maximum per query head, or NULL
+   (found here). */
+static inline __attribute__((always_inline)) void fold_softmax(
+    const int vectors, int64_t sharing, float* weights, int64_t stride, int64_t rows, const float* block_max,
+    Partial* part, vec acc[MAX_SHARING][MAX_VECTORS])
+{
+    for (int64_t g = 0; g < sharing; ++g) {
+        float* row = weights + g * stride;
+        float top = part->max[g];
+        if (block_max) {
+            top = block_max[g] > top ? block_max[g] : top;
+        } else {
+            for (int64_t j = 0; j < rows; ++j) top = row[j] > top ? row[j] : top;
+        }
+        const float rescale = expf(part->max[g] - top);
+        float sum = 0.f;
+        part->max[g] = top;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < rows; ++j) {
+            const float e = expf(row[j] - top);
+            row[j] = e;
+            sum += e;
+        }
+        part->sum[g] = part->sum[g] * rescale + sum;
+        for (int i = 0; i < vectors; ++i) acc[g][i] *= rescale;
+    }
+}
+
 /* One piece of work: rows [begin, end) of run `run` for kv head `head`. */
 typedef struct {
     int64_t head, run, begin, end;
@@ -129,20 +159,7 @@ static inline __attribute__((always_inline)) void attend_rows(
                     block_max[g] = score > block_max[g] ? score : block_max[g];
                 }
             }
-            for (int64_t g = 0; g < sharing; ++g) {
-                const float top = block_max[g] > part->max[g] ? block_max[g] : part->max[g];
-                const float rescale = expf(part->max[g] - top);
-                float sum = 0.f;
-                part->max[g] = top;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < rows; ++j) {
-                    const float e = expf(weights[g][j] - top);
-                    weights[g][j] = e;
-                    sum += e;
-                }
-                part->sum[g] = part->sum[g] * rescale + sum;
-                for (int i = 0; i < vectors; ++i) acc[g][i] *= rescale;
-            }
+            fold_softmax(vectors, sharing, &weights[0][0], BLOCK, rows, block_max, part, acc);
             for (int64_t j = 0; j < rows; ++j) {
                 vec v[MAX_VECTORS];
                 for (int i = 0; i < vectors; ++i) v[i] = load(values, block_start + j * dim + i * LANES, type);
@@ -360,21 +377,7 @@ static inline __attribute__((always_inline)) void paged_blocks(
                 }
             }
         }
-        for (int64_t g = 0; g < sharing; ++g) {
-            float top = part->max[g];
-            for (int64_t j = 0; j < n; ++j) top = scores[g][j] > top ? scores[g][j] : top;
-            const float rescale = expf(part->max[g] - top);
-            float sum = 0.f;
-            part->max[g] = top;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < n; ++j) {
-                const float e = expf(scores[g][j] - top);
-                scores[g][j] = e;
-                sum += e;
-            }
-            part->sum[g] = part->sum[g] * rescale + sum;
-            for (int i = 0; i < vectors; ++i) acc[g][i] *= rescale;
-        }
+        fold_softmax(vectors, sharing, &scores[0][0], MAX_BLOCK_SLOTS, n, NULL, part, acc);
         for (int64_t j = 0; j < n; ++j) {
             vec v[MAX_VECTORS];
             for (int i = 0; i < vectors; ++i) v[i] = load(vb, visible[j] * c->value_row_stride + i * LANES, FLOAT32);
