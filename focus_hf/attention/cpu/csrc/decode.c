@@ -195,6 +195,19 @@ static void partial_store(const Partial* part, int64_t sharing, int64_t dim, voi
     }
 }
 
+/* The parallel calls' ending: each kv head's `count` pieces (parts[h * count ...], in key order) merged into its
+   first and stored to out; then the pieces are freed. */
+static void merge_pieces(Partial* parts, int64_t count, int64_t kv_heads, int64_t sharing, int64_t dim, void* out,
+                         int type)
+{
+    for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t index = 1; index < count; ++index)
+            partial_merge(&parts[h * count], &parts[h * count + index], sharing, dim);
+        partial_store(&parts[h * count], sharing, dim, out, h * sharing, type);
+    }
+    free(parts);
+}
+
 /* 1 if focus_decode takes this head shape and element type, else 0. */
 int focus_decode_supports(int64_t heads, int64_t kv_heads, int64_t dim, int type)
 {
@@ -261,11 +274,7 @@ int focus_decode(const void* query, int64_t heads, int64_t kv_heads, int64_t dim
         partial_init(&parts[task], sharing, dim);
         attend_pieces(&piece, 1, sharing, dim, query, scale, keys, values, head_strides, type, &parts[task]);
     }
-    for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t index = 1; index < count; ++index) partial_merge(&parts[h * count], &parts[h * count + index], sharing, dim);
-        partial_store(&parts[h * count], sharing, dim, out, h * sharing, type);
-    }
-    free(parts);
+    merge_pieces(parts, count, kv_heads, sharing, dim, out, type);
     return 0;
 }
 
@@ -442,11 +451,6 @@ int focus_paged_decode(const float* query, int64_t heads, int64_t kv_heads, int6
         partial_init(&parts[task], sharing, dim);
         paged_piece(&call, h, first, end, &parts[task]);
     }
-    for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t index = 1; index < count; ++index)
-            partial_merge(&parts[h * count], &parts[h * count + index], sharing, dim);
-        partial_store(&parts[h * count], sharing, dim, out, h * sharing, FLOAT32);
-    }
-    free(parts);
+    merge_pieces(parts, count, kv_heads, sharing, dim, out, FLOAT32);
     return 0;
 }
