@@ -18,6 +18,9 @@ typedef float vec __attribute__((vector_size(64)));  /* 16 floats: one AVX-512 r
 typedef uint16_t half_bits __attribute__((vector_size(32)));
 typedef uint32_t word_bits __attribute__((vector_size(64)));
 #define LANES 16
+/* e^x is 0 in float32 below it: exponents are clamped to it, so that a running maximum of -FLT_MAX (no key yet)
+   beside a large score never makes an infinite intermediate (compiled with -ffast-math: no infinities assumed) */
+#define EXP_FLOOR -256.f
 #define MAX_SHARING 16   /* query heads per kv head */
 #define MAX_VECTORS 8    /* head_dim up to 128 */
 #define BLOCK 64         /* keys per running-softmax update */
@@ -106,7 +109,7 @@ static inline __attribute__((always_inline)) void fold_softmax(
         } else {
             for (int64_t j = 0; j < rows; ++j) top = row[j] > top ? row[j] : top;
         }
-        const float rescale = expf(part->max[g] - top);
+        const float rescale = expf(fmaxf(part->max[g] - top, EXP_FLOOR));
         float sum = 0.f;
         part->max[g] = top;
 #pragma omp simd reduction(+ : sum)
@@ -179,7 +182,8 @@ static void partial_merge(Partial* part, const Partial* other, int64_t sharing, 
 {
     for (int64_t g = 0; g < sharing; ++g) {
         const float top = other->max[g] > part->max[g] ? other->max[g] : part->max[g];
-        const float mine = expf(part->max[g] - top), theirs = expf(other->max[g] - top);
+        const float mine = expf(fmaxf(part->max[g] - top, EXP_FLOOR));
+        const float theirs = expf(fmaxf(other->max[g] - top, EXP_FLOOR));
         part->max[g] = top;
         part->sum[g] = part->sum[g] * mine + other->sum[g] * theirs;
         for (int64_t d = 0; d < dim; ++d) part->acc[g][d] = part->acc[g][d] * mine + other->acc[g][d] * theirs;

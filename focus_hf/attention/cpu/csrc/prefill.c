@@ -119,6 +119,10 @@ static inline fvec fmax_lanes(fvec a, fvec b)
    rounding and scaling by 2^n are one instruction each and any x far below the range gives 0 (so do hidden scores,
    -FLT_MAX); elsewhere x is clamped at -126 and 2^n built in the exponent bits, and the caller zeroes hidden
    weights. */
+/* Powers below it are 0 in float32 (2^-150 rounds to 0): arguments are clamped to it, so that hidden scores and
+   huge score gaps give 0, never an infinite or NaN intermediate. */
+#define EXP2_FLOOR -256.f
+#define EXP_FLOOR -256.f /* the same for e^x */
 static inline fvec fexp2(fvec x)
 {
 #ifdef __AVX512F__
@@ -394,7 +398,9 @@ static inline void finish_row(const float* acc, float maximum, float sum, void* 
     float* row = out;
     if (merge && *lse > -FLT_MAX) {
         const float held = *lse, top = held > part_lse ? held : part_lse;
-        const float held_weight = expf(held - top), part_weight = expf(part_lse - top), total = held_weight + part_weight;
+        const float held_weight = expf(fmaxf(held - top, EXP_FLOOR));
+        const float part_weight = expf(fmaxf(part_lse - top, EXP_FLOOR));
+        const float total = held_weight + part_weight;
         const float keep = held_weight / total, add = part_weight / total / sum;
         for (int d = 0; d < dim; ++d) row[d] = row[d] * keep + acc[d] * add;
         *lse = top + logf(total);
@@ -484,13 +490,15 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
                 continue;
             }
             const float new_max = block_max > maxima[r] ? block_max : maxima[r];
-            const float rescale = exp2f((maxima[r] - new_max) * unit);
+            const float rescale = exp2f(fmaxf((maxima[r] - new_max) * unit, EXP2_FLOOR));
             maxima[r] = new_max;
-            const fvec offset = fsplat(new_max * unit), multiplier = fsplat(unit);
+            /* (score - max) * unit, never score * unit - max * unit: that FMA is off by up to half an ulp of
+               max * unit, above 0 where scores are large (2^65536 = inf from scores near 1e13, NaN in the row) */
+            const fvec largest = fsplat(new_max), multiplier = fsplat(unit), floor = fsplat(EXP2_FLOOR);
             fvec total = (fvec){0};
             for (int u = first_vector; u < last_vector; ++u) {
                 const fvec score = fload(row + u * FLANES);
-                fvec p = fexp2(score * multiplier - offset);
+                fvec p = fexp2(fmax_lanes((score - largest) * multiplier, floor));
 #ifndef __AVX512F__
                 /* hidden scores (-FLT_MAX) were clamped for the power: their weight is zeroed here */
                 const ivec visible = score > fsplat(-FLT_MAX);
