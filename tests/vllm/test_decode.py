@@ -121,3 +121,28 @@ def test_decode_step_sees_every_key_where_the_pattern_hides_none(length, dense_b
         assert not torch.allclose(got, want, atol=1e-3)  # the pattern hides keys here
     else:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sharing", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dim", [48, 64, 128])
+@pytest.mark.parametrize("layout", ["transposed", "rows"])
+def test_paged_kernel_equals_the_torch_step_for_each_head_shape(sharing, dim, layout, monkeypatch):
+    """The kernel's variants (head size 64 or 128 with 1 to 4 query heads per kv head as constants, any other shape
+    read from the call) against the gathered torch step: a block whose 8 pieces are all read, partial chunks, the
+    last block part-filled, a dense kv head beside a routed one."""
+    assert native.native_kernels() is not None, "the C kernels must build on this machine (cc on the PATH)"
+    torch.manual_seed(sharing * dim)
+    kv_heads, block_size, length, groups = 2, 128, 1100, 6
+    blocks = -(-length // block_size)
+    key_cache, value_cache = _paged_cache(blocks + 3, kv_heads, block_size, dim, layout)
+    block_row = torch.randperm(blocks + 3)[:blocks].int()
+    # runs of one group (pieces wholly hidden) beside mixed ones
+    slot_groups = torch.randint(0, groups, ((blocks + 3) * block_size // 8,), dtype=torch.int32).repeat_interleave(8)
+    slot_groups[: 2 * block_size] = torch.randint(0, groups, (2 * block_size,), dtype=torch.int32)
+    query = torch.randn(kv_heads * sharing, dim)
+    arguments = (query, key_cache, value_cache, block_row, length, slot_groups, torch.tensor([1, 4]))
+    options = dict(num_groups=groups, sink_tokens=3, window=100, dense_below=0, dense_kv_heads=(1,), scale=dim**-0.5)
+    got = decode.decode_step(*arguments, **options)
+    monkeypatch.setattr(decode, "paged_decode", lambda *args: None)
+    want = decode.decode_step(*arguments, **options)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -307,7 +307,7 @@ void focus_copy_row(char* dst_keys, char* dst_values, int64_t dst_head_stride, c
 #define MAX_BLOCK_SLOTS 1024
 #define MAX_GROUPS 4096
 #define PAGED_PIECE_KEYS 1024
-#define CHUNK_PIECES 4 /* 16-slot pieces whose scores are computed together (64 slots x 64 dims: 16 KiB of keys) */
+#define CHUNK_PIECES 8 /* 16-slot pieces whose scores are computed together (128 slots x 64 dims: 32 KiB of keys) */
 
 typedef struct {
     const float *query, *keys, *values;
@@ -319,21 +319,24 @@ typedef struct {
     float scale;
 } PagedCall;
 
+/* The blocks first_block .. end_block - 1 of kv head h folded into `part`. `shares` is the number of query heads per
+   kv head where it is a constant of the call site (the running sums then stay in registers across keys), 0 where it
+   is read from the call. */
 static inline __attribute__((always_inline)) void paged_blocks(
-    const int vectors, const PagedCall* c, int64_t h, int64_t first_block, int64_t end_block, Partial* part)
+    const int vectors, const int shares, const PagedCall* c, int64_t h, int64_t first_block, int64_t end_block,
+    Partial* part)
 {
-    const int64_t sharing = c->sharing, dim = c->dim, bs = c->block_size, last = c->length - 1;
+    const int64_t sharing = shares ? shares : c->sharing, dim = c->dim, bs = c->block_size, last = c->length - 1;
     const int transposed = c->key_row_stride == 1 && bs % LANES == 0;
-    vec q[MAX_SHARING][MAX_VECTORS], acc[MAX_SHARING][MAX_VECTORS];
+    vec acc[MAX_SHARING][MAX_VECTORS];
     float qf[MAX_SHARING][MAX_VECTORS * LANES];
     float scores[MAX_SHARING][MAX_BLOCK_SLOTS];
     int32_t visible[MAX_BLOCK_SLOTS];
     unsigned char piece_seen[MAX_BLOCK_SLOTS / LANES];
     for (int64_t g = 0; g < sharing; ++g)
         for (int i = 0; i < vectors; ++i) {
-            q[g][i] = load(c->query, (h * sharing + g) * dim + i * LANES, FLOAT32) * c->scale;
             acc[g][i] = load(part->acc[g], i * LANES, FLOAT32);
-            store(qf[g], i * LANES, q[g][i], FLOAT32);
+            store(qf[g], i * LANES, load(c->query, (h * sharing + g) * dim + i * LANES, FLOAT32) * c->scale, FLOAT32);
         }
     for (int64_t b = first_block; b < end_block; ++b) {
         const int64_t p0 = b * bs, count = c->length - p0 < bs ? c->length - p0 : bs;
@@ -363,20 +366,27 @@ static inline __attribute__((always_inline)) void paged_blocks(
                 if (piece_seen[i]) seen[seen_count++] = (int32_t)i;
             for (int64_t first = 0; first < seen_count; first += CHUNK_PIECES) {
                 const int64_t pieces = seen_count - first < CHUNK_PIECES ? seen_count - first : CHUNK_PIECES;
-                int64_t at[CHUNK_PIECES];
-                for (int64_t i = 0; i < pieces; ++i) at[i] = (int64_t)seen[first + i] * LANES;
-                for (int64_t g = 0; g < sharing; ++g) { /* the pieces' keys stay in L1 for the next query head */
-                    vec s[CHUNK_PIECES] = {{0}};
-                    for (int64_t d = 0; d < dim; ++d) {
-                        const float qd = qf[g][d];
-                        const float* line = kb + d * c->key_dim_stride;
-                        if (pieces == CHUNK_PIECES)
-                            for (int i = 0; i < CHUNK_PIECES; ++i) s[i] += qd * load(line, at[i], FLOAT32);
-                        else
-                            for (int64_t i = 0; i < pieces; ++i) s[i] += qd * load(line, at[i], FLOAT32);
-                    }
-                    for (int64_t i = 0; i < pieces; ++i) memcpy(&scores[g][at[i]], &s[i], sizeof(vec));
+                const float* at[CHUNK_PIECES];
+                for (int64_t i = 0; i < pieces; ++i) at[i] = kb + (int64_t)seen[first + i] * LANES;
+                /* each line is read once, for every query head of the kv head */
+                vec s[MAX_SHARING][CHUNK_PIECES];
+                for (int64_t g = 0; g < sharing; ++g)
+                    for (int i = 0; i < CHUNK_PIECES; ++i) s[g][i] = (vec){0};
+                if (pieces == CHUNK_PIECES) {
+                    for (int64_t d = 0; d < dim; ++d)
+                        for (int i = 0; i < CHUNK_PIECES; ++i) {
+                            const vec k = load(at[i], d * c->key_dim_stride, FLOAT32);
+                            for (int64_t g = 0; g < sharing; ++g) s[g][i] += qf[g][d] * k;
+                        }
+                } else {
+                    for (int64_t d = 0; d < dim; ++d)
+                        for (int64_t i = 0; i < pieces; ++i) {
+                            const vec k = load(at[i], d * c->key_dim_stride, FLOAT32);
+                            for (int64_t g = 0; g < sharing; ++g) s[g][i] += qf[g][d] * k;
+                        }
                 }
+                for (int64_t g = 0; g < sharing; ++g)
+                    for (int64_t i = 0; i < pieces; ++i) memcpy(&scores[g][seen[first + i] * LANES], &s[g][i], sizeof(vec));
             }
             for (int64_t g = 0; g < sharing; ++g) /* compacted in place: visible[j] >= j */
                 for (int64_t j = 0; j < n; ++j) scores[g][j] = scores[g][visible[j]];
@@ -404,11 +414,22 @@ static inline __attribute__((always_inline)) void paged_blocks(
         for (int i = 0; i < vectors; ++i) store(part->acc[g], i * LANES, acc[g][i], FLOAT32);
 }
 
+/* paged_blocks with the common head sizes (64, 128) and GQA shares (1 to 4) as constants: unrolled loops, sums in
+   registers. */
+#define PAGED_SHARES(vectors)                                                                      \
+    switch (c->sharing) {                                                                          \
+    case 1: paged_blocks(vectors, 1, c, h, first_block, end_block, part); break;                  \
+    case 2: paged_blocks(vectors, 2, c, h, first_block, end_block, part); break;                  \
+    case 3: paged_blocks(vectors, 3, c, h, first_block, end_block, part); break;                  \
+    case 4: paged_blocks(vectors, 4, c, h, first_block, end_block, part); break;                  \
+    default: paged_blocks(vectors, 0, c, h, first_block, end_block, part);                        \
+    }
+
 static void paged_piece(const PagedCall* c, int64_t h, int64_t first_block, int64_t end_block, Partial* part)
 {
-    if (c->dim == 64) paged_blocks(4, c, h, first_block, end_block, part);
-    else if (c->dim == 128) paged_blocks(8, c, h, first_block, end_block, part);
-    else paged_blocks(c->dim / LANES, c, h, first_block, end_block, part);
+    if (c->dim == 64) PAGED_SHARES(4)
+    else if (c->dim == 128) PAGED_SHARES(8)
+    else paged_blocks(c->dim / LANES, 0, c, h, first_block, end_block, part);
 }
 
 /* query, out: [heads, dim] contiguous float32; probes: the query's `top_k` groups (of `groups_count`); every_key:
