@@ -289,15 +289,13 @@ def route_tokens(
     log_probs, column_lse, *per_token = causal_sinkhorn(
         scores, valid, iterations, state.column_lse, token_columns=token_columns
     )
-    query_log_probs = log_probs if query_scores is None else torch.log_softmax(query_scores, dim=-1)
-    top_groups = probed_groups(query_log_probs, top_k, probe_mass)
-    key_groups = top_groups[..., 0] if query_scores is None else log_probs.argmax(dim=-1)
+    top_groups, key_groups, query_log_probs = token_groups(log_probs, query_scores, top_k, probe_mass)
     sink = _sinks(valid, state, sink_tokens)
     tokens = TokenRouting(
         log_probs=log_probs,
         top_groups=top_groups,
         sink=sink,
-        query_log_probs=None if query_scores is None else query_log_probs,
+        query_log_probs=query_log_probs,
         own_groups=None if query_scores is None else key_groups,
     )
     new_state = RoutingState(
@@ -310,6 +308,19 @@ def route_tokens(
         token_column_lse=per_token[0] if per_token else None,
     )
     return tokens, new_state
+
+
+def token_groups(
+    log_probs: torch.Tensor, query_scores: Optional[torch.Tensor], top_k: int, probe_mass: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The groups of routed tokens, from their key-side assignment `log_probs` [..., K] (`causal_sinkhorn`) and the
+    scores of a separate query router [..., K] (None: queries use the assignment): the groups each probes as a
+    query [..., top_k] (`probed_groups`), the group it is filed under as a key [...], and the query router's
+    log-probabilities (None without one)."""
+    query_log_probs = None if query_scores is None else torch.log_softmax(query_scores, dim=-1)
+    top_groups = probed_groups(log_probs if query_log_probs is None else query_log_probs, top_k, probe_mass)
+    key_groups = top_groups[..., 0] if query_scores is None else log_probs.argmax(dim=-1)
+    return top_groups, key_groups, query_log_probs
 
 
 def _sinks(valid: torch.Tensor, state: RoutingState, sink_tokens: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from focus_hf.attention.function import LayerRouting, focus_attention_forward
-from focus_hf.attention.routing import RoutingState, route_tokens
+from focus_hf.attention.routing import RoutingState, causal_sinkhorn, route_tokens, token_groups
 from focus_hf.errors import FocusRuntimeError
 from focus_hf.vllm.adapter import LayerRouter
 from focus_hf.vllm.decode import decode_step
@@ -116,6 +116,17 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 continue
             cached = seq_len - q_len
             block_row = metadata.block_table[request]
+            layout_unchecked = getattr(layer, LAYOUT_CHECKED_ATTRIBUTE, None) != kv_cache.data_ptr()
+            if layout_unchecked and int(metadata.slot_mapping[last - 1]) >= 0:
+                # the layout check: the call's last key, as read back from its block, is the one vLLM wrote
+                block = block_row[(seq_len - 1) // block_size].long()
+                written = key.view(-1, self.num_kv_heads, head_dim)[last - 1]
+                _check_layout(key_cache[block, :, (seq_len - 1) % block_size], written, layer)
+                setattr(layer, LAYOUT_CHECKED_ATTRIBUTE, kv_cache.data_ptr())
+            if q_len == 1 and cached:
+                out[first] = self._decoding_step(router, side, key_scores, query_scores, query, key_cache, value_cache,
+                                                 block_row, first, seq_len)  # fmt: skip
+                continue
             state = RoutingState.empty(1, settings.sinkhorn_iterations, settings.num_groups, key_scores.device)
             if cached:  # routing resumes after the last cached token
                 state.seen = cached
@@ -133,31 +144,6 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 token_columns=True,
             )
             side.write(block_row, cached, routed.key_groups[0], routed.token_column_lse[0])
-            layout_unchecked = getattr(layer, LAYOUT_CHECKED_ATTRIBUTE, None) != kv_cache.data_ptr()
-            if layout_unchecked and int(metadata.slot_mapping[last - 1]) >= 0:
-                # the layout check: the call's last key, as read back from its block, is the one vLLM wrote
-                block = block_row[(seq_len - 1) // block_size].long()
-                written = key.view(-1, self.num_kv_heads, head_dim)[last - 1]
-                _check_layout(key_cache[block, :, (seq_len - 1) % block_size], written, layer)
-                setattr(layer, LAYOUT_CHECKED_ATTRIBUTE, kv_cache.data_ptr())
-            if q_len == 1 and cached:
-                # A decoding step reads only the keys its pattern shows it, straight from the paged cache.
-                out[first] = decode_step(
-                    query[first],
-                    key_cache,
-                    value_cache,
-                    block_row,
-                    seq_len,
-                    side.slot_groups,
-                    tokens.top_groups[0, 0],
-                    num_groups=settings.num_groups,
-                    sink_tokens=settings.sink_tokens,
-                    window=settings.window,
-                    dense_below=settings.dense_below,
-                    dense_kv_heads=router.dense_kv_heads,
-                    scale=self.scale,
-                )
-                continue
             positions = torch.arange(seq_len, device=key_scores.device)
             keys = RoutingState(
                 seen=seq_len,
@@ -194,6 +180,45 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 scaling=self.scale,
             )
             out[first:last] = result[0]
+
+    def _decoding_step(
+        self, router, side, key_scores, query_scores, query, key_cache, value_cache, block_row, row, length
+    ) -> torch.Tensor:
+        """One request's decoding step (query row `row` of the call, the last of its `length` tokens): routing resumed
+        from the side cache with the operations `route_tokens` runs on one token (no state kept beside it: the side
+        cache is the state), then only the keys the pattern shows the query, read straight from the paged cache."""
+        settings = router.settings
+        log_probs, column_lse = causal_sinkhorn(
+            key_scores[None, row : row + 1],
+            _ONE_VALID_TOKEN,
+            settings.sinkhorn_iterations,
+            side.column_lse(block_row, length - 2),
+        )
+        probes, key_group, _ = token_groups(
+            log_probs,
+            None if query_scores is None else query_scores[None, row : row + 1],
+            settings.top_k,
+            settings.probe_mass,
+        )
+        side.write(block_row, length - 1, key_group[0], column_lse)
+        return decode_step(
+            query[row],
+            key_cache,
+            value_cache,
+            block_row,
+            length,
+            side.slot_groups,
+            probes[0, 0],
+            num_groups=settings.num_groups,
+            sink_tokens=settings.sink_tokens,
+            window=settings.window,
+            dense_below=settings.dense_below,
+            dense_kv_heads=router.dense_kv_heads,
+            scale=self.scale,
+        )
+
+
+_ONE_VALID_TOKEN = torch.ones(1, 1, dtype=torch.bool)  # the `valid` of a decoding step's routing (read only)
 
 
 def _check_layout(read: torch.Tensor, written: torch.Tensor, layer: nn.Module) -> None:
