@@ -199,9 +199,7 @@ def _load(source: str, revision: Optional[str], model: str, hf_config_json: str)
     return ServedAdapter(source, served_revision, folder, config, routers)
 
 
-def load_served_adapter(
-    source: str, model: str, hf_config: Any, revision: Optional[str] = None
-) -> ServedAdapter:
+def load_served_adapter(source: str, model: str, hf_config: Any, revision: Optional[str] = None) -> ServedAdapter:
     """Fetch, verify and check the adapter `source` (Hub id or folder) for the served `model` (its name or folder and
     its transformers config). Cached per process: vLLM builds every layer from the same adapter.
 

@@ -185,22 +185,29 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
         self, router, side, key_scores, query_scores, query, key_cache, value_cache, block_row, row, length
     ) -> torch.Tensor:
         """One request's decoding step (query row `row` of the call, the last of its `length` tokens): routing resumed
-        from the side cache with the operations `route_tokens` runs on one token (no state kept beside it: the side
-        cache is the state), then only the keys the pattern shows the query, read straight from the paged cache."""
+        from the side cache with the operations `route_tokens` runs on one token, in one C call where it can (no
+        state kept beside it: the side cache is the state), then only the keys the pattern shows the query, read
+        straight from the paged cache."""
         settings = router.settings
-        log_probs, column_lse = causal_sinkhorn(
-            key_scores[None, row : row + 1],
-            _ONE_VALID_TOKEN,
-            settings.sinkhorn_iterations,
-            side.column_lse(block_row, length - 2),
+        token_query_scores = None if query_scores is None else query_scores[row]
+        probes = side.route_token(
+            block_row, length - 1, key_scores[row], token_query_scores, settings.top_k, settings.probe_mass
         )
-        probes, key_group, _ = token_groups(
-            log_probs,
-            None if query_scores is None else query_scores[None, row : row + 1],
-            settings.top_k,
-            settings.probe_mass,
-        )
-        side.write(block_row, length - 1, key_group[0], column_lse)
+        if probes is None:  # no C kernel: the same operations in torch
+            log_probs, column_lse = causal_sinkhorn(
+                key_scores[None, row : row + 1],
+                _ONE_VALID_TOKEN,
+                settings.sinkhorn_iterations,
+                side.column_lse(block_row, length - 2),
+            )
+            top_groups, key_group, _ = token_groups(
+                log_probs,
+                None if token_query_scores is None else token_query_scores[None, None],
+                settings.top_k,
+                settings.probe_mass,
+            )
+            side.write(block_row, length - 1, key_group[0], column_lse)
+            probes = top_groups[0, 0]
         return decode_step(
             query[row],
             key_cache,
@@ -208,7 +215,7 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
             block_row,
             length,
             side.slot_groups,
-            probes[0, 0],
+            probes,
             num_groups=settings.num_groups,
             sink_tokens=settings.sink_tokens,
             window=settings.window,

@@ -43,7 +43,6 @@ def _routed_init(original):
         from vllm.config import get_current_vllm_config
         from vllm.model_executor.models.utils import extract_layer_index
 
-
         adapter = served_adapter(get_current_vllm_config())
         if adapter is None:
             return

@@ -17,8 +17,11 @@ Sinks need no record: vLLM holds no padding, so a token is a sink iff its positi
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from focus_hf.attention.cpu.native import route_token
 from focus_hf.errors import FocusRuntimeError
 
 
@@ -70,6 +73,29 @@ class SideCache:
         offsets = (slots[last] % self.block_size)[:, None].to(self.table.dtype)
         sums = column_lse[last].reshape(-1, self.iterations * self.groups).to(self.table.dtype)
         self.table[blocks[last]] = torch.cat([offsets, sums], dim=1)
+
+    def route_token(
+        self,
+        block_row: torch.Tensor,
+        position: int,
+        key_scores: torch.Tensor,
+        query_scores: Optional[torch.Tensor],
+        top_k: int,
+        probe_mass: Optional[float],
+    ) -> Optional[torch.Tensor]:
+        """Route a request's newest token (at `position`, after the one before it) from this cache and record it here,
+        in one C call (`native.route_token`): the groups it probes [top_k], or None where the kernel cannot run
+        (nothing recorded: the caller routes with torch and `write`s)."""
+        resume = self.column_lse(block_row, position - 1).reshape(-1)
+        slot = self.slot(block_row, position)
+        record = self.table[slot // self.block_size]
+        routed = route_token(key_scores, query_scores, resume, record[1:], top_k, probe_mass)
+        if routed is None:
+            return None
+        probes, key_group = routed
+        self.slot_groups[slot] = key_group
+        record[0] = slot % self.block_size
+        return probes
 
     def key_groups(self, slots: torch.Tensor) -> torch.Tensor:
         """Key groups [n] (int64) of the tokens in `slots`."""

@@ -191,3 +191,47 @@ def test_adaptive_probes_are_the_fewest_best_groups_reaching_the_mass(groups, to
         assert distinct == ranked.indices[: len(distinct)].tolist() == fixed[row, : len(distinct)].tolist()
         assert all(g == distinct[0] for g in probed[row, len(distinct) :].tolist())
     assert torch.equal(probed_groups(log_probs, top_k, None), fixed)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    groups=st.integers(1, 16),
+    iterations=st.integers(1, 10),
+    history=st.integers(0, 40),
+    top_k=st.integers(1, 4),
+    mass=st.sampled_from([None, 0.3, 0.7, 0.95]),
+    query_router=st.booleans(),
+    sharpness=st.sampled_from([0.5, 3.0, 10.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_one_call_routing_of_a_decoding_token_equals_route_tokens(
+    groups, iterations, history, top_k, mass, query_router, sharpness, seed
+):
+    """`native.route_token` (csrc/routing.c), the vLLM decoding step's routing, against `route_tokens` on the same
+    token after the same history: the same groups, the same column sums within float32 rounding."""
+    from focus_hf.attention.cpu import native
+
+    assert native.native_kernels() is not None, "the C kernels must build on this machine (cc on the PATH)"
+    top_k = min(top_k, groups)
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(1, history + 1, groups, generator=generator) * sharpness
+    query_scores = torch.randn(1, 1, groups, generator=generator) * sharpness if query_router else None
+    state = RoutingState.empty(1, iterations, groups, torch.device("cpu"))
+    if history:
+        _, state = route_tokens(
+            scores[:, :history], torch.ones(1, history, dtype=torch.bool), state, iterations=iterations, top_k=top_k,
+            sink_tokens=0,
+        )  # fmt: skip
+    tokens, routed = route_tokens(
+        scores[:, history:], torch.ones(1, 1, dtype=torch.bool), state, iterations=iterations, top_k=top_k,
+        sink_tokens=0, query_scores=query_scores, probe_mass=mass,
+    )  # fmt: skip
+    columns = state.column_lse.reshape(-1).clone()
+    result = native.route_token(
+        scores[0, history], None if query_scores is None else query_scores[0, 0], columns, columns, top_k, mass
+    )
+    assert result is not None
+    probes, key_group = result
+    assert probes.tolist() == tokens.top_groups[0, 0].tolist()
+    assert key_group == int(tokens.key_groups[0, 0])
+    torch.testing.assert_close(columns, routed.column_lse.reshape(-1), rtol=1e-6, atol=1e-6)

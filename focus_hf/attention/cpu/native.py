@@ -1,5 +1,5 @@
-"""The CPU kernels (`csrc/decode.c`, `csrc/prefill.c`, `csrc/segments.c`), compiled on first use with the machine's
-C compiler.
+"""The CPU kernels (`csrc/decode.c`, `csrc/prefill.c`, `csrc/segments.c`, `csrc/routing.c`), compiled on first use
+with the machine's C compiler.
 
 A decoding step of one query costs a few dozen microseconds of eager tensor operations on CPU (copying the window
 next to the group's keys, the attention call, the output's reshapes), as much as dense attention over a 1K cache.
@@ -12,9 +12,9 @@ non-causal calls (float32 on 2 AVX-512 cores: ~155-165 GFLOP/s for both), and it
 hidden pairs in blocks of 128 keys (torch's CPU kernel skips in blocks of several hundred). `prefill_segments`
 runs set A of a block of queries of the fast path in one call, its keys read where they lie through their token
 indices (sorted into segments by the counting sorts of csrc/segments.c, `segments.SegmentKeys`), and `sink_pairs`
-folds set B's sink pairs into the output.
+folds set B's sink pairs into the output. `route_token` routes a decoding token in one call.
 
-The library is built once per machine (`cc -O3 -march=native`, the three sources side by side: a few seconds of CPU
+The library is built once per machine (`cc -O3 -march=native`, the four sources side by side: a few seconds of CPU
 each; without `-march=native` where the compiler refuses it, without `-fopenmp` where torch does not run GNU OpenMP)
 into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no build step at install, no
 dependency.
@@ -49,7 +49,9 @@ import torch.nn.functional as F
 from focus_hf.aliases import default_cache_dir
 
 NATIVE_ENV = "FOCUS_HF_NATIVE"
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode.c", "prefill.c", "segments.c"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("decode.c", "prefill.c", "segments.c", "routing.c")
+)
 # -ffast-math lets the compiler vectorise the sums and exp; it is given to the compile step only, because linking
 # with it adds a start-up routine that sets flush-to-zero for the whole process (denormals would read as 0 in torch,
 # numpy and Python floats alike).
@@ -148,6 +150,11 @@ class NativeKernels:
         self.segment_entries.argtypes = [*[pointer] * 5, *[size] * 7, pointer, size, *[pointer] * 7]
         self.segment_entries.restype = ctypes.c_int
         self.copy_row.restype = None
+        self.route_token = library.focus_route_token
+        # key scores, query scores, groups, iterations, columns, new columns, top_k, probe mass, probes, key group
+        self.route_token.argtypes = [pointer, pointer, size, size, pointer, pointer, size, ctypes.c_double, pointer]
+        self.route_token.argtypes += [pointer]
+        self.route_token.restype = ctypes.c_int
 
 
 def native_disabled() -> bool:
@@ -407,6 +414,50 @@ def attend_runs(query: torch.Tensor, runs: Sequence[Run], scale: float) -> Optio
         ELEMENT_TYPES[query.dtype],
     )
     return output if status == 0 else None
+
+
+def route_token(
+    key_scores: torch.Tensor,
+    query_scores: Optional[torch.Tensor],
+    columns: torch.Tensor,
+    new_columns: torch.Tensor,
+    top_k: int,
+    probe_mass: Optional[float],
+) -> Optional[tuple[torch.Tensor, int]]:
+    """Route one decoding token in one C call (csrc/routing.c): the causal Sinkhorn step of `routing.causal_sinkhorn`
+    and the groups of `routing.token_groups`, the same values within float32 rounding.
+
+    Args:
+        key_scores, query_scores: float32 [K] the token's router scores (query_scores None: no query router).
+        columns: float32 [iterations * K] the running log column sums before the token.
+        new_columns: float32 [iterations * K], written with the sums after it (may be `columns` itself).
+
+    Returns:
+        (the groups it probes, int64 [top_k]; its group as a key), or None where the kernel cannot run (nothing is
+        written then): the caller runs the torch operations.
+    """
+    kernels = native_kernels()
+    tensors = (key_scores, columns, new_columns) + (() if query_scores is None else (query_scores,))
+    if kernels is None or any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in tensors):
+        return None
+    groups = key_scores.shape[0]
+    if (query_scores is not None and query_scores.shape != key_scores.shape) or columns.shape != new_columns.shape:
+        return None
+    probes = torch.empty(top_k, dtype=torch.int64)
+    key_group = ctypes.c_int64()
+    status = kernels.route_token(
+        key_scores.data_ptr(),
+        None if query_scores is None else query_scores.data_ptr(),
+        groups,
+        columns.shape[0] // groups,
+        columns.data_ptr(),
+        new_columns.data_ptr(),
+        top_k,
+        -1.0 if probe_mass is None else probe_mass,
+        probes.data_ptr(),
+        ctypes.byref(key_group),
+    )
+    return (probes, key_group.value) if status == 0 else None
 
 
 def paged_decode(
