@@ -68,6 +68,15 @@ def refusals(vllm_config: Any) -> list[str]:
     sliding = getattr(model_config.hf_text_config, "sliding_window", None)
     if sliding:
         problems.append(f"the model uses a sliding window ({sliding}), which the Focus backend does not apply")
+    positions = getattr(model_config.hf_text_config, "max_position_embeddings", None)
+    if positions and model_config.max_model_len > positions:
+        problems.append(
+            f"max_model_len {model_config.max_model_len} exceeds the model's max_position_embeddings {positions}: "
+            "vLLM's CPU rotary embedding reads its cos/sin table without a bound, so tokens past it get garbage keys "
+            "(norms near 5e16 were seen), where transformers computes their rotation. Extend the table with "
+            f'hf_overrides={{"max_position_embeddings": {model_config.max_model_len}}} (--hf-overrides), or serve '
+            f"at most {positions} tokens"
+        )
     kv_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     if kv_dtype != "auto":
         problems.append(f"a quantized KV cache ({kv_dtype}) is not supported: keep --kv-cache-dtype auto")

@@ -66,6 +66,16 @@ def test_sliding_window_model_is_refused(tmp_path, tiny_llama_dir, tiny_adapter)
         _configure(folder, tiny_adapter)
 
 
+def test_positions_past_the_rotary_table_are_refused_unless_it_is_extended(tiny_llama_dir, tiny_adapter, monkeypatch):
+    positions = json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"]
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own check lets it through then
+    with pytest.raises(FocusServingError, match="rotary embedding reads its cos/sin table without a bound"):
+        _configure(tiny_llama_dir, tiny_adapter, max_model_len=2 * positions)
+    overrides = {"max_position_embeddings": 2 * positions}
+    config = _configure(tiny_llama_dir, tiny_adapter, max_model_len=2 * positions, hf_overrides=overrides)
+    assert config.model_config.max_model_len == 2 * positions
+
+
 def test_unsupported_model_family_is_refused(tmp_path, tiny_llama_dir, tiny_adapter):
     folder = tmp_path / "qwen2"
     shutil.copytree(tiny_llama_dir, folder)
