@@ -10,7 +10,9 @@ eagerly (Focus needs it; the dense engine is run the same way so that only atten
 SmolLM2 was trained to 8K positions: 16K and 32K prompts run past that, with the model's rotary table extended to
 every position served (`hf_overrides` max_position_embeddings, the plain RoPE transformers computes at any position).
 Without it vLLM's CPU rotary kernel reads its table past the end (no bound check): garbage keys from position 8192 on.
-Quality beside the speed: how many of the greedy tokens Focus decodes equal the dense engine's, from the first on.
+Quality beside the speed: each prompt of up to --quality-up-to tokens is run once more, untimed, for the
+log-probability of each of its tokens given those before it (vLLM's prompt_logprobs): its perplexity under Focus
+and under dense attention; and how many of the greedy tokens Focus decodes equal the dense engine's, from the first on.
 
     .venv-vllm/bin/python benchmarks/vllm_serving.py --lengths 4096 8192 16384 32768 \
         --json benchmarks/results/vllm_serving.json
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -88,9 +91,23 @@ def run_engine(args: argparse.Namespace) -> None:
                 "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             }
         )
+    for prompt, row in zip(job["prompts"], rows):
+        if len(prompt) <= job["quality_up_to"]:
+            row["prompt_ppl"] = round(_prompt_perplexity(llm, prompt), 4)
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     result = {"load_seconds": round(load_seconds, 1), "block_size": block_size, "rows": rows}
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _prompt_perplexity(llm, prompt: list[int]) -> float:
+    """exp of the mean negative log-probability of the prompt's tokens after its first, each given those before it."""
+    from vllm import SamplingParams
+
+    scored = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0]
+    logprobs = [entry[token].logprob for token, entry in zip(prompt[1:], scored.prompt_logprobs[1:])]
+    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def _common_prefix(first: list[int], second: list[int]) -> str:
@@ -99,6 +116,14 @@ def _common_prefix(first: list[int], second: list[int]) -> str:
     while shared < min(len(first), len(second)) and first[shared] == second[shared]:
         shared += 1
     return f"{shared} of {len(first)}"
+
+
+def _perplexities(dense: dict, focus: dict) -> dict | None:
+    """The prompt's perplexity under each engine and Focus's over dense's (None where it was not scored)."""
+    if "prompt_ppl" not in dense or "prompt_ppl" not in focus:
+        return None
+    ppl = {"dense": dense.pop("prompt_ppl"), "focus": focus.pop("prompt_ppl")}
+    return {**ppl, "ratio": round(ppl["focus"] / ppl["dense"], 4)}
 
 
 def kv_bytes_per_token(model_dir: Path, focus: bool, block_size: int) -> float:
@@ -123,6 +148,9 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--decode-tokens", type=int, default=65)
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (chunked prefill)")
+    parser.add_argument(
+        "--quality-up-to", type=int, default=16384, help="prompts of up to this many tokens are scored (perplexity)"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--engine-job", dest="job", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -155,6 +183,7 @@ def main() -> None:
             engine["additional_config"] = {"focus_adapter": str(ADAPTER)}
         job = Path(f"/tmp/vllm_serving_{variant}.json")
         spec = {"model": str(model_dir), "engine": engine, "prompts": prompts, "decode_tokens": args.decode_tokens}
+        spec["quality_up_to"] = args.quality_up_to
         job.write_text(json.dumps(spec))
         done = subprocess.run(
             [sys.executable, __file__, "--engine-job", str(job)], env=env, capture_output=True, text=True
@@ -185,6 +214,7 @@ def main() -> None:
                 "ttft_speedup": ratio("ttft_s", invert=True),
                 "decode_speedup": ratio("decode_tokens_per_s"),
                 "greedy_tokens_equal_to_dense": _common_prefix(dense.pop("token_ids"), focus.pop("token_ids")),
+                "prompt_ppl": _perplexities(dense, focus),
                 "kv_bytes_per_token": {
                     "dense": round(dense_kv, 1),
                     "focus": round(focus_kv, 1),
