@@ -259,6 +259,26 @@ FIGURES: dict[str, Callable[[], str]] = {
         for kind in ("prefill", "decode")
     },
     "vllm.kv_ratio": lambda: times(rows(VLLM_SERVING)[0]["kv_bytes_per_token"]["ratio"]),
+    # quality beside that speed: the prompt's perplexity, Focus over dense, and the greedy tokens that agree
+    **{
+        f"vllm.ppl_{length // 1024}k": lambda length=length: times(
+            pick(VLLM_SERVING, prompt_tokens=length)["prompt_ppl"]["ratio"], 3
+        )
+        for length in (4096, 8192, 16384)
+    },
+    **{
+        f"vllm.ppl_{kind}_{length // 1024}k": lambda length=length, kind=kind: fixed(
+            pick(VLLM_SERVING, prompt_tokens=length)["prompt_ppl"][kind], 2
+        )
+        for length in (4096, 8192, 16384)
+        for kind in ("dense", "focus")
+    },
+    **{
+        f"vllm.agree_{length // 1024}k": lambda length=length: pick(VLLM_SERVING, prompt_tokens=length)[
+            "greedy_tokens_equal_to_dense"
+        ]
+        for length in (4096, 8192, 16384, 32768)
+    },
     # `focus-hf demo` with the defaults, from a fresh cache: wall time, peak memory, the machine
     "demo.minutes": lambda: f"{round(_demo()['wall_seconds'] / 60)} minutes",
     "demo.memory": lambda: f"{_demo()['peak_rss_bytes'] / 1e9:.1f} GB",
