@@ -146,3 +146,40 @@ def test_paged_kernel_equals_the_torch_step_for_each_head_shape(sharing, dim, la
     monkeypatch.setattr(decode, "paged_decode", lambda *args: None)
     want = decode.decode_step(*arguments, **options)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_side_cache_routes_decoding_tokens_as_route_tokens_and_write_do():
+    """`SideCache.route_token` (one C call per token, the vLLM decoding step's routing) against the torch path it
+    replaces - resume from the cache, `route_tokens`, `write` - over tokens that cross blocks: the same probes, groups
+    and resumable column sums."""
+    from focus_hf.attention.routing import RoutingState, route_tokens
+    from focus_hf.vllm.side_cache import SideCache
+
+    assert native.native_kernels() is not None, "the C kernels must build on this machine (cc on the PATH)"
+    torch.manual_seed(0)
+    groups, iterations, prompt, total = 6, 10, 10, 45
+    key_scores, query_scores = torch.randn(total, groups) * 4, torch.randn(total, groups) * 4
+    block_row = torch.tensor([4, 0, 2, 5], dtype=torch.int32)
+    caches = [SideCache(6, 16, iterations, groups, torch.device("cpu")) for _ in range(2)]
+    options = dict(iterations=iterations, top_k=2, sink_tokens=2, probe_mass=0.8)
+    _, state = route_tokens(
+        key_scores[None, :prompt], torch.ones(1, prompt, dtype=torch.bool),
+        RoutingState.empty(1, iterations, groups, torch.device("cpu")), query_scores=query_scores[None, :prompt],
+        token_columns=True, **options,
+    )  # fmt: skip
+    for side in caches:
+        side.write(block_row, 0, state.key_groups[0], state.token_column_lse[0])
+    fast, slow = caches
+    for position in range(prompt, total):
+        probes = fast.route_token(block_row, position, key_scores[position], query_scores[position], 2, 0.8)
+        resumed = RoutingState.empty(1, iterations, groups, torch.device("cpu"))
+        resumed.seen, resumed.valid_count = position, torch.tensor([position])
+        resumed.column_lse = slow.column_lse(block_row, position - 1)
+        tokens, routed = route_tokens(
+            key_scores[None, position : position + 1], torch.ones(1, 1, dtype=torch.bool), resumed,
+            query_scores=query_scores[None, position : position + 1], token_columns=True, **options,
+        )  # fmt: skip
+        slow.write(block_row, position, routed.key_groups[0], routed.token_column_lse[0])
+        assert probes.tolist() == tokens.top_groups[0, 0].tolist()
+    assert torch.equal(fast.slot_groups, slow.slot_groups)
+    torch.testing.assert_close(fast.table, slow.table, rtol=1e-6, atol=1e-6)
