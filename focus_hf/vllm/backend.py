@@ -21,7 +21,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from focus_hf.attention.function import LayerRouting, focus_attention_forward
-from focus_hf.attention.routing import RoutingState, causal_sinkhorn, route_tokens, token_groups
+from focus_hf.attention.routing import RoutingState, route_tokens
 from focus_hf.errors import FocusRuntimeError
 from focus_hf.vllm.adapter import LayerRouter
 from focus_hf.vllm.decode import decode_step
@@ -185,29 +185,17 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
         self, router, side, key_scores, query_scores, query, key_cache, value_cache, block_row, row, length
     ) -> torch.Tensor:
         """One request's decoding step (query row `row` of the call, the last of its `length` tokens): routing resumed
-        from the side cache with the operations `route_tokens` runs on one token, in one C call where it can (no
-        state kept beside it: the side cache is the state), then only the keys the pattern shows the query, read
-        straight from the paged cache."""
+        from the side cache (`SideCache.route_token`: no state kept beside it, the side cache is the state), then only
+        the keys the pattern shows the query, read straight from the paged cache."""
         settings = router.settings
-        token_query_scores = None if query_scores is None else query_scores[row]
         probes = side.route_token(
-            block_row, length - 1, key_scores[row], token_query_scores, settings.top_k, settings.probe_mass
+            block_row,
+            length - 1,
+            key_scores[row],
+            None if query_scores is None else query_scores[row],
+            settings.top_k,
+            settings.probe_mass,
         )
-        if probes is None:  # no C kernel: the same operations in torch
-            log_probs, column_lse = causal_sinkhorn(
-                key_scores[None, row : row + 1],
-                _ONE_VALID_TOKEN,
-                settings.sinkhorn_iterations,
-                side.column_lse(block_row, length - 2),
-            )
-            top_groups, key_group, _ = token_groups(
-                log_probs,
-                None if token_query_scores is None else token_query_scores[None, None],
-                settings.top_k,
-                settings.probe_mass,
-            )
-            side.write(block_row, length - 1, key_group[0], column_lse)
-            probes = top_groups[0, 0]
         return decode_step(
             query[row],
             key_cache,
@@ -223,9 +211,6 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
             dense_kv_heads=router.dense_kv_heads,
             scale=self.scale,
         )
-
-
-_ONE_VALID_TOKEN = torch.ones(1, 1, dtype=torch.bool)  # the `valid` of a decoding step's routing (read only)
 
 
 def _check_layout(read: torch.Tensor, written: torch.Tensor, layer: nn.Module) -> None:

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from focus_hf.attention.cpu.native import route_token
+from focus_hf.attention.routing import causal_sinkhorn, token_groups
 from focus_hf.errors import FocusRuntimeError
 
 
@@ -82,16 +83,24 @@ class SideCache:
         query_scores: Optional[torch.Tensor],
         top_k: int,
         probe_mass: Optional[float],
-    ) -> Optional[torch.Tensor]:
-        """Route a request's newest token (at `position`, after the one before it) from this cache and record it here,
-        in one C call (`native.route_token`): the groups it probes [top_k], or None where the kernel cannot run
-        (nothing recorded: the caller routes with torch and `write`s)."""
-        resume = self.column_lse(block_row, position - 1).reshape(-1)
+    ) -> torch.Tensor:
+        """Route a request's newest token (at `position`, after the one before it) from this cache and record it here:
+        the operations `routing.route_tokens` runs on one token, in one C call (`native.route_token`), or in torch
+        where the kernel cannot run. Returns the groups it probes [top_k].
+
+        Args:
+            key_scores, query_scores: float32 [K] the token's router scores (query_scores None: no query router).
+        """
+        resume = self.column_lse(block_row, position - 1)
         slot = self.slot(block_row, position)
         record = self.table[slot // self.block_size]
-        routed = route_token(key_scores, query_scores, resume, record[1:], top_k, probe_mass)
-        if routed is None:
-            return None
+        routed = route_token(key_scores, query_scores, resume.reshape(-1), record[1:], top_k, probe_mass)
+        if routed is None:  # no C kernel: the same operations in torch (`resume` is read before `record` is written)
+            log_probs, column_lse = causal_sinkhorn(key_scores[None, None], _ONE_VALID_TOKEN, self.iterations, resume)
+            scores = None if query_scores is None else query_scores[None, None]
+            top_groups, key_groups, _ = token_groups(log_probs, scores, top_k, probe_mass)
+            routed = top_groups[0, 0], key_groups[0, 0]
+            record[1:] = column_lse.reshape(-1)
         probes, key_group = routed
         self.slot_groups[slot] = key_group
         record[0] = slot % self.block_size
@@ -114,3 +123,6 @@ class SideCache:
                 "and engine options."
             )
         return record[1:].reshape(1, self.iterations, self.groups)
+
+
+_ONE_VALID_TOKEN = torch.ones(1, 1, dtype=torch.bool)  # the `valid` of one decoding token's routing (read only)

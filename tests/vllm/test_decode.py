@@ -148,14 +148,18 @@ def test_paged_kernel_equals_the_torch_step_for_each_head_shape(sharing, dim, la
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_side_cache_routes_decoding_tokens_as_route_tokens_and_write_do():
-    """`SideCache.route_token` (one C call per token, the vLLM decoding step's routing) against the torch path it
-    replaces - resume from the cache, `route_tokens`, `write` - over tokens that cross blocks: the same probes, groups
-    and resumable column sums."""
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_side_cache_routes_decoding_tokens_as_route_tokens_and_write_do(kernel, monkeypatch):
+    """`SideCache.route_token` (the vLLM decoding step's routing: one C call per token, or its torch operations where
+    the kernel cannot run) against resuming from the cache, `route_tokens` and `write`, over tokens that cross blocks:
+    the same probes, groups and resumable column sums."""
     from focus_hf.attention.routing import RoutingState, route_tokens
+    from focus_hf.vllm import side_cache
     from focus_hf.vllm.side_cache import SideCache
 
     assert native.native_kernels() is not None, "the C kernels must build on this machine (cc on the PATH)"
+    if kernel == "torch":
+        monkeypatch.setattr(side_cache, "route_token", lambda *args: None)
     torch.manual_seed(0)
     groups, iterations, prompt, total = 6, 10, 10, 45
     key_scores, query_scores = torch.randn(total, groups) * 4, torch.randn(total, groups) * 4
