@@ -52,6 +52,8 @@ NATIVE_ENV = "FOCUS_HF_NATIVE"
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name for name in ("decode.c", "prefill.c", "segments.c", "routing.c")
 )
+# Included by the sources: part of what a build is made of (`library_path`).
+HEADERS = (Path(__file__).with_name("csrc") / "vectors.h",)
 # -ffast-math lets the compiler vectorise the sums and exp; it is given to the compile step only, because linking
 # with it adds a start-up routine that sets flush-to-zero for the whole process (denormals would read as 0 in torch,
 # numpy and Python floats alike).
@@ -68,7 +70,8 @@ BUILD_TIMEOUT_S = 600
 # caches (K=8 top-1 at 64K tokens, segments of 8K keys, alternating: slabs of 256 / 512 / 1K / 2K / 4K / 8K keys
 # 5.10 / 4.61 / 4.36 / 4.34 / 4.78 / 5.30 s).
 SEGMENT_SLAB_KEYS = 2048
-# csrc/prefill.c's key block: its per-key arrays are padded to a multiple of it, so that blocks read whole vectors.
+# What csrc/prefill.c pads its per-key arrays to (KEY_ARRAY_STEP): a multiple of every target's key block, so that blocks
+# read whole vectors whichever build runs.
 PREFILL_KEY_BLOCK = 128
 # The kernel's element types (csrc/decode.c): each call reads and writes one of them, accumulating in float32.
 ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -331,7 +334,7 @@ def native_kernels() -> Optional[NativeKernels]:
     if cc is None:
         print("focus_hf: no C compiler found (set $CC); attention runs in torch operations", file=sys.stderr)
         return None
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     failure: object = None
     for target in (arch + openmp for arch in TARGETS for openmp in openmp_flags()):
         path = library_path(source, cc, target)

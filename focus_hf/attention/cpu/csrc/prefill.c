@@ -34,19 +34,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
-typedef float fvec __attribute__((vector_size(64)));
-typedef int32_t ivec __attribute__((vector_size(64)));
-typedef uint32_t uvec __attribute__((vector_size(64)));
-typedef uint16_t hvec __attribute__((vector_size(32)));
-#define FLANES 16
-#define QB 32 /* query rows per task */
-#define KB 128 /* keys per block (64: 6-8% slower per pair on long calls) */
-#define QK_ROWS 8 /* rows of the score micro-tile (8 x 32 keys: 16 accumulators) */
-#define PV_ROWS 4 /* rows of the value micro-tile (4 x dim) */
+#include "vectors.h"
+
+#define QB QUERY_ROWS /* query rows per task (vectors.h: per target) */
+#define KB KEY_BLOCK /* keys per block (on AVX-512 64 was 6-8% slower per pair on long calls than 128) */
+_Static_assert(QB % QK_ROWS == 0 && QK_ROWS % PV_ROWS == 0, "the tiles must divide a task's rows");
+/* Per-key arrays (key_bits, key_valid) come padded to a multiple of this for every target (native.PREFILL_KEY_BLOCK),
+   so that the caller's layout does not depend on the build */
+#define KEY_ARRAY_STEP 128
+_Static_assert(KB % (QK_VECTORS * FLANES) == 0 && KEY_ARRAY_STEP % KB == 0,
+               "the score tile must divide a key block, and a block the per-key arrays' padding");
 #define LOG2E 1.44269504088896341f
 
 /* Element types of queries, keys and values (one per call; as in decode.c); outputs are float32, or with a call
@@ -58,13 +56,6 @@ enum { FLOAT32 = 0, BFLOAT16 = 1 };
 #define BF16_DOT 0 /* bfloat16 calls widen to float32 as they pack */
 #endif
 
-static inline fvec fload(const float* p) { fvec v; memcpy(&v, p, sizeof v); return v; }
-static inline void fstore(float* p, fvec v) { memcpy(p, &v, sizeof v); }
-static inline ivec iload(const int32_t* p) { ivec v; memcpy(&v, p, sizeof v); return v; }
-static inline uvec uload(const uint32_t* p) { uvec v; memcpy(&v, p, sizeof v); return v; }
-static inline fvec fsplat(float x) { return (fvec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-static inline ivec isplat(int32_t x) { return (ivec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-static inline uvec usplat(uint32_t x) { return (uvec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline float widen(uint16_t bits) /* a bfloat16 is the high half of a float32 */
 {
     const uint32_t word = (uint32_t)bits << 16;
@@ -88,37 +79,11 @@ static inline const void* element_at(const void* base, int64_t offset, int type)
 {
     return (const char*)base + offset * (int64_t)element_size(type);
 }
-static inline float lane_max(fvec v)
-{
-#ifdef __AVX512F__
-    return _mm512_reduce_max_ps((__m512)v);
-#else
-    float m = v[0];
-    for (int i = 1; i < FLANES; ++i) m = v[i] > m ? v[i] : m;
-    return m;
-#endif
-}
-static inline float lane_total(fvec v)
-{
-#ifdef __AVX512F__
-    return _mm512_reduce_add_ps((__m512)v);
-#else
-    float s = 0.f;
-    for (int i = 0; i < FLANES; ++i) s += v[i];
-    return s;
-#endif
-}
-static inline fvec fmax_lanes(fvec a, fvec b)
-{
-    fvec r;
-    for (int i = 0; i < FLANES; ++i) r[i] = a[i] > b[i] ? a[i] : b[i];
-    return r;
-}
 /* 2^x for x <= 0, inline (a call into libm's vector routine per 16 lanes cost more than the products it sits
    between): x = n + r with |r| <= 1/2, 2^r by Cephes' degree-6 polynomial (a few ulp), times 2^n. With AVX-512,
    rounding and scaling by 2^n are one instruction each and any x far below the range gives 0 (so do hidden scores,
-   -FLT_MAX); elsewhere x is clamped at -126 and 2^n built in the exponent bits, and the caller zeroes hidden
-   weights. */
+   -FLT_MAX); elsewhere x is clamped at -127 and 2^n built in the exponent bits, where n = -127 gives the bits of 0:
+   so hidden scores give 0 there too, and powers below 2^-126.5 (far below any weight that counts) round to 0. */
 /* Powers below it are 0 in float32 (2^-150 rounds to 0): arguments are clamped to it, so that hidden scores and
    huge score gaps give 0, never an infinite or NaN intermediate. */
 #define EXP2_FLOOR -256.f
@@ -129,7 +94,7 @@ static inline fvec fexp2(fvec x)
     const fvec n = (fvec)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const fvec r = x - n;
 #else
-    x = fmax_lanes(x, fsplat(-126.f));
+    x = fmax_lanes(x, fsplat(-127.f));
     /* truncating x - 1/2 toward zero rounds it to the nearest integer for x <= 0 */
     const ivec whole = __builtin_convertvector(x - fsplat(0.5f), ivec);
     const fvec r = x - __builtin_convertvector(whole, fvec);
@@ -221,29 +186,29 @@ static void pack_keys(const void* keys, const void* values, const int64_t* key_o
     }
 }
 
-/* Scores of vectors first .. last - 1 of a block (even bounds: the micro-tile takes two); the others are left
-   unwritten, for `hide` to cover (they lie outside every row's keys). Float32: q [rows][dim] floats, the block
-   [dim][KB]; pairs: q [rows][dim / 2] and the block [dim / 2][KB] pairs. Each pair of key vectors is taken by every
-   row in turn, so that its slice of the block stays in the first-level cache. */
+/* Scores of vectors first .. last - 1 of a block (bounds multiples of QK_VECTORS: the micro-tile takes that many);
+   the others are left unwritten, for `hide` to cover (they lie outside every row's keys). Float32: q [rows][dim]
+   floats, the block [dim][KB]; pairs: q [rows][dim / 2] and the block [dim / 2][KB] pairs. Each tile of key vectors
+   is taken by every row in turn, so that its slice of the block stays in the first-level cache. */
 static inline __attribute__((always_inline)) void block_scores(const void* q, const void* block, float* scores,
                                                                int rows, int first, int last, const int dim,
                                                                const int pairs)
 {
-    for (int u0 = first; u0 < last; u0 += 2)
+    for (int u0 = first; u0 < last; u0 += QK_VECTORS)
         for (int r0 = 0; r0 < rows; r0 += QK_ROWS) {
-            fvec s[QK_ROWS][2];
-            for (int r = 0; r < QK_ROWS; ++r) s[r][0] = s[r][1] = (fvec){0};
+            fvec s[QK_ROWS][QK_VECTORS];
+            for (int r = 0; r < QK_ROWS; ++r)
+                for (int i = 0; i < QK_VECTORS; ++i) s[r][i] = (fvec){0};
             if (pairs) {
 #if BF16_DOT
                 const uint32_t* qp = (const uint32_t*)q + r0 * (dim / 2);
                 const uint32_t* kp = (const uint32_t*)block + u0 * FLANES;
                 for (int d = 0; d < dim / 2; ++d) {
-                    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + d * KB);
-                    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + d * KB + FLANES);
+                    __m512bh k[QK_VECTORS];
+                    for (int i = 0; i < QK_VECTORS; ++i) k[i] = (__m512bh)_mm512_loadu_si512(kp + d * KB + i * FLANES);
                     for (int r = 0; r < QK_ROWS; ++r) {
                         const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qp[r * (dim / 2) + d]);
-                        s[r][0] = (fvec)_mm512_dpbf16_ps((__m512)s[r][0], qv, k0);
-                        s[r][1] = (fvec)_mm512_dpbf16_ps((__m512)s[r][1], qv, k1);
+                        for (int i = 0; i < QK_VECTORS; ++i) s[r][i] = (fvec)_mm512_dpbf16_ps((__m512)s[r][i], qv, k[i]);
                     }
                 }
 #endif
@@ -251,41 +216,49 @@ static inline __attribute__((always_inline)) void block_scores(const void* q, co
                 const float* qf = (const float*)q + r0 * dim;
                 const float* kf = (const float*)block + u0 * FLANES;
                 for (int d = 0; d < dim; ++d) {
-                    const fvec k0 = fload(kf + d * KB), k1 = fload(kf + d * KB + FLANES);
+                    fvec k[QK_VECTORS];
+                    for (int i = 0; i < QK_VECTORS; ++i) {
+                        k[i] = fload(kf + d * KB + i * FLANES);
+#if KEEP_KEYS
+                        IN_REGISTER(k[i]);
+#endif
+                    }
                     for (int r = 0; r < QK_ROWS; ++r) {
                         const fvec qv = fsplat(qf[r * dim + d]);
-                        s[r][0] += qv * k0;
-                        s[r][1] += qv * k1;
+                        for (int i = 0; i < QK_VECTORS; ++i) s[r][i] += qv * k[i];
                     }
                 }
             }
-            for (int r = 0; r < QK_ROWS; ++r) {
-                fstore(scores + (r0 + r) * KB + u0 * FLANES, s[r][0]);
-                fstore(scores + (r0 + r) * KB + (u0 + 1) * FLANES, s[r][1]);
-            }
+            for (int r = 0; r < QK_ROWS; ++r)
+                for (int i = 0; i < QK_VECTORS; ++i) fstore(scores + (r0 + r) * KB + (u0 + i) * FLANES, s[r][i]);
         }
 }
 
-/* acc[rows][dim] += p[rows][begin .. cols - 1] x the value rows `values[begin .. cols - 1]` (float32). */
+/* acc[rows][dim] += p[rows][begin .. cols - 1] x the value rows `values[begin .. cols - 1]` (float32). The micro-tile
+   is PV_ROWS rows x PV_VECTORS vectors of dims: its accumulators, value vectors and weights fit the registers. */
 static inline __attribute__((always_inline)) void block_values(const float* p, const float* const* values, float* acc,
                                                                int rows, int begin, int cols, const int dim)
 {
     const int vectors = dim / FLANES;
-    for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {
-        fvec a[PV_ROWS][8];
-        for (int r = 0; r < PV_ROWS; ++r)
-            for (int i = 0; i < vectors; ++i) a[r][i] = fload(acc + (r0 + r) * dim + i * FLANES);
-        for (int j = begin; j < cols; ++j) {
-            fvec v[8];
-            for (int i = 0; i < vectors; ++i) v[i] = fload(values[j] + i * FLANES);
-            for (int r = 0; r < PV_ROWS; ++r) {
-                const fvec w = fsplat(p[(r0 + r) * KB + j]);
-                for (int i = 0; i < vectors; ++i) a[r][i] += w * v[i];
+    /* dims outermost: a slice of PV_VECTORS vectors of the block's values stays in the first-level cache while every
+       row takes it */
+    for (int c0 = 0; c0 < vectors; c0 += PV_VECTORS)
+        for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {
+            const int count = vectors - c0 < PV_VECTORS ? vectors - c0 : PV_VECTORS; /* a constant per c0 */
+            fvec a[PV_ROWS][PV_VECTORS];
+            for (int r = 0; r < PV_ROWS; ++r)
+                for (int i = 0; i < count; ++i) a[r][i] = fload(acc + (r0 + r) * dim + (c0 + i) * FLANES);
+            for (int j = begin; j < cols; ++j) {
+                fvec v[PV_VECTORS];
+                for (int i = 0; i < count; ++i) v[i] = fload(values[j] + (c0 + i) * FLANES);
+                for (int r = 0; r < PV_ROWS; ++r) {
+                    const fvec w = fsplat(p[(r0 + r) * KB + j]);
+                    for (int i = 0; i < count; ++i) a[r][i] += w * v[i];
+                }
             }
+            for (int r = 0; r < PV_ROWS; ++r)
+                for (int i = 0; i < count; ++i) fstore(acc + (r0 + r) * dim + (c0 + i) * FLANES, a[r][i]);
         }
-        for (int r = 0; r < PV_ROWS; ++r)
-            for (int i = 0; i < vectors; ++i) fstore(acc + (r0 + r) * dim + i * FLANES, a[r][i]);
-    }
 }
 
 #if BF16_DOT
@@ -319,8 +292,8 @@ typedef struct {
     const int32_t* row_end;    /* [rows of the call] or NULL: causal as `causal` says */
     int64_t base;              /* row_begin and row_end count keys from `base` slots before the call's first */
     const int32_t* query_bits; /* [rows of the call] or NULL: no pattern */
-    const int32_t* key_bits;   /* [S rounded up to KB], 0 past S */
-    const int32_t* key_valid;  /* [S rounded up to KB] 0 / -1, or NULL: all real */
+    const int32_t* key_bits;   /* [S rounded up to KEY_ARRAY_STEP], 0 past S */
+    const int32_t* key_valid;  /* [S rounded up to KEY_ARRAY_STEP] 0 / -1, or NULL: all real */
     int64_t window, first;
     int causal, local;
 } Rule;
@@ -358,7 +331,7 @@ static inline void hide(float* row, const Rule* rule, int64_t r, int64_t positio
     const int64_t last = rule->row_end ? rule->row_end[r] - 1 - rule->base : rule->causal ? position : INT64_MAX;
     const int64_t near = rule->query_bits ? position - rule->window : INT64_MIN; /* the window's first key */
     if (!rule->local && c0 >= begin && c0 + KB - 1 <= last && c0 >= near && cols == KB && !rule->key_valid) return;
-    const ivec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const ivec lane = lane_index();
     const ivec begin_offset = isplat(clamp_offset(begin - c0));
     const ivec last_offset = isplat(clamp_offset(last - c0));
     const ivec near_offset = isplat(rule->query_bits ? clamp_offset(near - c0) : -KB);
@@ -471,10 +444,11 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
     }
     for (int64_t c0 = lowest / KB * KB; c0 < key_end; c0 += KB) {
         const int cols = key_end - c0 < KB ? (int)(key_end - c0) : KB;
-        /* the block's keys that some row may see, in steps of two vectors: from `lowest` to the call's last key; the
+        /* the block's keys that some row may see, in steps of QK_VECTORS: from `lowest` to the call's last key; the
            scores, weights and products cover those vectors only (a local block's window spans parts of two blocks) */
-        const int first_vector = lowest > c0 ? (int)((lowest - c0) / (2 * FLANES)) * 2 : 0;
-        const int last_vector = (cols + 2 * FLANES - 1) / (2 * FLANES) * 2;
+        const int step = QK_VECTORS * FLANES;
+        const int first_vector = lowest > c0 ? (int)((lowest - c0) / step) * QK_VECTORS : 0;
+        const int last_vector = (cols + step - 1) / step * QK_VECTORS;
         const float* block = keys->packed + (c0 / KB) * dim * KB / (pairs ? 2 : 1);
         block_scores(queries, block, scores, padded, first_vector, last_vector, dim, pairs);
         for (int r = 0; r < padded; ++r) {
@@ -498,15 +472,7 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
             fvec total = (fvec){0};
             for (int u = first_vector; u < last_vector; ++u) {
                 const fvec score = fload(row + u * FLANES);
-                fvec p = fexp2(fmax_lanes((score - largest) * multiplier, floor));
-#ifndef __AVX512F__
-                /* hidden scores (-FLT_MAX) were clamped for the power: their weight is zeroed here */
-                const ivec visible = score > fsplat(-FLT_MAX);
-                ivec bits;
-                memcpy(&bits, &p, sizeof bits);
-                bits &= visible;
-                memcpy(&p, &bits, sizeof p);
-#endif
+                const fvec p = fexp2(fmax_lanes((score - largest) * multiplier, floor));
                 fstore(row + u * FLANES, p);
                 total += p;
             }
@@ -564,22 +530,22 @@ TASK_FUNCTIONS(1)
 #endif
 #define TASK_TABLE(P) {task_16_##P, task_32_##P, task_48_##P, task_64_##P, task_80_##P, task_96_##P, task_112_##P, task_128_##P}
 
-/* The task of a call of head size `dim` (a multiple of FLANES up to 128) and element type `type`. */
+/* The task of a call of head size `dim` (a multiple of 16 up to 128) and element type `type`. */
 static TaskFunction task_function(int64_t dim, int type)
 {
     static const TaskFunction wide[8] = TASK_TABLE(0);
 #if BF16_DOT
     static const TaskFunction pairs[8] = TASK_TABLE(1);
-    if (pairs_of(type)) return pairs[dim / FLANES - 1];
+    if (pairs_of(type)) return pairs[dim / 16 - 1];
 #else
     (void)type;
 #endif
-    return wide[dim / FLANES - 1];
+    return wide[dim / 16 - 1];
 }
 
 int focus_prefill_supports(int64_t heads, int64_t kv_heads, int64_t dim)
 {
-    return kv_heads > 0 && heads % kv_heads == 0 && dim % FLANES == 0 && dim >= FLANES && dim <= 128;
+    return kv_heads > 0 && heads % kv_heads == 0 && dim % 16 == 0 && dim >= 16 && dim <= 128;
 }
 
 /* 32-bit words of packed keys (and values) a call of element type `type` over `keys` keys of one kv head takes: the
@@ -612,7 +578,7 @@ int focus_build_features(void)
 /* query [B, H, L, dim], key/value [B, KH, S, dim] of element type `type` (float32 or bfloat16) with contiguous rows;
    strides in elements {batch, head, row} (q_strides, k_strides, v_strides, o_strides, l_strides); out [B, H, L,
    dim] (float32 with `merge`, else of `type`), lse [B, H, L] float32. row_end and query_bits [B, L], key_bits and
-   key_valid [B, S rounded up to a multiple of KB] int32 (key_valid -1 for a real key, 0 for padding), each NULL or
+   key_valid [B, S rounded up to a multiple of KEY_ARRAY_STEP] int32 (key_valid -1 for a real key, 0 for padding), each NULL or
    contiguous; `local` needs the bits. With `merge`, out and lse hold a partial result over other keys, which each
    row's is folded into (`finish_row`). `scratch` holds `scratch_words` 32-bit words (`focus_packed_words` per kv
    head and sample) or is NULL. Returns 0, or 1 for a call it does not take (nothing written). */
@@ -627,7 +593,8 @@ int focus_prefill(const void* q, const void* k, const void* v, void* out, float*
         (type != FLOAT32 && type != BFLOAT16))
         return 1;
     const int out_type = merge ? FLOAT32 : type;
-    const int64_t sharing = H / KH, blocks = (S + KB - 1) / KB, padded_keys = blocks * KB;
+    const int64_t sharing = H / KH, blocks = (S + KB - 1) / KB;
+    const int64_t padded_keys = (S + KEY_ARRAY_STEP - 1) / KEY_ARRAY_STEP * KEY_ARRAY_STEP;
     const int64_t packed_size = packed_words(blocks, dim, type);
     const TaskFunction run_task = task_function(dim, type);
     float* packed = take_scratch(scratch, scratch_words, packed_size * B * KH);
