@@ -14,10 +14,12 @@ runs set A of a block of queries of the fast path in one call, its keys read whe
 indices (sorted into segments by the counting sorts of csrc/segments.c, `segments.SegmentKeys`), and `sink_pairs`
 folds set B's sink pairs into the output. `route_token` routes a decoding token in one call.
 
-The library is built once per machine (`cc -O3 -march=native`, the four sources side by side: a few seconds of CPU
-each; without `-march=native` where the compiler refuses it, without `-fopenmp` where torch does not run GNU OpenMP)
-into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no build step at install, no
-dependency.
+The library is built once per machine and target (`cc -O3 -march=native`, the four sources side by side: a few
+seconds of CPU each; without `-march=native` where the compiler refuses it, without `-fopenmp` where torch does not
+run GNU OpenMP) into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded with ctypes: no build step at
+install, no dependency. `FOCUS_HF_CPU_TARGET` builds for another target instead (any -march value: `x86-64-v2`,
+`x86-64-v3`, `x86-64-v4`, ...; one this processor cannot run is refused with `CpuTargetError`): csrc/vectors.h sizes
+the kernels' vectors and register tiles to the instruction set of the target, so each build is fast on its own.
 
 The prefill kernels take float32, and bfloat16 with float32 sums: where the processor has bfloat16 dot products
 (AVX512_BF16) they multiply bfloat16 pairs, twice the products per instruction of float32 (csrc/prefill.c).
@@ -59,9 +61,27 @@ HEADERS = (Path(__file__).with_name("csrc") / "vectors.h",)
 # numpy and Python floats alike).
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC", "-c")
 LINK_FLAGS = ("-shared",)
-# Tried in turn: this processor's instruction set, else the compiler's default target (vectors of 16 floats are
-# then split into what the target has); each with OpenMP first where torch runs on GNU OpenMP (`openmp_flags`).
-TARGETS = (("-march=native",), ())
+# FOCUS_HF_CPU_TARGET: the processor the kernels are built for, as the compiler's -march names it: "native" (the
+# default: this processor), or a level such as "x86-64-v2", "x86-64-v3", "x86-64-v4", "armv8-a", or a model
+# ("znver3", "skylake-avx512"). Each target's build is cached apart; csrc/vectors.h sizes vectors and tiles to it.
+CPU_TARGET_ENV = "FOCUS_HF_CPU_TARGET"
+# The instruction sets a target's predefined macros promise, as /proc/cpuinfo names them: a build whose target
+# promises one this processor lacks would stop the process at its first such instruction, so it is refused.
+TARGET_MACROS = {
+    "__SSE4_2__": "sse4_2",
+    "__POPCNT__": "popcnt",
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__BMI2__": "bmi2",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVX512FP16__": "avx512_fp16",
+}
 # A compiler call that takes longer is taken for hung (the slowest, decode.c for the compiler's default target, takes
 # about half a minute of CPU on a 2-core AMD EPYC).
 BUILD_TIMEOUT_S = 600
@@ -143,6 +163,9 @@ class NativeKernels:
         self.build_features = library.focus_build_features
         self.build_features.argtypes = []
         self.build_features.restype = flag
+        self.vector_floats = library.focus_vector_floats
+        self.vector_floats.argtypes = []
+        self.vector_floats.restype = flag
         self.segment_keys = library.focus_segment_keys
         # groups, group strides, valid, sinks, batch, kv, K, key token, key starts, riders, last sink
         self.segment_keys.argtypes = [*[pointer] * 4, *[size] * 3, *[pointer] * 4]
@@ -162,6 +185,46 @@ class NativeKernels:
 
 def native_disabled() -> bool:
     return os.environ.get(NATIVE_ENV, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def cpu_target() -> str:
+    """The processor the kernels are built for (FOCUS_HF_CPU_TARGET, default "native")."""
+    return os.environ.get(CPU_TARGET_ENV, "").strip() or "native"
+
+
+def target_flag_sets(target: str) -> tuple[tuple[str, ...], ...]:
+    """The -march flags to try in turn: for "native", this processor's, else the compiler's default target; for a
+    named target, only its own (a target asked for by name is built as asked, or not at all)."""
+    return (("-march=native",), ()) if target == "native" else ((f"-march={target}",),)
+
+
+class CpuTargetError(ValueError):
+    """FOCUS_HF_CPU_TARGET names a target that the compiler does not know or that this processor cannot run."""
+
+
+def missing_instruction_sets(cc: str, target: str) -> list[str]:
+    """The instruction sets that a build for `target` would use and this processor lacks (by the compiler's
+    predefined macros for it and /proc/cpuinfo's flags; [] where either cannot be read). Raises CpuTargetError where
+    the compiler does not know the target."""
+    if target == "native":
+        return []
+    try:
+        answer = subprocess.run(
+            [cc, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if answer.returncode != 0:
+        reason = (answer.stderr.strip().splitlines() or ["refused"])[0]
+        raise CpuTargetError(
+            f"{CPU_TARGET_ENV}={target}: the C compiler {cc} does not know this target ({reason}). Use an -march value "
+            "it knows (x86-64-v2, x86-64-v3, x86-64-v4, armv8-a, ...), or unset it to build for this processor."
+        )
+    flags = set(cpu_flags())
+    if not flags:
+        return []
+    promised = {name.split()[1] for name in answer.stdout.splitlines() if name.startswith("#define __")}
+    return [flag for macro, flag in TARGET_MACROS.items() if macro in promised and flag not in flags]
 
 
 def compiler() -> Optional[str]:
@@ -214,16 +277,21 @@ INSTRUCTION_SETS = (
 
 
 @functools.lru_cache(maxsize=1)
-def instruction_sets() -> list[str]:
-    """Which of INSTRUCTION_SETS this processor has (from /proc/cpuinfo's flags; [] where it cannot be read)."""
+def cpu_flags() -> tuple[str, ...]:
+    """This processor's instruction-set flags as /proc/cpuinfo lists them (() where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                return [name for name in INSTRUCTION_SETS if name in flags]
+                return tuple(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return []
+    return ()
+
+
+def instruction_sets() -> list[str]:
+    """Which of INSTRUCTION_SETS this processor has (from /proc/cpuinfo's flags; [] where it cannot be read)."""
+    flags = set(cpu_flags())
+    return [name for name in INSTRUCTION_SETS if name in flags]
 
 
 # focus_build_features' bits (csrc/prefill.c): what the compiled kernels use.
@@ -271,12 +339,15 @@ def build_record() -> dict:
     if kernels is None:
         return {"built": False, "reason": "FOCUS_HF_NATIVE=0" if native_disabled() else "no compiler or build failed"}
     features = kernels.build_features()
+    march = [flag.split("=", 1)[1] for flag in kernels.target if flag.startswith("-march=")]
     return {
         "built": True,
+        "target": cpu_target(),
         "compiler": compiler_version(kernels.compiler),
         "flags": " ".join(COMPILE_FLAGS[:-1] + kernels.target),  # without -c
-        "march": resolved_target(kernels.compiler, kernels.target),
+        "march": resolved_target(kernels.compiler, kernels.target) if march == ["native"] else (march or [None])[0],
         "uses": [name for bit, name in BUILD_FEATURES.items() if features & bit],
+        "vector_floats": kernels.vector_floats(),
     }
 
 
@@ -336,7 +407,15 @@ def native_kernels() -> Optional[NativeKernels]:
         return None
     source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     failure: object = None
-    for target in (arch + openmp for arch in TARGETS for openmp in openmp_flags()):
+    target_name = cpu_target()
+    missing = missing_instruction_sets(cc, target_name)
+    if missing:
+        raise CpuTargetError(
+            f"{CPU_TARGET_ENV}={target_name}: a build for this target uses {', '.join(missing)}, which this processor "
+            f"({platform.processor() or platform.machine()}) does not have; it would stop at its first such instruction. Choose a lower target "
+            "(x86-64-v3 for AVX2, x86-64-v2 for SSE4.2) or unset it to build for this processor."
+        )
+    for target in (arch + openmp for arch in target_flag_sets(target_name) for openmp in openmp_flags()):
         path = library_path(source, cc, target)
         try:
             if not path.exists():
