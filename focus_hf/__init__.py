@@ -31,6 +31,7 @@ from focus_hf.errors import (
     InvalidRepoIdError,
     MissingModelPackageError,
     NotAFocusAdapterError,
+    UnknownOptionError,
     UnsupportedModelError,
 )
 from focus_hf.quiet import ImportHook, optional_import_hook
@@ -70,6 +71,7 @@ __all__ = [
     "adapter_size",
     "FocusError",
     "FocusConfigError",
+    "UnknownOptionError",
     "UnsupportedModelError",
     "AdapterFileError",
     "ConfigFormatError",

@@ -17,6 +17,11 @@ class FocusConfigError(FocusError, ValueError):
     """A Focus adapter configuration is invalid or does not fit the model."""
 
 
+class UnknownOptionError(FocusConfigError, TypeError):
+    """`FocusConfig` got an option it does not take. Also a `TypeError`, as every PEFT config raises for an option
+    it does not take, so that `except TypeError` (PEFT's own tests, users' code) works."""
+
+
 class UnsupportedModelError(FocusError, ValueError):
     """The model's attention cannot be routed by Focus."""
 
@@ -78,6 +83,7 @@ class HubPushError(FocusHubError, RuntimeError):
 __all__ = [
     "FocusError",
     "FocusConfigError",
+    "UnknownOptionError",
     "UnsupportedModelError",
     "AdapterFileError",
     "ConfigFormatError",

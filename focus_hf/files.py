@@ -153,12 +153,21 @@ ADAPTER_KEY_PREFIX = "base_model.model."
 ROUTER_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def validate_adapter_folder(folder: os.PathLike | str, expected: dict[str, dict[str, tuple[int, ...]]]) -> None:
+def validate_adapter_folder(
+    folder: os.PathLike | str,
+    expected: dict[str, dict[str, tuple[int, ...]]],
+    saved: Optional[dict[str, tuple[int, ...]]] = None,
+) -> dict:
     """Refuse a folder whose weights are missing, pickled, corrupt, non-finite, or shaped for another model.
 
     Args:
         folder: the adapter folder.
         expected: module name -> {"focus_proj": shape, "focus_centroids": shape} for the model being adapted.
+        saved: key (without `base_model.model.`) -> shape of the tensors of the config's `modules_to_save`.
+
+    Returns:
+        The checked tensors (key -> CPU tensor), read once from `adapter_model.safetensors`: the loaders are handed
+        these (`focus_hf.tuner.checked_weights`), so what reaches the model is what was checked here.
     """
     folder = Path(folder)
     weights = folder / WEIGHTS_NAME
@@ -172,25 +181,42 @@ def validate_adapter_folder(folder: os.PathLike | str, expected: dict[str, dict[
             )
         raise AdapterFileError(f"Missing {WEIGHTS_NAME} in {folder}: the adapter folder is incomplete.")
     tensors = read_safetensors_header(weights)
-    validate_router_tensors(str(weights), tensors, expected, require_prefix=True)
+    validate_router_tensors(str(weights), tensors, expected, require_prefix=True, saved=saved)
     from safetensors.torch import load_file
 
-    _check_finite(str(weights), load_file(str(weights)))
+    tensors = load_file(str(weights))
+    # The tensors read now are the ones handed to the loader (`focus_hf.tuner.checked_weights`), so they are checked
+    # themselves, not only the header read before: the file may have been replaced in between.
+    validate_router_tensors(str(weights), _describe(tensors), expected, require_prefix=True, saved=saved)
+    check_finite(str(weights), tensors)
+    return tensors
 
 
-def validate_adapter_state_dict(state_dict: dict, expected: dict[str, dict[str, tuple[int, ...]]]) -> None:
+# safetensors names of the torch dtypes a router may have (`ROUTER_DTYPES`).
+_TORCH_DTYPE_NAMES = {
+    "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float64": "F64",
+}  # fmt: skip
+
+
+def _describe(tensors: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """key -> (safetensors dtype name, shape) of torch tensors, as `read_safetensors_header` describes a file."""
+    return {key: (_TORCH_DTYPE_NAMES.get(str(v.dtype), str(v.dtype)), tuple(v.shape)) for key, v in tensors.items()}
+
+
+def validate_adapter_state_dict(
+    state_dict: dict,
+    expected: dict[str, dict[str, tuple[int, ...]]],
+    saved: Optional[dict[str, tuple[int, ...]]] = None,
+) -> None:
     """`validate_adapter_folder` for a state dict handed to `load_adapter(adapter_state_dict=...)`."""
     if not isinstance(state_dict, dict) or not all(hasattr(v, "dtype") for v in state_dict.values()):
         raise AdapterFileError("adapter_state_dict must map tensor names to tensors.")
-    names = {
-        "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float64": "F64",
-    }  # fmt: skip
-    tensors = {key: (names.get(str(v.dtype), str(v.dtype)), tuple(v.shape)) for key, v in state_dict.items()}
-    validate_router_tensors("adapter_state_dict", tensors, expected, require_prefix=False)
-    _check_finite("adapter_state_dict", state_dict)
+    validate_router_tensors("adapter_state_dict", _describe(state_dict), expected, require_prefix=False, saved=saved)
+    check_finite("adapter_state_dict", state_dict)
 
 
-def _check_finite(source: str, tensors: dict) -> None:
+def check_finite(source: str, tensors: dict) -> None:
+    """Refuse tensors holding NaN or infinite values (`source` names where they come from in the error)."""
     for key, tensor in tensors.items():
         if not bool(tensor.isfinite().all()):
             raise AdapterFileError(
@@ -205,9 +231,13 @@ def validate_router_tensors(
     expected: dict[str, dict[str, tuple[int, ...]]],
     *,
     require_prefix: bool,
+    saved: Optional[dict[str, tuple[int, ...]]] = None,
 ) -> None:
-    """Check tensor names, dtypes and shapes against the router tensors the model expects (`source` names them)."""
+    """Check tensor names, dtypes and shapes against the router tensors the model expects (`source` names them),
+    and against `saved`, the tensors of the config's `modules_to_save` (key without prefix -> shape)."""
+    saved = saved or {}
     found: dict[str, dict[str, tuple[int, ...]]] = {}
+    found_saved: set[str] = set()
     for key, (dtype, shape) in tensors.items():
         if require_prefix and not key.startswith(ADAPTER_KEY_PREFIX):
             raise AdapterFileError(
@@ -215,15 +245,34 @@ def validate_router_tensors(
                 "it would not be loaded and its router would keep random weights. Save the adapter with "
                 "`save_pretrained`, or rename the keys."
             )
-        module, leaf = router_module_name(key)
-        if leaf not in ROUTER_LEAVES:
-            raise AdapterFileError(f"{source} holds {key!r}, which is not a Focus router tensor; refusing to load it.")
         if dtype not in ROUTER_DTYPES:
             raise AdapterFileError(
-                f"{source}: tensor {key!r} has dtype {dtype}; Focus router tensors are floating point "
+                f"{source}: tensor {key!r} has dtype {dtype}; Focus adapter tensors are floating point "
                 f"({', '.join(ROUTER_DTYPES)}). Refusing to cast it silently."
             )
+        plain = key.removeprefix(ADAPTER_KEY_PREFIX)
+        if plain in saved:
+            if shape != saved[plain]:
+                raise AdapterFileError(
+                    f"{source}: {plain} (modules_to_save) has shape {list(shape)}, this model expects "
+                    f"{list(saved[plain])}. The adapter was made for another base model."
+                )
+            found_saved.add(plain)
+            continue
+        module, leaf = router_module_name(key)
+        if leaf not in ROUTER_LEAVES:
+            raise AdapterFileError(
+                f"{source} holds {key!r}, which is neither a Focus router tensor nor a tensor of the config's "
+                f"modules_to_save ({sorted({k.rpartition('.')[0] for k in saved})}); refusing to load it."
+            )
         found.setdefault(module, {})[leaf] = shape
+    missing_saved = sorted(set(saved) - found_saved)
+    if missing_saved:
+        raise AdapterFileError(
+            f"{source} is missing {len(missing_saved)} tensor(s) of the config's modules_to_save: "
+            f"{missing_saved[:4]}{' ...' if len(missing_saved) > 4 else ''}. The file is incomplete, or "
+            "adapter_config.json names modules the adapter did not save."
+        )
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     if missing or unexpected:
@@ -233,6 +282,18 @@ def validate_router_tensors(
             f"{'; unknown: ' + str(unexpected[:3]) if unexpected else ''}. "
             "The adapter was made for another base model."
         )
+    absent = [
+        f"{ADAPTER_KEY_PREFIX}{module}.{leaf} (shape {list(shape)})"
+        for module, shapes in expected.items()
+        for leaf, shape in shapes.items()
+        if leaf not in found[module]
+    ]
+    if absent:
+        raise AdapterFileError(
+            f"{source} is missing {len(absent)} router tensor(s) this FocusConfig needs: {', '.join(absent[:4])}"
+            f"{' ...' if len(absent) > 4 else ''}. The file is incomplete, or adapter_config.json (query_projection) "
+            "does not match the weights; save the adapter again with save_pretrained."
+        )
     for module, shapes in expected.items():
         extra = sorted(set(found[module]) - set(shapes))
         if extra:
@@ -241,10 +302,10 @@ def validate_router_tensors(
                 "The adapter_config.json does not match the weights."
             )
         for leaf, shape in shapes.items():
-            got = found[module].get(leaf)
+            got = found[module][leaf]
             if got != shape:
                 raise AdapterFileError(
-                    f"{source}: {module}.{leaf} has shape {list(got) if got else None}, this model expects "
+                    f"{source}: {module}.{leaf} has shape {list(got)}, this model expects "
                     f"{list(shape)}. The adapter was made for another base model or another FocusConfig."
                 )
 

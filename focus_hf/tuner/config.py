@@ -11,7 +11,7 @@ from typing import Optional, Union
 from peft.config import PeftConfig
 
 from focus_hf.defaults import FOCUS_DEFAULTS, ROUTING_MODES
-from focus_hf.errors import FocusConfigError
+from focus_hf.errors import FocusConfigError, UnknownOptionError
 from focus_hf.tuner.peft_type import FOCUS_PEFT_TYPE
 from focus_hf.tuner.targets import check_target_modules
 
@@ -70,6 +70,18 @@ class FocusConfig(PeftConfig):
         gate_floor: Smallest same-group probability the soft gate uses, so the log-gate stays finite.
         target_modules: Attention module names (or a regex) to route; `None` routes every supported
             self-attention module.
+        layers_to_transform: Route only the attention modules of these layer indices (an int or a list), as in
+            PEFT's LoRA: the index is the number after the layers container in the module name
+            (`model.layers.3.self_attn` is layer 3). None routes every layer.
+        layers_pattern: Name of the layers container (`"layers"`, `"h"`, or a list of names) used to read that index,
+            for models whose module names hold more than one number; needs `layers_to_transform`.
+        modules_to_save: Modules besides the routers to train and save with the adapter (e.g. `["lm_head"]`), through
+            PEFT's own `ModulesToSaveWrapper`: a trainable copy per adapter, saved beside the routers, reloaded with
+            them, deleted with the adapter. A routed attention module cannot be one of them.
+        init_weights: True (the default): key and query projections start equal, so each query first probes the
+            groups of keys like itself. False: every router tensor is drawn independently at random (the query
+            projection too), as PEFT's tests ask of every adapter type to make a fresh adapter differ from the default
+            one. Both draw from torch's global generator; loading overwrites either.
         hidden_size: Hidden size of the base model, recorded when the adapter is created so that a
             mismatching base model is refused before any weight is loaded.
         num_routed_layers: Number of attention layers routed, recorded likewise.
@@ -106,6 +118,18 @@ class FocusConfig(PeftConfig):
     )
     target_modules: Optional[Union[list[str], str]] = field(
         default=None, metadata={"help": "Attention modules to route; None routes all supported ones."}
+    )
+    layers_to_transform: Optional[Union[list[int], int]] = field(
+        default=None, metadata={"help": "Layer indices to route; None routes every layer."}
+    )
+    layers_pattern: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Layers container holding the layer index (with layers_to_transform)."}
+    )
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Modules besides the routers to train and save with the adapter."}
+    )
+    init_weights: bool = field(
+        default=True, metadata={"help": "True: query projection starts as the key projection; False: all random."}
     )
     hidden_size: Optional[int] = field(default=None, metadata={"help": "Recorded hidden size of the base."})
     num_routed_layers: Optional[int] = field(default=None, metadata={"help": "Recorded routed layer count."})
@@ -157,6 +181,7 @@ class FocusConfig(PeftConfig):
             raise FocusConfigError(
                 f"FocusConfig.query_projection must be true or false, got {self.query_projection!r}."
             )
+        self._validate_peft_options()
         if self.dense_heads is not None:
             pairs = self.dense_heads if isinstance(self.dense_heads, (list, tuple)) else [self.dense_heads]
             for pair in pairs:
@@ -172,20 +197,89 @@ class FocusConfig(PeftConfig):
             self.dense_heads = sorted({(int(layer), int(head)) for layer, head in pairs})
             self.dense_heads = [list(pair) for pair in self.dense_heads]
 
+    def _validate_peft_options(self) -> None:
+        """The options every PEFT user knows from LoRA, checked as LoRA checks them."""
+        layers = self.layers_to_transform
+        if layers is not None:
+            values = [layers] if isinstance(layers, int) else layers
+            if (
+                not isinstance(values, (list, tuple))
+                or not values
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+            ):
+                raise FocusConfigError(
+                    "FocusConfig.layers_to_transform must be None, a layer index >= 0 or a non-empty list of them, "
+                    f"got {layers!r}."
+                )
+            if isinstance(layers, tuple):
+                self.layers_to_transform = list(layers)
+            if isinstance(self.target_modules, str):
+                raise FocusConfigError(
+                    "FocusConfig.layers_to_transform cannot be used with a regex target_modules (as in LoRA): put the "
+                    "layer indices in the regex, or pass target_modules as a list of names."
+                )
+        pattern = self.layers_pattern
+        if pattern is not None:
+            if not (isinstance(pattern, str) and pattern) and not (
+                isinstance(pattern, (list, tuple)) and pattern and all(isinstance(p, str) and p for p in pattern)
+            ):
+                raise FocusConfigError(
+                    f"FocusConfig.layers_pattern must be None, a name or a list of names, got {pattern!r}."
+                )
+            if layers is None:
+                raise FocusConfigError(
+                    "FocusConfig.layers_pattern only says where to read the layer index: set layers_to_transform too."
+                )
+        saved = self.modules_to_save
+        if saved is not None:
+            if not isinstance(saved, (list, tuple, set)) or not all(isinstance(m, str) and m for m in saved):
+                raise FocusConfigError(
+                    f"FocusConfig.modules_to_save must be None or a list of module names, got {saved!r}."
+                )
+            self.modules_to_save = list(saved)
+        if not isinstance(self.init_weights, bool):
+            raise FocusConfigError(
+                f"FocusConfig.init_weights must be true or false (Focus has no named initialisations), "
+                f"got {self.init_weights!r}."
+            )
+
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(FocusConfig))
 _dataclass_init = FocusConfig.__init__
 
 
+# Options of other PEFT configs (LoRA's mostly) that Focus does not take, with the reason; docs/limitations.md lists
+# them. The unknown-option error names the reason instead of a bare "unknown".
+UNSUPPORTED_PEFT_OPTIONS: dict[str, str] = {
+    **dict.fromkeys(
+        ("r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "fan_in_fan_out", "init_lora_weights",
+         "rank_pattern", "alpha_pattern", "lora_bias", "use_qalora", "loftq_config", "eva_config", "corda_config"),
+        "Focus has no low-rank weight update: a router chooses which keys each query attends to",
+    ),  # fmt: skip
+    "bias": "Focus trains no bias (only its routers, and the modules in modules_to_save)",
+    "exclude_modules": "choose the routed attention modules with target_modules or layers_to_transform",
+    "target_parameters": "Focus wraps attention modules, not parameters",
+    "trainable_token_indices": "train the embedding through modules_to_save=['embed_tokens'] instead",
+    "ensure_weight_tying": "Focus ties no weights; a tied module in modules_to_save is trained as one copy",
+    "layer_replication": "Focus routes the model's own layers only",
+    "megatron_config": "Megatron-parallel layers are not routed",
+}
+
+
 @functools.wraps(_dataclass_init)
 def _strict_init(self: FocusConfig, *args, **kwargs) -> None:
-    # PEFT silently drops unknown config keys (a TypeError is caught and turned into a warning). An adapter
-    # whose config we do not understand may route differently than its author intended, so refuse it.
+    # PEFT silently drops unknown config keys when the error says "got an unexpected keyword argument" (it catches
+    # that TypeError and warns). An adapter whose config we do not understand may route differently than its author
+    # intended, so it is refused with a message PEFT does not swallow; the error is a TypeError all the same, as any
+    # PEFT config raises for an option it does not take.
     unknown = sorted(set(kwargs) - _FIELD_NAMES)
     if unknown:
-        raise FocusConfigError(
-            f"Unknown FocusConfig option(s) {unknown}. Known options: {sorted(_FIELD_NAMES)}. "
-            "Remove them from adapter_config.json, or upgrade focus_hf if the adapter was made by a newer version."
+        reasons = [f"{name}: {UNSUPPORTED_PEFT_OPTIONS[name]}" for name in unknown if name in UNSUPPORTED_PEFT_OPTIONS]
+        raise UnknownOptionError(
+            f"FocusConfig does not take the option(s) {unknown}"
+            + (f" ({'; '.join(reasons)}; see docs/limitations.md)" if reasons else "")
+            + f". Known options: {sorted(_FIELD_NAMES)}. Remove them from the call or from adapter_config.json, or "
+            "upgrade focus_hf if the adapter was made by a newer version."
         )
     _dataclass_init(self, *args, **kwargs)
 

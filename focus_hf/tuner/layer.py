@@ -163,6 +163,37 @@ def query_validity(
     return valid.expand(batch, q_len)
 
 
+HARD_BACKWARD_MESSAGE = (
+    "Backward pass through Focus layer {layer} in hard routing mode: hard routing picks groups with an argmax, which "
+    "is not differentiable, so the routers would get no gradient. The model is in eval mode, where routing_mode "
+    "'auto' routes hard (a new adapter takes the mode of the model it is added to, as a loaded one does): call "
+    "model.train() before training (the transformers Trainer does), or set_routing(model, 'soft')."
+)
+
+
+class _HardRoutingBackward(torch.autograd.Function):
+    """Identity on the attention output whose backward refuses: see `FocusLayer.forward`."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, anchor: torch.Tensor, layer: int) -> torch.Tensor:
+        ctx.layer = layer
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise FocusRuntimeError(HARD_BACKWARD_MESSAGE.format(layer=ctx.layer))
+
+
+def _refuse_backward(output: Any, anchor: torch.Tensor, layer: int) -> Any:
+    """The attention module's output (a tensor, or a tuple whose first item is one) with its first tensor passed
+    through `_HardRoutingBackward` when it requires grad, tied to the router parameter `anchor`."""
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        return _HardRoutingBackward.apply(output, anchor, layer)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor) and output[0].requires_grad:
+        return (_HardRoutingBackward.apply(output[0], anchor, layer), *output[1:])
+    return output
+
+
 class FocusLayer(nn.Module, BaseTunerLayer):
     """Wraps a self-attention module: routes its input tokens and hands the routing to the attention function.
 
@@ -194,9 +225,13 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self._directions: dict[str, tuple[tuple, torch.Tensor]] = {}  # `_kept_directions`, by adapter
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
+        # A new module starts in train mode; the router takes the mode of the module it wraps instead, so that a
+        # fresh adapter on an eval-mode model routes as its saved-and-reloaded copy does ("auto": hard in eval mode).
+        self.train(base_layer.training)
 
     def update_layer(self, adapter_name: str, config: FocusConfig) -> None:
-        """Create the router parameters of `adapter_name` (random init; loading overwrites them)."""
+        """Create the router parameters of `adapter_name` (random init, `FocusConfig.init_weights`; loading
+        overwrites them)."""
         hidden_size = config.hidden_size
         # Routers always hold real fp32 values where the wrapped module computes, also when accelerate keeps its
         # weights on the meta device (offloaded) or the base runs in bf16/fp16 or is quantized.
@@ -208,7 +243,12 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.focus_proj[adapter_name] = nn.Parameter(projection)
         self.focus_centroids[adapter_name] = nn.Parameter(centroids)
         if config.query_projection:
-            self.focus_query_proj[adapter_name] = nn.Parameter(projection.clone())
+            if config.init_weights:
+                # Queries start where their keys are filed: a query first probes the groups of keys like itself.
+                query_projection = projection.clone()
+            else:
+                query_projection = torch.randn(hidden_size, config.group_dim, device=device) * generator_scale
+            self.focus_query_proj[adapter_name] = nn.Parameter(query_projection)
         self.focus_settings[adapter_name] = RouterSettings.from_config(config)
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
@@ -416,6 +456,13 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 f"{type(self.base_layer).__name__} did not call the model's attention function, so Focus routing "
                 "would be silently ignored. This architecture is not supported."
             )
+        if mode == "hard" and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
+            # Eval mode (train mode was refused above): hard routing gives the routers no gradient. Where something
+            # else trains (the output already requires grad), a backward pass would silently leave the routers
+            # untrained; it raises an error that says why instead. An output that needs no gradient is left alone:
+            # making it need one would move every later layer onto the differentiable attention paths (slower,
+            # other rounding), and a backward pass from it fails in torch anyway ("does not require grad").
+            output = _refuse_backward(output, self.focus_proj[adapter_name], self.layer_index)
         return output
 
     def _verify_attention(self, hidden: torch.Tensor) -> None:

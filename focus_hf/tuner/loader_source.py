@@ -39,6 +39,19 @@ def _loader_source(frame, kind: str) -> tuple[object, dict]:
     return local.get("peft_model_id"), download_kwargs
 
 
+def calling_loader() -> bool:
+    """Whether PEFT or transformers is loading an adapter right now (a loader's frame is on the stack)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _LOADERS:
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        del frame
+
+
 def calling_adapter_state_dict() -> Optional[dict]:
     """The `adapter_state_dict` handed to transformers' `load_adapter` right now, if any (checked before injection)."""
     frame = inspect.currentframe()

@@ -8,6 +8,7 @@ import inspect
 from pathlib import Path
 from typing import Optional
 
+import regex
 import torch
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
@@ -23,10 +24,11 @@ from focus_hf.files import (
     validate_adapter_state_dict,
 )
 from focus_hf.quiet import quiet_peft_wrapping
+from focus_hf.tuner.checked_weights import hand_over
 from focus_hf.tuner.config import FocusConfig, FocusConfigError
 from focus_hf.tuner.dispatch import pin_routers, unpin_routers
 from focus_hf.tuner.layer import FocusLayer
-from focus_hf.tuner.loader_source import calling_adapter_folder, calling_adapter_state_dict
+from focus_hf.tuner.loader_source import calling_adapter_folder, calling_adapter_state_dict, calling_loader
 from focus_hf.tuner.targets import find_attention_modules
 
 _RECORDED_FIELDS = ("hidden_size", "num_routed_layers", "base_model_type")
@@ -57,6 +59,57 @@ def check_base_model(config: FocusConfig, model: nn.Module, targets: dict[str, n
         )
     for name, value in found.items():
         setattr(config, name, value)
+
+
+def check_adapter_dtype(targets: dict[str, nn.Module], autocast_adapter_dtype: bool) -> None:
+    """Refuse `autocast_adapter_dtype=False` on a half-precision base: PEFT would keep the adapter in the base's
+    dtype, but Focus routers always hold float32 (Sinkhorn routing sums many small probabilities)."""
+    if autocast_adapter_dtype:
+        return
+    dtypes = {
+        parameter.dtype
+        for module in targets.values()
+        for parameter in module.parameters()
+        if parameter.dtype in (torch.float16, torch.bfloat16)
+    }
+    if dtypes:
+        raise FocusConfigError(
+            f"autocast_adapter_dtype=False asks for adapter weights in the base model's dtype "
+            f"({', '.join(sorted(str(d) for d in dtypes))}), but Focus routers are always float32: Sinkhorn routing "
+            "sums many small probabilities, which half precision would round away. Leave autocast_adapter_dtype "
+            "at its default (True); the base model keeps its dtype."
+        )
+
+
+def saved_module_shapes(model: nn.Module, config: FocusConfig, targets: dict[str, nn.Module]) -> dict[str, tuple]:
+    """Key (without `base_model.model.`) -> shape of every tensor PEFT saves for `config.modules_to_save`.
+
+    Modules are matched as PEFT's `_set_trainable` matches them (the module name ends with an entry); a module PEFT
+    wrapped already for another adapter is read through its original module. A routed attention module cannot be
+    saved too (PEFT would wrap it twice): refused with `FocusConfigError`.
+    """
+    if not config.modules_to_save:
+        return {}
+    from peft.utils.other import ModulesToSaveWrapper
+
+    for name in targets:
+        clash = [m for m in config.modules_to_save if regex.match(rf"(^|.*\.){regex.escape(m)}($|\..*)", name)]
+        if clash:
+            raise FocusConfigError(
+                f"FocusConfig.modules_to_save={config.modules_to_save!r} names the routed attention module {name!r} "
+                f"(through {clash[0]!r}): a module cannot be both routed and saved. Save another module, or leave "
+                "this layer out with target_modules / layers_to_transform."
+            )
+    shapes: dict[str, tuple] = {}
+    for name, module in model.named_modules():
+        if ".modules_to_save." in f".{name}." or ".original_module" in f".{name}":
+            continue  # the inside of a wrapper made for an earlier adapter
+        if not any(name.endswith(entry) for entry in config.modules_to_save):
+            continue
+        source = module.original_module if isinstance(module, ModulesToSaveWrapper) else module
+        for parameter_name, parameter in source.named_parameters():
+            shapes[f"{name}.{parameter_name}"] = tuple(parameter.shape)
+    return shapes
 
 
 def expected_router_shapes(config: FocusConfig, targets: dict[str, nn.Module]) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -244,15 +297,30 @@ class FocusModel(BaseTuner):
         try:
             config = self.peft_config[adapter_name]
             config.validate()
-            targets = find_attention_modules(model, config.target_modules)
+            targets = find_attention_modules(
+                model, config.target_modules, config.layers_to_transform, config.layers_pattern
+            )
             check_base_model(config, model, targets)
             expected = expected_router_shapes(config, targets)
-            folder = calling_adapter_folder()
-            if folder is not None:
-                validate_adapter_folder(folder, expected)
+            saved = saved_module_shapes(model, config, targets)
             adapter_state_dict = calling_adapter_state_dict()
+            folder = None if adapter_state_dict is not None else calling_adapter_folder()
             if adapter_state_dict is not None:
-                validate_adapter_state_dict(adapter_state_dict, expected)
+                validate_adapter_state_dict(adapter_state_dict, expected, saved)
+                checked = adapter_state_dict
+            elif folder is not None:
+                checked = validate_adapter_folder(folder, expected, saved)
+            elif calling_loader():
+                raise AdapterFileError(
+                    "Focus could not find the adapter weights this loader is about to read (neither a local folder, "
+                    "a Hub repo id nor an adapter_state_dict), so it cannot check them; refusing to load unchecked "
+                    "weights. Pass the adapter folder or Hub id to PeftModel.from_pretrained or load_adapter."
+                )
+            else:
+                checked = None
+            if checked is not None:
+                # The loader will put exactly these tensors into the model, whatever file it picked.
+                hand_over(checked)
             self._focus_targets = set(targets)
             self._focus_layer_indices = {
                 name: getattr(m, "layer_idx", i) for i, (name, m) in enumerate(targets.items())
@@ -295,6 +363,24 @@ class FocusModel(BaseTuner):
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
 
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        # PEFT calls this right after injecting (get_peft_model, add_adapter), with the caller's
+        # autocast_adapter_dtype, which the injection itself does not receive: a refusal takes the adapter out again.
+        if not autocast_adapter_dtype:
+            targets = {
+                name: layer.base_layer
+                for name, layer in self.model.named_modules()
+                if isinstance(layer, FocusLayer) and adapter_name in layer.focus_proj
+            }
+            try:
+                check_adapter_dtype(targets, autocast_adapter_dtype)
+            except FocusConfigError:
+                self._roll_back(self.model, adapter_name)
+                if self.model.__dict__.get("peft_config") == {}:
+                    del self.model.peft_config  # set by BaseTuner for this adapter alone
+                raise
+        super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
+
     def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
         # PEFT's version moves the new module to the device of the wrapped module's first weight, which is the meta
         # device for a layer accelerate offloaded; routers are created where the module computes and stay there.
@@ -302,10 +388,23 @@ class FocusModel(BaseTuner):
 
     def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
         """Undo a failed injection of `adapter_name`: its parameters, the wrappers it created, its config entry
-        (transformers' `load_adapter` registers it in the model's `peft_config` before injecting)."""
+        (transformers' `load_adapter` registers it in the model's `peft_config` before injecting), the copies PEFT
+        made for its `modules_to_save`, and, when no Focus layer is left, the attention implementation and router
+        pinning that injection set."""
+        from peft.utils.other import ModulesToSaveWrapper
+
+        configs = attention_configs(model)
+        base_attention = None
         for name, layer in list(model.named_modules()):
+            if isinstance(layer, ModulesToSaveWrapper) and adapter_name in layer.modules_to_save:
+                del layer.modules_to_save[adapter_name]
+                if not layer.modules_to_save:
+                    parent_name, _, child_name = name.rpartition(".")
+                    setattr(model.get_submodule(parent_name), child_name, layer.original_module)
+                continue
             if not isinstance(layer, FocusLayer):
                 continue
+            base_attention = layer.base_attn_implementation
             for attribute in FocusLayer.adapter_layer_names:
                 parameters = getattr(layer, attribute)
                 if adapter_name in parameters:
@@ -314,6 +413,11 @@ class FocusModel(BaseTuner):
             if not layer.focus_proj:
                 parent_name, _, child_name = name.rpartition(".")
                 setattr(model.get_submodule(parent_name), child_name, layer.base_layer)
+        if base_attention is not None and not any(isinstance(m, FocusLayer) for m in model.modules()):
+            for config in configs:
+                if config._attn_implementation == ATTENTION_NAME:
+                    config._attn_implementation = base_attention
+            unpin_routers(model)
         peft_config = self.__dict__.get("peft_config")
         if peft_config is None:
             peft_config = getattr(model, "peft_config", None)
@@ -348,15 +452,13 @@ class FocusModel(BaseTuner):
     ):
         if merge:
             self.merge_and_unload()
-        layers = [(name, module) for name, module in self.model.named_modules() if isinstance(module, FocusLayer)]
+        layers = [module for module in self.model.modules() if isinstance(module, FocusLayer)]
         configs = attention_configs(self.model)
-        for name, layer in layers:
-            parent_name, _, child_name = name.rpartition(".")
-            setattr(self.model.get_submodule(parent_name), child_name, layer.base_layer)
+        # PEFT's own unloading puts back the wrapped attention modules and the modules_to_save originals, and drops
+        # the model's peft_config.
+        super()._unload_and_optionally_merge(merge=False, progressbar=progressbar, adapter_names=adapter_names)
         if layers:
             for config in configs:
-                config._attn_implementation = layers[0][1].base_attn_implementation
-        if hasattr(self.model, "peft_config"):
-            del self.model.peft_config
+                config._attn_implementation = layers[0].base_attn_implementation
         unpin_routers(self.model)
         return self.model

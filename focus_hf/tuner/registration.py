@@ -17,7 +17,7 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from focus_hf.attention.function import ATTENTION_NAME, focus_attention_forward
-    from focus_hf.tuner import dispatch, model
+    from focus_hf.tuner import checked_weights, dispatch, model
     from focus_hf.tuner.config import FocusConfig
     from focus_hf.tuner.model import FocusModel
 
@@ -27,6 +27,8 @@ def register() -> None:
     dispatch.install()
     # PeftModel.set_adapter([a, b]) and save_pretrained(safe_serialization=False): refused with our errors.
     model.install()
+    # Every loader puts into the model the tensors the tuner checked, from safetensors, never a pickle.
+    checked_weights.install()
     AttentionInterface.register(ATTENTION_NAME, focus_attention_forward)
     # The attention function decodes padding from the same boolean masks SDPA receives.
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -76,10 +76,39 @@ def _matches(name: str, target_modules: Optional[Union[list[str], str]], deadlin
     return any(name == target or name.endswith("." + target) for target in target_modules)
 
 
+def in_layers(name: str, layers_to_transform: Union[list[int], int, None], layers_pattern=None) -> bool:
+    """Whether the module `name` lies in one of `layers_to_transform` (None: every layer), read as PEFT reads it for
+    LoRA (`peft.tuners.tuners_utils.check_target_module_exists`: the first number after `layers_pattern`, or after
+    any container when no pattern is given)."""
+    if layers_to_transform is None:
+        return True
+    from types import SimpleNamespace
+
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    parent, _, leaf = name.rpartition(".")
+    if not parent:
+        return False  # a top-level module has no layer index
+    # PEFT's matcher reads the layer index for list targets; the module is named by its own leaf so that it matches.
+    shim = SimpleNamespace(
+        target_modules=[leaf],
+        layers_to_transform=layers_to_transform,
+        layers_pattern=layers_pattern,
+        exclude_modules=None,
+        modules_to_save=None,
+        target_parameters=None,
+    )
+    return bool(check_target_module_exists(shim, name))
+
+
 def find_attention_modules(
-    model: nn.Module, target_modules: Optional[Union[list[str], str]] = None
+    model: nn.Module,
+    target_modules: Optional[Union[list[str], str]] = None,
+    layers_to_transform: Union[list[int], int, None] = None,
+    layers_pattern: Union[list[str], str, None] = None,
 ) -> dict[str, nn.Module]:
-    """Names and modules of the self-attention blocks Focus will route, in model order.
+    """Names and modules of the self-attention blocks Focus will route, in model order (those matching
+    `target_modules`, in `layers_to_transform` when it is given: see `in_layers`).
 
     Raises:
         UnsupportedModelError: the model type is known not to use the attention registry, or no routable
@@ -102,6 +131,17 @@ def find_attention_modules(
             module = module.get_base_layer()
         if is_self_attention(module) and _matches(name, target_modules, deadline) and not name.endswith(".base_layer"):
             found[name] = module
+    if found and layers_to_transform is not None:
+        routable = list(found)
+        found = {name: module for name, module in found.items() if in_layers(name, layers_to_transform, layers_pattern)}
+        if not found:
+            raise FocusConfigError(
+                f"FocusConfig.layers_to_transform={layers_to_transform!r}"
+                + (f" with layers_pattern={layers_pattern!r}" if layers_pattern is not None else "")
+                + f" selects none of the routable attention modules ({routable[:3]}"
+                + (" ..." if len(routable) > 3 else "")
+                + "). Use indices of existing layers, and a layers_pattern naming the container they sit in."
+            )
     if not found:
         raise UnsupportedModelError(
             f"No routable self-attention module found in {type(model).__name__} (model_type={model_type!r}, "

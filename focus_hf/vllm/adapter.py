@@ -194,6 +194,17 @@ def _load(source: str, revision: Optional[str], model: str, hf_config_json: str)
             f"{source} routes only some attention layers (target_modules={config.target_modules!r}); serving with "
             "vLLM supports adapters that route every layer (target_modules=None)."
         )
+    if config.layers_to_transform is not None:
+        raise FocusServingError(
+            f"{source} routes only some layers (layers_to_transform={config.layers_to_transform!r}); serving with "
+            "vLLM supports adapters that route every layer (layers_to_transform=None)."
+        )
+    if config.modules_to_save:
+        raise FocusServingError(
+            f"{source} trains modules besides its routers (modules_to_save={config.modules_to_save!r}), which the "
+            "vLLM integration does not load (it applies routers only); serve it with transformers, or train an "
+            "adapter without modules_to_save."
+        )
     check_base_model(config, model, hf_config)
     routers = _routers(folder, config, hf_config.num_hidden_layers)
     return ServedAdapter(source, served_revision, folder, config, routers)

@@ -189,6 +189,71 @@ def test_pickle_only_hub_adapter_is_refused(pushed, hub_server):
     assert not [r for r in hub_server.requests if r.path.endswith("adapter_model.bin") and r.method == "GET"]
 
 
+def _hostile_hub_repo(folder, tmp_path, repo, nan_in_safetensors=False):
+    """Push `folder`'s adapter to `repo` with a NaN `adapter_model.bin` beside its safetensors (uploaded through the
+    raw API: `push_adapter` refuses pickles), its config naming a local base saved as a pickle and as safetensors."""
+    import io
+
+    from safetensors.torch import load_file, save
+
+    base = tiny_model("llama")
+    base.save_pretrained(tmp_path / "base")
+    torch.save(base.state_dict(), tmp_path / "base" / "pytorch_model.bin")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "base")
+    tensors = load_file(folder / "adapter_model.safetensors")
+    pickled = io.BytesIO()
+    torch.save({key: torch.full_like(value, float("nan")) for key, value in tensors.items()}, pickled)
+    if nan_in_safetensors:
+        next(iter(tensors.values()))[0, 0] = float("nan")
+    api = HfApi()
+    api.create_repo(repo)
+    api.create_commit(repo, [
+        CommitOperationAdd("adapter_config.json", json.dumps(config).encode()),
+        CommitOperationAdd("adapter_model.safetensors", save(tensors)),
+        CommitOperationAdd("adapter_model.bin", pickled.getvalue()),
+    ], commit_message="hostile pickle beside the safetensors")  # fmt: skip
+
+
+def test_hub_adapter_with_a_pickle_beside_loads_the_safetensors(pushed, hub_server, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    folder, logits, _ = pushed
+    _hostile_hub_repo(folder, tmp_path, "focus-test/hostile")
+    model = AutoModelForCausalLM.from_pretrained("focus-test/hostile", use_safetensors=False)  # the base: a pickle
+    assert torch.equal(logits_of(model), logits)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError(f"torch.load called on {args[:1]}")
+
+    monkeypatch.setattr(torch, "load", forbidden)
+    model = PeftModel.from_pretrained(tiny_model("llama"), "focus-test/hostile")
+    assert torch.equal(logits_of(model), logits)
+    for use_safetensors in (None, False):
+        model = tiny_model("llama")
+        kwargs = {} if use_safetensors is None else {"use_safetensors": use_safetensors}
+        model.load_adapter("focus-test/hostile", **kwargs)
+        assert torch.equal(logits_of(model), logits)
+
+
+def test_hub_adapter_with_nan_routers_is_refused(pushed, hub_server, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder, _, _ = pushed
+    _hostile_hub_repo(folder, tmp_path, "focus-test/nan", nan_in_safetensors=True)
+    for path in ("peft", "transformers", "transformers-bin"):
+        model = tiny_model("llama")
+        before = snapshot(model)
+        with pytest.raises(AdapterFileError, match="NaN"):
+            if path == "peft":
+                PeftModel.from_pretrained(model, "focus-test/nan")
+            else:
+                model.load_adapter("focus-test/nan", use_safetensors=path == "transformers")
+        assert_unmodified(model, before)
+    with pytest.raises(AdapterFileError, match="NaN"):
+        AutoModelForCausalLM.from_pretrained("focus-test/nan")
+
+
 # --- command line -------------------------------------------------------------------------------
 
 
