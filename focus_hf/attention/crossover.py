@@ -53,8 +53,9 @@ CACHE_FILE = "crossover.json"
 # 18: set A runs in one call of the C kernel, blocks of 128 keys; 19: its group sort is a counting sort in C, the
 # sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen; 21: both
 # sides are timed through `hard.hard_attention`, the function that dispatches them, CUDA decoding steps in runs of
-# FILE_EVERY).
-CACHE_VERSION = 21
+# FILE_EVERY); 22: on CPU the sparse path is also timed on torch operations (`native.torch_path`), and the faster of
+# the two runs at each length).
+CACHE_VERSION = 22
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -226,9 +227,11 @@ def random_inputs(shape: Shape, length: int, queries: int, device: torch.device,
     }
 
 
-# The two paths `call` takes when told (`hard.hard_attention`'s `path`): the pattern as one dense masked call, and
-# the sparse path of the call's kind.
-PATHS = ("dense", "sparse")
+# The paths `call` takes when told (`hard.hard_attention`'s `path`): the pattern as one dense masked call, the sparse
+# path of the call's kind, and on the CPU that sparse path in torch operations alone (`native.torch_path`: a
+# processor the C kernels are slow on - an unknown one, a build for an older target - then costs nothing).
+PATHS = ("dense", "sparse", "sparse-torch")
+SPARSE_PATHS = ("sparse", "sparse-torch")
 # A timing: (untimed preparation, the timed calls, how many steps they make).
 Timing = tuple[Callable[[], object], Callable[[], object], int]
 
@@ -242,6 +245,7 @@ def dispatched_calls(
     group-sorted copy, one key appended per step as in generate(); on CUDA the paged copy, timed over FILE_EVERY
     consecutive steps, so that its ring writes and its one filing count)."""
     from focus_hf.attention.cpu.grouped_keys import one_step_behind
+    from focus_hf.attention.cpu.native import native_kernels
     from focus_hf.attention.gpu.paged_keys import FILE_EVERY, PagedKeys
 
     decode = shape.kind == "decode"
@@ -260,16 +264,17 @@ def dispatched_calls(
     def nothing() -> None:
         return None
 
+    paths = PATHS if device.type == "cpu" and native_kernels() is not None else PATHS[:2]
     if not decode:
         routing.update(query_groups=query_groups, key_groups=key_groups, key_sink=key_sink)
         return {
-            path: (nothing, functools.partial(call, query, key, value, None, **routing, path=path), 1) for path in PATHS
+            path: (nothing, functools.partial(call, query, key, value, None, **routing, path=path), 1) for path in paths
         }
     if device.type != "cuda":
         grouped, rewind = one_step_behind(key, value, key_groups, key_sink, shape.num_groups, shape.window)
         routing.update(query_groups=query_groups, key_groups=key_groups, key_sink=key_sink, grouped=[grouped])
         return {
-            path: (rewind, functools.partial(call, query, key, value, None, **routing, path=path), 1) for path in PATHS
+            path: (rewind, functools.partial(call, query, key, value, None, **routing, path=path), 1) for path in paths
         }
     paged = PagedKeys(shape.num_groups, shape.window)
 
@@ -309,7 +314,9 @@ def measure(
     lengths: Optional[tuple[int, ...]] = None,
 ) -> tuple[int, list[dict]]:
     """Time `call` - the function that dispatches "auto"'s calls, `hard.hard_attention` - on its dense masked path
-    against its sparse path (`dispatched_calls`) at each of `lengths` (default LENGTHS); see `find_crossover`."""
+    against its sparse path (`dispatched_calls`) at each of `lengths` (default LENGTHS); see `find_crossover`. Where
+    the sparse path runs both in the C kernels and in torch operations (CPU), the faster of the two is the sparse time
+    at each length, and each row names it ("sparse_path", with both times)."""
 
     def timed(function: Callable[[], object]) -> float:
         if device.type == "cuda":
@@ -322,8 +329,10 @@ def measure(
 
     generator = torch.Generator().manual_seed(0)
 
-    def time_at(length: int) -> tuple[float, float]:
+    def time_at(length: int, sparse_only: bool = False) -> tuple[Optional[float], float]:
         calls = dispatched_calls(shape, length, device, generator, call)
+        if sparse_only:
+            calls = {path: timing for path, timing in calls.items() if path != "dense"}
         # CPU decoding steps take a fraction of a millisecond: many repetitions; prefills (and runs of CUDA decoding
         # steps): the median of three (one timing at 4K and beyond once put a crossover where the sparse path then
         # ran 0.68x of dense), within BUDGET_S.
@@ -331,23 +340,50 @@ def measure(
         for prepare, run, _ in calls.values():  # warm-up
             prepare()
             run()
-        times: dict[str, list[float]] = {path: [] for path in PATHS}
-        for _ in range(repeats):  # alternating, so that both see the same machine
+        times: dict[str, list[float]] = {path: [] for path in calls}
+        for _ in range(repeats):  # alternating, so that all see the same machine
             for path, (prepare, run, steps) in calls.items():
                 prepare()
                 times[path].append(timed(run) / steps)
         # Medians: a best-of favours the path of many small calls, whose typical time varies the most.
-        return statistics.median(times["dense"]), statistics.median(times["sparse"])
+        medians = {path: statistics.median(values) for path, values in times.items()}
+        sparse = {path: medians[path] for path in SPARSE_PATHS if path in medians}
+        fastest = min(sparse, key=sparse.__getitem__)
+        sparse_rows[length] = {"sparse_path": fastest, **{f"{path}_s": value for path, value in sparse.items()}}
+        return medians.get("dense"), sparse[fastest]
 
+    sparse_rows: dict[int, dict] = {}
+    lengths = LENGTHS if lengths is None else lengths
+    started = time.perf_counter()
     with torch.inference_mode():
-        return find_crossover(time_at, LENGTHS if lengths is None else lengths)
+        crossover, rows = find_crossover(time_at, lengths)
+        # Which sparse path is the faster can change with the length (the C kernels' key blocks stream from beyond
+        # the core's cache on long calls): the two are timed on at the longer lengths, within the budget.
+        if any("sparse-torch_s" in row for row in sparse_rows.values()):
+            for length in lengths[len(rows) :]:
+                if time.perf_counter() - started > 2 * BUDGET_S:
+                    break
+                _, sparse_s = time_at(length, sparse_only=True)
+                rows.append({"length": length, "dense_s": None, "sparse_s": sparse_s})
+    return crossover, [dict(row, **sparse_rows.get(row["length"], {})) for row in rows]
+
+
+def sparse_path_at(entry: dict, length: int) -> str:
+    """Which sparse path a measured entry runs at `length` keys: the faster one ("sparse": the C kernels, or
+    "sparse-torch") at the longest measured length up to it (the shortest where none is), "sparse" where the entry
+    has no such timings."""
+    measured = [(row["length"], row["sparse_path"]) for row in entry.get("timings", []) if "sparse_path" in row]
+    if not measured:
+        return "sparse"
+    below = [row for row in measured if row[0] <= length]
+    return max(below)[1] if below else min(measured)[1]
 
 
 # Whether this process has said that a measurement under load is not stored.
 _said_under_load: list[bool] = []
 # Crossovers already known in this process, by call signature (`_call_key`): looked up on every attention call,
 # so the key is built from the tensors without the `Shape` (processor name, version strings).
-_known: dict[tuple, int] = {}
+_known: dict[tuple, dict] = {}
 
 
 def _call_key(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> tuple:
@@ -433,6 +469,39 @@ def calibrate(shape: Shape, device: torch.device, call: Callable[..., torch.Tens
     return entry
 
 
+def crossover_entry(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    window: int,
+    kind: str,
+    call: Callable[..., torch.Tensor],
+) -> dict:
+    """What "auto" knows of this call's shape: {"dense_below": keys, ...} with the measured "timings" where there are
+    some; measured now on `call` (the function that dispatches the call, `hard.hard_attention`, which passes itself:
+    so the measurement times what runs) where it is not known yet."""
+    forced = forced_crossover()
+    if forced is not None:
+        return {"dense_below": forced}
+    if calibration_disabled() or query.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
+        return {"dense_below": default_dense_below(query.device.type, top_k)}
+    signature = _call_key(query, key, top_k, num_groups, window, kind)
+    known = _known.get(signature)
+    if known is not None:
+        return known
+    shape = make_shape(query, key, top_k, num_groups, window, kind)
+    entry = read_cache().get(shape.key)
+    if entry is None or not isinstance(entry.get("dense_below"), int):
+        try:
+            entry = calibrate(shape, query.device, call)
+        except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
+            print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
+            entry = {"dense_below": default_dense_below(query.device.type, top_k)}
+    _known[signature] = entry
+    return entry
+
+
 def dense_below(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -443,26 +512,21 @@ def dense_below(
     call: Callable[..., torch.Tensor],
 ) -> int:
     """Key count below which "auto" runs the pattern as one dense masked call rather than the sparse path `kind`;
-    where it is not known yet, measured on `call`, the function that dispatches the call (`hard.hard_attention`,
-    which passes itself: so the measurement times what runs)."""
-    forced = forced_crossover()
-    if forced is not None:
-        return forced
-    if calibration_disabled() or query.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
-        return default_dense_below(query.device.type, top_k)
-    signature = _call_key(query, key, top_k, num_groups, window, kind)
-    known = _known.get(signature)
-    if known is not None:
-        return known
-    shape = make_shape(query, key, top_k, num_groups, window, kind)
-    entry = read_cache().get(shape.key)
-    if entry is not None and isinstance(entry.get("dense_below"), int):
-        crossover = entry["dense_below"]
-    else:
-        try:
-            crossover = calibrate(shape, query.device, call)["dense_below"]
-        except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
-            print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
-            crossover = default_dense_below(query.device.type, top_k)
-    _known[signature] = crossover
-    return crossover
+    where it is not known yet, measured on `call` (`crossover_entry`)."""
+    return crossover_entry(query, key, top_k, num_groups, window, kind, call)["dense_below"]
+
+
+def auto_path(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    window: int,
+    kind: str,
+    call: Callable[..., torch.Tensor],
+) -> str:
+    """The path "auto" runs a call of `key.shape[2]` keys on (`hard.hard_attention`'s `path`): "dense" below the
+    crossover, else the faster measured sparse path at that length (`sparse_path_at`)."""
+    entry = crossover_entry(query, key, top_k, num_groups, window, kind, call)
+    length = key.shape[2]
+    return "dense" if length < entry["dense_below"] else sparse_path_at(entry, length)

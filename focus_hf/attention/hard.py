@@ -1,7 +1,8 @@
 """Hard-mode Focus attention: which path runs a call (the paths themselves are in `fast` and `stock`).
 
-"auto" asks `crossover.dense_below` (a crossover measured once per machine, shape and path) whether the call is short
-enough for one dense masked call to beat the sparse path; the crossover's measurement times the paths, which is why
+"auto" asks `crossover.auto_path` (a crossover measured once per machine, shape and path) whether the call is short
+enough for one dense masked call to beat the sparse path, and on the CPU whether the sparse path runs faster in the C
+kernels or in torch operations; the crossover's measurement times the paths, which is why
 the choice lives here and not beside them. Prefills run the sparse path of `fast` on CPU (C kernels, torch's CPU
 kernel) and that of `stock` on CUDA (variable-length flash attention and FlexAttention); `backend="stock"` runs the
 latter on any device (on CPU its exact twin). On CUDA no fast path runs before `verify` has shown it exact on that
@@ -12,6 +13,7 @@ out of memory), as do calls past torch's recompile limit for FlexAttention (`gpu
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import Counter
 from typing import Optional
@@ -28,7 +30,8 @@ from focus_hf.attention.cpu.fast import (
     sparse_attention,
 )
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
-from focus_hf.attention.crossover import dense_below
+from focus_hf.attention.cpu.native import torch_path
+from focus_hf.attention.crossover import auto_path
 from focus_hf.attention.gpu.flex import FlexRecompileLimit, flex_compilations
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_sparse_attention
@@ -124,9 +127,11 @@ def hard_attention(
             (`paged_keys`); None: gather.
         own_group: whether each query's first probe is its own key group (no separate query router), as the routing
             knows; None: read from the groups (a device sync).
-        path: "dense" (the pattern as one dense masked call) or "sparse": the choice "auto" makes from the measured
-            crossover, made here instead. The crossover's measurement times this function so (`crossover.measure`),
-            so that what it times is what runs. None: "auto" asks the crossover, other backends run sparse.
+        path: "dense" (the pattern as one dense masked call), "sparse", or "sparse-torch" (the sparse path in torch
+            operations, the C kernels aside: `native.torch_path`): the choice "auto" makes from the measured
+            crossover (`crossover.auto_path`), made here instead. The crossover's measurement times this function
+            so (`crossover.measure`), so that what it times is what runs. None: "auto" asks the crossover, other
+            backends run sparse.
 
     Returns:
         [batch, q, heads, dim]; rows of padding queries are finite and meaningless.
@@ -154,13 +159,10 @@ def hard_attention(
             )
         return output.transpose(1, 2).contiguous()
     decode = q_len <= DECODE_MAX_QUERIES and q_len < kv_len
-    if path is not None:
-        short = path == "dense"
-    else:
+    if path is None and backend == "auto":
         kind = path_kind(query_groups, key_groups, decode, own_group)
-        short = backend == "auto" and kv_len < dense_below(
-            query, key, query_groups.shape[-1], num_groups, window, kind, hard_attention
-        )
+        path = auto_path(query, key, query_groups.shape[-1], num_groups, window, kind, hard_attention)
+    short = path == "dense"
     if stock is not None:
         try:
             return _gpu_path(
@@ -185,11 +187,13 @@ def hard_attention(
     key_valid = padding_keys(model_mask, query.shape[0])
     if short or (model_mask is not None and not mask_is_padding):
         return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
-    if decode:
-        return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
-    return sparse_attention(
-        query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
-    )
+    # "sparse-torch": the sparse path in torch operations, where they beat the C kernels here (`crossover.measure`)
+    with torch_path() if path == "sparse-torch" else contextlib.nullcontext():
+        if decode:
+            return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
+        return sparse_attention(
+            query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
+        )
 
 
 def _gpu_path(

@@ -726,6 +726,14 @@ def decode_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                 )
 
 
+def timing_text(row: dict) -> str:
+    """One measured length of a crossover: "keys: dense ms / sparse ms", "(torch)" where the sparse path's torch
+    operations were the faster, "-" for a length where only the sparse paths were timed."""
+    dense = "-" if row["dense_s"] is None else f"{row['dense_s'] * 1e3:.2f}"
+    torch_path = " (torch)" if row.get("sparse_path") == "sparse-torch" else ""
+    return f"{row['length']}: {dense}/{row['sparse_s'] * 1e3:.2f}{torch_path}"
+
+
 def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, log: RowLog) -> None:
     """Measure the crossover of every path "auto" may take for this shape (replacing cached values) and print it."""
     import torch
@@ -740,9 +748,7 @@ def calibrate_rows(args: argparse.Namespace, device: torch.device, dtype: torch.
         for kind in ("shared", "probe" if top_k == 1 else "separate", "decode"):
             shape = make_shape(query, key, top_k, args.groups, args.window, kind)
             entry = calibrate(shape, device, hard_attention)
-            timings = "  ".join(
-                f"{row['length']}: {row['dense_s'] * 1e3:.2f}/{row['sparse_s'] * 1e3:.2f}" for row in entry["timings"]
-            )
+            timings = "  ".join(timing_text(row) for row in entry["timings"])
             print(f"{top_k:>5} {kind:>9} {entry['dense_below']:>11}  {timings}", flush=True)
             log.add(
                 {

@@ -238,15 +238,16 @@ def test_auto_asks_for_the_path_that_runs_and_is_exact_either_side(monkeypatch, 
     allowed = allowed_pairs(query_groups, key_groups, sink, positions[key.shape[2] - q_len :], positions, 8)
     reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
     routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
-    for threshold in (0, 10**6):  # sparse path, then the dense masked call
-        monkeypatch.setattr(hard, "dense_below", lambda *args, result=threshold: seen.append(args) or result)
+    for chosen in crossover.PATHS:  # each path auto may choose
+        monkeypatch.setattr(hard, "auto_path", lambda *args, result=chosen: seen.append(args) or result)
         output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto")
         torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
-    assert [args[2:] for args in seen] == [(top_k, 4, 8, kind, hard.hard_attention)] * 2
+    assert [args[2:] for args in seen] == [(top_k, 4, 8, kind, hard.hard_attention)] * len(crossover.PATHS)
+    seen.clear()
     for path in crossover.PATHS:  # told which path to take (as the crossover's measurement does): the same result
         output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", path=path)
         torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
-    assert len(seen) == 2
+    assert not seen
 
 
 def call_record(query, key, value, model_mask, arguments):
@@ -403,3 +404,70 @@ def test_bench_peak_memory_measures_dense_and_focus(tmp_path):
         # The setup's own peak (inputs, routing) must not count as the call's.
         assert row["peak_reset_before_call"] is sys.platform.startswith("linux")
         assert row["warm_up_tokens"] == 200  # a warm-up call first, at most as long as the measured one
+
+
+def test_sparse_path_at_takes_the_longest_measured_length_up_to_the_call():
+    entry = {
+        "timings": [
+            {"length": 512, "dense_s": 1.0, "sparse_s": 2.0, "sparse_path": "sparse"},
+            {"length": 1024, "dense_s": 2.0, "sparse_s": 1.0, "sparse_path": "sparse"},
+            {"length": 4096, "dense_s": None, "sparse_s": 1.0, "sparse_path": "sparse-torch"},
+        ]
+    }
+    assert crossover.sparse_path_at(entry, 100) == "sparse"  # below every measured length: the shortest's
+    assert crossover.sparse_path_at(entry, 2000) == "sparse"
+    assert crossover.sparse_path_at(entry, 4096) == "sparse-torch"
+    assert crossover.sparse_path_at(entry, 10**6) == "sparse-torch"
+    assert crossover.sparse_path_at({"dense_below": 8}, 10**6) == "sparse"  # forced or default: the C kernels
+
+
+def test_auto_runs_the_torch_path_where_it_was_measured_faster(monkeypatch, tmp_path):
+    """A cached entry that measured torch's sparse path faster from 128 keys on: calls of 200 keys run it (no C
+    kernel call), exactly; below the crossover the dense masked call runs."""
+    from focus_hf.attention.cpu import native
+
+    monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv(crossover.NO_CALIBRATION_ENV, raising=False)
+    monkeypatch.delenv(crossover.CROSSOVER_ENV, raising=False)
+    crossover._known.clear()
+    query, key, value, query_groups, key_groups, sink = routed_case("shared")
+    shape = crossover.make_shape(query, key, 1, 4, 8, "shared")
+    rows = [
+        {"length": 64, "dense_s": 1.0, "sparse_s": 2.0, "sparse_path": "sparse"},
+        {"length": 128, "dense_s": 2.0, "sparse_s": 1.0, "sparse_path": "sparse-torch"},
+    ]
+    crossover.write_entry(shape, {"dense_below": 128, "timings": rows})
+    kernel_calls = []
+    real = native.native_kernels
+
+    def watched():
+        kernels = real()
+        if kernels is not None:
+            kernel_calls.append(True)
+        return kernels
+
+    monkeypatch.setattr(native, "native_kernels", watched)
+    positions = torch.arange(key.shape[2])
+    allowed = allowed_pairs(query_groups, key_groups, sink, positions, positions, 8)
+    reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
+    routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
+    assert crossover.auto_path(query, key, 1, 4, 8, "shared", hard.hard_attention) == "sparse-torch"
+    output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
+    torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
+    assert not kernel_calls  # every kernel lookup inside the torch path answered None
+    short = slice(0, 100)
+    assert crossover.auto_path(query[:, :, short], key[:, :, short], 1, 4, 8, "shared", hard.hard_attention) == "dense"
+    crossover._known.clear()
+
+
+def test_measurement_times_both_sparse_paths_on_the_cpu():
+    from focus_hf.attention.cpu import native
+
+    if native.native_kernels() is None:
+        pytest.skip("no C compiler: the sparse path has only its torch operations")
+    query, key = tensors(heads=4, kv_heads=2)
+    shape = crossover.make_shape(query, key, 1, 4, 8, "shared")
+    _, rows = crossover.measure(shape, torch.device("cpu"), hard.hard_attention, lengths=(32, 64))
+    for row in rows:
+        assert row["sparse_path"] in crossover.SPARSE_PATHS
+        assert row["sparse_s"] == min(row["sparse_s"], row["sparse-torch_s"]) == row[f"{row['sparse_path']}_s"]

@@ -160,24 +160,24 @@ def test_calls_it_does_not_take_return_none(change):
 
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(native.NATIVE_ENV, "0")
-    native.native_kernels.cache_clear()
+    native.built_kernels.cache_clear()
     try:
         assert native.native_kernels() is None
         assert native.attend_runs(torch.randn(2, 16), [(torch.randn(1, 3, 16), torch.randn(1, 3, 16))], 0.25) is None
     finally:
         monkeypatch.delenv(native.NATIVE_ENV)
-        native.native_kernels.cache_clear()
+        native.built_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"], ids=["missing", "failing"])
 def test_no_compiler_or_a_failed_build_falls_back_with_a_message(cc, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("CC", cc)
     monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
-    native.native_kernels.cache_clear()
+    native.built_kernels.cache_clear()
     try:
         assert native.native_kernels() is None
     finally:
-        native.native_kernels.cache_clear()
+        native.built_kernels.cache_clear()
     message = capsys.readouterr().err
     assert "using torch operations" in message or "no C compiler found" in message
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob(".build-*"))
@@ -210,7 +210,7 @@ def build_through(tmp_path, monkeypatch, script: str) -> None:
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path / "cache"))
-    native.native_kernels.cache_clear()
+    native.built_kernels.cache_clear()
 
 
 # Compiler wrappers' scripts (`build_through`): `-march=native` is not taken by every compiler (some ARM toolchains),
@@ -239,7 +239,7 @@ def test_other_build_targets_give_the_same_results(monkeypatch, tmp_path, script
             prefills[dtype] = states, native.prefill_attention(*states, causal=True, scale=0.2)
         record = native.build_record()
     finally:
-        native.native_kernels.cache_clear()
+        native.built_kernels.cache_clear()
     assert output is not None
     torch.testing.assert_close(output.double(), oracle(query, [(keys, keys)], 0.2), atol=2e-5, rtol=2e-5)
     for dtype, (states, (prefill, _)) in prefills.items():

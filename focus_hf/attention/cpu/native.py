@@ -32,6 +32,8 @@ turns the kernels off. `build_record` says how the kernels in use were built, fo
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -43,7 +45,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +92,8 @@ BUILD_TIMEOUT_S = 600
 # caches (K=8 top-1 at 64K tokens, segments of 8K keys, alternating: slabs of 256 / 512 / 1K / 2K / 4K / 8K keys
 # 5.10 / 4.61 / 4.36 / 4.34 / 4.78 / 5.30 s).
 SEGMENT_SLAB_KEYS = 2048
-# What csrc/prefill.c pads its per-key arrays to (KEY_ARRAY_STEP): a multiple of every target's key block, so that blocks
-# read whole vectors whichever build runs.
+# What csrc/prefill.c pads its per-key arrays to (KEY_ARRAY_STEP): a multiple of every target's key block, so that
+# blocks read whole vectors whichever build runs.
 PREFILL_KEY_BLOCK = 128
 # The kernel's element types (csrc/decode.c): each call reads and writes one of them, accumulating in float32.
 ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -395,10 +397,31 @@ def build(cc: str, target: tuple[str, ...], path: Path) -> None:
                 os.remove(leftover)
 
 
-@functools.lru_cache(maxsize=1)
+# Set while a call runs its torch path on purpose (`torch_path`): "auto" times and dispatches it beside the kernels'.
+_torch_only: contextvars.ContextVar[bool] = contextvars.ContextVar("focus_hf_torch_only", default=False)
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    """Within it, every call of this module answers as if the kernels could not run: the callers run their torch
+    path (the same result). "auto" uses it to time, and to run, the torch path where it is the faster one."""
+    token = _torch_only.set(True)
+    try:
+        yield
+    finally:
+        _torch_only.reset(token)
+
+
 def native_kernels() -> Optional[NativeKernels]:
     """The compiled kernels (built now if this machine has none yet), or None where they cannot be had (the reason
-    is printed once)."""
+    is printed once) or inside `torch_path`."""
+    return None if _torch_only.get() else built_kernels()
+
+
+@functools.lru_cache(maxsize=1)
+def built_kernels() -> Optional[NativeKernels]:
+    """The compiled kernels for FOCUS_HF_CPU_TARGET (built now where this machine has none yet), or None where they
+    cannot be had (the reason is printed once)."""
     if native_disabled() or sys.platform == "win32":
         return None
     cc = compiler()
@@ -411,9 +434,10 @@ def native_kernels() -> Optional[NativeKernels]:
     missing = missing_instruction_sets(cc, target_name)
     if missing:
         raise CpuTargetError(
-            f"{CPU_TARGET_ENV}={target_name}: a build for this target uses {', '.join(missing)}, which this processor "
-            f"({platform.processor() or platform.machine()}) does not have; it would stop at its first such instruction. Choose a lower target "
-            "(x86-64-v3 for AVX2, x86-64-v2 for SSE4.2) or unset it to build for this processor."
+            f"{CPU_TARGET_ENV}={target_name}: a build for this target uses {', '.join(missing)}, which this "
+            f"processor ({platform.processor() or platform.machine()}) does not have; it would stop at its first such "
+            "instruction. Choose a lower target (x86-64-v3 for AVX2, x86-64-v2 for SSE4.2) or unset it to build for "
+            "this processor."
         )
     for target in (arch + openmp for arch in target_flag_sets(target_name) for openmp in openmp_flags()):
         path = library_path(source, cc, target)
