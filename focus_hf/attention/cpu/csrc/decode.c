@@ -14,15 +14,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float vec __attribute__((vector_size(64)));  /* 16 floats: one AVX-512 register, two AVX2 ones */
-typedef uint16_t half_bits __attribute__((vector_size(32)));
-typedef uint32_t word_bits __attribute__((vector_size(64)));
-#define LANES 16
+#include "vectors.h"
+
+/* One register of the target (vectors.h): 16 floats with AVX-512, 8 with AVX, 4 elsewhere. A vector wider than the
+   target's registers is split by the compiler into several, each crossing non-inlined calls through memory, and
+   the kernel's specialisations took minutes to compile. */
+typedef fvec vec;
+typedef uint16_t half_bits __attribute__((vector_size(VECTOR_BYTES / 2)));
+typedef uint32_t word_bits __attribute__((vector_size(VECTOR_BYTES)));
+#define LANES FLANES
 /* e^x is 0 in float32 below it: exponents are clamped to it, so that a running maximum of -FLT_MAX (no key yet)
    beside a large score never makes an infinite intermediate (compiled with -ffast-math: no infinities assumed) */
 #define EXP_FLOOR -256.f
 #define MAX_SHARING 16   /* query heads per kv head */
-#define MAX_VECTORS 8    /* head_dim up to 128 */
+#define MAX_VECTORS (128 / LANES) /* head_dim up to 128 */
 #define BLOCK 64         /* keys per running-softmax update */
 #define PIECE_ROWS 1024  /* keys per parallel task */
 #define MAX_RUNS 64      /* runs of one call: the probed groups and the window */
@@ -31,13 +36,13 @@ typedef uint32_t word_bits __attribute__((vector_size(64)));
 /* Element types of the query, keys, values and output (one per call): float32, bfloat16, float16. */
 enum { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2 };
 #ifdef __FLT16_MAX__ /* the compiler has _Float16 */
-typedef _Float16 half16 __attribute__((vector_size(32)));
+typedef _Float16 half16 __attribute__((vector_size(VECTOR_BYTES / 2)));
 #define HAS_FLOAT16 1
 #else
 #define HAS_FLOAT16 0
 #endif
 
-/* 16 elements at p + index (in elements of `type`) as floats; `type` is a constant after inlining. */
+/* LANES elements at p + index (in elements of `type`) as floats; `type` is a constant after inlining. */
 static inline __attribute__((always_inline)) vec load(const void* p, int64_t index, const int type)
 {
     vec v;
@@ -76,7 +81,7 @@ static inline __attribute__((always_inline)) void store(void* p, int64_t index, 
     }
 }
 
-static inline float lane_sum(vec v) { float s = 0.f; for (int i = 0; i < LANES; ++i) s += v[i]; return s; }
+static inline float lane_sum(vec v) { return lane_total(v); }
 
 /* What the query heads of one kv head have summed over some keys: running maximum, sum of exp and weighted values. */
 typedef struct {
@@ -215,7 +220,7 @@ static void merge_pieces(Partial* parts, int64_t count, int64_t kv_heads, int64_
 /* 1 if focus_decode takes this head shape and element type, else 0. */
 int focus_decode_supports(int64_t heads, int64_t kv_heads, int64_t dim, int type)
 {
-    return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= MAX_SHARING && dim > 0 && dim % LANES == 0 &&
+    return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= MAX_SHARING && dim > 0 && dim % 16 == 0 &&
            dim <= MAX_VECTORS * LANES && (type == FLOAT32 || type == BFLOAT16 || (type == FLOAT16 && HAS_FLOAT16));
 }
 
@@ -230,11 +235,11 @@ static void attend_pieces(const Piece* pieces, int64_t count, int64_t sharing, i
 {
     /* constant vector counts for the common head sizes 64 and 128 (unrolled loops), constant element types */
     if (type == FLOAT32) {
-        if (dim == 64) ROWS(4, FLOAT32); else if (dim == 128) ROWS(8, FLOAT32); else ROWS(dim / LANES, FLOAT32);
+        if (dim == 64) ROWS(64 / LANES, FLOAT32); else if (dim == 128) ROWS(128 / LANES, FLOAT32); else ROWS(dim / LANES, FLOAT32);
     } else if (type == BFLOAT16) {
-        if (dim == 64) ROWS(4, BFLOAT16); else if (dim == 128) ROWS(8, BFLOAT16); else ROWS(dim / LANES, BFLOAT16);
+        if (dim == 64) ROWS(64 / LANES, BFLOAT16); else if (dim == 128) ROWS(128 / LANES, BFLOAT16); else ROWS(dim / LANES, BFLOAT16);
     } else {
-        if (dim == 64) ROWS(4, FLOAT16); else if (dim == 128) ROWS(8, FLOAT16); else ROWS(dim / LANES, FLOAT16);
+        if (dim == 64) ROWS(64 / LANES, FLOAT16); else if (dim == 128) ROWS(128 / LANES, FLOAT16); else ROWS(dim / LANES, FLOAT16);
     }
 }
 
@@ -302,12 +307,12 @@ void focus_copy_row(char* dst_keys, char* dst_values, int64_t dst_head_stride, c
    B * block_stride + h * head_stride + t * value_row_stride + d. A kv head with every_key[h] sees every token;
    the others see position p of the `length` tokens iff p < sink_tokens, length - 1 - p <= window, or the group
    of its slot (groups[B * block_size + t], int32) is one of the query's `top_k` probes. Scores are computed only
-   for the 16-slot pieces of a block that hold a visible key (in the transposed layout, a piece's keys are one
+   for the LANES-slot pieces of a block that hold a visible key (in the transposed layout, a piece's keys are one
    cache line per element: a piece without one is never read), values read only for visible keys. float32. */
 #define MAX_BLOCK_SLOTS 1024
 #define MAX_GROUPS 4096
 #define PAGED_PIECE_KEYS 1024
-#define CHUNK_PIECES 8 /* 16-slot pieces whose scores are computed together (128 slots x 64 dims: 32 KiB of keys) */
+#define CHUNK_PIECES 8 /* LANES-slot pieces whose scores are computed together (with 16 lanes, 128 slots x 64 dims: 32 KiB of keys) */
 
 typedef struct {
     const float *query, *keys, *values;
@@ -359,7 +364,7 @@ static inline __attribute__((always_inline)) void paged_blocks(
             }
         }
         if (n == 0) continue;
-        if (transposed) { /* the 16 keys of a piece lie side by side in each element d: one line per element */
+        if (transposed) { /* the LANES keys of a piece lie side by side in each element d: one line per element */
             int32_t seen[MAX_BLOCK_SLOTS / LANES];
             int64_t seen_count = 0;
             for (int64_t i = 0; i < (count + LANES - 1) / LANES; ++i)
@@ -427,8 +432,8 @@ static inline __attribute__((always_inline)) void paged_blocks(
 
 static void paged_piece(const PagedCall* c, int64_t h, int64_t first_block, int64_t end_block, Partial* part)
 {
-    if (c->dim == 64) PAGED_SHARES(4)
-    else if (c->dim == 128) PAGED_SHARES(8)
+    if (c->dim == 64) PAGED_SHARES(64 / LANES)
+    else if (c->dim == 128) PAGED_SHARES(128 / LANES)
     else paged_blocks(c->dim / LANES, 0, c, h, first_block, end_block, part);
 }
 
