@@ -13,8 +13,8 @@
    `focus_prefill_segments`: set A of the fast path in one call - group-sorted query entries over their segment's
    keys, read where they lie through token indices, each entry seeing keys row_begin[e] .. row_end[e] - 1.
    The pattern is evaluated on the fly: no n x n mask or bias is built or read. Each task is QB query rows of one
-   head over blocks of KB keys: the scores of a block are one register-blocked product into a buffer that stays in
-   the core's cache, then an online softmax (running maximum and sum per row, in powers of two: the scale and log2(e)
+   head over blocks of KB keys (QB, KB and the register tiles are the target's: vectors.h): the scores of a block
+   are one register-blocked product into a buffer that stays in the core's cache, then an online softmax (running maximum and sum per row, in powers of two: the scale and log2(e)
    are one multiplier of the raw scores), then one register-blocked product with the values. The query heads that
    share a kv head read the same packed keys. A row's result is written, or folded by log-sum-exp into a partial
    result already in its output row (`finish_row`).
@@ -27,7 +27,7 @@
    packed and the float32 products run. Head dims that are multiples of 16 up to 128 (each compiled with its dim as
    a constant).
 
-   Compiled with -O3 -march=native -ffast-math (see decode.c): scores are finite (hidden pairs are -FLT_MAX, the
+   Compiled with -O3 -ffast-math for FOCUS_HF_CPU_TARGET (default -march=native; see native.py and decode.c): scores are finite (hidden pairs are -FLT_MAX, the
    running maximum starts there) and powers of two are only taken of values <= 0. */
 #include <float.h>
 #include <math.h>
