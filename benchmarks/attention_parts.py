@@ -8,8 +8,11 @@ the sparse path (`backend="sdpa"`) on one thread, each C call of the path timed 
 - the local part (`native.prefill_attention` from `partials.local_part`): the window's pairs of other groups;
 - the sink pairs (`native.sink_pairs`), and the rest (the group sort, Python, the output's conversion);
 
-against dense causal SDPA on the same inputs, as nanoseconds per visible (query, key) pair and query head. One
-thread and CPU time, so that the figures are the kernels' own rate (the threaded runs are `focus-hf bench`'s).
+against dense causal SDPA on the same inputs, as nanoseconds per visible (query, key) pair and query head; and the
+same sparse path on torch operations alone (`native.torch_path`, what "auto" runs where it is the faster), so that
+each row shows whether the C kernels beat it. One thread and CPU time, so that the figures are the kernels' own rate
+(the threaded runs are `focus-hf bench`'s), and a busy machine moves them less. Each row records the kernels' build
+(`FOCUS_HF_CPU_TARGET`): run it once per target to compare builds on one machine.
 
     python benchmarks/attention_parts.py --json benchmarks/results/attention_cpu_parts.json
 """
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 import focus_hf.attention.cpu.partials as partials
 import focus_hf.attention.cpu.segments as segments
+from focus_hf.attention.cpu.native import torch_path
 from focus_hf.attention.hard import hard_attention
 from focus_hf.commands.bench import allowed_pair_count, layer_fields, machine_fields, make_case
 
@@ -98,6 +102,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 window=args.window, scaling=args.head_dim**-0.5, backend="sdpa", own_group=True,
                             )
                         )  # fmt: skip
+                    with torch_path():
+                        torch_s = cpu_seconds(
+                            lambda: hard_attention(
+                                query, key, value, None, query_groups=routing.top_groups,
+                                key_groups=routing.key_groups, key_sink=routing.sink, num_groups=args.groups,
+                                window=args.window, scaling=args.head_dim**-0.5, backend="sdpa", own_group=True,
+                            )
+                        )  # fmt: skip
                     other_pairs = max(allowed - set_a_pairs, 1)  # the window's pairs of other groups, distant sinks
                     row = {
                         "seq_len": seq_len,
@@ -106,6 +118,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "dense_cpu_s": dense_s,
                         "focus_cpu_s": focus_s,
                         "speedup": dense_s / focus_s,
+                        "torch_path_cpu_s": torch_s,
+                        "torch_path_speedup": dense_s / torch_s,
+                        "kernels_over_torch_path": torch_s / focus_s,
                         "ideal_speedup": seq_len * (seq_len + 1) / 2 / allowed,
                         "dense_ns_per_pair_head": dense_s / pair_heads * 1e9,
                         "set_a_cpu_s": spent.get("set_a", 0.0),
@@ -124,8 +139,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     log(
                         f"{dtype_name} {seq_len} top-{top_k}: ns per pair and head - dense "
                         f"{row['dense_ns_per_pair_head']:.2f}, set A {row['set_a_ns_per_pair_head']:.2f}, local "
-                        f"{row['local_ns_per_pair_head']:.2f}; speedup {row['speedup']:.2f}, ideal "
-                        f"{row['ideal_speedup']:.2f}"
+                        f"{row['local_ns_per_pair_head']:.2f}; speedup {row['speedup']:.2f} (torch path "
+                        f"{row['torch_path_speedup']:.2f}), ideal {row['ideal_speedup']:.2f}"
                     )
     return 0
 
