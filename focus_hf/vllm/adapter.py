@@ -15,7 +15,7 @@ import torch
 from focus_hf.aliases import MODEL_ALIASES
 from focus_hf.attention.routing import routing_scores, scaled_directions
 from focus_hf.errors import FocusServingError
-from focus_hf.files import CONFIG_NAME, WEIGHTS_NAME, validate_adapter_folder
+from focus_hf.files import CONFIG_NAME, validate_adapter_folder
 from focus_hf.tuner.config import FocusConfig
 from focus_hf.tuner.layer import RouterSettings
 from focus_hf.vllm.checks import requested_adapter
@@ -154,10 +154,8 @@ def _routers(folder: Path, config: FocusConfig, num_layers: int) -> dict[int, La
     if config.query_projection:
         expected["focus_query_proj"] = (config.hidden_size, config.group_dim)
     modules = {LAYER_MODULE.format(index=index): dict(expected) for index in range(num_layers)}
-    validate_adapter_folder(folder, modules)  # names, dtypes, shapes, finite values, safetensors format
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(folder / WEIGHTS_NAME))
+    # names, dtypes, shapes, finite values, safetensors format; the tensors checked are the ones served
+    tensors = validate_adapter_folder(folder, modules)
     settings = RouterSettings.from_config(config)
     routers = {}
     for index in range(num_layers):
