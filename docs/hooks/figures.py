@@ -544,6 +544,35 @@ def parts_table() -> str:
     return _table(header + ["speedup / ideal"], body)
 
 
+CPU_TARGETS = ("native", "x86-64-v3", "x86-64-v2")  # benchmarks/results/cpu_targets/attention_parts_<target>.json
+
+
+def cpu_targets_table() -> str:
+    """One attention layer per build of the C kernels (`FOCUS_HF_CPU_TARGET`), all measured on one machine by
+    benchmarks/attention_parts.py (one thread, CPU time): speedup over dense SDPA of the C kernels and of the torch
+    path, the pair-count ideal, and set A's cost per pair against dense SDPA's."""
+    body = []
+    for target in CPU_TARGETS:
+        path = f"benchmarks/results/cpu_targets/attention_parts_{target}.json"
+        for row in rows(path):
+            build = row["cpu_kernels"]
+            body.append(
+                [
+                    f"[{target}]({path})" + (f" ({build['march']})" if target == "native" else ""),
+                    str(build["vector_floats"]),
+                    f"{row['seq_len']:,}",
+                    str(row["top_k"]),
+                    times(row["speedup"]),
+                    times(row["torch_path_speedup"]),
+                    times(row["ideal_speedup"]),
+                    f"{row['speedup'] / row['ideal_speedup']:.2f}",
+                    f"{row['set_a_ns_per_pair_head']:.2f} / {row['dense_ns_per_pair_head']:.2f}",
+                ]
+            )
+    header = ["build", "floats per vector", "tokens", "top-k", "C kernels", "torch path", "ideal", "efficiency"]
+    return _table(header + ["set A / dense ns per pair"], body)
+
+
 def processors_table() -> str:
     """Which processor each CPU results file of the attention layer was measured on, with its instruction sets, the C
     kernels' build and the cores other processes kept busy while it was timed, where the rows record them (rows
@@ -648,6 +677,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.auto": auto_table,
     "table.targets": targets_table,
     "table.processors": processors_table,
+    "table.cpu_targets": cpu_targets_table,
     "table.parts": parts_table,
 }
 
