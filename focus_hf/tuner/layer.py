@@ -377,6 +377,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before, deprecated until 5.40).
         cache = kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
         mode = self.mode_override or settings.routing_mode
+        chosen_by_eval_mode = mode == "auto" and not self.training
         if mode == "auto":
             mode = "soft" if self.training else "hard"
         if mode == "hard" and cache is None and q_len < settings.dense_below and not self.routing_observers:
@@ -456,12 +457,14 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 f"{type(self.base_layer).__name__} did not call the model's attention function, so Focus routing "
                 "would be silently ignored. This architecture is not supported."
             )
-        if mode == "hard" and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
-            # Eval mode (train mode was refused above): hard routing gives the routers no gradient. Where something
-            # else trains (the output already requires grad), a backward pass would silently leave the routers
-            # untrained; it raises an error that says why instead. An output that needs no gradient is left alone:
-            # making it need one would move every later layer onto the differentiable attention paths (slower,
-            # other rounding), and a backward pass from it fails in torch anyway ("does not require grad").
+        if chosen_by_eval_mode and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
+            # Hard because the model is in eval mode, not because it was asked for (`set_routing(model, "hard")`
+            # keeps gradients flowing to whatever else trains, the routers aside): hard routing gives the routers
+            # no gradient. Where something else trains (the output already requires grad), a backward pass would
+            # silently leave the routers untrained; it raises an error that says why instead. An output that needs
+            # no gradient is left alone: making it need one would move every later layer onto the differentiable
+            # attention paths (slower, other rounding), and a backward pass from it fails in torch anyway ("does
+            # not require grad").
             output = _refuse_backward(output, self.focus_proj[adapter_name], self.layer_index)
         return output
 

@@ -138,6 +138,17 @@ def test_backward_through_an_eval_mode_adapter_says_why():
         plain(input_ids=ids(), labels=ids()).loss.backward()
 
 
+def test_hard_routing_asked_for_keeps_gradients_flowing_to_the_rest():
+    # set_routing(model, "hard") is a choice, not eval mode's default: whatever else trains gets its gradients (the
+    # routers none), as the fast path's gradient test relies on.
+    model = get_peft_model(tiny_model("llama").eval(), focus_hf.FocusConfig(num_groups=4, window=2, sink_tokens=0))
+    focus_hf.set_routing(model, "hard")
+    model.enable_input_require_grads()
+    embeddings = model.get_input_embeddings().weight.requires_grad_(True)
+    model(input_ids=ids(), labels=ids()).loss.backward()
+    assert embeddings.grad is not None and embeddings.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]])
 def test_autocast_adapter_dtype_false_on_a_half_precision_base_is_refused(modules_to_save):
     model = tiny_model("llama").to(torch.bfloat16)
