@@ -90,26 +90,21 @@ def main(argv: Optional[list[str]] = None) -> int:
 
                         return call
 
+                    def sparse_path(routing=routing) -> torch.Tensor:
+                        return hard_attention(
+                            query, key, value, None, query_groups=routing.top_groups, key_groups=routing.key_groups,
+                            key_sink=routing.sink, num_groups=args.groups, window=args.window,
+                            scaling=args.head_dim**-0.5, backend="sdpa", own_group=True,
+                        )  # fmt: skip
+
                     with (
                         mock.patch.object(segments, "prefill_segments", timed("set_a", segments.prefill_segments)),
                         mock.patch.object(partials, "prefill_attention", timed("local", partials.prefill_attention)),
                         mock.patch.object(partials, "sink_pairs", timed("sinks", partials.sink_pairs)),
                     ):
-                        focus_s = cpu_seconds(
-                            lambda: hard_attention(
-                                query, key, value, None, query_groups=routing.top_groups,
-                                key_groups=routing.key_groups, key_sink=routing.sink, num_groups=args.groups,
-                                window=args.window, scaling=args.head_dim**-0.5, backend="sdpa", own_group=True,
-                            )
-                        )  # fmt: skip
-                    with torch_path():
-                        torch_s = cpu_seconds(
-                            lambda: hard_attention(
-                                query, key, value, None, query_groups=routing.top_groups,
-                                key_groups=routing.key_groups, key_sink=routing.sink, num_groups=args.groups,
-                                window=args.window, scaling=args.head_dim**-0.5, backend="sdpa", own_group=True,
-                            )
-                        )  # fmt: skip
+                        focus_s = cpu_seconds(sparse_path)
+                    with torch_path():  # the same path on torch operations alone, as "auto" may run it
+                        torch_s = cpu_seconds(sparse_path)
                     other_pairs = max(allowed - set_a_pairs, 1)  # the window's pairs of other groups, distant sinks
                     row = {
                         "seq_len": seq_len,
