@@ -210,13 +210,21 @@ def missing_instruction_sets(cc: str, target: str) -> list[str]:
     the compiler does not know the target."""
     if target == "native":
         return []
-    try:
-        answer = subprocess.run(
-            [cc, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.SubprocessError):
+
+    def macros(*flags: str) -> Optional[subprocess.CompletedProcess]:
+        try:
+            command = [cc, *flags, "-dM", "-E", "-x", "c", os.devnull]
+            return subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    answer = macros(f"-march={target}")
+    if answer is None:
         return []
     if answer.returncode != 0:
+        baseline = macros()
+        if baseline is None or baseline.returncode != 0:
+            return []  # the compiler fails whatever the target: the build fails, and says so (`built_kernels`)
         reason = (answer.stderr.strip().splitlines() or ["refused"])[0]
         raise CpuTargetError(
             f"{CPU_TARGET_ENV}={target}: the C compiler {cc} does not know this target ({reason}). Use an -march value "
