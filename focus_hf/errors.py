@@ -51,6 +51,10 @@ class BackendUnavailableError(FocusError, RuntimeError):
     """The requested attention backend cannot run here (missing package or device)."""
 
 
+class CpuTargetError(FocusError, ValueError):
+    """FOCUS_HF_CPU_TARGET names a target that the C compiler does not know or that this processor cannot run."""
+
+
 class MissingModelPackageError(FocusError, ImportError):
     """Raised when an alias needs a package (or a file in it) that is not installed."""
 

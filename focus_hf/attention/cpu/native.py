@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.aliases import default_cache_dir
+from focus_hf.errors import CpuTargetError
 
 NATIVE_ENV = "FOCUS_HF_NATIVE"
 SOURCES = tuple(
@@ -198,10 +199,6 @@ def target_flag_sets(target: str) -> tuple[tuple[str, ...], ...]:
     """The -march flags to try in turn: for "native", this processor's, else the compiler's default target; for a
     named target, only its own (a target asked for by name is built as asked, or not at all)."""
     return (("-march=native",), ()) if target == "native" else ((f"-march={target}",),)
-
-
-class CpuTargetError(ValueError):
-    """FOCUS_HF_CPU_TARGET names a target that the compiler does not know or that this processor cannot run."""
 
 
 def missing_instruction_sets(cc: str, target: str) -> list[str]:
