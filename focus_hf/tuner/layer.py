@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -170,6 +171,15 @@ HARD_BACKWARD_MESSAGE = (
     "model.train() before training (the transformers Trainer does), or set_routing(model, 'soft')."
 )
 
+EVAL_MODE_NO_GRADIENT_MESSAGE = (
+    "Focus routes hard because the model is in eval mode (routing_mode 'auto'; a new adapter takes the mode of the "
+    "model it is added to, as a loaded one does), and hard routing gives the routers no gradient: a backward pass "
+    "from this forward leaves them untrained, or fails with torch's 'element 0 of tensors does not require grad' "
+    "where nothing else trains. To train, call model.train() first (the transformers Trainer does) or "
+    "set_routing(model, 'soft'); for inference, run under torch.no_grad() or torch.inference_mode(), which also "
+    "silences this warning."
+)
+
 
 class _HardRoutingBackward(torch.autograd.Function):
     """Identity on the attention output whose backward refuses: see `FocusLayer.forward`."""
@@ -186,11 +196,15 @@ class _HardRoutingBackward(torch.autograd.Function):
 
 def _refuse_backward(output: Any, anchor: torch.Tensor, layer: int) -> Any:
     """The attention module's output (a tensor, or a tuple whose first item is one) with its first tensor passed
-    through `_HardRoutingBackward` when it requires grad, tied to the router parameter `anchor`."""
+    through `_HardRoutingBackward` when it requires grad, tied to the router parameter `anchor`. When it requires
+    none (nothing before it trains), it is left alone and `EVAL_MODE_NO_GRADIENT_MESSAGE` is warned, once: the
+    error torch raises at a backward pass, or the routers left untrained beside a module that trains, say nothing
+    of eval mode."""
     if isinstance(output, torch.Tensor) and output.requires_grad:
         return _HardRoutingBackward.apply(output, anchor, layer)
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor) and output[0].requires_grad:
         return (_HardRoutingBackward.apply(output[0], anchor, layer), *output[1:])
+    warnings.warn(EVAL_MODE_NO_GRADIENT_MESSAGE, UserWarning, stacklevel=2)
     return output
 
 

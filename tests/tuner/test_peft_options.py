@@ -132,10 +132,42 @@ def test_backward_through_an_eval_mode_adapter_says_why():
     torch.testing.assert_close(output.logits.detach(), reference, atol=1e-5, rtol=1e-5)
     with pytest.raises(FocusRuntimeError, match=r"eval mode.*model\.train\(\)"):
         output.loss.backward()
-    # With nothing else trainable the loss needs no gradient, and torch refuses the backward pass itself.
+    # With nothing else trainable the loss needs no gradient, and torch refuses the backward pass itself; the forward
+    # pass has warned why (PEFT's own training tests call no model.train(): for LoRA, eval mode only stops dropout).
     plain = get_peft_model(tiny_model("llama").eval(), focus_hf.FocusConfig(num_groups=4, window=2, sink_tokens=0))
+    with pytest.warns(UserWarning, match=r"eval mode.*no gradient.*model\.train\(\).*torch\.no_grad\(\)"):
+        loss = plain(input_ids=ids(), labels=ids()).loss
     with pytest.raises(RuntimeError, match="does not require grad"):
-        plain(input_ids=ids(), labels=ids()).loss.backward()
+        loss.backward()
+
+
+def test_eval_mode_warning_where_the_routers_would_silently_stay_untrained():
+    # transformers' test_peft_add_adapter_modules_to_save: lm_head trains, so the loss has a gradient, but the routers
+    # (hard routing, eval mode) get none; the forward pass warns instead of leaving that unsaid.
+    model = tiny_model("llama").eval()
+    model.add_adapter(focus_hf.FocusConfig(num_groups=4, window=2, sink_tokens=0, modules_to_save=["lm_head"]))
+    with pytest.warns(UserWarning, match="eval mode"):
+        model(input_ids=ids()).logits.mean().backward()
+    routers = [p for n, p in model.named_parameters() if "focus_" in n]
+    assert routers and all(p.requires_grad and p.grad is None for p in routers)
+    model.train()  # the fix the warning names: soft routing, every trainable parameter gets a gradient
+    model(input_ids=ids()).logits.mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_no_eval_mode_warning_where_no_router_could_train(tmp_path, recwarn):
+    # Inference: under no_grad / inference_mode, or a loaded adapter (its routers need no gradient), or train mode.
+    model = get_peft_model(tiny_model("llama").eval(), focus_hf.FocusConfig(num_groups=4, window=2, sink_tokens=0))
+    with torch.no_grad():
+        model(input_ids=ids())
+    with torch.inference_mode():
+        model(input_ids=ids())
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(tiny_model("llama"), tmp_path / "adapter")
+    reloaded(input_ids=ids())
+    model.train()
+    model(input_ids=ids(), labels=ids()).loss.backward()
+    assert not [w for w in recwarn if "eval mode" in str(w.message)]
 
 
 def test_hard_routing_asked_for_keeps_gradients_flowing_to_the_rest():
