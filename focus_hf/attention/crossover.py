@@ -24,6 +24,7 @@ Environment:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
@@ -372,13 +373,23 @@ def sparse_path_at(entry: dict, length: int) -> str:
     """Which sparse path a measured entry runs at `length` keys: the faster one ("sparse": the C kernels, or
     "sparse-torch") at the longest measured length up to it (the shortest where none is), "sparse" where the entry
     has no such timings."""
-    measured = [(row["length"], row["sparse_path"]) for row in entry.get("timings", []) if "sparse_path" in row]
+    measured = entry.get(_SPARSE_PATHS)
+    if measured is None:
+        measured = _sparse_paths(entry)
     if not measured:
         return "sparse"
-    below = [row for row in measured if row[0] <= length]
-    return max(below)[1] if below else min(measured)[1]
+    # The last measured length up to `length` (sorted, so a bisection: this runs at every decoding step).
+    at = bisect.bisect_right(measured, (length, "~"))
+    return measured[max(at - 1, 0)][1]
 
 
+def _sparse_paths(entry: dict) -> list[tuple[int, str]]:
+    """(length, faster sparse path) of an entry's timings, sorted by length."""
+    return sorted((row["length"], row["sparse_path"]) for row in entry.get("timings", []) if "sparse_path" in row)
+
+
+# The key under which an entry known in this process (`_known`) keeps `_sparse_paths`, worked out once.
+_SPARSE_PATHS = "sparse_paths"
 # Whether this process has said that a measurement under load is not stored.
 _said_under_load: list[bool] = []
 # Crossovers already known in this process, by call signature (`_call_key`): looked up on every attention call,
@@ -498,6 +509,7 @@ def crossover_entry(
         except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
             print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
             entry = {"dense_below": default_dense_below(query.device.type, top_k)}
+    entry = {**entry, _SPARSE_PATHS: _sparse_paths(entry)}  # a copy: the cache file keeps its own form
     _known[signature] = entry
     return entry
 

@@ -30,6 +30,16 @@ ATTENTION_NAME = "focus"
 BACKENDS = ("auto", "reference", "sdpa", "flash", "stock")
 
 
+def pattern_restricts(mode: str, kv_len: int, window: int, num_groups: int, top_k: int, dense_below: int) -> bool:
+    """Whether the Focus pattern (routing `mode` "soft" or "hard") removes any causal pair among `kv_len` keys;
+    where it does not, the attention is the base model's."""
+    if kv_len - 1 <= window or num_groups == 1:
+        return False
+    if mode == "hard" and kv_len < dense_below:
+        return False
+    return mode == "soft" or top_k < num_groups
+
+
 @dataclass
 class LayerRouting:
     """Routing of one attention layer for one forward call, handed from `FocusLayer` to the attention function."""
@@ -52,11 +62,7 @@ class LayerRouting:
 
     def restricts(self, kv_len: int) -> bool:
         """Whether the pattern removes any causal pair among `kv_len` keys (otherwise attention is dense)."""
-        if kv_len - 1 <= self.window or self.num_groups == 1:
-            return False
-        if self.mode == "hard" and kv_len < self.dense_below:
-            return False
-        return self.mode == "soft" or self.top_k < self.num_groups
+        return pattern_restricts(self.mode, kv_len, self.window, self.num_groups, self.top_k, self.dense_below)
 
     def grouped_for(self, heads: tuple[int, int], batch: int) -> Optional[list[GroupedKeys]]:
         """The group-sorted copies of kv heads start .. end - 1, one per sample (created empty on first use), or

@@ -36,6 +36,10 @@ class RoutingState:
         token_column_lse: [batch, new, iterations, groups], the running log column sums after each token of the call
             that made this state (`route_tokens(token_columns=True)`), or None. A paged cache keeps them per token
             (`focus_hf.vllm.side_cache`) so that routing can resume after any cached prefix.
+        dense_steps: the attention inputs [batch, 1, hidden_size] and validity [batch, 1] of the last decoding steps
+            that attended densely (`note_dense_step`), or None. They count in `seen` and nowhere else until
+            `defer_dense_steps` defers them as one block; every reader of the state but the layer's dense step
+            calls it first.
     """
 
     seen: int
@@ -47,6 +51,7 @@ class RoutingState:
     pending_hidden: Optional[torch.Tensor] = None
     pending_valid: Optional[torch.Tensor] = None
     token_column_lse: Optional[torch.Tensor] = None
+    dense_steps: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
 
     @property
     def pending(self) -> int:
@@ -284,8 +289,11 @@ def route_tokens(
     ones already hold that much of its routing probability (`probed_groups`). With `token_columns`, the new state
     also holds the running column sums after each new token (`RoutingState.token_column_lse`).
     """
-    if state.pending:
-        raise ValueError("route_tokens after deferred tokens: settle(state, key_scores, iterations) them first.")
+    if state.pending or state.dense_steps:
+        raise ValueError(
+            "route_tokens after deferred tokens: defer_dense_steps(state, sink_tokens), then settle(state, "
+            "key_scores, iterations) them first."
+        )
     log_probs, column_lse, *per_token = causal_sinkhorn(
         scores, valid, iterations, state.column_lse, token_columns=token_columns
     )
@@ -326,7 +334,7 @@ def token_groups(
 def _sinks(valid: torch.Tensor, state: RoutingState, sink_tokens: int) -> torch.Tensor:
     """[batch, seq] whether each new token is one of its sequence's first `sink_tokens` real tokens."""
     if valid.shape[1] == 1:  # a decoding step: a real token's rank is the count before it (fewer passes)
-        return valid & (state.valid_count[:, None] < sink_tokens)
+        return valid & (state.valid_count < sink_tokens).unsqueeze(1)
     rank = state.valid_count[:, None] + valid.long().cumsum(dim=1) - 1
     return valid & (rank < sink_tokens)
 
@@ -357,6 +365,8 @@ def defer_tokens(
     Returns:
         The routing of the new tokens (no key-side `log_probs`, key group -1) and the state including them.
     """
+    if state.dense_steps:
+        raise ValueError("defer_tokens after dense steps: defer_dense_steps(state, sink_tokens) them first.")
     batch, seq = hidden.shape[:2]
     query_log_probs = None
     if query_scores is None:
@@ -378,7 +388,7 @@ def defer_tokens(
     # The constructor rather than dataclasses.replace: this runs in every routed layer at every decoding step.
     new_state = RoutingState(
         seen=state.seen + seq,
-        valid_count=state.valid_count + valid.sum(dim=1),
+        valid_count=state.valid_count + (valid[:, 0] if seq == 1 else valid.sum(dim=1)),
         column_lse=state.column_lse,
         key_probs=state.key_probs,
         key_groups=key_groups,
@@ -387,6 +397,40 @@ def defer_tokens(
         pending_valid=waiting_valid,
     )
     return tokens, new_state
+
+
+def note_dense_step(state: RoutingState, hidden: torch.Tensor, valid: torch.Tensor) -> None:
+    """Count a decoding step that attends densely (below `dense_below`, within the window) in `state`, in place.
+
+    Such a step needs no probes and no group of its own yet: it pays nothing but a list append, so that the layer
+    decodes at the base model's cost. The tokens are deferred as one block (`defer_dense_steps`) when something next
+    reads the state - a later step that routes, or a prefill chunk.
+    """
+    if state.dense_steps is None:
+        state.dense_steps = []
+    state.dense_steps.append((hidden, valid))
+    state.seen += 1
+
+
+def defer_dense_steps(state: RoutingState, sink_tokens: int) -> RoutingState:
+    """`state` with its dense steps (`note_dense_step`) deferred as one block (`defer_tokens`), as if each had been
+    deferred at its step."""
+    steps = state.dense_steps
+    if not steps:
+        return state
+    earlier = RoutingState(
+        seen=state.seen - len(steps),
+        valid_count=state.valid_count,
+        column_lse=state.column_lse,
+        key_probs=state.key_probs,
+        key_groups=state.key_groups,
+        key_sink=state.key_sink,
+        pending_hidden=state.pending_hidden,
+        pending_valid=state.pending_valid,
+    )
+    hidden = torch.cat([step[0] for step in steps], dim=1)
+    valid = torch.cat([step[1] for step in steps], dim=1)
+    return defer_tokens(hidden, valid, earlier, query_scores=None, top_k=1, sink_tokens=sink_tokens)[1]
 
 
 def settle(state: RoutingState, key_scores: torch.Tensor, iterations: int) -> RoutingState:

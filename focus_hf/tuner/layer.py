@@ -13,12 +13,21 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from focus_hf.attention.function import ATTENTION_NAME, BACKENDS, FocusRuntimeError, LayerRouting, as_bool_mask
+from focus_hf.attention.function import (
+    ATTENTION_NAME,
+    BACKENDS,
+    FocusRuntimeError,
+    LayerRouting,
+    as_bool_mask,
+    pattern_restricts,
+)
 from focus_hf.attention.gpu.verify import is_verified, verify_shape
 from focus_hf.attention.routing import (
     RoutingState,
     TokenRouting,
+    defer_dense_steps,
     defer_tokens,
+    note_dense_step,
     route_tokens,
     routing_scores,
     scaled_directions,
@@ -81,6 +90,9 @@ def _select_samples(state: RoutingState, index: torch.Tensor) -> RoutingState:
         key_sink=state.key_sink.index_select(0, index),
         pending_hidden=None if state.pending_hidden is None else state.pending_hidden.index_select(0, index),
         pending_valid=None if state.pending_valid is None else state.pending_valid.index_select(0, index),
+        dense_steps=None
+        if state.dense_steps is None
+        else [(hidden.index_select(0, index), valid.index_select(0, index)) for hidden, valid in state.dense_steps],
     )
 
 
@@ -400,6 +412,15 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             return self.base_layer(*args, **kwargs)
         state = self._routing_state(cache, adapter_name, batch, settings, hidden.device)
         valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device, state.seen)
+        if cache is not None and self._decodes_densely(adapter_name, mode, q_len, state, top_k):
+            # The base model's decoding step: the token waits, unrouted, until the state is next read.
+            layer_key = (adapter_name, self.layer_index)
+            if state.seen == 0 and self.decode_copy:
+                _grouped_keys(cache, layer_key, fresh=True)  # a reused cache starts afresh: drop its old copies
+            note_dense_step(state, hidden, valid)
+            _attach_routing_states(cache)[layer_key] = state
+            return self.base_layer(*args, **kwargs)
+        state = defer_dense_steps(state, settings.sink_tokens)
         # A hard-mode decoding step defers its key side: its own group is needed only once it lies beyond the
         # window, so the waiting tokens are routed in blocks (`defer_tokens`, `settle`). Its probes are needed
         # now unless the call attends densely (below dense_below), and can be had without the Sinkhorn step only
@@ -481,6 +502,26 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             # not require grad").
             output = _refuse_backward(output, self.focus_proj[adapter_name], self.layer_index)
         return output
+
+    def _decodes_densely(self, adapter_name: str, mode: str, q_len: int, state: RoutingState, top_k: int) -> bool:
+        """Whether this call is a one-token decoding step that attends as the base model does (the pattern removes
+        no pair of its keys: below `dense_below`, within the window) and needs nothing else of the routing, so that
+        it runs as the base model's step (`note_dense_step`). Not where its groups are watched, under torch.compile
+        (the state's list is Python state), where the routers would need a gradient (the refusals of `forward`
+        apply), or once as many tokens wait as a block holds (`settle` then runs, which bounds their memory)."""
+        settings = self.focus_settings[adapter_name]
+        waiting = state.pending + len(state.dense_steps or ())
+        return (
+            mode == "hard"
+            and q_len == 1
+            and not self.routing_observers
+            and waiting < min(PENDING_LIMIT, settings.window)
+            and not pattern_restricts(
+                mode, state.seen + 1, settings.window, settings.num_groups, top_k, settings.dense_below
+            )
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad)
+        )
 
     def _verify_attention(self, hidden: torch.Tensor) -> None:
         """On the GPU path, have the attention's shape verified (`attention.gpu.verify`) before the attention function

@@ -11,11 +11,37 @@ from focus_hf.attention.pattern import allowed_pairs, soft_gate
 from focus_hf.attention.routing import (
     RoutingState,
     causal_sinkhorn,
+    defer_dense_steps,
     defer_tokens,
+    note_dense_step,
     probed_groups,
     route_tokens,
     settle,
 )
+
+
+def test_dense_steps_defer_as_their_steps_would():
+    # Decoding steps noted as dense (a list append each) and then deferred as one block leave the state that
+    # deferring each at its step leaves, with padding and sinks among them; nothing reads them before that.
+    generator = torch.Generator().manual_seed(4)
+    scores = torch.randn(2, 12, 8, generator=generator) * 6
+    valid = torch.tensor([[False] * 3 + [True] * 9, [True] * 12])
+    options = dict(iterations=10, top_k=1, sink_tokens=5)
+    _, start = route_tokens(scores[:, :2], valid[:, :2], RoutingState.empty(2, 10, 8, scores.device), **options)
+    _, noted = route_tokens(scores[:, :2], valid[:, :2], RoutingState.empty(2, 10, 8, scores.device), **options)
+    step_by_step = start
+    for position in range(2, 12):
+        token = (scores[:, position : position + 1], valid[:, position : position + 1])
+        _, step_by_step = defer_tokens(*token, step_by_step, query_scores=None, top_k=1, sink_tokens=5)
+        note_dense_step(noted, *token)
+    assert noted.seen == 12 and noted.pending == 0 and noted.key_groups.shape[1] == 2
+    with pytest.raises(ValueError, match="defer_dense_steps"):
+        route_tokens(scores[:, :1], valid[:, :1], noted, **options)
+    deferred = defer_dense_steps(noted, sink_tokens=5)
+    assert deferred.dense_steps is None and deferred.seen == step_by_step.seen == 12
+    for field in ("valid_count", "key_groups", "key_sink", "pending_hidden", "pending_valid", "column_lse"):
+        assert torch.equal(getattr(deferred, field), getattr(step_by_step, field)), field
+    assert deferred.key_sink[0].tolist() == [False] * 3 + [True] * 5 + [False] * 4
 
 
 def test_sinkhorn_rows_are_distributions():

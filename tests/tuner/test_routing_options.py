@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model
 from tiny_models import VOCAB, tiny_model
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 
 import focus_hf
 from focus_hf.files import adapter_summary
@@ -209,6 +209,52 @@ def test_decoding_across_dense_below_equals_recomputation(query_projection, dens
     model = focus_model(top_k=1, query_projection=query_projection, dense_below=38, dense_heads=dense_heads)
     focus_hf.set_routing(model, "hard", backend="sdpa")
     assert_generation_equals_recomputation(model, tokens(seq=30), 20)
+
+
+@pytest.mark.parametrize("query_projection", [False, True])
+def test_decoding_steps_below_dense_below_route_nothing(monkeypatch, query_projection):
+    # A decoding step that attends densely is the base model's step (`FocusLayer._decodes_densely`): no router runs
+    # until a step needs the waiting tokens, which are then routed as one block; the tokens generated still equal
+    # recomputing the whole text.
+    model = focus_model(top_k=1, query_projection=query_projection, window=16, dense_below=45)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    import focus_hf.tuner.layer as layer_module
+
+    calls = []
+    original = FocusLayer.router_scores
+    monkeypatch.setattr(FocusLayer, "router_scores", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    deferring = layer_module.defer_tokens  # what a step that waits for its routing paid before
+    monkeypatch.setattr(layer_module, "defer_tokens", lambda *a, **k: calls.append(2) or deferring(*a, **k))
+    cache = DynamicCache()
+    with torch.no_grad():
+        token = model(input_ids=tokens(seq=30), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        after_prompt = len(calls)
+        for _ in range(14):  # caches of 30 .. 43 tokens: each step's 31 .. 44 keys are below dense_below
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        assert len(calls) == after_prompt
+        model(input_ids=token, past_key_values=cache, use_cache=True)  # 45 keys: routed
+        assert len(calls) > after_prompt
+    assert_generation_equals_recomputation(model, tokens(seq=30), 30)
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_dense_decoding_steps_generate_as_routed_ones(monkeypatch, beams):
+    # The base model's step below dense_below (waiting tokens kept as a list, reordered by beam search with the cache)
+    # gives the tokens that deferring each step's routing gives, for a left-padded batch.
+    model = focus_model(top_k=2, query_projection=True, window=16, dense_below=40)
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    ids = torch.cat([torch.cat([torch.zeros(1, 7, dtype=torch.long), tokens(seq=23, seed=3)], 1), tokens(seq=30)])
+    mask = torch.cat([torch.cat([torch.zeros(1, 7), torch.ones(1, 23)], 1), torch.ones(1, 30)]).long()
+    options = dict(max_new_tokens=26, num_beams=beams, do_sample=False, pad_token_id=0, eos_token_id=None)
+    dense_steps = []
+    original = FocusLayer._decodes_densely
+    monkeypatch.setattr(
+        FocusLayer, "_decodes_densely", lambda *a: dense_steps.append(original(*a)) or dense_steps[-1]
+    )
+    fast = model.generate(input_ids=ids, attention_mask=mask, **options)
+    assert any(dense_steps) and not all(dense_steps)
+    monkeypatch.setattr(FocusLayer, "_decodes_densely", lambda *a: False)
+    assert torch.equal(fast, model.generate(input_ids=ids, attention_mask=mask, **options))
 
 
 def test_beam_search_with_deferred_key_routing_equals_without(monkeypatch):
