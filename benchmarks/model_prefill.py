@@ -23,7 +23,6 @@ import functools
 import json
 import math
 import os
-import platform
 import resource
 import sys
 import time
@@ -37,6 +36,7 @@ from peft import PeftModel
 import focus_hf
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
+from focus_hf.commands.bench import machine_fields
 from focus_hf.data import load_texts, split_texts, token_blocks
 from focus_hf.evaluation import routing_mode
 
@@ -172,11 +172,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "speedup": round(full["seconds"] / result["seconds"], 3),
                 "ppl_vs_full": round(result["ppl"] / full["ppl"], 4),
                 **setting_fields(args, model, top_k == "full"),
-                "threads": torch.get_num_threads(),
-                "load_avg_1m": round(os.getloadavg()[0], 2),
                 "peak_rss_mib_so_far": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                "device": f"cpu ({platform.processor() or platform.machine()})",
-                "torch": torch.__version__,
+                **machine_fields(torch.device("cpu")),  # processor, instruction sets, the kernels' build target
                 "command": command_line("model_prefill.py", argv),
                 "focus_hf": focus_hf.__version__,
             }
