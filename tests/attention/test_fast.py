@@ -364,6 +364,28 @@ def test_set_a_in_the_kernel_equals_the_chunked_torch_path(
     assert (lse[~rows & queries] < torch.finfo(torch.float32).min / 2).all()  # empty sets stay empty
 
 
+@pytest.mark.parametrize("top_k, separate", [(1, False), (2, True)])
+def test_set_a_in_the_kernel_with_long_and_short_segments(top_k, separate):
+    # Segments longer than prefill.c's SHORT_SEGMENT (8 x the target's query rows per task: 1,024 keys on AVX2, 256 on
+    # AVX-512) run tasks of all their rows, shorter ones tasks of fewer rows: both beside each other in one call.
+    generator = torch.Generator().manual_seed(5)
+    batch, seq, num_groups = 1, 2600, 3
+    probe_groups, key_groups = random_routing(generator, batch, seq, num_groups, top_k, "some", separate=separate)
+    key_groups[:, : seq - 300] = torch.where(key_groups[:, : seq - 300] == 2, 0, key_groups[:, : seq - 300])
+    counts = torch.bincount(key_groups[0], minlength=num_groups)
+    assert counts.max() > 1024 and counts.min() < 256  # one long segment, one short
+    query = states(generator, batch, 4, seq, 16, True)
+    key, value = (states(generator, batch, 2, seq, 16, False) for _ in range(2))
+    valid = padding(batch, seq, "none", 0)
+    sink = valid & (valid.cumsum(dim=1) - 1 < 2)
+    arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
+    output, lse, _ = kernel_set_a(arguments, seq, riders=top_k == 1)
+    chunked, chunked_lse, _ = partials.probe_part(*arguments)
+    rows = chunked_lse > torch.finfo(torch.float32).min / 2
+    torch.testing.assert_close(output[rows], chunked[rows], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse[rows], chunked_lse[rows], atol=ATOL, rtol=0)
+
+
 def test_kernel_key_sort_files_keys_by_segment_riders_first():
     generator = torch.Generator().manual_seed(3)
     batch, seq, num_groups = 2, 50, 3

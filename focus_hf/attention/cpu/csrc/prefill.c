@@ -49,6 +49,10 @@ _Static_assert(KB % (QK_VECTORS * FLANES) == 0 && KEY_ARRAY_STEP % KB == 0,
 /* Query rows per task of a local call: its rows see only their window, so a task reads window + rows keys for rows
    x window pairs; fewer rows than QB waste less (AVX2, K=8, window 128: 10 -> 7.5 ns per pair at 32 rows) */
 #define LOCAL_ROWS (QB < 32 ? QB : 32)
+/* Segments of fewer keys than this take LOCAL_ROWS rows per task in `focus_prefill_segments`: a task computes every
+   pair of its rows up to the keys of its last row, about half a rows x rows triangle more than its rows see, which
+   in a short segment is a large share of its pairs (AVX2, 1K tokens, K 8: 15.8 -> 13 ns per visible pair) */
+#define SHORT_SEGMENT (8 * QB)
 
 /* Element types of queries, keys and values (one per call; as in decode.c); outputs are float32, or with a call
    that writes rather than merges, of the inputs' type. */
@@ -695,13 +699,16 @@ int focus_prefill_segments(const void* q, const void* k, const void* v, float* o
             for (int64_t kh = 0; kh < KH; ++kh)
                 pack_keys(element_at(k, kh * k_strides[1], type), element_at(v, kh * v_strides[1], type), key_offsets,
                           value_offsets, 0, 0, slab, (int)dim, type, packed + kh * packed_size);
-            const int64_t first_chunk = reaching / QB, chunks = (entries + QB - 1) / QB - first_chunk;
+            const int64_t task_rows = count < SHORT_SEGMENT ? LOCAL_ROWS : QB;
+            const int64_t first_chunk = reaching / task_rows;
+            const int64_t chunks = (entries + task_rows - 1) / task_rows - first_chunk;
             const Rule rule = {row_begin + first_entry, row_end + first_entry, base, NULL, NULL, NULL, 0, 0, 0, 0};
 #pragma omp parallel for schedule(dynamic, 1)
             for (int64_t t = 0; t < H * chunks; ++t) {
                 /* the heads of one chunk in a row; the last chunks (the entries that reach the most keys) first */
                 const int64_t h = t % H, kh = h / sharing, chunk = first_chunk + chunks - 1 - t / H;
-                const int64_t start = chunk * QB, rows = entries - start < QB ? entries - start : QB;
+                const int64_t start = chunk * task_rows;
+                const int64_t rows = entries - start < task_rows ? entries - start : task_rows;
                 const Keys keys = {packed + kh * packed_size, (const float*)v + kh * v_strides[1], value_offsets, 0,
                                    slab, type};
                 Rows where = {.type = type, .out_type = FLOAT32};
