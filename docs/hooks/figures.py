@@ -54,6 +54,7 @@ DEMO_RUN = "benchmarks/results/demo_run.json"  # benchmarks/demo_run.py: `focus-
 
 AS_SAVED = "focus as saved top-1, w=512, 18 dense heads, dense below 2048"  # the committed adapter's rows
 FOCUS_SAVED = "Focus hard as saved (top-1, w=512, 18 dense heads, dense below 2048)"  # the same, model benchmarks
+FULL_MODEL = "full attention (adapter disabled)"  # the base model's rows in the model benchmarks
 
 
 _recording: list[set[str]] = []
@@ -573,6 +574,55 @@ def cpu_targets_table() -> str:
     return _table(header + ["set A / dense ns per pair"], body)
 
 
+def cpu_targets_decode_table() -> str:
+    """One decoding step of one attention layer per build of the C kernels (`focus-hf bench --decode`, one thread),
+    `auto` against dense SDPA on the same cache, all measured on one machine."""
+    body = []
+    for target in CPU_TARGETS:
+        path = f"benchmarks/results/cpu_targets/attention_decode_{target}.json"
+        for row in rows(path):
+            body.append(
+                [
+                    f"[{target}]({path})",
+                    f"{row['cache_len']:,}",
+                    str(row["top_k"]),
+                    f"{row['dense_s'] * 1e3:.3f} / {row['focus_s'] * 1e3:.3f}",
+                    times(row["speedup"]),
+                    times(row["ideal_speedup"]),
+                    row["focus_path"],
+                ]
+            )
+    header = ["build", "cache tokens", "top-k", "dense / Focus ms", "speedup", "ideal", "Focus path"]
+    return _table(header, body)
+
+
+def cpu_targets_model_table() -> str:
+    """The whole model (SmolLM2-135M with the committed adapter) per build of the C kernels, all measured on one
+    machine: one prefill (benchmarks/model_prefill.py) and generate()'s decoding speed after a prompt
+    (benchmarks/model_decode.py), each against the base model in the same run, with the quality of the setting."""
+    body = []
+    for target in CPU_TARGETS:
+        prefill_path = f"benchmarks/results/cpu_targets/model_prefill_{target}.json"
+        decode_path = f"benchmarks/results/cpu_targets/model_decode_{target}.json"
+        prefill = {row["seq_len"]: row for row in rows(prefill_path) if row["variant"] == FOCUS_SAVED}
+        decode = {row["prompt_len"]: row for row in rows(decode_path) if row["variant"] == FOCUS_SAVED}
+        for length in sorted(set(prefill) | set(decode)):
+            cells = [f"[{target}]({prefill_path})", f"{length:,}", "-", "-", "-", "-"]
+            if length in prefill:
+                row = prefill[length]
+                full = pick(prefill_path, seq_len=length, variant=FULL_MODEL)
+                cells[2:4] = [f"{full['seconds']:.1f} / {row['seconds']:.1f} s", times(row["speedup"])]
+                cells[4] = f"{row['ppl_vs_full']:.3f}"
+            if length in decode:
+                row = decode[length]
+                full = pick(decode_path, prompt_len=length, variant=FULL_MODEL)
+                rate = f"{full['decode_tokens_per_s']:.1f} / {row['decode_tokens_per_s']:.1f}"
+                cells[5] = f"{rate} tokens/s, {times(row['speedup'])} ({row['argmax_agree']}/{row['new_tokens']} agree)"
+            body.append(cells)
+    header = ["build", "prompt tokens", "prefill: base / Focus", "prefill speedup", "perplexity vs base"]
+    return _table(header + ["generate(): base / Focus (greedy tokens as the base model's)"], body)
+
+
 def processors_table() -> str:
     """Which processor each CPU results file of the attention layer was measured on, with its instruction sets, the C
     kernels' build and the cores other processes kept busy while it was timed, where the rows record them (rows
@@ -678,6 +728,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.targets": targets_table,
     "table.processors": processors_table,
     "table.cpu_targets": cpu_targets_table,
+    "table.cpu_targets_model": cpu_targets_model_table,
+    "table.cpu_targets_decode": cpu_targets_decode_table,
     "table.parts": parts_table,
 }
 
