@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import torch
 
 from focus_hf.aliases import default_cache_dir
+from focus_hf.attention.cpu.native import kernels_identity
 
 CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
@@ -56,7 +57,7 @@ CACHE_FILE = "crossover.json"
 # sides are timed through `hard.hard_attention`, the function that dispatches them, CUDA decoding steps in runs of
 # FILE_EVERY); 22: on CPU the sparse path is also timed on torch operations (`native.torch_path`), and the faster of
 # the two runs at each length).
-CACHE_VERSION = 22
+CACHE_VERSION = 23
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -88,6 +89,7 @@ class Shape:
 
     device: str  # device type: "cpu", "cuda"
     processor: str
+    kernels: str  # on the CPU, the C kernels' build (`native.kernels_identity`); "" elsewhere
     threads: int
     torch: str
     dtype: str
@@ -127,6 +129,7 @@ def make_shape(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: i
     return Shape(
         device=query.device.type,
         processor=processor_name(query.device),
+        kernels=kernels_identity() if query.device.type == "cpu" else "",
         threads=torch.get_num_threads() if query.device.type == "cpu" else 0,
         torch=torch.__version__,
         dtype=str(query.dtype).removeprefix("torch."),
@@ -399,9 +402,10 @@ _known: dict[tuple, dict] = {}
 
 def _call_key(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> tuple:
     """What decides a call's `Shape` within this process (the processor and versions are fixed in it)."""
-    threads = torch.get_num_threads() if query.device.type == "cpu" else 0
+    cpu = query.device.type == "cpu"
+    threads, kernels = (torch.get_num_threads(), kernels_identity()) if cpu else (0, "")
     heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
-    return (query.device, query.dtype, threads, heads, kv_heads, head_dim, top_k, num_groups, window, kind)
+    return (query.device, query.dtype, kernels, threads, heads, kv_heads, head_dim, top_k, num_groups, window, kind)
 
 
 def forced_crossover() -> Optional[int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import focus_hf.attention.cpu.native as native
 import focus_hf.attention.crossover as crossover
 import focus_hf.attention.hard as hard
 from focus_hf.attention.pattern import allowed_pairs
@@ -170,6 +171,26 @@ def test_shape_key_names_the_machine_and_the_call():
     assert shape.processor == crossover.processor_name() and shape.threads == torch.get_num_threads()
     assert (shape.dtype, shape.heads, shape.kv_heads, shape.head_dim) == ("bfloat16", 9, 3, 16)
     assert (shape.top_k, shape.num_groups, shape.window, shape.kind) == (2, 8, 64, "probe")
+    assert shape.kernels == native.kernels_identity() and shape.kernels in shape.key
+
+
+def test_a_crossover_measured_with_one_build_is_measured_again_with_another(calibrating, monkeypatch):
+    # Which sparse path is faster depends on the C kernels' build (an SSE build's kernels ran at half the torch
+    # path's speed where the AVX2 build's ran ahead of it): a cached crossover holds for the build that measured it.
+    query, key = tensors()
+    monkeypatch.setattr(crossover, "kernels_identity", lambda: "focus-kernels-avx2")
+    dense_below(query, key, 1, 8, 128, "shared")
+    dense_below(query, key, 1, 8, 128, "shared")
+    assert [shape.kernels for shape in calibrating] == ["focus-kernels-avx2"]
+    monkeypatch.setattr(crossover, "kernels_identity", lambda: "focus-kernels-sse")
+    dense_below(query, key, 1, 8, 128, "shared")
+    monkeypatch.setattr(crossover, "kernels_identity", lambda: "torch")  # FOCUS_HF_NATIVE=0, or no compiler
+    dense_below(query, key, 1, 8, 128, "shared")
+    assert [shape.kernels for shape in calibrating] == ["focus-kernels-avx2", "focus-kernels-sse", "torch"]
+    monkeypatch.setattr(crossover, "_known", {})  # a new process: the cache file answers for each build
+    monkeypatch.setattr(crossover, "kernels_identity", lambda: "focus-kernels-avx2")
+    dense_below(query, key, 1, 8, 128, "shared")
+    assert len(calibrating) == 3
 
 
 @pytest.mark.parametrize("content", ["not json", '{"version": 0, "entries": {}}', '{"version": 1}'])

@@ -110,6 +110,7 @@ class NativeKernels:
         # Built with OpenMP (torch's pool): a prefill call splits its work among torch's threads.
         self.threaded = "-fopenmp" in target
         self.compiler, self.target = cc, target  # what it was built with (`build_record`)
+        self.build_id = Path(library._name).stem  # the sources, compiler, flags and machine (`library_path`)
         size, pointer = ctypes.c_int64, ctypes.c_void_p
         self.supports = library.focus_decode_supports
         self.supports.argtypes = [size, size, size, ctypes.c_int]
@@ -415,6 +416,15 @@ def torch_path() -> Iterator[None]:
         yield
     finally:
         _torch_only.reset(token)
+
+
+def kernels_identity() -> str:
+    """Which CPU kernels this process runs: their build (`library_path`'s digest of the sources, compiler, target and
+    machine), or "torch" where none are built. A crossover measured with one build does not hold for another: the
+    same sparse path may be twice as fast in one build's C kernels as in torch operations, and half as fast in
+    another's (`crossover.Shape`)."""
+    kernels = built_kernels()
+    return "torch" if kernels is None else kernels.build_id
 
 
 def native_kernels() -> Optional[NativeKernels]:
