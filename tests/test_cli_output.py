@@ -138,6 +138,14 @@ def test_demo_end_to_end_prints_no_python_warning(tmp_path):
     check_rendered_card((out / "README.md").read_text(), out)
     assert all(path.stat().st_mode & 0o044 for path in out.iterdir() if path.is_file())  # none is owner-only
     assert results["speed"]["seq_len"] == 384 and results["speed"]["speedup"] > 0
+    assert "Speed: one 384-token prefill takes" in printed
+    # benchmarks/demo_speed.py: the same speed line on the adapter the demo wrote, the build recorded.
+    command = [sys.executable, "benchmarks/demo_speed.py", str(out), "--seq-len", "384", "--json", str(tmp_path / "s")]
+    again = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert "Speed: one 384-token prefill takes" in again.stdout
+    row = json.loads((tmp_path / "s").read_text())[0]
+    assert row["seq_len"] == 384 and row["cpu_kernels"]["target"] and row["speedup"] > 0
     assert results["training"]["objective"] == "distill" and results["training"]["steps_per_layer"] == 3
     log = json.loads((out / "training_log.json").read_text())
     assert log["objective"] == "distill" and len(log["layers"]) == 30

@@ -97,6 +97,16 @@ def measure_speed(
     }
 
 
+def speed_line(speed: dict[str, Any]) -> str:
+    """The demo's last line on speed, from `measure_speed`'s result."""
+    verdict = "faster" if speed["speedup"] > 1.05 else "slower" if speed["speedup"] < 0.95 else "about the same"
+    return (
+        f"Speed: one {speed['seq_len']:,}-token prefill takes {speed['full_seconds']:.2f} s with full attention "
+        f"and {speed['hard_seconds']:.2f} s with Focus hard top-{speed['top_k']} ({speed['speedup']:.2f}x, "
+        f"{verdict}; backend {speed['backend']}, {speed['threads']} threads)"
+    )
+
+
 def write_card(adapter_dir: Path) -> Optional[str]:
     """Call `focus_hf.card.write_model_card(adapter_dir)` when that module exists; returns the card path."""
     if importlib.util.find_spec("focus_hf.card") is None:
@@ -314,12 +324,7 @@ def report(results: dict[str, Any], out: Path) -> None:
         )
     speed = results.get("speed")
     if speed:
-        verdict = "faster" if speed["speedup"] > 1.05 else "slower" if speed["speedup"] < 0.95 else "about the same"
-        print(
-            f"\nSpeed: one {speed['seq_len']:,}-token prefill takes {speed['full_seconds']:.2f} s with full attention "
-            f"and {speed['hard_seconds']:.2f} s with Focus hard top-{speed['top_k']} ({speed['speedup']:.2f}x, "
-            f"{verdict}; backend {speed['backend']}, {speed['threads']} threads)"
-        )
+        print("\n" + speed_line(speed))
     print(f"\nAdapter folder: {out}/")
     for name in (
         "adapter_config.json",
