@@ -596,6 +596,30 @@ def cpu_targets_decode_table() -> str:
     return _table(header, body)
 
 
+DEMO_TARGETS = "benchmarks/results/cpu_targets/demo"  # a `focus-hf demo` run's eval_results.json and printed lines
+
+
+def cpu_targets_demo_table() -> str:
+    """`focus-hf demo`'s speed line per build of the C kernels: the demo's own (its eval_results.json), then
+    benchmarks/demo_speed.py's repeat of that step on the adapter it wrote, once per build."""
+    demo = load(f"{DEMO_TARGETS}/eval_results.json")
+    runs = [("native, `focus-hf demo` itself", f"{DEMO_TARGETS}/printed.txt", demo["speed"])]
+    for target in CPU_TARGETS:
+        path = f"benchmarks/results/cpu_targets/demo_speed_{target}.json"
+        runs.append((f"{target}, `benchmarks/demo_speed.py`", path, rows(path)[0]))
+    body = [
+        [
+            f"[{name}]({path})",
+            f"{speed['seq_len']:,}",
+            f"{speed['full_seconds']:.1f} / {speed['hard_seconds']:.1f} s",
+            times(speed["speedup"]),
+            str(speed["threads"]),
+        ]
+        for name, path, speed in runs
+    ]
+    return _table(["build", "prefill tokens", "full attention / Focus", "speedup", "threads"], body)
+
+
 def cpu_targets_model_table() -> str:
     """The whole model (SmolLM2-135M with the committed adapter) per build of the C kernels, all measured on one
     machine: one prefill (benchmarks/model_prefill.py) and generate()'s decoding speed after a prompt
@@ -730,6 +754,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets": cpu_targets_table,
     "table.cpu_targets_model": cpu_targets_model_table,
     "table.cpu_targets_decode": cpu_targets_decode_table,
+    "table.cpu_targets_demo": cpu_targets_demo_table,
     "table.parts": parts_table,
 }
 
