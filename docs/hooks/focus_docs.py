@@ -31,6 +31,7 @@ ARTIFACTS = (
     "benchmarks/results/**/*.json",
     "benchmarks/results/**/*.png",
     "benchmarks/results/**/*.md",
+    "benchmarks/results/**/*.txt",
     "benchmarks/long_context/results/*",
     "benchmarks/long_context/*.json",
     "benchmarks/long_context/*.png",
