@@ -40,6 +40,8 @@ class RoutingState:
             that attended densely (`note_dense_step`), or None. They count in `seen` and nowhere else until
             `defer_dense_steps` defers them as one block; every reader of the state but the layer's dense step
             calls it first.
+        sinks_filled: every sample has had its sink tokens (`route_tokens` found so), so no later token is one; a
+            decoding step then has no sink flag to work out. False where not known.
     """
 
     seen: int
@@ -52,6 +54,7 @@ class RoutingState:
     pending_valid: Optional[torch.Tensor] = None
     token_column_lse: Optional[torch.Tensor] = None
     dense_steps: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+    sinks_filled: bool = False
 
     @property
     def pending(self) -> int:
@@ -306,16 +309,26 @@ def route_tokens(
         query_log_probs=query_log_probs,
         own_groups=None if query_scores is None else key_groups,
     )
+    valid_count = state.valid_count + valid.sum(dim=1)
     new_state = RoutingState(
         seen=state.seen + scores.shape[1],
-        valid_count=state.valid_count + valid.sum(dim=1),
+        valid_count=valid_count,
         column_lse=column_lse,
         key_probs=torch.cat([state.key_probs, log_probs.exp()], dim=1),
         key_groups=torch.cat([state.key_groups, key_groups], dim=1),
         key_sink=torch.cat([state.key_sink, sink], dim=1),
         token_column_lse=per_token[0] if per_token else None,
+        sinks_filled=state.sinks_filled or _all_past_sinks(valid_count, sink_tokens),
     )
     return tokens, new_state
+
+
+def _all_past_sinks(valid_count: torch.Tensor, sink_tokens: int) -> bool:
+    """Whether every sample has `sink_tokens` real tokens already. Read on the CPU only, once per routing call (a
+    sync elsewhere, and a graph break under torch.compile); elsewhere not known (False)."""
+    if valid_count.device.type != "cpu" or torch.compiler.is_compiling() or not valid_count.numel():
+        return False
+    return int(valid_count.min()) >= sink_tokens
 
 
 def token_groups(
@@ -344,10 +357,11 @@ def defer_tokens(
     valid: torch.Tensor,
     state: RoutingState,
     *,
-    query_scores: Optional[torch.Tensor],
-    top_k: int,
+    query_scores: Optional[torch.Tensor] = None,
+    top_k: int = 1,
     sink_tokens: int,
     probe_mass: Optional[float] = None,
+    probes: Optional[torch.Tensor] = None,
 ) -> tuple[TokenRouting, RoutingState]:
     """Route new tokens while deferring their key side: the hidden states wait in the state until `settle`.
 
@@ -359,8 +373,11 @@ def defer_tokens(
 
     Args:
         hidden: [batch, seq, hidden_size] the new tokens' attention inputs.
-        query_scores: [batch, seq, K] scores of a separate query router, whose top-k groups the tokens probe; None
-            when the call attends densely and needs no probes (top_groups are then -1).
+        query_scores: [batch, seq, K] scores of a separate query router, whose top-k groups the tokens probe
+            (`probed_groups` with `top_k` and `probe_mass`).
+        probes: [batch, seq, top_k] the groups the tokens probe, where the caller has them (`FocusLayer`'s
+            `query_probes`); the routing then holds no query log-probabilities. With neither, the call attends
+            densely and needs no probes: top_groups are -1.
 
     Returns:
         The routing of the new tokens (no key-side `log_probs`, key group -1) and the state including them.
@@ -369,16 +386,21 @@ def defer_tokens(
         raise ValueError("defer_tokens after dense steps: defer_dense_steps(state, sink_tokens) them first.")
     batch, seq = hidden.shape[:2]
     query_log_probs = None
-    if query_scores is None:
-        top_groups = torch.full((batch, seq, top_k), -1, dtype=torch.long, device=hidden.device)
-    else:
+    if query_scores is not None:
         query_log_probs = torch.log_softmax(query_scores, dim=-1)
-        top_groups = probed_groups(query_log_probs, top_k, probe_mass)
-    sink = _sinks(valid, state, sink_tokens)
+        probes = probed_groups(query_log_probs, top_k, probe_mass)
+    elif probes is None:
+        probes = torch.full((batch, seq, top_k), -1, dtype=torch.long, device=hidden.device)
     key_groups = F.pad(state.key_groups, (0, seq), value=-1)  # the new tokens' groups are unknown (-1) until settled
+    if state.sinks_filled:
+        key_sink = F.pad(state.key_sink, (0, seq), value=False)
+        sink = key_sink[:, -seq:]
+    else:
+        sink = _sinks(valid, state, sink_tokens)
+        key_sink = torch.cat([state.key_sink, sink], dim=1)
     tokens = TokenRouting(
         log_probs=None,
-        top_groups=top_groups,
+        top_groups=probes,
         sink=sink,
         query_log_probs=query_log_probs,
         own_groups=key_groups[:, -seq:],
@@ -392,9 +414,10 @@ def defer_tokens(
         column_lse=state.column_lse,
         key_probs=state.key_probs,
         key_groups=key_groups,
-        key_sink=torch.cat([state.key_sink, sink], dim=1),
+        key_sink=key_sink,
         pending_hidden=waiting,
         pending_valid=waiting_valid,
+        sinks_filled=state.sinks_filled,
     )
     return tokens, new_state
 
@@ -427,6 +450,7 @@ def defer_dense_steps(state: RoutingState, sink_tokens: int) -> RoutingState:
         key_sink=state.key_sink,
         pending_hidden=state.pending_hidden,
         pending_valid=state.pending_valid,
+        sinks_filled=state.sinks_filled,
     )
     hidden = torch.cat([step[0] for step in steps], dim=1)
     valid = torch.cat([step[1] for step in steps], dim=1)
@@ -445,4 +469,5 @@ def settle(state: RoutingState, key_scores: torch.Tensor, iterations: int) -> Ro
         key_probs=torch.cat([state.key_probs, log_probs.exp()], dim=1),
         key_groups=torch.cat([state.key_groups[:, :routed], log_probs.argmax(dim=-1)], dim=1),
         key_sink=state.key_sink,
+        sinks_filled=state.sinks_filled,
     )

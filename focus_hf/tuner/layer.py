@@ -28,6 +28,7 @@ from focus_hf.attention.routing import (
     defer_dense_steps,
     defer_tokens,
     note_dense_step,
+    probed_groups,
     route_tokens,
     routing_scores,
     scaled_directions,
@@ -248,7 +249,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.decode_copy = True  # decoding steps read a group-sorted copy of the distant keys (`grouped_keys`)
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
-        self._directions: dict[str, tuple[tuple, torch.Tensor]] = {}  # `_kept_directions`, by adapter
+        self._kept_values: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # `_kept`, by (adapter, what)
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
         # A new module starts in train mode; the router takes the mode of the module it wraps instead, so that a
@@ -354,16 +355,49 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         """The centroids' `scaled_directions`, worked out once per state of the centroids (decoding routes one token
         per layer per step, where their normalisation is half the router's operations); None where autograd must
         see them computed."""
-        if centroids.requires_grad and torch.is_grad_enabled():
+        return self._kept(
+            (adapter_name, "directions"),
+            (centroids,),
+            temperature,
+            lambda: scaled_directions(centroids.detach(), temperature),
+        )
+
+    def _kept(
+        self, name: tuple, parameters: tuple[torch.Tensor, ...], temperature: float, compute: Callable
+    ) -> Optional[torch.Tensor]:
+        """`compute()`, a function of `parameters` and the temperature, worked out once per state of them; None where
+        autograd must see it computed."""
+        if torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters):
             return None
         # In-place updates (optimizer steps, loading) bump the version; `.to()` and replacing the parameter change
         # its storage or identity.
-        state = (id(centroids), centroids._version, centroids.data_ptr(), centroids.device, temperature)
-        kept = self._directions.get(adapter_name)
+        state = (temperature, *((id(p), p._version, p.data_ptr(), p.device) for p in parameters))
+        kept = self._kept_values.get(name)
         if kept is None or kept[0] != state:
-            kept = (state, scaled_directions(centroids.detach(), temperature))
-            self._directions[adapter_name] = kept
+            kept = (state, compute())
+            self._kept_values[name] = kept
         return kept[1]
+
+    def query_probes(self, adapter_name: str, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
+        """The groups the query router sends `hidden` [batch, seq, hidden_size] to, best first: [batch, seq, top_k]
+        (`routing.probed_groups` of its log-probabilities).
+
+        Without `probe_mass` only the order of a row's scores counts, which neither dividing it by the projection's
+        norm nor the log-softmax changes: in inference the probes are then the top-k of hidden @ (W_q D), D the
+        centroids' scaled directions, one matrix product where a decoding step would otherwise run eight operations
+        per layer."""
+        settings = self.focus_settings[adapter_name]
+        if settings.probe_mass is None:
+            projection, centroids = self.focus_query_proj[adapter_name], self.focus_centroids[adapter_name]
+
+            def probe_matrix() -> torch.Tensor:
+                return projection.detach().float() @ scaled_directions(centroids.detach(), settings.temperature)
+
+            matrix = self._kept((adapter_name, "probes"), (projection, centroids), settings.temperature, probe_matrix)
+            if matrix is not None:
+                return probed_groups(hidden.to(matrix.dtype) @ matrix, top_k)
+        query_log_probs = torch.log_softmax(self.router_scores(adapter_name, hidden, query_side=True), dim=-1)
+        return probed_groups(query_log_probs, top_k, settings.probe_mass)
 
     def route_tokens(
         self,
@@ -435,18 +469,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             and state.pending < min(PENDING_LIMIT, settings.window)
         )
         if defer:
-            query_scores = None
-            if not attends_densely:
-                query_scores = self.router_scores(adapter_name, hidden, query_side=True)
-            queries, keys = defer_tokens(
-                hidden,
-                valid,
-                state,
-                query_scores=query_scores,
-                top_k=top_k,
-                sink_tokens=settings.sink_tokens,
-                probe_mass=settings.probe_mass,
-            )
+            # No probes where the call attends densely (top_groups -1).
+            probes = None if attends_densely else self.query_probes(adapter_name, hidden, top_k)
+            queries, keys = defer_tokens(hidden, valid, state, top_k=top_k, sink_tokens=settings.sink_tokens, probes=probes)
         else:
             if state.pending:
                 key_scores = self.router_scores(adapter_name, state.pending_hidden, query_side=False)
