@@ -471,7 +471,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         if defer:
             # No probes where the call attends densely (top_groups -1).
             probes = None if attends_densely else self.query_probes(adapter_name, hidden, top_k)
-            queries, keys = defer_tokens(hidden, valid, state, top_k=top_k, sink_tokens=settings.sink_tokens, probes=probes)
+            queries, keys = defer_tokens(
+                hidden, valid, state, top_k=top_k, sink_tokens=settings.sink_tokens, probes=probes
+            )
         else:
             if state.pending:
                 key_scores = self.router_scores(adapter_name, state.pending_hidden, query_side=False)
