@@ -9,6 +9,7 @@ modules without routing - unrouted layers, disabled adapters - get the base impl
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -284,18 +285,11 @@ def _split_dense_heads(module, routing, query, key, value, attention_mask, dropo
     Heads go in runs of neighbouring kv heads of one kind, each as a view of the states (no copy: while decoding a
     copy of the cache's heads would cost as much as the attention), and the runs' outputs are joined in head order.
     """
-    kv_heads = key.shape[1]
-    per_kv = query.shape[1] // kv_heads
-    dense = set(routing.dense_kv_heads)
+    per_kv = query.shape[1] // key.shape[1]
     outputs, weights = [], []
-    start = 0
-    while start < kv_heads:
-        end = start + 1
-        while end < kv_heads and (end in dense) == (start in dense):
-            end += 1
-        heads = slice(start * per_kv, end * per_kv)
-        run = (query[:, heads], key[:, start:end], value[:, start:end])
-        if start in dense:
+    for start, end, dense in head_runs(key.shape[1], routing.dense_kv_heads):
+        run = (query[:, start * per_kv : end * per_kv], key[:, start:end], value[:, start:end])
+        if dense:
             output, run_weights = _dense_heads(module, *run, attention_mask, dropout, scaling, kwargs)
         else:
             output, run_weights = _routed_queries(
@@ -303,9 +297,22 @@ def _split_dense_heads(module, routing, query, key, value, attention_mask, dropo
             )
         outputs.append(output)
         weights.append(run_weights)
-        start = end
     joined_weights = torch.cat(weights, dim=1) if kwargs.get("output_attentions") else None
     return torch.cat(outputs, dim=2), joined_weights
+
+
+@functools.lru_cache(maxsize=256)
+def head_runs(kv_heads: int, dense_kv_heads: tuple[int, ...]) -> tuple[tuple[int, int, bool], ...]:
+    """The runs of neighbouring kv heads of one kind: (start, end, dense) in head order (worked out once per layout:
+    every routed layer asks at every call)."""
+    runs, start = [], 0
+    while start < kv_heads:
+        end = start + 1
+        while end < kv_heads and (end in dense_kv_heads) == (start in dense_kv_heads):
+            end += 1
+        runs.append((start, end, start in dense_kv_heads))
+        start = end
+    return tuple(runs)
 
 
 def _dense_heads(module, query, key, value, attention_mask, dropout, scaling, kwargs):
@@ -320,6 +327,8 @@ def _dense_heads(module, query, key, value, attention_mask, dropout, scaling, kw
             outputs = [
                 attend_runs(query[sample, :, 0], [(key[sample], value[sample])], scale) for sample in range(len(query))
             ]
+            if len(outputs) == 1 and outputs[0] is not None:
+                return outputs[0].view(1, 1, *outputs[0].shape), None
             if all(output is not None for output in outputs):
                 return torch.stack(outputs).unsqueeze(1), None
     return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -332,7 +341,9 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
 
     # Keys are the most recent kv_len tokens (sliding-window caches keep only those).
     start = keys.seen - kv_len
-    key_sink = keys.key_sink[:, start:]
+    # Slices only where the cache keeps fewer tokens than were routed (each is a tensor operation per layer and step).
+    key_sink = keys.key_sink[:, start:] if start else keys.key_sink
+    key_groups = keys.key_groups[:, start:] if start else keys.key_groups
     base_allowed = as_bool_mask(attention_mask)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     # Soft-capped logits (Gemma 2), attention dropout and gradients exist only in the reference path: the fast
@@ -360,7 +371,7 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             value,
             base_allowed,
             query_groups=routing.queries.top_groups,
-            key_groups=keys.key_groups[:, start:],
+            key_groups=key_groups,
             key_sink=key_sink,
             num_groups=routing.num_groups,
             window=routing.window,
@@ -381,7 +392,6 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
         return output, None
     # The reference path: the pattern (or soft mode's gate) over dense scores, in chunks of queries.
     if routing.mode == "hard":
-        key_groups = keys.key_groups[:, start:]
         bias = hard_bias(routing.queries.top_groups, key_groups, key_sink, routing.window, base_allowed)
     else:
         query_probs = routing.queries.probe_log_probs.exp()

@@ -8,8 +8,9 @@ continue the very same computation token by token: the running column sums are c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -394,7 +395,7 @@ def defer_tokens(
     key_groups = F.pad(state.key_groups, (0, seq), value=-1)  # the new tokens' groups are unknown (-1) until settled
     if state.sinks_filled:
         key_sink = F.pad(state.key_sink, (0, seq), value=False)
-        sink = key_sink[:, -seq:]
+        sink = _constant(batch, seq, False, hidden.device)
     else:
         sink = _sinks(valid, state, sink_tokens)
         key_sink = torch.cat([state.key_sink, sink], dim=1)
@@ -403,7 +404,7 @@ def defer_tokens(
         top_groups=probes,
         sink=sink,
         query_log_probs=query_log_probs,
-        own_groups=key_groups[:, -seq:],
+        own_groups=_constant(batch, seq, -1, hidden.device),
     )
     waiting = hidden if state.pending_hidden is None else torch.cat([state.pending_hidden, hidden], dim=1)
     waiting_valid = valid if state.pending_valid is None else torch.cat([state.pending_valid, valid], dim=1)
@@ -420,6 +421,15 @@ def defer_tokens(
         sinks_filled=state.sinks_filled,
     )
     return tokens, new_state
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(batch: int, seq: int, value: Union[bool, int], device: torch.device) -> torch.Tensor:
+    """A [batch, seq] tensor of `value` (bool, or an int64 group), made once per shape: what a deferred decoding
+    step's routing says of every new token (not a sink, group -1), shared by every layer and step. Read only."""
+    dtype = torch.bool if isinstance(value, bool) else torch.long
+    with torch.inference_mode(False):  # a normal tensor, also when first asked for under inference_mode
+        return torch.full((batch, seq), value, dtype=dtype, device=device)
 
 
 def note_dense_step(state: RoutingState, hidden: torch.Tensor, valid: torch.Tensor) -> None:

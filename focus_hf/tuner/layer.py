@@ -509,11 +509,14 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         )
         if mode == "hard":
             self._verify_attention(hidden)
-        self.base_layer._focus_routing = routing
+        # Straight into the instance's attributes: a plain value, which nn.Module.__setattr__ would only look up in
+        # its parameter, buffer and module tables first (twice per layer and call, decoding steps included).
+        attributes = vars(self.base_layer)
+        attributes["_focus_routing"] = routing
         try:
             output = self.base_layer(*args, **kwargs)
         finally:
-            self.base_layer._focus_routing = None
+            attributes["_focus_routing"] = None
         if not routing.consumed:
             raise FocusRuntimeError(
                 f"{type(self.base_layer).__name__} did not call the model's attention function, so Focus routing "
@@ -532,10 +535,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
 
     def _decodes_densely(self, adapter_name: str, mode: str, q_len: int, state: RoutingState, top_k: int) -> bool:
         """Whether this call is a one-token decoding step that attends as the base model does (the pattern removes
-        no pair of its keys: below `dense_below`, within the window) and needs nothing else of the routing, so that
-        it runs as the base model's step (`note_dense_step`). Not where its groups are watched, under torch.compile
-        (the state's list is Python state), where the routers would need a gradient (the refusals of `forward`
-        apply), or once as many tokens wait as a block holds (`settle` then runs, which bounds their memory)."""
+        no pair of its keys: below `dense_below`, within the window, or every head of the layer dense) and needs
+        nothing else of the routing, so that it runs as the base model's step (`note_dense_step`). Not where its
+        groups are watched, under torch.compile (the state's list is Python state), where the routers would need a
+        gradient (the refusals of `forward` apply), or once as many tokens wait as a block holds (`settle` then
+        runs, which bounds their memory)."""
         settings = self.focus_settings[adapter_name]
         waiting = state.pending + len(state.dense_steps or ())
         return (
@@ -543,12 +547,25 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             and q_len == 1
             and not self.routing_observers
             and waiting < min(PENDING_LIMIT, settings.window)
-            and not pattern_restricts(
-                mode, state.seen + 1, settings.window, settings.num_groups, top_k, settings.dense_below
+            and (
+                not pattern_restricts(
+                    mode, state.seen + 1, settings.window, settings.num_groups, top_k, settings.dense_below
+                )
+                or self._every_head_dense(settings)
             )
             and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad)
         )
+
+    def _every_head_dense(self, settings: RouterSettings) -> bool:
+        """Whether `dense_heads` keeps every kv head of this layer dense, so that its attention never reads the
+        routing (a layer a retrieval-head audit marks whole)."""
+        dense = settings.dense_kv_heads.get(self.layer_index)
+        if not dense:
+            return False
+        config = getattr(self.base_layer, "config", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+        return kv_heads is not None and len(dense) >= kv_heads
 
     def _verify_attention(self, hidden: torch.Tensor) -> None:
         """On the GPU path, have the attention's shape verified (`attention.gpu.verify`) before the attention function

@@ -44,6 +44,32 @@ def test_dense_steps_defer_as_their_steps_would():
     assert deferred.key_sink[0].tolist() == [False] * 3 + [True] * 5 + [False] * 4
 
 
+def test_sinks_filled_only_once_every_sample_has_its_sinks():
+    # A deferred decoding step works out no sink flags once every sample has had its sink tokens
+    # (`RoutingState.sinks_filled`); a mostly padded sample keeps the flag off, and its next real tokens are sinks.
+    scores = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(6))
+    valid = torch.tensor([[False] * 4 + [True] * 2, [True] * 6])
+    _, state = route_tokens(
+        scores, valid, RoutingState.empty(2, 10, 8, scores.device), iterations=10, top_k=1, sink_tokens=3
+    )
+    assert not state.sinks_filled
+    for _ in range(2):
+        step, state = defer_tokens(scores[:, :1], torch.ones(2, 1, dtype=torch.bool), state, top_k=1, sink_tokens=3)
+    assert step.sink.tolist() == [[False], [False]] and state.key_sink[:, 6:].tolist() == [[True, False], [False] * 2]
+    _, filled = route_tokens(
+        scores,
+        torch.ones(2, 6, dtype=torch.bool),
+        RoutingState.empty(2, 10, 8, scores.device),
+        iterations=10,
+        top_k=1,
+        sink_tokens=3,
+    )
+    assert filled.sinks_filled
+    step, after = defer_tokens(scores[:, :1], torch.ones(2, 1, dtype=torch.bool), filled, top_k=1, sink_tokens=3)
+    assert after.sinks_filled and not bool(step.sink.any()) and after.key_sink.shape == (2, 7)
+    assert not bool(after.key_sink[:, 6].any()) and step.key_groups.tolist() == [[-1], [-1]]
+
+
 def test_sinkhorn_rows_are_distributions():
     log_probs, _ = causal_sinkhorn(torch.randn(2, 50, 8) * 5, torch.ones(2, 50, dtype=torch.bool), 10)
     torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(2, 50))

@@ -237,6 +237,36 @@ def test_decoding_steps_below_dense_below_route_nothing(monkeypatch, query_proje
     assert_generation_equals_recomputation(model, tokens(seq=30), 30)
 
 
+def test_layer_with_every_head_dense_decodes_as_the_base_model(monkeypatch):
+    # Layer 0 keeps both of its kv heads dense, so its attention never reads the routing: its decoding steps are the
+    # base model's (`FocusLayer._every_head_dense`) - no router runs there but to settle a full block - while layer 1
+    # routes every step; the tokens generated equal recomputing the whole text.
+    model = focus_model(top_k=1, query_projection=True, dense_heads=[[0, 0], [0, 1]])
+    focus_hf.set_routing(model, "hard", backend="sdpa")
+    routed = []
+    original = FocusLayer.query_probes
+    monkeypatch.setattr(
+        FocusLayer, "query_probes", lambda self, *a, **k: routed.append(self.layer_index) or original(self, *a, **k)
+    )
+    assert_generation_equals_recomputation(model, tokens(seq=30), 12)
+    assert routed and set(routed) == {1}
+
+
+def test_query_probes_are_the_routers_top_groups():
+    # In inference the probes come from one product hidden @ (W_q D) (`FocusLayer.query_probes`); they must be the
+    # top-k groups of the query router's log-probabilities, best first, as routing a prompt computes them.
+    model = focus_model(num_groups=8, query_projection=True)
+    layer = focus_hf.focus_layers(model)[0]
+    hidden = torch.randn(3, 50, layer.focus_proj["default"].shape[0], generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        log_probs = torch.log_softmax(layer.router_scores("default", hidden, query_side=True), dim=-1)
+        for top_k in (1, 3):
+            assert torch.equal(layer.query_probes("default", hidden, top_k), log_probs.topk(top_k, dim=-1).indices)
+        layer.focus_centroids["default"].mul_(-1)  # in place: the kept product must follow
+        log_probs = torch.log_softmax(layer.router_scores("default", hidden, query_side=True), dim=-1)
+        assert torch.equal(layer.query_probes("default", hidden, 1), log_probs.argmax(-1, keepdim=True))
+
+
 @pytest.mark.parametrize("beams", [1, 3])
 def test_dense_decoding_steps_generate_as_routed_ones(monkeypatch, beams):
     # The base model's step below dense_below (waiting tokens kept as a list, reordered by beam search with the cache)
@@ -248,9 +278,7 @@ def test_dense_decoding_steps_generate_as_routed_ones(monkeypatch, beams):
     options = dict(max_new_tokens=26, num_beams=beams, do_sample=False, pad_token_id=0, eos_token_id=None)
     dense_steps = []
     original = FocusLayer._decodes_densely
-    monkeypatch.setattr(
-        FocusLayer, "_decodes_densely", lambda *a: dense_steps.append(original(*a)) or dense_steps[-1]
-    )
+    monkeypatch.setattr(FocusLayer, "_decodes_densely", lambda *a: dense_steps.append(original(*a)) or dense_steps[-1])
     fast = model.generate(input_ids=ids, attention_mask=mask, **options)
     assert any(dense_steps) and not all(dense_steps)
     monkeypatch.setattr(FocusLayer, "_decodes_densely", lambda *a: False)

@@ -326,11 +326,21 @@ def grouped_decode(
     probes = [rows[0] for rows in query_groups.tolist()]  # [batch][top_k]: the one query's probes
     if min(min(sample) for sample in probes) < 0:  # a query not routed yet (group -1): `pattern.probes` applies
         return None
+    behind = {copy.filled for copy in grouped}
+    one_step = behind == {first_window - 1}  # as every step but the first: one position to take in, read at once
+    if one_step:
+        position = first_window - 1
+        groups, sinks = key_groups[:, position].tolist(), key_sink[:, position].tolist()
+        valid = [True] * len(grouped) if key_valid is None else key_valid[:, position].tolist()
     outputs = []
     for sample, copy in enumerate(grouped):
-        valid = None if key_valid is None else key_valid[sample]
         keys, values = key[sample], value[sample]
-        if not copy.extend(keys, values, key_groups[sample], key_sink[sample], valid, first_window):
+        if one_step:
+            taken = copy.take(keys, values, groups[sample], sinks[sample], valid[sample])
+        else:
+            sample_valid = None if key_valid is None else key_valid[sample]
+            taken = copy.extend(keys, values, key_groups[sample], key_sink[sample], sample_valid, first_window)
+        if not taken:
             return None
         probed = list(dict.fromkeys(probes[sample]))  # distinct, best first
         outputs.append(copy.attend(query[sample, :, 0], keys, values, first_window, probed, scaling))

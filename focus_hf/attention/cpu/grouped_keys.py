@@ -74,19 +74,8 @@ class GroupedKeys:
         if upto <= first:
             return True
         if upto - first == 1:  # a decoding step: one position, its flags read as Python values (no extra tensors)
-            if key_valid is not None and not bool(key_valid[first]):
-                self.filled = upto
-                return True
-            if bool(key_sink[first]):
-                if not self._append_sinks(key, value, first, 1):
-                    return False
-            else:
-                group = int(key_groups[first])
-                if group < 0:
-                    return False
-                self._append(group, key, value, first, 1)
-            self.filled = upto
-            return True
+            valid = key_valid is None or bool(key_valid[first])
+            return self.take(key, value, int(key_groups[first]), bool(key_sink[first]), valid)
         span = slice(first, upto)
         groups, sink = key_groups[span], key_sink[span]
         real = torch.ones_like(sink) if key_valid is None else key_valid[span]
@@ -110,6 +99,21 @@ class GroupedKeys:
                 self._append(group, sorted_keys, sorted_values, start, count)
                 start += count
         self.filled = upto
+        return True
+
+    def take(self, key: torch.Tensor, value: torch.Tensor, group: int, sink: bool, valid: bool) -> bool:
+        """`extend` by the one position `filled` of key/value [kv_heads, n, dim], its group, sink flag and validity
+        given as Python values (a decoding step reads those of a batch at once)."""
+        position = self.filled
+        if valid:
+            if sink:
+                if not self._append_sinks(key, value, position, 1):
+                    return False
+            elif group < 0:
+                return False
+            else:
+                self._append(group, key, value, position, 1)
+        self.filled = position + 1
         return True
 
     def _append_sinks(self, keys: torch.Tensor, values: torch.Tensor, start: int, added: int) -> bool:
