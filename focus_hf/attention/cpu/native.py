@@ -469,12 +469,14 @@ def built_kernels() -> Optional[NativeKernels]:
 def serves(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether decoding steps of this dtype and head shape run in the kernel on CPU (building it if needed)."""
     kernel = native_kernels()
+    return kernel is not None and _supports(kernel, dtype, heads, kv_heads, head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _supports(kernel: "NativeKernels", dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """`serves` for a built library, asked of it once per shape (every decoding step of every layer asks)."""
     element_type = ELEMENT_TYPES.get(dtype)
-    return (
-        kernel is not None
-        and element_type is not None
-        and bool(kernel.supports(heads, kv_heads, head_dim, element_type))
-    )
+    return element_type is not None and bool(kernel.supports(heads, kv_heads, head_dim, element_type))
 
 
 def rows_contiguous(tensor: torch.Tensor) -> bool:
