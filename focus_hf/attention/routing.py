@@ -423,11 +423,18 @@ def defer_tokens(
     return tokens, new_state
 
 
-@functools.lru_cache(maxsize=64)
 def _constant(batch: int, seq: int, value: Union[bool, int], device: torch.device) -> torch.Tensor:
-    """A [batch, seq] tensor of `value` (bool, or an int64 group), made once per shape: what a deferred decoding
-    step's routing says of every new token (not a sink, group -1), shared by every layer and step. Read only."""
+    """A [batch, seq] tensor of `value` (bool, or an int64 group): what a deferred decoding step's routing says of
+    every new token (not a sink, group -1). Made once per shape and shared by every layer and step (read only), but
+    under torch.compile, whose graph makes its own."""
     dtype = torch.bool if isinstance(value, bool) else torch.long
+    if torch.compiler.is_compiling():
+        return torch.full((batch, seq), value, dtype=dtype, device=device)
+    return _shared_constant(batch, seq, value, dtype, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_constant(batch: int, seq: int, value: Union[bool, int], dtype: torch.dtype, device: torch.device):
     with torch.inference_mode(False):  # a normal tensor, also when first asked for under inference_mode
         return torch.full((batch, seq), value, dtype=dtype, device=device)
 
