@@ -647,6 +647,28 @@ def cpu_targets_model_table() -> str:
     return _table(header + ["generate(): base / Focus (greedy tokens as the base model's)"], body)
 
 
+def cpu_targets_steps_table() -> str:
+    """Decoding steps of the whole model per build of the C kernels, the base model's and Focus's taken in turn in one
+    process (benchmarks/model_decode_steps.py), medians, all measured on one machine."""
+    body = []
+    for target in CPU_TARGETS:
+        path = f"benchmarks/results/cpu_targets/model_decode_steps_{target}.json"
+        for row in rows(path):
+            if row["variant"] != FOCUS_SAVED:
+                continue
+            full = pick(path, prompt_len=row["prompt_len"], variant=FULL_MODEL)
+            body.append(
+                [
+                    f"[{target}]({path})",
+                    f"{row['prompt_len']:,}",
+                    f"{full['step_ms']:.1f} / {row['step_ms']:.1f} ms",
+                    times(row["speedup"]),
+                    str(row["steps"]),
+                ]
+            )
+    return _table(["build", "prompt tokens", "step: base / Focus", "speedup", "steps each"], body)
+
+
 def processors_table() -> str:
     """Which processor each CPU results file of the attention layer was measured on, with its instruction sets, the C
     kernels' build and the cores other processes kept busy while it was timed, where the rows record them (rows
@@ -753,6 +775,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.processors": processors_table,
     "table.cpu_targets": cpu_targets_table,
     "table.cpu_targets_model": cpu_targets_model_table,
+    "table.cpu_targets_steps": cpu_targets_steps_table,
     "table.cpu_targets_decode": cpu_targets_decode_table,
     "table.cpu_targets_demo": cpu_targets_demo_table,
     "table.parts": parts_table,
