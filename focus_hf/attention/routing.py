@@ -358,11 +358,8 @@ def defer_tokens(
     valid: torch.Tensor,
     state: RoutingState,
     *,
-    query_scores: Optional[torch.Tensor] = None,
-    top_k: int = 1,
+    probes: Optional[torch.Tensor],
     sink_tokens: int,
-    probe_mass: Optional[float] = None,
-    probes: Optional[torch.Tensor] = None,
 ) -> tuple[TokenRouting, RoutingState]:
     """Route new tokens while deferring their key side: the hidden states wait in the state until `settle`.
 
@@ -374,11 +371,9 @@ def defer_tokens(
 
     Args:
         hidden: [batch, seq, hidden_size] the new tokens' attention inputs.
-        query_scores: [batch, seq, K] scores of a separate query router, whose top-k groups the tokens probe
-            (`probed_groups` with `top_k` and `probe_mass`).
-        probes: [batch, seq, top_k] the groups the tokens probe, where the caller has them (`FocusLayer`'s
-            `query_probes`); the routing then holds no query log-probabilities. With neither, the call attends
-            densely and needs no probes: top_groups are -1.
+        probes: [batch, seq, top_k] the groups the tokens probe (`FocusLayer.query_probes`; the routing holds no
+            query log-probabilities), or None when the call attends densely and needs none (top_groups [batch, seq,
+            1] of -1).
 
     Returns:
         The routing of the new tokens (no key-side `log_probs`, key group -1) and the state including them.
@@ -386,12 +381,8 @@ def defer_tokens(
     if state.dense_steps:
         raise ValueError("defer_tokens after dense steps: defer_dense_steps(state, sink_tokens) them first.")
     batch, seq = hidden.shape[:2]
-    query_log_probs = None
-    if query_scores is not None:
-        query_log_probs = torch.log_softmax(query_scores, dim=-1)
-        probes = probed_groups(query_log_probs, top_k, probe_mass)
-    elif probes is None:
-        probes = torch.full((batch, seq, top_k), -1, dtype=torch.long, device=hidden.device)
+    if probes is None:
+        probes = torch.full((batch, seq, 1), -1, dtype=torch.long, device=hidden.device)
     key_groups = F.pad(state.key_groups, (0, seq), value=-1)  # the new tokens' groups are unknown (-1) until settled
     if state.sinks_filled:
         key_sink = F.pad(state.key_sink, (0, seq), value=False)
@@ -403,7 +394,6 @@ def defer_tokens(
         log_probs=None,
         top_groups=probes,
         sink=sink,
-        query_log_probs=query_log_probs,
         own_groups=_constant(batch, seq, -1, hidden.device),
     )
     waiting = hidden if state.pending_hidden is None else torch.cat([state.pending_hidden, hidden], dim=1)
@@ -471,7 +461,7 @@ def defer_dense_steps(state: RoutingState, sink_tokens: int) -> RoutingState:
     )
     hidden = torch.cat([step[0] for step in steps], dim=1)
     valid = torch.cat([step[1] for step in steps], dim=1)
-    return defer_tokens(hidden, valid, earlier, query_scores=None, top_k=1, sink_tokens=sink_tokens)[1]
+    return defer_tokens(hidden, valid, earlier, probes=None, sink_tokens=sink_tokens)[1]
 
 
 def settle(state: RoutingState, key_scores: torch.Tensor, iterations: int) -> RoutingState:

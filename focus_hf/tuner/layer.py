@@ -471,9 +471,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         if defer:
             # No probes where the call attends densely (top_groups -1).
             probes = None if attends_densely else self.query_probes(adapter_name, hidden, top_k)
-            queries, keys = defer_tokens(
-                hidden, valid, state, top_k=top_k, sink_tokens=settings.sink_tokens, probes=probes
-            )
+            queries, keys = defer_tokens(hidden, valid, state, probes=probes, sink_tokens=settings.sink_tokens)
         else:
             if state.pending:
                 key_scores = self.router_scores(adapter_name, state.pending_hidden, query_side=False)
@@ -563,9 +561,13 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         dense = settings.dense_kv_heads.get(self.layer_index)
         if not dense:
             return False
-        config = getattr(self.base_layer, "config", None)
-        kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+        kv_heads = self._kv_heads()
         return kv_heads is not None and len(dense) >= kv_heads
+
+    def _kv_heads(self) -> Optional[int]:
+        """The wrapped attention's kv heads (its query heads without GQA), from its config; None where it has none."""
+        config = getattr(self.base_layer, "config", None)
+        return getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
 
     def _verify_attention(self, hidden: torch.Tensor) -> None:
         """On the GPU path, have the attention's shape verified (`attention.gpu.verify`) before the attention function
@@ -578,7 +580,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         head_dim = getattr(self.base_layer, "head_dim", None)
         if not heads or not head_dim:
             return  # the attention function checks on its first (eager) call
-        per_kv = heads // (getattr(config, "num_key_value_heads", None) or heads)
+        per_kv = heads // self._kv_heads()
         if not is_verified(hidden.device, hidden.dtype, per_kv, head_dim, self.backend):
             verify_shape(hidden.device, hidden.dtype, per_kv, head_dim, self.backend)
 

@@ -32,7 +32,7 @@ def test_dense_steps_defer_as_their_steps_would():
     step_by_step = start
     for position in range(2, 12):
         token = (scores[:, position : position + 1], valid[:, position : position + 1])
-        _, step_by_step = defer_tokens(*token, step_by_step, query_scores=None, top_k=1, sink_tokens=5)
+        _, step_by_step = defer_tokens(*token, step_by_step, probes=None, sink_tokens=5)
         note_dense_step(noted, *token)
     assert noted.seen == 12 and noted.pending == 0 and noted.key_groups.shape[1] == 2
     with pytest.raises(ValueError, match="defer_dense_steps"):
@@ -54,7 +54,7 @@ def test_sinks_filled_only_once_every_sample_has_its_sinks():
     )
     assert not state.sinks_filled
     for _ in range(2):
-        step, state = defer_tokens(scores[:, :1], torch.ones(2, 1, dtype=torch.bool), state, top_k=1, sink_tokens=3)
+        step, state = defer_tokens(scores[:, :1], torch.ones(2, 1, dtype=torch.bool), state, probes=None, sink_tokens=3)
     assert step.sink.tolist() == [[False], [False]] and state.key_sink[:, 6:].tolist() == [[True, False], [False] * 2]
     _, filled = route_tokens(
         scores,
@@ -65,7 +65,7 @@ def test_sinks_filled_only_once_every_sample_has_its_sinks():
         sink_tokens=3,
     )
     assert filled.sinks_filled
-    step, after = defer_tokens(scores[:, :1], torch.ones(2, 1, dtype=torch.bool), filled, top_k=1, sink_tokens=3)
+    step, after = defer_tokens(scores[:, :1], torch.ones(2, 1, dtype=torch.bool), filled, probes=None, sink_tokens=3)
     assert after.sinks_filled and not bool(step.sink.any()) and after.key_sink.shape == (2, 7)
     assert not bool(after.key_sink[:, 6].any()) and step.key_groups.tolist() == [[-1], [-1]]
 
@@ -141,12 +141,10 @@ def test_deferred_tokens_settle_to_the_routed_groups():
         **options,
     )
     for position in range(30, 40):
+        # The probes as `FocusLayer.query_probes` hands them over: the top-k of the query router's log-probabilities.
+        probes = probed_groups(torch.log_softmax(query_scores[:, position : position + 1], dim=-1), 2)
         step, state = defer_tokens(
-            scores[:, position : position + 1],
-            valid[:, :1],
-            state,
-            query_scores=query_scores[:, position : position + 1],
-            **options,
+            scores[:, position : position + 1], valid[:, :1], state, probes=probes, sink_tokens=4
         )
         assert torch.equal(step.top_groups, whole.top_groups[:, position : position + 1])
         assert step.log_probs is None and bool((step.key_groups == -1).all())
