@@ -496,15 +496,24 @@ def crossover_entry(
     """What "auto" knows of this call's shape: {"dense_below": keys, ...} with the measured "timings" where there are
     some; measured now on `call` (the function that dispatches the call, `hard.hard_attention`, which passes itself:
     so the measurement times what runs) where it is not known yet."""
-    forced = forced_crossover()
-    if forced is not None:
-        return {"dense_below": forced}
-    if calibration_disabled() or query.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return {"dense_below": default_dense_below(query.device.type, top_k)}
-    signature = _call_key(query, key, top_k, num_groups, window, kind)
+    # The settings in the environment are part of the key: a process may change them between calls (tests do).
+    signature = (
+        os.environ.get(CROSSOVER_ENV),
+        os.environ.get(NO_CALIBRATION_ENV),
+        *_call_key(query, key, top_k, num_groups, window, kind),
+    )
     known = _known.get(signature)
     if known is not None:
         return known
+    forced = forced_crossover()
+    if forced is not None:
+        entry = _known[signature] = {"dense_below": forced}
+        return entry
+    if calibration_disabled() or query.device.type not in ("cpu", "cuda"):
+        entry = _known[signature] = {"dense_below": default_dense_below(query.device.type, top_k)}
+        return entry
     shape = make_shape(query, key, top_k, num_groups, window, kind)
     entry = read_cache().get(shape.key)
     if entry is None or not isinstance(entry.get("dense_below"), int):

@@ -25,7 +25,8 @@ class RoutingState:
 
     Attributes:
         seen: tokens routed so far, padding included (matches the cache's sequence length).
-        valid_count: real (non-padding) tokens so far, per sample, shape [batch].
+        valid_count: real (non-padding) tokens so far, per sample, shape [batch] - counted until `sinks_filled`
+            (it decides which tokens are sinks); deferred tokens after that are not counted.
         column_lse: running log column sums of each Sinkhorn iteration, shape [batch, iterations, groups].
         key_probs: soft group assignment of every routed token, shape [batch, seen - pending, groups].
         key_groups: hard (top-1) group of every token so far, shape [batch, seen].
@@ -386,7 +387,7 @@ def defer_tokens(
     key_groups = F.pad(state.key_groups, (0, seq), value=-1)  # the new tokens' groups are unknown (-1) until settled
     if state.sinks_filled:
         key_sink = F.pad(state.key_sink, (0, seq), value=False)
-        sink = _constant(batch, seq, False, hidden.device)
+        sink = constant_rows(batch, seq, False, hidden.device)
     else:
         sink = _sinks(valid, state, sink_tokens)
         key_sink = torch.cat([state.key_sink, sink], dim=1)
@@ -394,14 +395,17 @@ def defer_tokens(
         log_probs=None,
         top_groups=probes,
         sink=sink,
-        own_groups=_constant(batch, seq, -1, hidden.device),
+        own_groups=constant_rows(batch, seq, -1, hidden.device),
     )
     waiting = hidden if state.pending_hidden is None else torch.cat([state.pending_hidden, hidden], dim=1)
     waiting_valid = valid if state.pending_valid is None else torch.cat([state.pending_valid, valid], dim=1)
-    # The constructor rather than dataclasses.replace: this runs in every routed layer at every decoding step.
+    # The constructor rather than dataclasses.replace: this runs in every routed layer at every decoding step. Once
+    # every sample has its sinks nothing reads the count of real tokens again (`RoutingState.valid_count`).
     new_state = RoutingState(
         seen=state.seen + seq,
-        valid_count=state.valid_count + (valid[:, 0] if seq == 1 else valid.sum(dim=1)),
+        valid_count=state.valid_count
+        if state.sinks_filled
+        else state.valid_count + (valid[:, 0] if seq == 1 else valid.sum(dim=1)),
         column_lse=state.column_lse,
         key_probs=state.key_probs,
         key_groups=key_groups,
@@ -413,10 +417,10 @@ def defer_tokens(
     return tokens, new_state
 
 
-def _constant(batch: int, seq: int, value: Union[bool, int], device: torch.device) -> torch.Tensor:
-    """A [batch, seq] tensor of `value` (bool, or an int64 group): what a deferred decoding step's routing says of
-    every new token (not a sink, group -1). Made once per shape and shared by every layer and step (read only), but
-    under torch.compile, whose graph makes its own."""
+def constant_rows(batch: int, seq: int, value: Union[bool, int], device: torch.device) -> torch.Tensor:
+    """A [batch, seq] tensor of `value` (bool, or an int64 group): what a decoding step's routing says of every new
+    token (real, not a sink, group -1 while deferred). Made once per shape and shared by every layer and step (read
+    only, never written in place), but under torch.compile, whose graph makes its own."""
     dtype = torch.bool if isinstance(value, bool) else torch.long
     if torch.compiler.is_compiling():
         return torch.full((batch, seq), value, dtype=dtype, device=device)

@@ -25,6 +25,7 @@ from focus_hf.attention.gpu.verify import is_verified, verify_shape
 from focus_hf.attention.routing import (
     RoutingState,
     TokenRouting,
+    constant_rows,
     defer_dense_steps,
     defer_tokens,
     note_dense_step,
@@ -168,7 +169,12 @@ def query_validity(
     cache's mask also has columns for the slots not written yet, after the queries'."""
     mask = as_bool_mask(attention_mask)
     if mask is None:
-        return torch.ones(batch, q_len, dtype=torch.bool, device=device)
+        # Every token real: a decoding step shares one read-only constant (this runs in every layer at every step).
+        return (
+            constant_rows(batch, q_len, True, device)
+            if q_len == 1
+            else torch.ones(batch, q_len, dtype=torch.bool, device=device)
+        )
     first_query = min(cached_tokens, mask.shape[-1] - q_len)
     if q_len == 1:  # a decoding step: one element, read as a view (this runs in every layer at every step)
         return mask[:, 0, :, first_query].expand(batch, 1)
@@ -250,6 +256,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
         self._kept_values: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # `_kept`, by (adapter, what)
+        self._every_head_dense_for: Optional[tuple[RouterSettings, bool]] = None  # `_every_head_dense`
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
         # A new module starts in train mode; the router takes the mode of the module it wraps instead, so that a
@@ -309,7 +316,10 @@ class FocusLayer(nn.Module, BaseTunerLayer):
     def _active_router(self) -> Optional[str]:
         if self.disable_adapters:
             return None
-        active = [name for name in self.active_adapters if name in self.focus_proj]
+        active = self.active_adapters
+        if len(active) == 1:  # the usual case, asked at every call of every layer
+            return active[0] if active[0] in self.focus_proj else None
+        active = [name for name in active if name in self.focus_proj]
         if len(active) > 1:
             raise FocusRuntimeError(
                 f"{len(active)} Focus adapters are active at once ({active}); routing uses one adapter at a time. "
@@ -395,7 +405,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
 
             matrix = self._kept((adapter_name, "probes"), (projection, centroids), settings.temperature, probe_matrix)
             if matrix is not None:
-                return probed_groups(hidden.to(matrix.dtype) @ matrix, top_k)
+                rows = hidden if hidden.dtype == matrix.dtype else hidden.to(matrix.dtype)
+                return probed_groups(rows @ matrix, top_k)
         query_log_probs = torch.log_softmax(self.router_scores(adapter_name, hidden, query_side=True), dim=-1)
         return probed_groups(query_log_probs, top_k, settings.probe_mass)
 
@@ -505,7 +516,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             grouped_keys=grouped_keys,
             dense_kv_heads=settings.dense_kv_heads.get(self.layer_index, ()),
         )
-        if mode == "hard":
+        if mode == "hard" and (hidden.is_cuda or self.backend == "stock"):
             self._verify_attention(hidden)
         # Straight into the instance's attributes: a plain value, which nn.Module.__setattr__ would only look up in
         # its parameter, buffer and module tables first (twice per layer and call, decoding steps included).
@@ -557,12 +568,16 @@ class FocusLayer(nn.Module, BaseTunerLayer):
 
     def _every_head_dense(self, settings: RouterSettings) -> bool:
         """Whether `dense_heads` keeps every kv head of this layer dense, so that its attention never reads the
-        routing (a layer a retrieval-head audit marks whole)."""
+        routing (a layer a retrieval-head audit marks whole). Worked out once per settings object (asked at every
+        decoding step; settings are replaced, never edited, when options change)."""
+        known = self._every_head_dense_for
+        if known is not None and known[0] is settings:
+            return known[1]
         dense = settings.dense_kv_heads.get(self.layer_index)
-        if not dense:
-            return False
         kv_heads = self._kv_heads()
-        return kv_heads is not None and len(dense) >= kv_heads
+        every = bool(dense) and kv_heads is not None and len(dense) >= kv_heads
+        self._every_head_dense_for = (settings, every)
+        return every
 
     def _kv_heads(self) -> Optional[int]:
         """The wrapped attention's kv heads (its query heads without GQA), from its config; None where it has none."""

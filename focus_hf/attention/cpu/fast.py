@@ -330,7 +330,7 @@ def grouped_decode(
     one_step = behind == {first_window - 1}  # as every step but the first: one position to take in, read at once
     if one_step:
         position = first_window - 1
-        groups, sinks = key_groups[:, position].tolist(), key_sink[:, position].tolist()
+        groups, sinks = _column(key_groups, position), _column(key_sink, position)
         valid = [True] * len(grouped) if key_valid is None else key_valid[:, position].tolist()
     outputs = []
     for sample, copy in enumerate(grouped):
@@ -343,10 +343,20 @@ def grouped_decode(
         if not taken:
             return None
         probed = list(dict.fromkeys(probes[sample]))  # distinct, best first
-        outputs.append(copy.attend(query[sample, :, 0], keys, values, first_window, probed, scaling))
+        # One sample: its query [1, heads, 1, dim] as [heads, dim] is a view (a cheaper call than two indexings).
+        rows = query.reshape(query.shape[1], query.shape[3]) if len(grouped) == 1 else query[sample, :, 0]
+        outputs.append(copy.attend(rows, keys, values, first_window, probed, scaling))
     if len(outputs) == 1:
         return outputs[0].view(1, 1, *outputs[0].shape)
     return torch.stack(outputs).unsqueeze(1)
+
+
+def _column(rows: torch.Tensor, position: int) -> list:
+    """Column `position` of a CPU [batch, n] tensor as Python values, read through numpy where it can be (one
+    decoding step of every routed layer reads two such: a tensor index and `tolist` cost more)."""
+    if rows.device.type == "cpu" and not rows.requires_grad:
+        return rows.numpy()[:, position].tolist()
+    return rows[:, position].tolist()
 
 
 def padding_keys(model_mask: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
