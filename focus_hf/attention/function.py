@@ -324,13 +324,17 @@ def _dense_heads(module, query, key, value, attention_mask, dropout, scaling, kw
         allowed = as_bool_mask(attention_mask)
         if allowed is None or bool(allowed.all()):
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-            outputs = [
-                attend_runs(query[sample, :, 0], [(key[sample], value[sample])], scale) for sample in range(len(query))
-            ]
-            if len(outputs) == 1 and outputs[0] is not None:
-                return outputs[0].view(1, 1, *outputs[0].shape), None
-            if all(output is not None for output in outputs):
-                return torch.stack(outputs).unsqueeze(1), None
+            if len(query) == 1:  # one sample: its query as [heads, dim] is a view (cheaper than two indexings)
+                output = attend_runs(query.reshape(query.shape[1], query.shape[3]), [(key[0], value[0])], scale)
+                if output is not None:
+                    return output.view(1, 1, *output.shape), None
+            else:
+                outputs = [
+                    attend_runs(query[sample, :, 0], [(key[sample], value[sample])], scale)
+                    for sample in range(len(query))
+                ]
+                if all(output is not None for output in outputs):
+                    return torch.stack(outputs).unsqueeze(1), None
     return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
