@@ -23,7 +23,7 @@ from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.hard import hard_attention
 from focus_hf.attention.pattern import causal_positions, pair_distance
 from focus_hf.attention.reference import ChunkBias, causal_bias, chunked_attention, hard_bias, soft_bias
-from focus_hf.attention.routing import RoutingState, TokenRouting
+from focus_hf.attention.routing import RoutingState, TokenRouting, waiting_keys
 from focus_hf.errors import FocusRuntimeError
 
 ATTENTION_NAME = "focus"
@@ -369,6 +369,9 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
         on_gpu_path = query.device.type == "cuda" or routing.backend == "stock"
         if not step:
             routing.invalidate_paged()
+        grouped = routing.grouped_for(heads, query.shape[0]) if step and not on_gpu_path else None
+        if grouped is None:  # the group-sorted copies read the groups of settled keys only; every other path, all
+            key_groups, key_sink = waiting_keys(key_groups, key_sink, kv_len)
         output = hard_attention(
             query,
             key,
@@ -389,12 +392,13 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
                 if on_gpu_path and torch.compiler.is_compiling() and base_allowed is not None and q_len > 1
                 else is_causal_padding_mask(base_allowed, q_len, kv_len)
             ),
-            grouped=routing.grouped_for(heads, query.shape[0]) if step and not on_gpu_path else None,
+            grouped=grouped,
             paged=routing.paged_for(heads) if step and on_gpu_path else None,
             own_group=routing.queries.own_groups is None,
         )
         return output, None
     # The reference path: the pattern (or soft mode's gate) over dense scores, in chunks of queries.
+    key_groups, key_sink = waiting_keys(key_groups, key_sink, kv_len)
     if routing.mode == "hard":
         bias = hard_bias(routing.queries.top_groups, key_groups, key_sink, routing.window, base_allowed)
     else:

@@ -38,6 +38,7 @@ from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_
 from focus_hf.attention.gpu.verify import verdicts, verified_kernels
 from focus_hf.attention.pattern import probes_every_group
 from focus_hf.attention.reference import chunked_attention, hard_bias
+from focus_hf.attention.routing import waiting_keys
 
 # Calls of this process that took the reference path instead of the GPU path, by reason.
 _fallbacks: Counter = Counter()
@@ -112,7 +113,9 @@ def hard_attention(
         model_mask: the model's boolean mask [batch or 1, 1, q, kv] (True = may attend), or None (causal, no padding).
         query_groups: [batch, q, top_k] groups each query probes.
         key_groups: [batch, kv] each key's group.
-        key_sink: [batch, kv] whether each key is a sink.
+        key_sink: [batch, kv] whether each key is a sink. Both may end before the last keys, whose decoding steps
+            wait in their state's list (`routing.note_step`): those are in no group yet and not sinks
+            (`routing.waiting_keys`).
         num_groups: K.
         window: local window w.
         scaling: multiplier of q.k.
@@ -136,9 +139,11 @@ def hard_attention(
     Returns:
         [batch, q, heads, dim]; rows of padding queries are finite and meaningless.
     """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if grouped is None or q_len != 1:  # only a step with the group-sorted copies reads the settled groups alone
+        key_groups, key_sink = waiting_keys(key_groups, key_sink, kv_len)
     kernel = select_kernel(backend, query.device)
     arguments = (query_groups, key_groups, key_sink, window, scaling, kernel)
-    q_len, kv_len = query.shape[2], key.shape[2]
     stock = None
     if query.device.type == "cuda" or backend == "stock":
         stock = verified_kernels(query, key, backend=backend)
@@ -186,6 +191,8 @@ def hard_attention(
             return reference_hard_attention(query, key, value, model_mask, *arguments[:-1])
     key_valid = padding_keys(model_mask, query.shape[0])
     if short or (model_mask is not None and not mask_is_padding):
+        key_groups, key_sink = waiting_keys(key_groups, key_sink, kv_len)
+        arguments = (query_groups, key_groups, key_sink, window, scaling, kernel)
         return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
     # "sparse-torch": the sparse path in torch operations, where they beat the C kernels here (`crossover.measure`)
     with torch_path() if path == "sparse-torch" else contextlib.nullcontext():

@@ -38,10 +38,10 @@ class RoutingState:
         token_column_lse: [batch, new, iterations, groups], the running log column sums after each token of the call
             that made this state (`route_tokens(token_columns=True)`), or None. A paged cache keeps them per token
             (`focus_hf.vllm.side_cache`) so that routing can resume after any cached prefix.
-        dense_steps: the attention inputs [batch, 1, hidden_size] and validity [batch, 1] of the last decoding steps
-            that attended densely (`note_dense_step`), or None. They count in `seen` and nowhere else until
-            `defer_dense_steps` defers them as one block; every reader of the state but the layer's dense step
-            calls it first.
+        noted_steps: the attention inputs [batch, 1, hidden_size] and validity [batch, 1] of the last decoding steps
+            whose tokens wait in a list (`note_step`), or None. They count in `seen` and nowhere else: key_groups
+            and key_sink end before them (`waiting_keys` reads them as in no group yet and not sinks) until
+            `defer_noted_steps` defers them as one block; every other reader of the state calls it first.
         sinks_filled: every sample has had its sink tokens (`route_tokens` found so), so no later token is one; a
             decoding step then has no sink flag to work out. False where not known.
     """
@@ -55,7 +55,7 @@ class RoutingState:
     pending_hidden: Optional[torch.Tensor] = None
     pending_valid: Optional[torch.Tensor] = None
     token_column_lse: Optional[torch.Tensor] = None
-    dense_steps: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+    noted_steps: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
     sinks_filled: bool = False
 
     @property
@@ -294,9 +294,9 @@ def route_tokens(
     ones already hold that much of its routing probability (`probed_groups`). With `token_columns`, the new state
     also holds the running column sums after each new token (`RoutingState.token_column_lse`).
     """
-    if state.pending or state.dense_steps:
+    if state.pending or state.noted_steps:
         raise ValueError(
-            "route_tokens after deferred tokens: defer_dense_steps(state, sink_tokens), then settle(state, "
+            "route_tokens after deferred tokens: defer_noted_steps(state, sink_tokens), then settle(state, "
             "key_scores, iterations) them first."
         )
     log_probs, column_lse, *per_token = causal_sinkhorn(
@@ -379,8 +379,8 @@ def defer_tokens(
     Returns:
         The routing of the new tokens (no key-side `log_probs`, key group -1) and the state including them.
     """
-    if state.dense_steps:
-        raise ValueError("defer_tokens after dense steps: defer_dense_steps(state, sink_tokens) them first.")
+    if state.noted_steps:
+        raise ValueError("defer_tokens after noted steps: defer_noted_steps(state, sink_tokens) them first.")
     batch, seq = hidden.shape[:2]
     if probes is None:
         probes = torch.full((batch, seq, 1), -1, dtype=torch.long, device=hidden.device)
@@ -433,23 +433,46 @@ def _shared_constant(batch: int, seq: int, value: Union[bool, int], dtype: torch
         return torch.full((batch, seq), value, dtype=dtype, device=device)
 
 
-def note_dense_step(state: RoutingState, hidden: torch.Tensor, valid: torch.Tensor) -> None:
-    """Count a decoding step that attends densely (below `dense_below`, within the window) in `state`, in place.
+def note_step(state: RoutingState, hidden: torch.Tensor, valid: torch.Tensor) -> None:
+    """Count a decoding step whose token waits in a list in `state`, in place: one that attends densely (below
+    `dense_below`, within the window), or a routed one once every sample has its sinks (its routing is
+    `waiting_step`'s).
 
-    Such a step needs no probes and no group of its own yet: it pays nothing but a list append, so that the layer
-    decodes at the base model's cost. The tokens are deferred as one block (`defer_dense_steps`) when something next
-    reads the state - a later step that routes, or a prefill chunk.
+    Its key side is needed only once it lies beyond the window: the step pays a list append where `defer_tokens`
+    would grow four tensors, so that a dense step decodes at the base model's cost. The tokens are deferred as one
+    block (`defer_noted_steps`) when something next needs them - a full block to settle, or a prefill chunk.
     """
-    if state.dense_steps is None:
-        state.dense_steps = []
-    state.dense_steps.append((hidden, valid))
+    if state.noted_steps is None:
+        state.noted_steps = []
+    state.noted_steps.append((hidden, valid))
     state.seen += 1
 
 
-def defer_dense_steps(state: RoutingState, sink_tokens: int) -> RoutingState:
-    """`state` with its dense steps (`note_dense_step`) deferred as one block (`defer_tokens`), as if each had been
+def waiting_step(probes: torch.Tensor) -> TokenRouting:
+    """The routing of a noted step's token (`note_step`) that probes `probes` [batch, 1, top_k]: no key side yet
+    (group -1), not a sink (noted only once every sample has its sinks) - what `defer_tokens` would say of it."""
+    batch = probes.shape[0]
+    return TokenRouting(
+        log_probs=None,
+        top_groups=probes,
+        sink=constant_rows(batch, 1, False, probes.device),
+        own_groups=constant_rows(batch, 1, -1, probes.device),
+    )
+
+
+def waiting_keys(key_groups: torch.Tensor, key_sink: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """key_groups / key_sink [batch, n] of a state whose last steps wait in its list (`note_step`), brought to kv_len
+    keys: the waiting ones in no group yet (-1) and not sinks, as `defer_tokens` files them."""
+    missing = kv_len - key_groups.shape[1]
+    if missing <= 0:
+        return key_groups, key_sink
+    return F.pad(key_groups, (0, missing), value=-1), F.pad(key_sink, (0, missing), value=False)
+
+
+def defer_noted_steps(state: RoutingState, sink_tokens: int) -> RoutingState:
+    """`state` with its noted steps (`note_step`) deferred as one block (`defer_tokens`), as if each had been
     deferred at its step."""
-    steps = state.dense_steps
+    steps = state.noted_steps
     if not steps:
         return state
     earlier = RoutingState(

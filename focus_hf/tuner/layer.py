@@ -26,14 +26,15 @@ from focus_hf.attention.routing import (
     RoutingState,
     TokenRouting,
     constant_rows,
-    defer_dense_steps,
+    defer_noted_steps,
     defer_tokens,
-    note_dense_step,
+    note_step,
     probed_groups,
     route_tokens,
     routing_scores,
     scaled_directions,
     settle,
+    waiting_step,
 )
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.devices import execution_device
@@ -92,9 +93,9 @@ def _select_samples(state: RoutingState, index: torch.Tensor) -> RoutingState:
         key_sink=state.key_sink.index_select(0, index),
         pending_hidden=None if state.pending_hidden is None else state.pending_hidden.index_select(0, index),
         pending_valid=None if state.pending_valid is None else state.pending_valid.index_select(0, index),
-        dense_steps=None
-        if state.dense_steps is None
-        else [(hidden.index_select(0, index), valid.index_select(0, index)) for hidden, valid in state.dense_steps],
+        noted_steps=None
+        if state.noted_steps is None
+        else [(hidden.index_select(0, index), valid.index_select(0, index)) for hidden, valid in state.noted_steps],
     )
 
 
@@ -462,10 +463,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             layer_key = (adapter_name, self.layer_index)
             if state.seen == 0 and self.decode_copy:
                 _grouped_keys(cache, layer_key, fresh=True)  # a reused cache starts afresh: drop its old copies
-            note_dense_step(state, hidden, valid)
+            note_step(state, hidden, valid)
             _attach_routing_states(cache)[layer_key] = state
             return self.base_layer(*args, **kwargs)
-        state = defer_dense_steps(state, settings.sink_tokens)
         # A hard-mode decoding step defers its key side: its own group is needed only once it lies beyond the
         # window, so the waiting tokens are routed in blocks (`defer_tokens`, `settle`). Its probes are needed
         # now unless the call attends densely (below dense_below), and can be had without the Sinkhorn step only
@@ -477,13 +477,22 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             and cache is not None
             and not self.routing_observers
             and (attends_densely or adapter_name in self.focus_query_proj)
-            and state.pending < min(PENDING_LIMIT, settings.window)
+            and state.pending + len(state.noted_steps or ()) < min(PENDING_LIMIT, settings.window)
         )
-        if defer:
+        if defer and not attends_densely and state.sinks_filled and not torch.compiler.is_compiling():
+            # Past every sample's sinks the token is no sink: it waits in the state's list as a dense step's does
+            # (`note_step`; the list is Python state, hence not under torch.compile), and the attention reads the
+            # keys' groups with the waiting ones in none (`routing.waiting_keys`).
+            queries = waiting_step(self.query_probes(adapter_name, hidden, top_k))
+            note_step(state, hidden, valid)
+            keys = state
+        elif defer:
+            state = defer_noted_steps(state, settings.sink_tokens)
             # No probes where the call attends densely (top_groups -1).
             probes = None if attends_densely else self.query_probes(adapter_name, hidden, top_k)
             queries, keys = defer_tokens(hidden, valid, state, probes=probes, sink_tokens=settings.sink_tokens)
         else:
+            state = defer_noted_steps(state, settings.sink_tokens)
             if state.pending:
                 key_scores = self.router_scores(adapter_name, state.pending_hidden, query_side=False)
                 state = settle(state, key_scores, settings.sinkhorn_iterations)
@@ -545,12 +554,12 @@ class FocusLayer(nn.Module, BaseTunerLayer):
     def _decodes_densely(self, adapter_name: str, mode: str, q_len: int, state: RoutingState, top_k: int) -> bool:
         """Whether this call is a one-token decoding step that attends as the base model does (the pattern removes
         no pair of its keys: below `dense_below`, within the window, or every head of the layer dense) and needs
-        nothing else of the routing, so that it runs as the base model's step (`note_dense_step`). Not where its
+        nothing else of the routing, so that it runs as the base model's step (`note_step`). Not where its
         groups are watched, under torch.compile (the state's list is Python state), where the routers would need a
         gradient (the refusals of `forward` apply), or once as many tokens wait as a block holds (`settle` then
         runs, which bounds their memory)."""
         settings = self.focus_settings[adapter_name]
-        waiting = state.pending + len(state.dense_steps or ())
+        waiting = state.pending + len(state.noted_steps or ())
         return (
             mode == "hard"
             and q_len == 1

@@ -11,9 +11,9 @@ from focus_hf.attention.pattern import allowed_pairs, soft_gate
 from focus_hf.attention.routing import (
     RoutingState,
     causal_sinkhorn,
-    defer_dense_steps,
+    defer_noted_steps,
     defer_tokens,
-    note_dense_step,
+    note_step,
     probed_groups,
     route_tokens,
     settle,
@@ -33,12 +33,12 @@ def test_dense_steps_defer_as_their_steps_would():
     for position in range(2, 12):
         token = (scores[:, position : position + 1], valid[:, position : position + 1])
         _, step_by_step = defer_tokens(*token, step_by_step, probes=None, sink_tokens=5)
-        note_dense_step(noted, *token)
+        note_step(noted, *token)
     assert noted.seen == 12 and noted.pending == 0 and noted.key_groups.shape[1] == 2
-    with pytest.raises(ValueError, match="defer_dense_steps"):
+    with pytest.raises(ValueError, match="defer_noted_steps"):
         route_tokens(scores[:, :1], valid[:, :1], noted, **options)
-    deferred = defer_dense_steps(noted, sink_tokens=5)
-    assert deferred.dense_steps is None and deferred.seen == step_by_step.seen == 12
+    deferred = defer_noted_steps(noted, sink_tokens=5)
+    assert deferred.noted_steps is None and deferred.seen == step_by_step.seen == 12
     for field in ("valid_count", "key_groups", "key_sink", "pending_hidden", "pending_valid", "column_lse"):
         assert torch.equal(getattr(deferred, field), getattr(step_by_step, field)), field
     assert deferred.key_sink[0].tolist() == [False] * 3 + [True] * 5 + [False] * 4

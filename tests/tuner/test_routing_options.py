@@ -183,23 +183,46 @@ def test_query_router_generate_with_cache_equals_recomputation():
 @pytest.mark.parametrize("limit", [1, 3, 64])
 def test_deferred_key_routing_while_decoding_equals_recomputation(monkeypatch, limit):
     # Decoding with a query router defers the new tokens' key-side Sinkhorn in blocks (FocusLayer.PENDING_LIMIT,
-    # capped by the window): greedy tokens must equal recomputing the whole sequence, across several blocks.
+    # capped by the window): greedy tokens must equal recomputing the whole sequence, across several blocks. Past
+    # the sinks a step's token waits in the state's list (`note_step`), its attention reading the settled groups.
     import focus_hf.tuner.layer as layer_module
 
     monkeypatch.setattr(layer_module, "PENDING_LIMIT", limit)
     model = focus_model(top_k=1, query_projection=True)
     focus_hf.set_routing(model, "hard", backend="sdpa")
-    waiting = []
-    original = layer_module.defer_tokens
+    waiting, noted = [], []
+    original_defer, original_note = layer_module.defer_tokens, layer_module.note_step
 
-    def watching(*args, **kwargs):
-        result = original(*args, **kwargs)
+    def watching_defer(*args, **kwargs):
+        result = original_defer(*args, **kwargs)
         waiting.append(result[1].pending)
         return result
 
-    monkeypatch.setattr(layer_module, "defer_tokens", watching)
+    def watching_note(state, *args):
+        original_note(state, *args)
+        noted.append(True)
+        waiting.append(state.pending + len(state.noted_steps))
+
+    monkeypatch.setattr(layer_module, "defer_tokens", watching_defer)
+    monkeypatch.setattr(layer_module, "note_step", watching_note)
     assert_generation_equals_recomputation(model, tokens(seq=30), 20)
-    assert waiting and max(waiting) == min(limit, WINDOW)
+    assert noted and waiting and max(waiting) == min(limit, WINDOW)
+
+
+@pytest.mark.parametrize("backend, decode_copy", [("auto", True), ("sdpa", False), ("reference", True)])
+def test_noted_routed_steps_equal_recomputation(monkeypatch, backend, decode_copy):
+    # Past the sinks a routed step's token waits in the state's list (`routing.note_step`), so the keys' groups end
+    # before it: every path of the attention reads them with the waiting keys in no group and not sinks
+    # (`routing.waiting_keys`) - the group-sorted copies (settled groups only), gathering, and the reference path.
+    import focus_hf.tuner.layer as layer_module
+
+    model = focus_model(top_k=1, query_projection=True, dense_heads=[[1, 0]])
+    focus_hf.set_routing(model, "hard", backend=backend, decode_copy=decode_copy)
+    noted = []
+    original = layer_module.note_step
+    monkeypatch.setattr(layer_module, "note_step", lambda state, *a: noted.append(state.seen) or original(state, *a))
+    assert_generation_equals_recomputation(model, tokens(seq=30), 20)
+    assert noted
 
 
 @pytest.mark.parametrize("query_projection, dense_heads", [(False, None), (True, None), (True, [[0, 1], [1, 0]])])
@@ -225,6 +248,8 @@ def test_decoding_steps_below_dense_below_route_nothing(monkeypatch, query_proje
     monkeypatch.setattr(FocusLayer, "router_scores", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     deferring = layer_module.defer_tokens  # what a step that waits for its routing paid before
     monkeypatch.setattr(layer_module, "defer_tokens", lambda *a, **k: calls.append(2) or deferring(*a, **k))
+    probing = FocusLayer.query_probes  # a routed step's probes (its token then waits in the state's list)
+    monkeypatch.setattr(FocusLayer, "query_probes", lambda self, *a, **k: calls.append(3) or probing(self, *a, **k))
     cache = DynamicCache()
     with torch.no_grad():
         token = model(input_ids=tokens(seq=30), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)

@@ -88,6 +88,7 @@ from focus_hf.attention.pattern import (
     pattern_bits,
     probes,
 )
+from focus_hf.attention.routing import waiting_keys
 
 # Up to this many queries against a longer cache, gathering the reachable keys beats laying out all groups.
 DECODE_MAX_QUERIES = 16
@@ -258,6 +259,7 @@ def decode_attention(
         )
         if output is not None:
             return output
+    key_groups, key_sink = waiting_keys(key_groups, key_sink, key.shape[2])
     kv_len, device = key.shape[2], query.device
     first_query = kv_len - q_len
     reachable = reachable_keys(query_groups, key_groups, key_sink, window)
@@ -319,7 +321,7 @@ def grouped_decode(
     window, a distant key not yet routed, a window grown since with `configure_adapter`); the caller then gathers."""
     kv_len = key.shape[2]
     first_window = kv_len - 1 - window  # keys before it are farther than the window
-    if first_window <= 0 or any(copy.filled > first_window for copy in grouped):
+    if first_window <= 0 or key_groups.shape[1] < first_window or any(copy.filled > first_window for copy in grouped):
         return None
     if key_valid is not None and not bool(key_valid[:, first_window:].all()):
         return None
