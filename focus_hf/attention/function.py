@@ -369,9 +369,6 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
         on_gpu_path = query.device.type == "cuda" or routing.backend == "stock"
         if not step:
             routing.invalidate_paged()
-        grouped = routing.grouped_for(heads, query.shape[0]) if step and not on_gpu_path else None
-        if grouped is None:  # the group-sorted copies read the groups of settled keys only; every other path, all
-            key_groups, key_sink = waiting_keys(key_groups, key_sink, kv_len)
         output = hard_attention(
             query,
             key,
@@ -392,7 +389,7 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
                 if on_gpu_path and torch.compiler.is_compiling() and base_allowed is not None and q_len > 1
                 else is_causal_padding_mask(base_allowed, q_len, kv_len)
             ),
-            grouped=grouped,
+            grouped=routing.grouped_for(heads, query.shape[0]) if step and not on_gpu_path else None,
             paged=routing.paged_for(heads) if step and on_gpu_path else None,
             own_group=routing.queries.own_groups is None,
         )
