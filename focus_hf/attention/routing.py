@@ -391,12 +391,7 @@ def defer_tokens(
     else:
         sink = _sinks(valid, state, sink_tokens)
         key_sink = torch.cat([state.key_sink, sink], dim=1)
-    tokens = TokenRouting(
-        log_probs=None,
-        top_groups=probes,
-        sink=sink,
-        own_groups=constant_rows(batch, seq, -1, hidden.device),
-    )
+    tokens = waiting_step(probes, sink)
     waiting = hidden if state.pending_hidden is None else torch.cat([state.pending_hidden, hidden], dim=1)
     waiting_valid = valid if state.pending_valid is None else torch.cat([state.pending_valid, valid], dim=1)
     # The constructor rather than dataclasses.replace: this runs in every routed layer at every decoding step. Once
@@ -448,15 +443,16 @@ def note_step(state: RoutingState, hidden: torch.Tensor, valid: torch.Tensor) ->
     state.seen += 1
 
 
-def waiting_step(probes: torch.Tensor) -> TokenRouting:
-    """The routing of a noted step's token (`note_step`) that probes `probes` [batch, 1, top_k]: no key side yet
-    (group -1), not a sink (noted only once every sample has its sinks) - what `defer_tokens` would say of it."""
-    batch = probes.shape[0]
+def waiting_step(probes: torch.Tensor, sink: Optional[torch.Tensor] = None) -> TokenRouting:
+    """The routing of tokens whose key side waits (`defer_tokens`, `note_step`) and that probe `probes` [batch, seq,
+    top_k]: no key side yet (group -1), and sink flags `sink` [batch, seq] (None: not sinks, as every token noted once
+    every sample has its sinks)."""
+    batch, seq = probes.shape[:2]
     return TokenRouting(
         log_probs=None,
         top_groups=probes,
-        sink=constant_rows(batch, 1, False, probes.device),
-        own_groups=constant_rows(batch, 1, -1, probes.device),
+        sink=constant_rows(batch, seq, False, probes.device) if sink is None else sink,
+        own_groups=constant_rows(batch, seq, -1, probes.device),
     )
 
 
