@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from peft import get_peft_model
 from tiny_models import VOCAB, tiny_model
@@ -171,6 +171,39 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(), st.sampled_from([torch.float32, torch.bfloat16]))
+# Found by hypothesis: the torch path's merged bfloat16 parts put one output 0.0149 off, where the output's and the
+# weights' rounding alone allow 0.0130 (the same inputs through one dense SDPA call: 0.0016).
+@example(
+    case=dict(
+        seq=101,
+        q_len=5,
+        batch=2,
+        kv_heads=2,
+        gqa=3,
+        dim=16,
+        num_groups=1,
+        top_k=1,
+        window=0,
+        sinks=0,
+        side="none",
+        pad=0,
+        skew="none",
+        token_major=True,
+        local_block=1,
+        probe_chunk=1,
+        stream_rows=3,
+        set_a_rows=2,
+        split_min_keys=1,
+        causal_chunk=1,
+        lead_max_keys=0,
+        direct_gather=0,
+        separate=False,
+        adaptive=False,
+        dense_masked=False,
+        seed=2,
+    ),
+    dtype=torch.bfloat16,
+)
 def test_fast_equals_dense_oracle(case, dtype):
     # "auto" below its crossover runs the one dense masked call.
     crossover = {CROSSOVER_ENV: str(10**9)} if case["dense_masked"] else {}
@@ -188,11 +221,12 @@ def test_fast_equals_dense_oracle(case, dtype):
         output, reference, rows = run_case(dict(case, dtype=dtype), backend="auto" if case["dense_masked"] else "sdpa")
     assert output.shape == reference.shape and output.dtype == dtype
     assert torch.isfinite(output).all()
-    # bfloat16: the output's rounding (half a unit in the last place: at most 2^-8 of it) and the weights' (2^-9 of
-    # the values in their average, `test_prefill_kernel`)
+    # bfloat16: the output's rounding (half a unit in the last place: at most 2^-8 of it), the weights' (2^-9 of
+    # the values in their average, `test_prefill_kernel`), and the partial outputs' where the torch path merges
+    # them: torch's kernel returns each part in bfloat16, an average of values rounded by up to 2^-8 of their bound.
     tolerance = ATOL
     if dtype == torch.bfloat16:
-        tolerance += 2**-8 * float(reference.abs().max()) + 2**-9 * BF16_VALUE_BOUND
+        tolerance += 2**-8 * float(reference.abs().max()) + (2**-9 + 2**-8) * BF16_VALUE_BOUND
     torch.testing.assert_close(output[rows].double(), reference[rows].double(), atol=tolerance, rtol=0)
 
 
