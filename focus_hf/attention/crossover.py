@@ -10,10 +10,12 @@ random inputs laid out as a model hands them over and with the per-step work of 
 layer's copy of the distant keys) - so that what is measured is what then runs - until the sparse path wins twice in a
 row by at least WIN_MARGIN (a few seconds at most; never beyond MAX_LENGTH) and stores the first of those two lengths
 in `<cache>/crossover.json` (`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`), where every
-later process finds it. A CPU measurement taken while other processes kept more than OTHER_CORES_MAX cores busy (from
-/proc/stat) is used by this process only and not stored: under load the many small calls of the sparse path slow down
-more than the one dense call (a decode crossover measured so came out at 16K keys instead of 2K), and a stored value
-would stay wrong.
+later process finds it. On the CPU the sparse path is timed both in the C kernels and in torch operations, and the
+faster runs at each length; a prefill far longer than any length timed so (a calibration call there would take
+seconds) runs once on both, timed as it runs (`race_sparse_paths`), and its row joins the entry. A CPU measurement
+taken while other processes kept more than OTHER_CORES_MAX cores busy (from /proc/stat) is used by this process only
+and not stored: under load the many small calls of the sparse path slow down more than the one dense call (a decode
+crossover measured so came out at 16K keys instead of 2K), and a stored value would stay wrong.
 
 Environment:
   FOCUS_HF_CROSSOVER=<tokens>   use this crossover for every shape (no measurement);
@@ -236,6 +238,8 @@ def random_inputs(shape: Shape, length: int, queries: int, device: torch.device,
 # processor the C kernels are slow on - an unknown one, a build for an older target - then costs nothing).
 PATHS = ("dense", "sparse", "sparse-torch")
 SPARSE_PATHS = ("sparse", "sparse-torch")
+# What `auto_path` answers for a call to run on every sparse path, timed (`race_sparse_paths`).
+RACE = "race"
 # A timing: (untimed preparation, the timed calls, how many steps they make).
 Timing = tuple[Callable[[], object], Callable[[], object], int]
 
@@ -374,21 +378,38 @@ def measure(
 
 def sparse_path_at(entry: dict, length: int) -> str:
     """Which sparse path a measured entry runs at `length` keys: the faster one ("sparse": the C kernels, or
-    "sparse-torch") at the longest measured length up to it (the shortest where none is), "sparse" where the entry
-    has no such timings."""
+    "sparse-torch") at the measured length nearest to it (by ratio; the shorter of two as near), "sparse" where the
+    entry has no such timings."""
     measured = entry.get(_SPARSE_PATHS)
     if measured is None:
         measured = _sparse_paths(entry)
     if not measured:
         return "sparse"
-    # The last measured length up to `length` (sorted, so a bisection: this runs at every decoding step).
+    # The measured lengths around `length` (sorted, so a bisection: this runs at every decoding step).
     at = bisect.bisect_right(measured, (length, "~"))
-    return measured[max(at - 1, 0)][1]
+    if at == 0:
+        return measured[0][1]
+    below = measured[at - 1]
+    if at < len(measured) and measured[at][0] * below[0] < length * length:  # nearer above, by ratio
+        return measured[at][1]
+    return below[1]
 
 
 def _sparse_paths(entry: dict) -> list[tuple[int, str]]:
     """(length, faster sparse path) of an entry's timings, sorted by length."""
     return sorted((row["length"], row["sparse_path"]) for row in entry.get("timings", []) if "sparse_path" in row)
+
+
+# A prefill whose length is not within this factor of a length at which both sparse paths were timed runs on both,
+# timed (`race_sparse_paths`).
+RACE_FACTOR = 2
+
+
+def race_due(entry: dict, length: int) -> bool:
+    """Whether a prefill of `length` keys should time both sparse paths as it runs: the entry timed both somewhere,
+    but nowhere within RACE_FACTOR of `length` (in practice: beyond the calibrated lengths, MAX_LENGTH at most)."""
+    raced = [row["length"] for row in entry.get("timings", []) if all(f"{path}_s" in row for path in SPARSE_PATHS)]
+    return bool(raced) and not any(length <= RACE_FACTOR * timed and timed <= RACE_FACTOR * length for timed in raced)
 
 
 # The key under which an entry known in this process (`_known`) keeps `_sparse_paths`, worked out once.
@@ -498,15 +519,34 @@ def crossover_entry(
     so the measurement times what runs) where it is not known yet."""
     if torch.compiler.is_compiling():
         return {"dense_below": default_dense_below(query.device.type, top_k)}
-    # The settings in the environment are part of the key: a process may change them between calls (tests do).
-    signature = (
+    signature = _signature(query, key, top_k, num_groups, window, kind)
+    known = _known.get(signature)
+    if known is not None:
+        return known
+    return _look_up(signature, query, key, top_k, num_groups, window, kind, call)
+
+
+def _signature(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> tuple:
+    """The key of a call's entry in `_known`: its shape in this process (`_call_key`) and the settings in the
+    environment, which a process may change between calls (tests do)."""
+    return (
         os.environ.get(CROSSOVER_ENV),
         os.environ.get(NO_CALIBRATION_ENV),
         *_call_key(query, key, top_k, num_groups, window, kind),
     )
-    known = _known.get(signature)
-    if known is not None:
-        return known
+
+
+def _look_up(
+    signature: tuple,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    window: int,
+    kind: str,
+    call: Callable[..., torch.Tensor],
+) -> dict:
+    """`crossover_entry` for a signature not in `_known` yet: forced, default, cached or measured now."""
     forced = forced_crossover()
     if forced is not None:
         entry = _known[signature] = {"dense_below": forced}
@@ -551,7 +591,64 @@ def auto_path(
     call: Callable[..., torch.Tensor],
 ) -> str:
     """The path "auto" runs a call of `key.shape[2]` keys on (`hard.hard_attention`'s `path`): "dense" below the
-    crossover, else the faster measured sparse path at that length (`sparse_path_at`)."""
+    crossover, else the faster measured sparse path at that length (`sparse_path_at`), or RACE: a prefill to run on
+    both sparse paths, timed (`race_due`, `race_sparse_paths`; not where autograd records the call, whose graph would
+    be built twice)."""
     entry = crossover_entry(query, key, top_k, num_groups, window, kind, call)
     length = key.shape[2]
-    return "dense" if length < entry["dense_below"] else sparse_path_at(entry, length)
+    if length < entry["dense_below"]:
+        return "dense"
+    recorded = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+    if kind != "decode" and not recorded and race_due(entry, length):
+        return RACE
+    return sparse_path_at(entry, length)
+
+
+def race_pending(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> bool:
+    """Whether "auto" would run a call of this shape and `key.shape[2]` keys on both sparse paths, timed (`auto_path`),
+    e.g. so that a benchmark makes that call before it times any (measuring the crossover first, if not known yet)."""
+    from focus_hf.attention.hard import hard_attention
+
+    return auto_path(query, key, top_k, num_groups, window, kind, hard_attention) == RACE
+
+
+def race_sparse_paths(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    window: int,
+    kind: str,
+    run: Callable[[str], torch.Tensor],
+) -> torch.Tensor:
+    """Run a call on each sparse path (`run(path)`), timed, and return the last one's output (every path is exact;
+    the others' are dropped before the next runs, so that no two outputs are held at once). The timings join the
+    shape's entry as a row at the call's length: in this process, and in the cache file where the entry is stored
+    there and other processes left the CPU alone meanwhile (as `calibrate`)."""
+    meter = other_cores_meter() if query.device.type == "cpu" else None
+    times: dict[str, float] = {}
+    for path in SPARSE_PATHS[::-1]:  # the C kernels' last: theirs is the output returned
+        started = time.perf_counter()
+        output = run(path)
+        times[path] = time.perf_counter() - started
+    fastest = min(times, key=times.__getitem__)
+    row = {
+        "length": key.shape[2],
+        "dense_s": None,
+        "sparse_s": times[fastest],
+        "sparse_path": fastest,
+        **{f"{path}_s": seconds for path, seconds in times.items()},
+        "timed_on": "a call",
+    }
+    signature = _signature(query, key, top_k, num_groups, window, kind)
+    known = _known.get(signature)
+    if known is not None:
+        timings = [*known.get("timings", []), row]
+        _known[signature] = {**known, "timings": timings, _SPARSE_PATHS: _sparse_paths({"timings": timings})}
+    other_cores = None if meter is None else meter()
+    if other_cores is None or other_cores <= OTHER_CORES_MAX:
+        shape = make_shape(query, key, top_k, num_groups, window, kind)
+        stored = read_cache().get(shape.key)
+        if stored is not None:
+            write_entry(shape, {**stored, "timings": [*stored.get("timings", []), row]})
+    return output

@@ -2,7 +2,8 @@
 
 "auto" asks `crossover.auto_path` (a crossover measured once per machine, shape and path) whether the call is short
 enough for one dense masked call to beat the sparse path, and on the CPU whether the sparse path runs faster in the C
-kernels or in torch operations; the crossover's measurement times the paths, which is why
+kernels or in torch operations (a prefill far longer than those measured runs on both once, timed:
+`crossover.race_sparse_paths`); the crossover's measurement times the paths, which is why
 the choice lives here and not beside them. Prefills run the sparse path of `fast` on CPU (C kernels, torch's CPU
 kernel) and that of `stock` on CUDA (variable-length flash attention and FlexAttention); `backend="stock"` runs the
 latter on any device (on CPU its exact twin). On CUDA no fast path runs before `verify` has shown it exact on that
@@ -31,7 +32,7 @@ from focus_hf.attention.cpu.fast import (
 )
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
 from focus_hf.attention.cpu.native import torch_path
-from focus_hf.attention.crossover import auto_path
+from focus_hf.attention.crossover import RACE, auto_path, race_sparse_paths
 from focus_hf.attention.gpu.flex import FlexRecompileLimit, flex_compilations
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_sparse_attention
@@ -164,6 +165,7 @@ def hard_attention(
             )
         return output.transpose(1, 2).contiguous()
     decode = q_len <= DECODE_MAX_QUERIES and q_len < kv_len
+    kind = None
     if path is None and backend == "auto":
         kind = path_kind(query_groups, key_groups, decode, own_group)
         path = auto_path(query, key, query_groups.shape[-1], num_groups, window, kind, hard_attention)
@@ -194,13 +196,19 @@ def hard_attention(
         key_groups, key_sink = waiting_keys(key_groups, key_sink, kv_len)
         arguments = (query_groups, key_groups, key_sink, window, scaling, kernel)
         return masked_attention(query, key, value, model_mask, *arguments, num_groups, mask_is_padding)
-    # "sparse-torch": the sparse path in torch operations, where they beat the C kernels here (`crossover.measure`)
-    with torch_path() if path == "sparse-torch" else contextlib.nullcontext():
-        if decode:
-            return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
-        return sparse_attention(
-            query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
-        )
+
+    def sparse(path: str) -> torch.Tensor:
+        # "sparse-torch": the sparse path in torch operations, where they beat the C kernels here (`crossover`)
+        with torch_path() if path == "sparse-torch" else contextlib.nullcontext():
+            if decode:
+                return decode_attention(query, key, value, key_valid, *arguments, grouped=grouped)
+            return sparse_attention(
+                query, key, value, key_valid, query_groups, key_groups, key_sink, num_groups, window, scaling, kernel
+            )
+
+    if path == RACE:
+        return race_sparse_paths(query, key, query_groups.shape[-1], num_groups, window, kind, sparse)
+    return sparse(path)
 
 
 def _gpu_path(

@@ -246,17 +246,21 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    from focus_hf.attention.hard import forget_fallbacks, path_kind
+    from focus_hf.attention.crossover import auto_path, race_pending
+    from focus_hf.attention.hard import forget_fallbacks, hard_attention, path_kind
 
     forget_fallbacks()  # the row counts its own length's fallbacks (`gpu_path_fields`)
     case = make_case(args, seq_len, device, dtype)
     skip = dense_skip_reason(args, seq_len, dtype, device)
     dense = dense_call(case)
     calls = {top_k: focus_call(args, case, top_k) for top_k in args.top_k}
-    crossovers = {}
+    crossovers, racing, kinds = {}, {}, {}
     for top_k, routing in case.routing.items():
-        kind = path_kind(routing.top_groups, routing.key_groups, False, routing.own_groups is None)
+        kinds[top_k] = kind = path_kind(routing.top_groups, routing.key_groups, False, routing.own_groups is None)
         crossovers[top_k] = crossover_used(args, case, top_k, kind)
+        racing[top_k] = args.backend == "auto" and race_pending(
+            case.query, case.key, top_k, args.groups, args.window, kind
+        )
     dense_context, kernel = dense_kernel(case.query, case.key, causal=True)
     dense_times: list[tuple[float, float]] = []
     focus_times: dict[int, list[tuple[float, float]]] = {top_k: [] for top_k in args.top_k}
@@ -265,8 +269,9 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
     cuda = device.type == "cuda"
     if skip is None and (seq_len <= 16384 or (cuda and seq_len <= 65536)):
         time_call(dense, context=dense_context)
-    if seq_len <= 16384 or cuda:
-        for call in calls.values():
+    for top_k, call in calls.items():
+        # A length far beyond those "auto" measured runs on both sparse paths once, timed (`crossover`): not here.
+        if seq_len <= 16384 or cuda or racing[top_k]:
             time_call(call)
     meter = other_cores(device)
     for _ in range(repeats_at(args, seq_len)):
@@ -276,6 +281,11 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
             focus_times[top_k].append(time_call(call))
     others = meter()
     dense_s, dense_cpu_s = medians(dense_times)
+    paths = {  # what "auto" ran: "dense" (the masked call), "sparse" (the C kernels on the CPU) or "sparse-torch"
+        top_k: auto_path(case.query, case.key, top_k, args.groups, args.window, kinds[top_k], hard_attention)
+        for top_k in args.top_k
+        if args.backend == "auto"
+    }
     rows = []
     causal_pairs = seq_len * (seq_len + 1) // 2
     for top_k in args.top_k:
@@ -301,6 +311,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "dtype": args.dtype,
                 "query_router": args.query_router,
                 "dense_below": crossovers[top_k],
+                "focus_path": paths.get(top_k),
                 "other_cores_busy": others,
                 **gpu_path_fields(args, device),
                 **machine_fields(device),
@@ -938,7 +949,8 @@ def run(args: argparse.Namespace) -> int:
         peak_memory_rows(args, log)
     else:
         print(
-            f"{'seq_len':>8} {'top_k':>5} {'dense_s':>9} {'focus_s':>9} {'speedup':>8} {'cpu_x':>7} {'ideal':>7}",
+            f"{'seq_len':>8} {'top_k':>5} {'dense_s':>9} {'focus_s':>9} {'speedup':>8} {'cpu_x':>7} {'ideal':>7}"
+            f"{'  path' if args.backend == 'auto' else ''}",
             flush=True,
         )
         with torch.inference_mode():
@@ -951,7 +963,7 @@ def run(args: argparse.Namespace) -> int:
                     cpu_speedup = "-" if row["cpu_speedup"] is None else f"{row['cpu_speedup']:.2f}x"
                     print(
                         f"{seq_len:>8} {row['top_k']:>5} {dense:>9} {row['focus_s']:>9.4f} {speedup:>8} "
-                        f"{cpu_speedup:>7} {row['ideal_speedup']:>6.2f}x",
+                        f"{cpu_speedup:>7} {row['ideal_speedup']:>6.2f}x  {row['focus_path'] or ''}".rstrip(),
                         flush=True,
                     )
     if args.json and not log.rows:  # nothing measured: still an (empty) result file, as before

@@ -427,7 +427,7 @@ def test_bench_peak_memory_measures_dense_and_focus(tmp_path):
         assert row["warm_up_tokens"] == 200  # a warm-up call first, at most as long as the measured one
 
 
-def test_sparse_path_at_takes_the_longest_measured_length_up_to_the_call():
+def test_sparse_path_at_takes_the_nearest_measured_length():
     entry = {
         "timings": [
             {"length": 512, "dense_s": 1.0, "sparse_s": 2.0, "sparse_path": "sparse"},
@@ -436,10 +436,102 @@ def test_sparse_path_at_takes_the_longest_measured_length_up_to_the_call():
         ]
     }
     assert crossover.sparse_path_at(entry, 100) == "sparse"  # below every measured length: the shortest's
-    assert crossover.sparse_path_at(entry, 2000) == "sparse"
+    assert crossover.sparse_path_at(entry, 2000) == "sparse"  # 1,024 is nearer by ratio than 4,096
+    assert crossover.sparse_path_at(entry, 2048) == "sparse"  # as near: the shorter's
+    assert crossover.sparse_path_at(entry, 2100) == "sparse-torch"
     assert crossover.sparse_path_at(entry, 4096) == "sparse-torch"
     assert crossover.sparse_path_at(entry, 10**6) == "sparse-torch"
     assert crossover.sparse_path_at({"dense_below": 8}, 10**6) == "sparse"  # forced or default: the C kernels
+
+
+def raced_row(length, path):
+    """A timing row of both sparse paths at `length`, `path` the faster."""
+    times = {"sparse_s": 2.0, "sparse-torch_s": 2.0, f"{path}_s": 1.0}
+    return {"length": length, "dense_s": None, **times, "sparse_path": path}
+
+
+def test_race_is_due_only_beyond_a_factor_of_two_from_every_length_timed_on_both_paths():
+    entry = {"timings": [raced_row(4096, "sparse"), raced_row(16384, "sparse")]}
+    assert not crossover.race_due(entry, 32768)
+    assert crossover.race_due(entry, 32769) and crossover.race_due(entry, 65536)
+    assert not crossover.race_due(entry, 2048) and not crossover.race_due(entry, 10000)
+    # One sparse path timed (CUDA, or no C compiler), or nothing timed (forced, default): nothing to race.
+    assert not crossover.race_due({"timings": [{"length": 64, "sparse_s": 1.0, "sparse_path": "sparse"}]}, 10**6)
+    assert not crossover.race_due({"dense_below": 8}, 10**6)
+
+
+@pytest.fixture
+def stored_entry(monkeypatch, tmp_path):
+    """A cache holding the entry of `routed_case("shared")`'s shape: both sparse paths timed at 64 keys (the C kernels
+    faster), the crossover at 32; returns the cache file's entries, read again on each call."""
+    if native.native_kernels() is None:
+        pytest.skip("no C compiler: the sparse path has only its torch operations")
+    monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv(crossover.NO_CALIBRATION_ENV, raising=False)
+    monkeypatch.delenv(crossover.CROSSOVER_ENV, raising=False)
+    crossover._known.clear()
+    query, key, *_ = routed_case("shared")
+    shape = crossover.make_shape(query, key, 1, 4, 8, "shared")
+    crossover.write_entry(shape, {"dense_below": 32, "timings": [raced_row(64, "sparse")]})
+    yield lambda: crossover.read_cache()[shape.key]
+    crossover._known.clear()
+
+
+def test_a_call_far_beyond_the_timed_lengths_races_both_sparse_paths_once(monkeypatch, stored_entry):
+    """200 keys, timed at 64 only: the call runs on both sparse paths (torch operations, then the C kernels), exactly;
+    its row joins the entry in memory and in the file; the next call runs the faster path alone."""
+    monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: 0.0)  # an idle machine: the row is stored
+    query, key, value, query_groups, key_groups, sink = routed_case("shared")
+    positions = torch.arange(key.shape[2])
+    allowed = allowed_pairs(query_groups, key_groups, sink, positions, positions, 8)
+    reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
+    routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
+    assert crossover.race_pending(query, key, 1, 4, 8, "shared")
+    runs = []
+    real = crossover.race_sparse_paths
+
+    def watched(*arguments):
+        run = arguments[-1]
+        return real(*arguments[:-1], lambda path: runs.append(path) or run(path))
+
+    monkeypatch.setattr(hard, "race_sparse_paths", watched)
+    output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
+    torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
+    assert runs == ["sparse-torch", "sparse"]
+    row = stored_entry()["timings"][-1]
+    assert row["length"] == 200 and row["timed_on"] == "a call" and row["dense_s"] is None
+    assert row["sparse_s"] == min(row["sparse_s"], row["sparse-torch_s"]) == row[f"{row['sparse_path']}_s"]
+    assert not crossover.race_pending(query, key, 1, 4, 8, "shared")
+    output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
+    torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
+    assert len(runs) == 2 and len(stored_entry()["timings"]) == 2
+    assert crossover.auto_path(query, key, 1, 4, 8, "shared", hard.hard_attention) == row["sparse_path"]
+    crossover._known.clear()  # a new process reads the row from the file
+    assert not crossover.race_pending(query, key, 1, 4, 8, "shared")
+
+
+def test_a_race_under_load_is_kept_in_this_process_only(monkeypatch, stored_entry):
+    monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: crossover.OTHER_CORES_MAX + 1)
+    query, key, value, query_groups, key_groups, sink = routed_case("shared")
+    routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
+    hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
+    assert not crossover.race_pending(query, key, 1, 4, 8, "shared")
+    assert len(stored_entry()["timings"]) == 1
+    crossover._known.clear()
+    assert crossover.race_pending(query, key, 1, 4, 8, "shared")
+
+
+def test_no_race_for_decoding_steps_or_calls_autograd_records(stored_entry):
+    query, key, *_ = routed_case("shared")
+    assert crossover.auto_path(query, key, 1, 4, 8, "shared", hard.hard_attention) == crossover.RACE
+    recorded = query.clone().requires_grad_()
+    assert crossover.auto_path(recorded, key, 1, 4, 8, "shared", hard.hard_attention) == "sparse"
+    with torch.no_grad():
+        assert crossover.auto_path(recorded, key, 1, 4, 8, "shared", hard.hard_attention) == crossover.RACE
+    # a decoding step's entry, timed at 64 keys: a step at 200 keys takes the nearest length's path
+    shape = crossover.make_shape(query[:, :, -1:], key, 1, 4, 8, "decode")
+    crossover.write_entry(shape, {"dense_below": 32, "timings": [raced_row(64, "sparse-torch")]})
+    assert crossover.auto_path(query[:, :, -1:], key, 1, 4, 8, "decode", hard.hard_attention) == "sparse-torch"
 
 
 def test_auto_runs_the_torch_path_where_it_was_measured_faster(monkeypatch, tmp_path):
@@ -492,3 +584,31 @@ def test_measurement_times_both_sparse_paths_on_the_cpu():
     for row in rows:
         assert row["sparse_path"] in crossover.SPARSE_PATHS
         assert row["sparse_s"] == min(row["sparse_s"], row["sparse-torch_s"]) == row[f"{row['sparse_path']}_s"]
+
+
+def test_bench_makes_a_pending_race_before_it_times_and_names_the_path(monkeypatch, tmp_path, capsys):
+    """`focus-hf bench` at a length "auto" has not timed both sparse paths near: the race runs once, untimed, and
+    the row names the path the timed calls took."""
+    if native.native_kernels() is None:
+        pytest.skip("no C compiler: the sparse path has only its torch operations")
+    monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv(crossover.NO_CALIBRATION_ENV, raising=False)
+    monkeypatch.delenv(crossover.CROSSOVER_ENV, raising=False)
+    monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: 0.0)
+    crossover._known.clear()
+    query, key = torch.zeros(1, 9, 8, 64), torch.zeros(1, 3, 8, 64)  # the bench's default layer
+    shape = crossover.make_shape(query, key, 1, 8, 16, "shared")
+    crossover.write_entry(shape, {"dense_below": 32, "timings": [raced_row(64, "sparse")]})
+    races = []
+    real = hard.race_sparse_paths
+    monkeypatch.setattr(hard, "race_sparse_paths", lambda *arguments: races.append(1) or real(*arguments))
+    path = tmp_path / "rows.json"
+    argv = ["bench", "--seq-lens", "300", "--top-k", "1", "--window", "16", "--repeats", "2", "--json", str(path)]
+    assert cli_main(argv) == 0
+    (row,) = json.loads(path.read_text())
+    (stored,) = crossover.read_cache().values()
+    raced = stored["timings"][-1]
+    assert len(races) == 1 and raced["length"] == 300 and raced["timed_on"] == "a call"
+    assert row["focus_path"] == raced["sparse_path"] and row["repeats"] == 2
+    assert raced["sparse_path"] in capsys.readouterr().out
+    crossover._known.clear()
