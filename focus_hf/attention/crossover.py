@@ -505,6 +505,16 @@ def calibrate(shape: Shape, device: torch.device, call: Callable[..., torch.Tens
     return entry
 
 
+def _signature(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> tuple:
+    """The key of a call's entry in `_known`: its shape in this process (`_call_key`) and the settings in the
+    environment, which a process may change between calls (tests do)."""
+    return (
+        os.environ.get(CROSSOVER_ENV),
+        os.environ.get(NO_CALIBRATION_ENV),
+        *_call_key(query, key, top_k, num_groups, window, kind),
+    )
+
+
 def crossover_entry(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -523,30 +533,6 @@ def crossover_entry(
     known = _known.get(signature)
     if known is not None:
         return known
-    return _look_up(signature, query, key, top_k, num_groups, window, kind, call)
-
-
-def _signature(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> tuple:
-    """The key of a call's entry in `_known`: its shape in this process (`_call_key`) and the settings in the
-    environment, which a process may change between calls (tests do)."""
-    return (
-        os.environ.get(CROSSOVER_ENV),
-        os.environ.get(NO_CALIBRATION_ENV),
-        *_call_key(query, key, top_k, num_groups, window, kind),
-    )
-
-
-def _look_up(
-    signature: tuple,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    top_k: int,
-    num_groups: int,
-    window: int,
-    kind: str,
-    call: Callable[..., torch.Tensor],
-) -> dict:
-    """`crossover_entry` for a signature not in `_known` yet: forced, default, cached or measured now."""
     forced = forced_crossover()
     if forced is not None:
         entry = _known[signature] = {"dense_below": forced}
