@@ -58,8 +58,8 @@ CACHE_FILE = "crossover.json"
 # sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen; 21: both
 # sides are timed through `hard.hard_attention`, the function that dispatches them, CUDA decoding steps in runs of
 # FILE_EVERY); 22: on CPU the sparse path is also timed on torch operations (`native.torch_path`), and the faster of
-# the two runs at each length).
-CACHE_VERSION = 23
+# the two runs at each length; 24: rows keep each sparse path's time apart from the faster one's, "sparse_s").
+CACHE_VERSION = 24
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -238,6 +238,8 @@ def random_inputs(shape: Shape, length: int, queries: int, device: torch.device,
 # processor the C kernels are slow on - an unknown one, a build for an older target - then costs nothing).
 PATHS = ("dense", "sparse", "sparse-torch")
 SPARSE_PATHS = ("sparse", "sparse-torch")
+# A row's own time of each sparse path, where both are timed (its "sparse_s" is the faster of them).
+PATH_TIMES = {"sparse": "kernels_s", "sparse-torch": "torch_s"}
 # What `auto_path` answers for a call to run on every sparse path, timed (`race_sparse_paths`).
 RACE = "race"
 # A timing: (untimed preparation, the timed calls, how many steps they make).
@@ -357,7 +359,7 @@ def measure(
         medians = {path: statistics.median(values) for path, values in times.items()}
         sparse = {path: medians[path] for path in SPARSE_PATHS if path in medians}
         fastest = min(sparse, key=sparse.__getitem__)
-        sparse_rows[length] = {"sparse_path": fastest, **{f"{path}_s": value for path, value in sparse.items()}}
+        sparse_rows[length] = {"sparse_path": fastest, **{PATH_TIMES[path]: value for path, value in sparse.items()}}
         return medians.get("dense"), sparse[fastest]
 
     sparse_rows: dict[int, dict] = {}
@@ -367,7 +369,7 @@ def measure(
         crossover, rows = find_crossover(time_at, lengths)
         # Which sparse path is the faster can change with the length (the C kernels' key blocks stream from beyond
         # the core's cache on long calls): the two are timed on at the longer lengths, within the budget.
-        if any("sparse-torch_s" in row for row in sparse_rows.values()):
+        if any(PATH_TIMES["sparse-torch"] in row for row in sparse_rows.values()):
             for length in lengths[len(rows) :]:
                 if time.perf_counter() - started > 2 * BUDGET_S:
                     break
@@ -408,7 +410,7 @@ RACE_FACTOR = 2
 def race_due(entry: dict, length: int) -> bool:
     """Whether a prefill of `length` keys should time both sparse paths as it runs: the entry timed both somewhere,
     but nowhere within RACE_FACTOR of `length` (in practice: beyond the calibrated lengths, MAX_LENGTH at most)."""
-    raced = [row["length"] for row in entry.get("timings", []) if all(f"{path}_s" in row for path in SPARSE_PATHS)]
+    raced = [row["length"] for row in entry.get("timings", []) if all(name in row for name in PATH_TIMES.values())]
     return bool(raced) and not any(length <= RACE_FACTOR * timed and timed <= RACE_FACTOR * length for timed in raced)
 
 
@@ -623,7 +625,7 @@ def race_sparse_paths(
         "dense_s": None,
         "sparse_s": times[fastest],
         "sparse_path": fastest,
-        **{f"{path}_s": seconds for path, seconds in times.items()},
+        **{PATH_TIMES[path]: seconds for path, seconds in times.items()},
         "timed_on": "a call",
     }
     signature = _signature(query, key, top_k, num_groups, window, kind)

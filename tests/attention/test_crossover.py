@@ -446,8 +446,8 @@ def test_sparse_path_at_takes_the_nearest_measured_length():
 
 def raced_row(length, path):
     """A timing row of both sparse paths at `length`, `path` the faster."""
-    times = {"sparse_s": 2.0, "sparse-torch_s": 2.0, f"{path}_s": 1.0}
-    return {"length": length, "dense_s": None, **times, "sparse_path": path}
+    times = {"kernels_s": 2.0, "torch_s": 2.0, crossover.PATH_TIMES[path]: 1.0}
+    return {"length": length, "dense_s": None, "sparse_s": 1.0, **times, "sparse_path": path}
 
 
 def test_race_is_due_only_beyond_a_factor_of_two_from_every_length_timed_on_both_paths():
@@ -500,7 +500,7 @@ def test_a_call_far_beyond_the_timed_lengths_races_both_sparse_paths_once(monkey
     assert runs == ["sparse-torch", "sparse"]
     row = stored_entry()["timings"][-1]
     assert row["length"] == 200 and row["timed_on"] == "a call" and row["dense_s"] is None
-    assert row["sparse_s"] == min(row["sparse_s"], row["sparse-torch_s"]) == row[f"{row['sparse_path']}_s"]
+    assert row["sparse_s"] == min(row["kernels_s"], row["torch_s"]) == row[crossover.PATH_TIMES[row["sparse_path"]]]
     assert not crossover.race_pending(query, key, 1, 4, 8, "shared")
     output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
     torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
@@ -583,7 +583,7 @@ def test_measurement_times_both_sparse_paths_on_the_cpu():
     _, rows = crossover.measure(shape, torch.device("cpu"), hard.hard_attention, lengths=(32, 64))
     for row in rows:
         assert row["sparse_path"] in crossover.SPARSE_PATHS
-        assert row["sparse_s"] == min(row["sparse_s"], row["sparse-torch_s"]) == row[f"{row['sparse_path']}_s"]
+        assert row["sparse_s"] == min(row["kernels_s"], row["torch_s"]) == row[crossover.PATH_TIMES[row["sparse_path"]]]
 
 
 def test_bench_makes_a_pending_race_before_it_times_and_names_the_path(monkeypatch, tmp_path, capsys):
