@@ -246,7 +246,7 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    from focus_hf.attention.crossover import auto_path, race_pending
+    from focus_hf.attention.crossover import auto_path, crossover_entry, race_pending
     from focus_hf.attention.hard import forget_fallbacks, hard_attention, path_kind
 
     forget_fallbacks()  # the row counts its own length's fallbacks (`gpu_path_fields`)
@@ -281,11 +281,13 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
             focus_times[top_k].append(time_call(call))
     others = meter()
     dense_s, dense_cpu_s = medians(dense_times)
-    paths = {  # what "auto" ran: "dense" (the masked call), "sparse" (the C kernels on the CPU) or "sparse-torch"
-        top_k: auto_path(case.query, case.key, top_k, args.groups, args.window, kinds[top_k], hard_attention)
-        for top_k in args.top_k
-        if args.backend == "auto"
-    }
+    paths, races = {}, {}
+    for top_k in args.top_k if args.backend == "auto" else ():
+        layer = (case.query, case.key, top_k, args.groups, args.window, kinds[top_k], hard_attention)
+        # what "auto" ran: "dense" (the masked call), "sparse" (the C kernels on the CPU) or "sparse-torch"
+        paths[top_k] = auto_path(*layer)
+        if racing[top_k]:  # the race's row: each sparse path's time on the warm-up call
+            races[top_k] = crossover_entry(*layer)["timings"][-1]
     rows = []
     causal_pairs = seq_len * (seq_len + 1) // 2
     for top_k in args.top_k:
@@ -312,6 +314,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "query_router": args.query_router,
                 "dense_below": crossovers[top_k],
                 "focus_path": paths.get(top_k),
+                "race": races.get(top_k),
                 "other_cores_busy": others,
                 **gpu_path_fields(args, device),
                 **machine_fields(device),

@@ -444,9 +444,9 @@ def test_sparse_path_at_takes_the_nearest_measured_length():
     assert crossover.sparse_path_at({"dense_below": 8}, 10**6) == "sparse"  # forced or default: the C kernels
 
 
-def raced_row(length, path):
-    """A timing row of both sparse paths at `length`, `path` the faster."""
-    times = {"kernels_s": 2.0, "torch_s": 2.0, crossover.PATH_TIMES[path]: 1.0}
+def raced_row(length, path, slower=1.2):
+    """A timing row of both sparse paths at `length`, `path` the faster, the other `slower` times as slow."""
+    times = {"kernels_s": slower, "torch_s": slower, crossover.PATH_TIMES[path]: 1.0}
     return {"length": length, "dense_s": None, "sparse_s": 1.0, **times, "sparse_path": path}
 
 
@@ -455,6 +455,10 @@ def test_race_is_due_only_beyond_a_factor_of_two_from_every_length_timed_on_both
     assert not crossover.race_due(entry, 32768)
     assert crossover.race_due(entry, 32769) and crossover.race_due(entry, 65536)
     assert not crossover.race_due(entry, 2048) and not crossover.race_due(entry, 10000)
+    # The nearest timed length had one path far slower: that one is not raced.
+    far_apart = {"timings": [raced_row(4096, "sparse"), raced_row(16384, "sparse-torch", slower=crossover.RACE_WITHIN)]}
+    assert not crossover.race_due(far_apart, 65536)
+    assert crossover.sparse_path_at(far_apart, 65536) == "sparse-torch"
     # One sparse path timed (CUDA, or no C compiler), or nothing timed (forced, default): nothing to race.
     assert not crossover.race_due({"timings": [{"length": 64, "sparse_s": 1.0, "sparse_path": "sparse"}]}, 10**6)
     assert not crossover.race_due({"dense_below": 8}, 10**6)
@@ -609,6 +613,6 @@ def test_bench_makes_a_pending_race_before_it_times_and_names_the_path(monkeypat
     (stored,) = crossover.read_cache().values()
     raced = stored["timings"][-1]
     assert len(races) == 1 and raced["length"] == 300 and raced["timed_on"] == "a call"
-    assert row["focus_path"] == raced["sparse_path"] and row["repeats"] == 2
+    assert row["focus_path"] == raced["sparse_path"] and row["repeats"] == 2 and row["race"] == raced
     assert raced["sparse_path"] in capsys.readouterr().out
     crossover._known.clear()
