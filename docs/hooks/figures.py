@@ -596,6 +596,32 @@ def cpu_targets_decode_table() -> str:
     return _table(header, body)
 
 
+def cpu_targets_auto_table() -> str:
+    """One attention layer's prefill far beyond the lengths "auto" calibrates, per build (`focus-hf bench --backend
+    auto`, one thread): the race of its two sparse paths on the untimed first call (each path's seconds), the path
+    "auto" then ran, and that run against dense SDPA."""
+    body = []
+    for target in CPU_TARGETS:
+        path = f"benchmarks/results/cpu_targets/attention_auto_{target}.json"
+        for row in rows(path):
+            race = row["race"]
+            body.append(
+                [
+                    f"[{target}]({path})",
+                    f"{row['seq_len']:,}",
+                    str(row["top_k"]),
+                    "-" if race is None else f"{race['kernels_s']:.2f} / {race['torch_s']:.2f}",
+                    {"sparse": "C kernels", "sparse-torch": "torch path"}.get(row["focus_path"], row["focus_path"]),
+                    f"{row['dense_s']:.1f} / {row['focus_s']:.2f}",
+                    times(row["speedup"]),
+                    times(row["ideal_speedup"]),
+                    f"{row['speedup'] / row['ideal_speedup']:.2f}",
+                ]
+            )
+    header = ["build", "tokens", "top-k", "race: C kernels / torch path s", "auto ran", "dense / Focus s", "speedup"]
+    return _table(header + ["ideal", "efficiency"], body)
+
+
 DEMO_TARGETS = "benchmarks/results/cpu_targets/demo"  # a `focus-hf demo` run's eval_results.json and printed lines
 
 
@@ -778,6 +804,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_steps": cpu_targets_steps_table,
     "table.cpu_targets_decode": cpu_targets_decode_table,
     "table.cpu_targets_demo": cpu_targets_demo_table,
+    "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
 }
 

@@ -627,6 +627,7 @@ def race_sparse_paths(
     meter = other_cores_meter() if query.device.type == "cpu" else None
     times: dict[str, float] = {}
     for path in SPARSE_PATHS[::-1]:  # the C kernels' last: theirs is the output returned
+        output = None  # the previous path's, dropped before this one runs
         started = time.perf_counter()
         output = run(path)
         times[path] = time.perf_counter() - started
