@@ -548,28 +548,34 @@ def parts_table() -> str:
 CPU_TARGETS = ("native", "x86-64-v3", "x86-64-v2")  # benchmarks/results/cpu_targets/attention_parts_<target>.json
 
 
+def target_rows(stem: str) -> Iterator[tuple[str, str, dict]]:
+    """(build, results file, row) of each build's benchmarks/results/cpu_targets/<stem>_<build>.json."""
+    for target in CPU_TARGETS:
+        path = f"benchmarks/results/cpu_targets/{stem}_{target}.json"
+        for row in rows(path):
+            yield target, path, row
+
+
 def cpu_targets_table() -> str:
     """One attention layer per build of the C kernels (`FOCUS_HF_CPU_TARGET`), all measured on one machine by
     benchmarks/attention_parts.py (one thread, CPU time): speedup over dense SDPA of the C kernels and of the torch
     path, the pair-count ideal, and set A's cost per pair against dense SDPA's."""
     body = []
-    for target in CPU_TARGETS:
-        path = f"benchmarks/results/cpu_targets/attention_parts_{target}.json"
-        for row in rows(path):
-            build = row["cpu_kernels"]
-            body.append(
-                [
-                    f"[{target}]({path})" + (f" ({build['march']})" if target == "native" else ""),
-                    str(build["vector_floats"]),
-                    f"{row['seq_len']:,}",
-                    str(row["top_k"]),
-                    times(row["speedup"]),
-                    times(row["torch_path_speedup"]),
-                    times(row["ideal_speedup"]),
-                    f"{row['speedup'] / row['ideal_speedup']:.2f}",
-                    f"{row['set_a_ns_per_pair_head']:.2f} / {row['dense_ns_per_pair_head']:.2f}",
-                ]
-            )
+    for target, path, row in target_rows("attention_parts"):
+        build = row["cpu_kernels"]
+        body.append(
+            [
+                f"[{target}]({path})" + (f" ({build['march']})" if target == "native" else ""),
+                str(build["vector_floats"]),
+                f"{row['seq_len']:,}",
+                str(row["top_k"]),
+                times(row["speedup"]),
+                times(row["torch_path_speedup"]),
+                times(row["ideal_speedup"]),
+                f"{row['speedup'] / row['ideal_speedup']:.2f}",
+                f"{row['set_a_ns_per_pair_head']:.2f} / {row['dense_ns_per_pair_head']:.2f}",
+            ]
+        )
     header = ["build", "floats per vector", "tokens", "top-k", "C kernels", "torch path", "ideal", "efficiency"]
     return _table(header + ["set A / dense ns per pair"], body)
 
@@ -578,20 +584,18 @@ def cpu_targets_decode_table() -> str:
     """One decoding step of one attention layer per build of the C kernels (`focus-hf bench --decode`, one thread),
     `auto` against dense SDPA on the same cache, all measured on one machine."""
     body = []
-    for target in CPU_TARGETS:
-        path = f"benchmarks/results/cpu_targets/attention_decode_{target}.json"
-        for row in rows(path):
-            body.append(
-                [
-                    f"[{target}]({path})",
-                    f"{row['cache_len']:,}",
-                    str(row["top_k"]),
-                    f"{row['dense_s'] * 1e3:.3f} / {row['focus_s'] * 1e3:.3f}",
-                    times(row["speedup"]),
-                    times(row["ideal_speedup"]),
-                    row["focus_path"],
-                ]
-            )
+    for target, path, row in target_rows("attention_decode"):
+        body.append(
+            [
+                f"[{target}]({path})",
+                f"{row['cache_len']:,}",
+                str(row["top_k"]),
+                f"{row['dense_s'] * 1e3:.3f} / {row['focus_s'] * 1e3:.3f}",
+                times(row["speedup"]),
+                times(row["ideal_speedup"]),
+                row["focus_path"],
+            ]
+        )
     header = ["build", "cache tokens", "top-k", "dense / Focus ms", "speedup", "ideal", "Focus path"]
     return _table(header, body)
 
@@ -601,23 +605,21 @@ def cpu_targets_auto_table() -> str:
     auto`, one thread): the race of its two sparse paths on the untimed first call (each path's seconds), the path
     "auto" then ran, and that run against dense SDPA."""
     body = []
-    for target in CPU_TARGETS:
-        path = f"benchmarks/results/cpu_targets/attention_auto_{target}.json"
-        for row in rows(path):
-            race = row["race"]
-            body.append(
-                [
-                    f"[{target}]({path})",
-                    f"{row['seq_len']:,}",
-                    str(row["top_k"]),
-                    "-" if race is None else f"{race['kernels_s']:.2f} / {race['torch_s']:.2f}",
-                    {"sparse": "C kernels", "sparse-torch": "torch path"}.get(row["focus_path"], row["focus_path"]),
-                    f"{row['dense_s']:.1f} / {row['focus_s']:.2f}",
-                    times(row["speedup"]),
-                    times(row["ideal_speedup"]),
-                    f"{row['speedup'] / row['ideal_speedup']:.2f}",
-                ]
-            )
+    for target, path, row in target_rows("attention_auto"):
+        race = row["race"]
+        body.append(
+            [
+                f"[{target}]({path})",
+                f"{row['seq_len']:,}",
+                str(row["top_k"]),
+                "-" if race is None else f"{race['kernels_s']:.2f} / {race['torch_s']:.2f}",
+                {"sparse": "C kernels", "sparse-torch": "torch path"}.get(row["focus_path"], row["focus_path"]),
+                f"{row['dense_s']:.1f} / {row['focus_s']:.2f}",
+                times(row["speedup"]),
+                times(row["ideal_speedup"]),
+                f"{row['speedup'] / row['ideal_speedup']:.2f}",
+            ]
+        )
     header = ["build", "tokens", "top-k", "race: C kernels / torch path s", "auto ran", "dense / Focus s", "speedup"]
     return _table(header + ["ideal", "efficiency"], body)
 
@@ -677,21 +679,19 @@ def cpu_targets_steps_table() -> str:
     """Decoding steps of the whole model per build of the C kernels, the base model's and Focus's taken in turn in one
     process (benchmarks/model_decode_steps.py), medians, all measured on one machine."""
     body = []
-    for target in CPU_TARGETS:
-        path = f"benchmarks/results/cpu_targets/model_decode_steps_{target}.json"
-        for row in rows(path):
-            if row["variant"] != FOCUS_SAVED:
-                continue
-            full = pick(path, prompt_len=row["prompt_len"], variant=FULL_MODEL)
-            body.append(
-                [
-                    f"[{target}]({path})",
-                    f"{row['prompt_len']:,}",
-                    f"{full['step_ms']:.1f} / {row['step_ms']:.1f} ms",
-                    times(row["speedup"]),
-                    str(row["steps"]),
-                ]
-            )
+    for target, path, row in target_rows("model_decode_steps"):
+        if row["variant"] != FOCUS_SAVED:
+            continue
+        full = pick(path, prompt_len=row["prompt_len"], variant=FULL_MODEL)
+        body.append(
+            [
+                f"[{target}]({path})",
+                f"{row['prompt_len']:,}",
+                f"{full['step_ms']:.1f} / {row['step_ms']:.1f} ms",
+                times(row["speedup"]),
+                str(row["steps"]),
+            ]
+        )
     return _table(["build", "prompt tokens", "step: base / Focus", "speedup", "steps each"], body)
 
 
