@@ -597,9 +597,9 @@ def auto_path(
     length = key.shape[2]
     if length < entry["dense_below"]:
         return "dense"
-    recorded = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
-    if kind != "decode" and not recorded and race_due(entry, length):
-        return RACE
+    if kind != "decode" and race_due(entry, length):
+        if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
+            return RACE
     return sparse_path_at(entry, length)
 
 
