@@ -603,12 +603,19 @@ def auto_path(
     return sparse_path_at(entry, length)
 
 
-def race_pending(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> bool:
-    """Whether "auto" would run a call of this shape and `key.shape[2]` keys on both sparse paths, timed (`auto_path`),
-    e.g. so that a benchmark makes that call before it times any (measuring the crossover first, if not known yet)."""
-    from focus_hf.attention.hard import hard_attention
-
-    return auto_path(query, key, top_k, num_groups, window, kind, hard_attention) == RACE
+def race_pending(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    window: int,
+    kind: str,
+    call: Callable[..., torch.Tensor],
+) -> bool:
+    """Whether "auto" would run a call of this shape and `key.shape[2]` keys on both sparse paths, timed (`auto_path`;
+    `call` as there), e.g. so that a benchmark makes that call before it times any (measuring the crossover first,
+    if not known yet)."""
+    return auto_path(query, key, top_k, num_groups, window, kind, call) == RACE
 
 
 def race_sparse_paths(

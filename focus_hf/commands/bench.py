@@ -259,7 +259,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
         kinds[top_k] = kind = path_kind(routing.top_groups, routing.key_groups, False, routing.own_groups is None)
         crossovers[top_k] = crossover_used(args, case, top_k, kind)
         racing[top_k] = args.backend == "auto" and race_pending(
-            case.query, case.key, top_k, args.groups, args.window, kind
+            case.query, case.key, top_k, args.groups, args.window, kind, hard_attention
         )
     dense_context, kernel = dense_kernel(case.query, case.key, causal=True)
     dense_times: list[tuple[float, float]] = []

@@ -490,7 +490,7 @@ def test_a_call_far_beyond_the_timed_lengths_races_both_sparse_paths_once(monkey
     allowed = allowed_pairs(query_groups, key_groups, sink, positions, positions, 8)
     reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
     routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
-    assert crossover.race_pending(query, key, 1, 4, 8, "shared")
+    assert crossover.race_pending(query, key, 1, 4, 8, "shared", hard.hard_attention)
     runs = []
     real = crossover.race_sparse_paths
 
@@ -505,13 +505,13 @@ def test_a_call_far_beyond_the_timed_lengths_races_both_sparse_paths_once(monkey
     row = stored_entry()["timings"][-1]
     assert row["length"] == 200 and row["timed_on"] == "a call" and row["dense_s"] is None
     assert row["sparse_s"] == min(row["kernels_s"], row["torch_s"]) == row[crossover.PATH_TIMES[row["sparse_path"]]]
-    assert not crossover.race_pending(query, key, 1, 4, 8, "shared")
+    assert not crossover.race_pending(query, key, 1, 4, 8, "shared", hard.hard_attention)
     output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
     torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
     assert len(runs) == 2 and len(stored_entry()["timings"]) == 2
     assert crossover.auto_path(query, key, 1, 4, 8, "shared", hard.hard_attention) == row["sparse_path"]
     crossover._known.clear()  # a new process reads the row from the file
-    assert not crossover.race_pending(query, key, 1, 4, 8, "shared")
+    assert not crossover.race_pending(query, key, 1, 4, 8, "shared", hard.hard_attention)
 
 
 def test_a_race_under_load_is_kept_in_this_process_only(monkeypatch, stored_entry):
@@ -519,10 +519,10 @@ def test_a_race_under_load_is_kept_in_this_process_only(monkeypatch, stored_entr
     query, key, value, query_groups, key_groups, sink = routed_case("shared")
     routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
     hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
-    assert not crossover.race_pending(query, key, 1, 4, 8, "shared")
+    assert not crossover.race_pending(query, key, 1, 4, 8, "shared", hard.hard_attention)
     assert len(stored_entry()["timings"]) == 1
     crossover._known.clear()
-    assert crossover.race_pending(query, key, 1, 4, 8, "shared")
+    assert crossover.race_pending(query, key, 1, 4, 8, "shared", hard.hard_attention)
 
 
 def test_no_race_for_decoding_steps_or_calls_autograd_records(stored_entry):
