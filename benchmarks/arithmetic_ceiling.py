@@ -7,6 +7,11 @@ same process, the rate of dense causal SDPA and of the call shapes Focus's prefi
 one group's queries, the local part's blocks of 32 queries over 160 keys under a mask), each as GFLOP/s of useful
 work (4 * head_dim flops per visible query-key pair and head: q.k and p.v) and as a fraction of the GEMM rate.
 
+The last rows are torch's own CPU kernel alone (`native.torch_path`, what "auto" runs where the C kernels lose), the
+ceiling of the sparse path on torch operations: a causal square beside the unmasked square of the same keys (where
+the two cost the same, the kernel computed the hidden half too), and unmasked calls of few and of many query rows
+(each kv head's query heads folded into the rows, as `partials.folded_attention` calls it).
+
     python benchmarks/arithmetic_ceiling.py --json benchmarks/results/arithmetic_ceiling.json
 
 Rows: call, shape, ms (median of --repeats), useful GFLOP/s, fraction of the GEMM rate, ns per useful pair and head,
@@ -23,9 +28,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 import focus_hf
 from focus_hf.attention.backends import cpu_kernel
+from focus_hf.attention.cpu.native import torch_path
 from focus_hf.attention.cpu.partials import LOCAL_BLOCK
 from focus_hf.commands.bench import machine_fields
 
@@ -52,12 +59,28 @@ def token_major(length: int, heads: int, generator: torch.Generator) -> torch.Te
 
 
 def causal_call(length: int, generator: torch.Generator) -> tuple[Callable[[], object], float]:
-    """Dense causal SDPA over `length` tokens (GQA), and its visible pairs x heads."""
+    """Dense causal SDPA over `length` tokens (GQA; torch's own kernel, as the model's dense layers call it), and its
+    visible pairs x heads."""
     query, key, value = (token_major(length, h, generator) for h in (HEADS, KV_HEADS, KV_HEADS))
     return (
-        lambda: cpu_kernel(query, key, value, causal=True, bias=None, scale=DIM**-0.5),
+        lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True),
         HEADS * length * (length + 1) / 2,
     )
+
+
+def torch_kernel_call(
+    rows: int, keys: int, heads: int, causal: bool, generator: torch.Generator
+) -> tuple[Callable[[], object], float]:
+    """torch's CPU kernel alone (never the C kernels): `rows` queries of `heads` query heads over `keys` keys of
+    KV_HEADS kv heads, causal or unmasked, and its visible pairs x heads."""
+    query = token_major(rows, heads, generator)
+    key, value = (token_major(keys, KV_HEADS, generator) for _ in range(2))
+
+    def call() -> object:
+        with torch_path():
+            return cpu_kernel(query, key, value, causal=causal, bias=None, scale=DIM**-0.5)
+
+    return call, heads * (rows * (rows + 1) / 2 if causal else rows * keys)
 
 
 def local_blocks(
@@ -111,6 +134,23 @@ def main(argv: Optional[list[str]] = None) -> int:
             *local_blocks(4096, window, LOCAL_BLOCK, generator),
         )
     )
+    for length in (256, 512, 1024):
+        for causal in (True, False):
+            cases.append(
+                (
+                    f"torch kernel, {'causal' if causal else 'unmasked'} square, {length:,} keys",
+                    f"{HEADS}x{DIM} heads / {KV_HEADS} kv",
+                    *torch_kernel_call(length, length, HEADS, causal, generator),
+                )
+            )
+    for folded_rows in (192, 768):
+        cases.append(
+            (
+                f"torch kernel, unmasked, {folded_rows} folded rows x 1,024 keys",
+                f"{KV_HEADS}x{DIM} heads / {KV_HEADS} kv",
+                *torch_kernel_call(folded_rows, 1024, KV_HEADS, False, generator),
+            )
+        )
     for name, shape, call, pair_heads in cases:
         # Calls of a billion pairs and heads or more (16K tokens: ~2 s each) are timed twice.
         seconds = median_seconds(call, args.repeats if pair_heads < 1e9 else 2)
