@@ -26,8 +26,20 @@ from focus_hf.interpret.chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, matplo
 
 logger = logging.getLogger(__name__)
 
-# The repository's hub_templates/ folder ships inside the package as `focus_hf.hub_templates` (see pyproject).
-TEMPLATE_PATH = Path(str(resources.files("focus_hf.hub_templates") / "model_card.md.j2"))
+TEMPLATE_NAME = "model_card.md.j2"
+
+
+def _template_path() -> Path:
+    """The card template. The repository's hub_templates/ folder ships inside the package as `focus_hf.hub_templates`
+    (see pyproject); a checkout imported without installing it (PYTHONPATH, as on the lent GPU machine) has no such
+    module, and reads the folder beside the package instead."""
+    try:
+        return Path(str(resources.files("focus_hf.hub_templates") / TEMPLATE_NAME))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "hub_templates" / TEMPLATE_NAME
+
+
+TEMPLATE_PATH = _template_path()
 CARD_NAME = "README.md"
 EVAL_RESULTS_NAME = "eval_results.json"
 TRAINING_LOG_NAME = "training_log.json"

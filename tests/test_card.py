@@ -324,7 +324,7 @@ def test_card_renders_adversarial_token_strings_verbatim(adapter_dir, tmp_path):
         assert label in spans, f"token shown as {label!r} is missing from the rendered card"
     assert "(empty)" in text  # the empty token
     rendered = renderer().render(ModelCard(text).text)
-    assert "# Not a heading" in rendered and "<h1>Not a heading" not in rendered and "evil.example\"" not in rendered
+    assert "# Not a heading" in rendered and "<h1>Not a heading" not in rendered and 'evil.example"' not in rendered
 
 
 def test_card_of_the_demo_renders(tmp_path):
@@ -345,3 +345,20 @@ def test_card_of_the_demo_renders(tmp_path):
     base, focus = sum(c["base_ok"] for c in passkey), sum(c["focus_ok"] for c in passkey)
     assert f"the base model answered {base} of {len(passkey)}, the adapter {focus} of {len(passkey)}" in card.text
     assert "pypi.org" not in text
+
+
+def test_a_checkout_imported_without_installing_finds_the_template():
+    """On the lent GPU machine the package is imported from the checkout (PYTHONPATH), where the installed mapping
+    `focus_hf.hub_templates` does not exist: importing `focus_hf.card` (every test's autouse fixture does) must not
+    fail, and the template it reads is the checkout's."""
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['focus_hf.hub_templates'] = None\n"  # what an uninstalled checkout lacks
+        "import focus_hf.card as card\n"
+        "assert card.TEMPLATE_PATH.is_file(), card.TEMPLATE_PATH\n"
+        "print(card.TEMPLATE_PATH.parent.name)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "hub_templates"
