@@ -317,3 +317,24 @@ def test_past_the_recompile_limit_a_call_takes_the_exact_path_with_one_warning(c
             torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
     assert hard.fallback_calls() == {"recompile limit": 2}
     assert capsys.readouterr().err.count("reached its recompile limit") == 1
+
+
+def test_inside_a_compiled_model_each_call_runs_its_own_compiled_function(compiler):
+    # Traced into a compiled model's graph, the decoding step's FlexAttention failed to lower on an H200 (torch 2.11);
+    # so a call under torch.compile leaves the model's graph, once per call, and runs the path's own compiled
+    # function of its kind - counted by `flex_compilations`, and equal to the oracle.
+    arguments, expected, rows = sparse_case(top_k=2, separate=True)
+    query, key, value, *rest = arguments
+
+    def attention(query, key, value):
+        return stock_sparse_attention(query, key, value, *rest, dynamo_kernels(), own_group=False)
+
+    explained = torch._dynamo.explain(attention)(query, key, value)
+    assert explained.graph_break_count >= 2, explained  # set B's call and set A's
+    for graph in explained.graphs:
+        assert "flex_attention" not in str(graph.code), "FlexAttention was traced into the model's graph"
+    torch._dynamo.reset()
+    output = torch.compile(attention, backend="eager")(query, key, value)
+    torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
+    counts = flex_compilations()
+    assert counts["partial"] >= 1 and counts["full"] >= 1, counts

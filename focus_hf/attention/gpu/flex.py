@@ -137,9 +137,9 @@ def run_compiled(
     `FlexRecompileLimit`."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
+    if torch.compiler.is_compiling():
+        return _outside_the_model_graph(kind, query, key, value, blocks, scale, lengths, backend)
     mask = block_mask(blocks, *lengths)
-    if torch.compiler.is_compiling():  # inside a compiled model: compiled as part of its graph
-        return FLEX_CALLS[kind](query, key, value, mask, scale)
     # Lengths change from call to call: sizes from the first compilation, not constants. A decoding step keeps its
     # batch and heads static, which torch's split-key decoding kernel needs.
     for states in (query, key, value):
@@ -160,6 +160,16 @@ def run_compiled(
             f"torch.compile reached its recompile limit ({torch._dynamo.config.recompile_limit}) for FlexAttention "
             f"calls of kind '{kind}' ({query.dtype}, {query.shape[1]} query heads on {key.shape[1]} kv heads)"
         ) from error
+
+
+@torch.compiler.disable
+def _outside_the_model_graph(kind, query, key, value, blocks, scale, lengths, backend):
+    """`run_compiled` for a call inside a compiled model, which leaves the model's graph (one graph break) and runs this
+    module's compiled function of `kind`. Traced into the model's graph instead, torch 2.11's inductor failed to lower
+    the decoding step's FlexAttention on an H200 ("LoweringException: AttributeError: 'function' object has no
+    attribute 'graph'", the mask's closure holding tensors made inside the graph), and the model's graph would also
+    escape this module's bounds on recompilations."""
+    return run_compiled(kind, query, key, value, blocks, scale, lengths, backend)
 
 
 def cuda_flex(
