@@ -72,6 +72,32 @@ def flash_context(device, probe):
     return (lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)), "flash (torch SDPA)"
 
 
+def layer_model(heads: int, kv_heads: int, groups: int, window: int, max_tokens: int, device, dtype, dense_impl: str):
+    """The benchmark's one-layer Llama-shaped model (random weights, seed 0) with a Focus adapter (random routers):
+    (peft model in eval mode, its LlamaConfig, its FocusConfig)."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import focus_hf
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=heads * 64,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=64,
+        max_position_embeddings=max_tokens + 1,
+    )
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config, attn_implementation=dense_impl, dtype=dtype)
+    focus_config = focus_hf.FocusConfig(num_groups=groups, window=window)
+    model = get_peft_model(base.to(device).eval(), focus_config)
+    return model.eval(), config, focus_config
+
+
 def write(path: Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
@@ -99,9 +125,6 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks/gpu_attention.py needs a CUDA GPU; none is available here, nothing was measured.")
         return 2
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     import focus_hf
     from focus_hf.commands.bench import provenance
 
@@ -112,21 +135,9 @@ def main() -> int:
     dense_impl = "flash_attention_2" if flash else "sdpa"
     backend = args.backend or ("flash" if flash else "sdpa")
     hidden = args.heads * 64
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=hidden,
-        intermediate_size=256,
-        num_hidden_layers=1,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=64,
-        max_position_embeddings=max(args.lengths) + 1,
+    model, config, focus_config = layer_model(
+        args.heads, args.kv_heads, args.groups, args.window, max(args.lengths), device, dtype, dense_impl
     )
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(config, attn_implementation=dense_impl, dtype=dtype)
-    focus_config = focus_hf.FocusConfig(num_groups=args.groups, window=args.window)
-    model = get_peft_model(base.to(device).eval(), focus_config)
-    model.eval()
 
     def synchronize() -> None:
         if cuda:

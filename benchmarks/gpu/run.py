@@ -17,6 +17,12 @@ of issue 37 it is held against).
 | model_prefill | model_prefill.json | benchmarks/gpu_model_prefill.py --weights random: SmolLM2-135M's             |
 |               |                    | architecture, random weights, the committed adapter's settings, 8K-128K      |
 | train         | train.json         | benchmarks/gpu/train_check.py: focus-hf train --objective distill, bf16      |
+| profile       | profile.json       | benchmarks/gpu/profile_layer.py: torch.profiler over the attention stage's   |
+|               |                    | layer at 64K and 256K, top-1 and top-2, time by focus_hf function, syncs     |
+
+`--quick` runs tests, profile, decode (256K and 1M caches), model_prefill (128K) and attention (64K-1M, one repeat)
+under shorter limits, about 4 minutes on an H200: a session with 15 device minutes runs it first and the full set
+(every stage but profile) second.
 
 That is 8 files with summary.json, the most the device tool brings back. Every Focus row of the stage files records
 what ran it (`gpu_path`: verify's verdicts, the calls that fell back to the reference path, FlexAttention's
@@ -25,7 +31,7 @@ not a Focus figure. `--device cpu` runs every stage at small
 sizes in float32 with a quarter of the heads (a check of the script, which tests/test_gpu_script.py runs; its
 figures say nothing about GPUs).
 
-    python benchmarks/gpu/run.py [--device cuda|cpu] [--out DIR] [--only STAGE ...] [--skip STAGE ...]
+    python benchmarks/gpu/run.py [--device cuda|cpu] [--quick] [--out DIR] [--only STAGE ...] [--skip STAGE ...]
                                  [--deadline SECONDS] [--timeout STAGE=SECONDS ...]
 """
 
@@ -62,8 +68,10 @@ class Stage:
 
     name: str
     file: str
-    command: Callable[[str, Path], list[str]]  # (device, result file) -> argv
+    command: Callable[[str, Path, bool], list[str]]  # (device, result file, quick) -> argv
     timeout: dict[str, int]
+    quick: bool = True  # part of the --quick set
+    full: bool = True  # part of the default (full) set
 
 
 def cuda_test_files() -> list[str]:
@@ -73,7 +81,7 @@ def cuda_test_files() -> list[str]:
     return [str(path.relative_to(ROOT)) for path in files if "cuda" in path.read_text(encoding="utf-8").lower()]
 
 
-def tests_command(device: str, path: Path) -> list[str]:
+def tests_command(device: str, path: Path, quick: bool = False) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -90,9 +98,12 @@ def tests_command(device: str, path: Path) -> list[str]:
     ]
 
 
-def attention_command(device: str, path: Path) -> list[str]:
+def attention_command(device: str, path: Path, quick: bool = False) -> list[str]:
     sizes = ["4096", "16384", "65536", "262144", "1048576"] if device == "cuda" else ["512", "1024"]
     extra = [] if device == "cuda" else ["--repeats", "1"]
+    if quick:
+        sizes = ["65536", "262144", "1048576"] if device == "cuda" else ["1024"]
+        extra = ["--repeats", "1"]
     command = [sys.executable, "benchmarks/gpu_attention.py", "--device", device, *HEADS[device], "--lengths", *sizes]
     return [*command, "--top-k", "1", "2", *extra, "--out", str(path)]
 
@@ -104,47 +115,62 @@ def bench(device: str, path: Path, *options: str) -> list[str]:
     return [*command, *options, "--json", str(path)]
 
 
-def auto_command(device: str, path: Path) -> list[str]:
+def auto_command(device: str, path: Path, quick: bool = False) -> list[str]:
     lengths = [str(1024 << i) for i in range(9)] if device == "cuda" else ["1024", "2048"]  # 1K-256K
     extra = [] if device == "cuda" else ["--repeats", "2"]
     return bench(device, path, "--backend", "auto", "--top-k", "1", "2", "--seq-lens", *lengths, *extra)
 
 
-def decode_command(device: str, path: Path) -> list[str]:
+def decode_command(device: str, path: Path, quick: bool = False) -> list[str]:
     caches = ["16384", "65536", "262144", "1048576"] if device == "cuda" else ["1024", "2048"]
     # On CUDA a timing is 128 consecutive steps (one filing of the paged copy among them), eager and compiled.
     extra = ["--decode-repeats", "10", "--compile"] if device == "cuda" else ["--decode-repeats", "5"]
+    if quick:
+        caches = ["262144", "1048576"] if device == "cuda" else ["2048"]
+        extra = ["--decode-repeats", "5", "--compile"] if device == "cuda" else ["--decode-repeats", "2"]
     return bench(device, path, "--decode", "--backend", "auto", "--top-k", "1", "2", "--seq-lens", *caches, *extra)
 
 
-def peak_memory_command(device: str, path: Path) -> list[str]:
+def peak_memory_command(device: str, path: Path, quick: bool = False) -> list[str]:
     if device == "cuda":
         return bench(device, path, "--peak-memory", "--backend", "sdpa", "--top-k", "1", "2", "--seq-lens", "1048576")
     return bench(device, path, "--peak-memory", "--backend", "sdpa", "--top-k", "1", "--seq-lens", "2048")
 
 
-def model_prefill_command(device: str, path: Path) -> list[str]:
+def model_prefill_command(device: str, path: Path, quick: bool = False) -> list[str]:
     command = [sys.executable, "benchmarks/gpu_model_prefill.py", "--device", device, "--weights", "random"]
     if device == "cuda":
-        return [*command, "--lengths", "8192", "16384", "32768", "65536", "131072", "--out", str(path)]
+        lengths = ["131072"] if quick else ["8192", "16384", "32768", "65536", "131072"]
+        return [*command, "--lengths", *lengths, "--out", str(path)]
     small = ["--layers", "2", "--dense-below", "0", "--lengths", "1024", "--repeats", "1"]
     return [*command, *small, "--out", str(path)]
 
 
-def train_command(device: str, path: Path) -> list[str]:
+def profile_command(device: str, path: Path, quick: bool = False) -> list[str]:
+    command = [sys.executable, "benchmarks/gpu/profile_layer.py", "--device", device, "--out", str(path)]
+    if device == "cuda":
+        return [*command, "--lengths", "65536", "262144", "--top-k", "1", "2"]
+    return [*command, "--heads", "8", "--kv-heads", "2", "--lengths", "1024", "--top-k", "1", "--backend", "stock"]
+
+
+def train_command(device: str, path: Path, quick: bool = False) -> list[str]:
     steps = ["--steps", "5" if device == "cuda" else "2"]
     return [sys.executable, "benchmarks/gpu/train_check.py", "--device", device, *steps, "--out", str(path)]
 
 
+# The full set is 7 stage files and summary.json: the 8 files the device tool brings back. `profile` runs in the
+# --quick set (5 stages) or when named with --only.
 STAGES = [
     Stage("tests", "tests.json", tests_command, {"cuda": 150, "cpu": 180}),
-    Stage("attention", "attention.json", attention_command, {"cuda": 150, "cpu": 150}),
-    Stage("auto", "auto.json", auto_command, {"cuda": 75, "cpu": 150}),
+    Stage("profile", "profile.json", profile_command, {"cuda": 60, "cpu": 120}, full=False),
     Stage("decode", "decode.json", decode_command, {"cuda": 90, "cpu": 90}),
-    Stage("peak_memory", "peak_memory.json", peak_memory_command, {"cuda": 60, "cpu": 90}),
     Stage("model_prefill", "model_prefill.json", model_prefill_command, {"cuda": 100, "cpu": 150}),
-    Stage("train", "train.json", train_command, {"cuda": 60, "cpu": 120}),
+    Stage("attention", "attention.json", attention_command, {"cuda": 150, "cpu": 150}),
+    Stage("auto", "auto.json", auto_command, {"cuda": 75, "cpu": 150}, quick=False),
+    Stage("peak_memory", "peak_memory.json", peak_memory_command, {"cuda": 60, "cpu": 90}, quick=False),
+    Stage("train", "train.json", train_command, {"cuda": 60, "cpu": 120}, quick=False),
 ]
+QUICK_LIMITS = {"tests": 90, "profile": 50, "decode": 50, "model_prefill": 40, "attention": 70}
 STAGE_NAMES = [stage.name for stage in STAGES]
 SUMMARY = "summary.json"
 
@@ -332,6 +358,15 @@ def figures(out: Path, cuda: bool) -> list[dict]:
         if row.get("peak_ratio") is not None:
             dense, focus = row["dense_peak_bytes"] / 2**20, row["focus_peak_bytes"] / 2**20
             rows.append(figure("model_prefill", label + " peak", dense, focus, row["peak_ratio"], "MiB", None, row))
+    profile = load(out / "profile.json")
+    for row in profile.get("rows", []) if isinstance(profile, dict) else []:
+        label = f"top-{row['top_k']} {tokens_label(row['tokens'])} where the time goes"
+        lines = row.get("by_focus_line") or [{}]
+        text = row.get("error") or (
+            f"{row['wall_s']:.3g} s; device {row['device_ms_total']:.4g} ms, most in {lines[0].get('where')} "
+            f"({lines[0].get('device_ms', 0):.4g} ms); syncs {sum(row.get('syncs', {}).values())}"
+        )
+        rows.append(figure("profile", label, None, text, None, ""))
     train = load(out / "train.json")
     if isinstance(train, dict):
         ran = train.get("returncode") == 0 and train.get("router_dtypes") == ["F32"]
@@ -409,6 +444,13 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", type=Path, help="result folder (default: $OUT/gpu, else benchmarks/results/gpu)")
     parser.add_argument("--only", nargs="+", choices=STAGE_NAMES, help="run these stages only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the short set (CUDA tests, a profile of the layer, decode at 256K / 1M, model prefill at 128K, prefill "
+        "at 64K-1M; about 4 minutes on an H200) with its own stage limits: the first call of a session with little "
+        "device time",
+    )
     parser.add_argument("--skip", nargs="+", choices=STAGE_NAMES, default=[], help="leave these stages out")
     parser.add_argument(
         "--deadline", type=float, help="seconds for all stages together (default: 450 on CUDA, 1200 on the CPU)"
@@ -426,13 +468,16 @@ def main() -> int:
         print("benchmarks/gpu/run.py: no CUDA GPU here; run it on the GPU machine, or with --device cpu to check it.")
         return 2
     limits = {stage.name: stage.timeout[args.device] for stage in STAGES}
+    if args.quick and args.device == "cuda":
+        limits.update({name: min(limits[name], seconds) for name, seconds in QUICK_LIMITS.items()})
     for item in args.timeout:
         name, _, seconds = item.partition("=")
         if name not in limits or not seconds.replace(".", "", 1).isdigit():
             parser.error(f"--timeout takes STAGE=SECONDS with STAGE one of {STAGE_NAMES}, got {item!r}")
         limits[name] = float(seconds)
-    selected = [s for s in STAGES if (args.only is None or s.name in args.only) and s.name not in args.skip]
-    deadline = time.perf_counter() + (args.deadline or (450 if args.device == "cuda" else 1200))
+    in_set = (lambda s: s.quick) if args.quick else (lambda s: s.full)
+    selected = [s for s in STAGES if (s.name in args.only if args.only else in_set(s)) and s.name not in args.skip]
+    deadline = time.perf_counter() + (args.deadline or (240 if args.quick else 450 if args.device == "cuda" else 1200))
     out = (args.out or default_out()).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for stage in STAGES:  # results of an earlier run must not pass for this one's
@@ -455,7 +500,7 @@ def main() -> int:
     stages: dict[str, dict] = {}
     for index, stage in enumerate(selected):
         path = out / stage.file
-        argv = stage.command(args.device, path)
+        argv = stage.command(args.device, path, args.quick)
         left = deadline - time.perf_counter() - RESERVE_PER_STAGE * (len(selected) - index - 1)
         timeout = min(limits[stage.name], left)
         status: dict[str, Any] = {"file": stage.file, "command": shlex.join(argv), "timeout_s": round(timeout)}
