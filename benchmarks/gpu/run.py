@@ -18,7 +18,7 @@ of issue 37 it is held against).
 |               |                    | architecture, random weights, the committed adapter's settings, 8K-128K      |
 | train         | train.json         | benchmarks/gpu/train_check.py: focus-hf train --objective distill, bf16      |
 | profile       | profile.json       | benchmarks/gpu/profile_layer.py: torch.profiler over the attention stage's   |
-|               |                    | layer at 64K and 256K, top-1 and top-2, time by focus_hf function, syncs     |
+|               |                    | layer at 4K, 64K and 256K, top-1 and top-2: time by focus_hf function, syncs |
 
 `--quick` runs tests, profile, decode (256K and 1M caches), model_prefill (128K) and attention (64K-1M, one repeat)
 under shorter limits, about 4 minutes on an H200: a session with 15 device minutes runs it first and the full set
@@ -149,7 +149,7 @@ def model_prefill_command(device: str, path: Path, quick: bool = False) -> list[
 def profile_command(device: str, path: Path, quick: bool = False) -> list[str]:
     command = [sys.executable, "benchmarks/gpu/profile_layer.py", "--device", device, "--out", str(path)]
     if device == "cuda":
-        return [*command, "--lengths", "65536", "262144", "--top-k", "1", "2"]
+        return [*command, "--lengths", "4096", "65536", "262144", "--top-k", "1", "2"]
     return [*command, "--heads", "8", "--kv-heads", "2", "--lengths", "1024", "--top-k", "1", "--backend", "stock"]
 
 
