@@ -121,6 +121,28 @@ def test_own_group_top_1_runs_one_varlen_call_per_kv_head_run(monkeypatch):
     assert calls == [(2, 2)] * 3  # both kv heads per call, one call per position in a kv head's run
 
 
+def test_a_kv_head_past_the_budget_takes_its_query_heads_in_runs(monkeypatch):
+    calls = []
+    twin = cpu_twin_kernels(varlen_gqa=True)
+
+    def counting(query, key, value, *rest):
+        calls.append((query.shape[1], key.shape[1]))
+        return twin.raw_varlen(query, key, value, *rest)
+
+    kernels = StockKernels("counting", twin.raw_flex, counting, True, twin.varlen_dtypes, twin.head_dims)
+    arguments, expected, rows = sparse_case()  # batch 2, 6 / 2 heads, dim 8, 300 tokens, float32
+    element = 2 * 8 * 4
+    one_kv_head, one_query_head = 2 * 300 * element, 3 * 300 * element
+    monkeypatch.setattr(stock, "VARLEN_BYTES", one_kv_head + 2 * one_query_head)  # 2 of a kv head's 3 query heads
+    output = stock.stock_sparse_attention(*arguments, kernels, own_group=True)
+    torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
+    assert calls == [(2, 1), (1, 1)] * 2
+    calls.clear()
+    monkeypatch.setattr(stock, "VARLEN_BYTES", one_kv_head + 3 * one_query_head)  # one whole kv head
+    stock.stock_sparse_attention(*arguments, kernels, own_group=True)
+    assert calls == [(3, 1)] * 2
+
+
 def test_probed_routing_never_calls_varlen():
     twin = cpu_twin_kernels()
 

@@ -39,8 +39,10 @@ from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.gpu.pair_rule import NO_KEY, NO_QUERY, make_rule, padded, rule_mask, token_rule
 
 # Bytes of the sorted copies one variable-length call of set A may take (keys, values, queries, its result): the kv
-# heads go in runs that fit, so that a 1M-token prefill holds a fraction of a layer's states, not a second copy.
-VARLEN_BYTES = 1 << 30
+# heads - past it, the query heads of one kv head - go in runs that fit, so that a 1M-token prefill holds a fraction of
+# a layer's states, not a second copy (at 1M tokens, 32 / 8 heads in bf16, 1 GiB runs measured 1.15x dense SDPA's
+# peak memory on an H200; 512 MiB takes one query head at a time there).
+VARLEN_BYTES = 1 << 29
 # Query rows merged at a time (float32 temporaries of this many rows of the merged heads).
 MERGE_ROWS = 65536
 # The parts of the pattern a call takes (`pair_rule`): (near pairs of unprobed groups, pairs of probed groups).
@@ -271,7 +273,8 @@ def fold_own_groups(
 ) -> None:
     """Set A of own-group top-1 routing as variable-length causal attention, one sequence per (sample, segment), folded
     into `output` and `lse`. Queries are the last q tokens of each sequence, as the kernel's bottom-right causal
-    alignment needs. The kv heads go in runs whose sorted copies fit VARLEN_BYTES."""
+    alignment needs. The kv heads go in runs whose sorted copies fit VARLEN_BYTES; a kv head that alone does not fit
+    takes its query heads in runs that do."""
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     per_kv = heads // kv_heads
@@ -293,22 +296,30 @@ def fold_own_groups(
     unsort[query_order] = torch.arange(len(query_order), device=query.device)
     key_sample, key_token = key_order // kv_len, key_order % kv_len
     query_sample, query_token = query_order // q_len, query_order % q_len
-    per_head = (2 * kv_len + 3 * per_kv * q_len) * batch * dim * query.element_size()
-    run = max(1, min(kv_heads, VARLEN_BYTES // max(per_head, 1)))
+    element = batch * dim * query.element_size()
+    per_kv_head = 2 * kv_len * element  # its sorted keys and values
+    per_query_head = 3 * q_len * element  # its sorted queries, their result, and the result back in token order
+    run = max(1, min(kv_heads, VARLEN_BYTES // (per_kv_head + per_kv * per_query_head)))
+    # A kv head past the budget on its own (about 600K tokens with 4 query heads per kv head) takes its query heads
+    # in smaller runs over one sorted copy of its keys.
+    query_run = run * per_kv if run > 1 else max(1, min(per_kv, (VARLEN_BYTES - per_kv_head) // per_query_head))
     for first in range(0, kv_heads, run):
         kv_run = slice(first, min(first + run, kv_heads))
-        heads_run = slice(kv_run.start * per_kv, kv_run.stop * per_kv)
-        part, part_lse = kernels.varlen(
-            query[query_sample, heads_run, query_token],  # [Tq, heads of the run, dim]
-            key[key_sample, kv_run, key_token],
-            value[key_sample, kv_run, key_token],
-            *sequences,
-            scaling,
-        )
-        part = part[unsort].view(batch, q_len, -1, dim).transpose(1, 2)
-        part_lse = part_lse[unsort].view(batch, q_len, -1).transpose(1, 2)
-        merge_heads(output, lse, heads_run, part, part_lse)
-        del part, part_lse
+        sorted_keys, sorted_values = key[key_sample, kv_run, key_token], value[key_sample, kv_run, key_token]
+        for first_head in range(kv_run.start * per_kv, kv_run.stop * per_kv, query_run):
+            heads_run = slice(first_head, min(first_head + query_run, kv_run.stop * per_kv))
+            part, part_lse = kernels.varlen(
+                query[query_sample, heads_run, query_token],  # [Tq, heads of the run, dim]
+                sorted_keys,
+                sorted_values,
+                *sequences,
+                scaling,
+            )
+            part = part[unsort].view(batch, q_len, -1, dim).transpose(1, 2)
+            part_lse = part_lse[unsort].view(batch, q_len, -1).transpose(1, 2)
+            merge_heads(output, lse, heads_run, part, part_lse)
+            del part, part_lse
+        del sorted_keys, sorted_values
 
 
 def sorted_range_blocks(
