@@ -50,6 +50,7 @@ LC_ADAPTER_LOG = "benchmarks/long_context/adapter/training_log.json"
 LC_ADAPTER_CONFIG = "benchmarks/long_context/adapter/adapter_config.json"
 VLLM_SERVING = "benchmarks/results/vllm_serving.json"
 LC_CALIBRATION = "benchmarks/long_context/calibration.json"
+GPU_SUMMARY = "benchmarks/results/gpu/summary.json"  # benchmarks/gpu/run.sh: every GPU stage's figures, one run
 DEMO_RUN = "benchmarks/results/demo_run.json"  # benchmarks/demo_run.py: `focus-hf demo` timed from a fresh cache
 
 AS_SAVED = "focus as saved top-1, w=512, 18 dense heads, dense below 2048"  # the committed adapter's rows
@@ -252,7 +253,34 @@ def _vllm(prompt_tokens: int, field: str) -> Callable[[], str]:
     return lambda: times(pick(VLLM_SERVING, prompt_tokens=prompt_tokens)[field])
 
 
+def _gpu(stage: str, figure: str) -> dict:
+    """One figure of the committed GPU run's summary (`benchmarks/gpu/run.py`)."""
+    found = [row for row in load(GPU_SUMMARY)["figures"] if row["stage"] == stage and row["figure"] == figure]
+    if not found:
+        raise KeyError(f"{GPU_SUMMARY} has no figure {figure!r} of stage {stage!r}")
+    return found[0]
+
+
+def _gpu_ratio(stage: str, figure: str) -> Callable[[], str]:
+    return lambda: times(_gpu(stage, figure)["ratio"])
+
+
+def _gpu_targets() -> str:
+    judged = [row for row in load(GPU_SUMMARY)["figures"] if row.get("meets_target") is not None]
+    return f"{sum(row['meets_target'] for row in judged)} of {len(judged)}"
+
+
 FIGURES: dict[str, Callable[[], str]] = {
+    "gpu.device": lambda: load(GPU_SUMMARY)["device"],
+    "gpu.torch": lambda: load(GPU_SUMMARY)["versions"]["torch"],
+    "gpu.commit": lambda: load(GPU_SUMMARY)["git_commit"][:7],
+    "gpu.targets_met": _gpu_targets,
+    "gpu.top1_64k": _gpu_ratio("attention", "top-1 prefill 64K"),
+    "gpu.top1_256k": _gpu_ratio("attention", "top-1 prefill 256K"),
+    "gpu.top2_256k": _gpu_ratio("attention", "top-2 prefill 256K"),
+    "gpu.auto_top1_256k": _gpu_ratio("auto", "top-1 256K"),
+    "gpu.auto_top1_1k": _gpu_ratio("auto", "top-1 1K"),
+    "gpu.peak_1m": _gpu_ratio("peak_memory", "top-1 peak 1M"),
     # vLLM's CPU engine, Focus (the committed adapter) over vLLM's dense attention (benchmarks/vllm_serving.py)
     **{
         f"vllm.{kind}_{length // 1024}k": _vllm(length, f"{kind}_speedup")
@@ -790,7 +818,26 @@ def commands_table() -> str:
     return _table(["results file", "commands"], body)
 
 
+def gpu_table() -> str:
+    """Every figure of the committed GPU run with a target, and the prefill times of one layer, against dense."""
+    body = []
+    for row in load(GPU_SUMMARY)["figures"]:
+        if row["target"] is None and row["figure"].endswith("peak"):
+            continue
+        ratio = "-" if row["ratio"] is None else times(row["ratio"])
+        focus = row["focus"] if isinstance(row["focus"], str) else f"{row['focus']:.4g} {row['unit']}"
+        dense = "-" if row["dense"] is None else f"{row['dense']:.4g} {row['unit']}"
+        target = row["target"]
+        wanted = "-" if target is None else target[0]
+        if target is not None and not isinstance(target[1], bool):
+            wanted = f"{target[0]} {target[1]:g}x"
+        met = {None: "-", True: "yes", False: "**no**"}[row.get("meets_target")]
+        body.append([row["stage"], row["figure"], dense, focus.replace("|", "/")[:100], ratio, wanted, met])
+    return _table(["stage", "figure", "dense", "Focus", "dense / Focus", "target", "met"], body)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "table.gpu": gpu_table,
     "table.commands": commands_table,
     "table.model_targets": model_targets_table,
     "table.sinks": sinks_table,
