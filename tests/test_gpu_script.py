@@ -51,11 +51,10 @@ def test_cpu_run_writes_every_stage_and_the_summary(cpu_run):
     assert sorted(path.name for path in out.iterdir()) == sorted([*STAGE_FILES, "summary.json"])
     summary = read(out, "summary.json")
     assert summary["mode"] == "cpu" and summary["device"].startswith("cpu")
-    assert {name: stage["status"] for name, stage in summary["stages"].items()} == dict.fromkeys(
-        gpu_run.STAGE_NAMES, "ok"
-    )
-    assert all(summary["stages"][name]["has_results"] for name in gpu_run.STAGE_NAMES)
-    assert {row["stage"] for row in summary["figures"]} == set(gpu_run.STAGE_NAMES)
+    full = [stage.name for stage in gpu_run.selected_stages(None, [], quick=False)]
+    assert {name: stage["status"] for name, stage in summary["stages"].items()} == dict.fromkeys(full, "ok")
+    assert all(summary["stages"][name]["has_results"] for name in full)
+    assert {row["stage"] for row in summary["figures"]} == set(full)
     assert all(row["meets_target"] is None for row in summary["figures"])  # the targets are CUDA ones
     assert summary["gpu_path"]["focus_figures"].startswith("every Focus figure ran the GPU path")
     assert "figures (ratio" in output and "top-1 prefill 512" in output  # the printed table
@@ -112,6 +111,47 @@ def test_stage_files_hold_the_measurements(cpu_run):
     train = read(out, "train.json")
     assert train["returncode"] == 0 and train["trained_on"] == "cpu" and train["router_dtypes"] == ["F32"]
     assert train["train_command"].startswith("focus-hf train --objective distill")
+
+
+def test_the_sets_fit_what_the_device_tool_brings_back():
+    # The device tool brings back 8 files: the full set's stage files and summary.json; the quick set is shorter.
+    full = gpu_run.selected_stages(None, [], quick=False)
+    quick = gpu_run.selected_stages(None, [], quick=True)
+    assert len(full) + 1 <= 8 and len(quick) < len(full)
+    assert [stage.name for stage in quick] == ["profile", "decode", "tests", "model_prefill", "attention"]
+    assert "profile" not in [stage.name for stage in full]
+    assert [stage.name for stage in gpu_run.selected_stages(["train", "profile"], [], quick=False)] == [
+        "profile",
+        "train",
+    ]
+
+
+def test_quick_profile_and_decode_on_the_cpu(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("OUT", None)
+    command = [
+        "bash",
+        str(ROOT / "benchmarks" / "gpu" / "run.sh"),
+        "--device",
+        "cpu",
+        "--quick",
+        "--out",
+        str(tmp_path),
+    ]
+    finished = subprocess.run(
+        [*command, "--only", "profile", "decode"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
+    assert [row["cache_len"] for row in read(tmp_path, "decode.json")] == [2048, 2048]  # the quick set's cache
+    profile = read(tmp_path, "profile.json")
+    assert profile["git_commit"] and profile["layer"]["backend"] == "stock"
+    (row,) = profile["rows"]
+    assert row["tokens"] == 1024 and row["wall_s"] > 0 and "error" not in row
+    # The time is found in the GPU path's own functions (the CPU twin's kernels here), not left unattributed.
+    assert any("focus_hf/attention/gpu/" in line["where"] for line in row["by_focus_line"][:3])
+    assert row["top_cpu_ops"] and row["syncs"].get("aten::item", 0) >= 1
+    figures = read(tmp_path, "summary.json")["figures"]
+    assert any(entry["stage"] == "profile" and "where the time goes" in entry["figure"] for entry in figures)
 
 
 def write_json(folder: Path, name: str, data) -> None:

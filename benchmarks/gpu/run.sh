@@ -4,22 +4,25 @@
 # SmolLM2-135M's architecture (random weights, the committed adapter's settings) at 8K-128K, and a short `focus-hf
 # train` distillation on CUDA. Stages, files and figures: benchmarks/gpu/run.py's docstring and README.md.
 #
-# ON THE LENT GPU MACHINE (one call, about 5-7 minutes on an H100; the stages' limits add up to 450 s at most):
+# ON THE LENT GPU MACHINE (two calls within 15 device minutes: --quick, then the full set; each call starts in ~30-60 s):
 #   1. here, once (downloads ~15 MB of wheels into the git-ignored .whl/: transformers 5.23, peft 0.21.2, gguf,
 #      regex for the machine's Python 3.12; the machine has no internet and older packages):
 #          bash benchmarks/gpu/fetch_wheels.sh
 #   2. the device tool's `run`, from the repository root, with
 #          carry:     [".whl"]
-#          timeout_s: 600
-#          command:   FOCUS_HF_GIT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu/run.sh
-#      (the copy of the working tree there has no .git: the variable records the commit measured). The results
-#      come back under files_at/gpu/: the 7 stage files and summary.json (the tool brings back 8 files at most).
+#          timeout_s: 420
+#          command:   FOCUS_HF_GIT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu/run.sh --quick
+#      (the copy of the working tree there has no .git: the variable records the commit measured): the profile,
+#      decoding, the CUDA tests, the model at 128K and prefill at 64K-1M within 330 s. Then, with what the 15 device
+#      minutes leave, the full set: `... bash benchmarks/gpu/run.sh --skip tests --deadline <seconds left - 60>`.
+#      The results come back under files_at/gpu/ (the tool brings back 8 files at most: the full set is 7 stage
+#      files and summary.json).
 #   3. `give_back` when done.
 #
 # HERE, TO CHECK THE SCRIPT (no GPU; small sizes, float32, every stage; tests/test_gpu_script.py runs this):
 #          bash benchmarks/gpu/run.sh --device cpu --out /tmp/gpu-check
 #
-# Options (all but --bootstrap / --no-bootstrap go to run.py): --device cuda|cpu, --out DIR (default $OUT/gpu when
+# Options (all but --bootstrap / --no-bootstrap go to run.py): --device cuda|cpu, --quick, --out DIR (default $OUT/gpu when
 # $OUT is set, else benchmarks/results/gpu), --only STAGE..., --skip STAGE..., --deadline SECONDS,
 # --timeout STAGE=SECONDS. The wheels in .whl/ are installed into a temporary folder first (the recipe of
 # gpu-device.md) when the device is cuda and .whl/ holds wheels; --bootstrap / --no-bootstrap force either way.
