@@ -570,3 +570,16 @@ def test_masks_close_over_no_value_that_changes_with_the_length():
         store.update(key, value, key_groups, sink, valid, window)
         masks.append(store.decode_blocks(query_groups[:, 0], key_groups, sink, n).mask_mod)
     assert closure_constants(masks[0]) == closure_constants(masks[1])
+
+
+@pytest.mark.parametrize("top_k, separate", [(1, False), (2, False), (1, True)])
+def test_a_prefill_call_reads_the_device_at_most_three_times(top_k, separate):
+    # Each read (`.item()`, `bool(tensor)`) waits for every kernel queued before it: on a GPU, where the path's many
+    # small kernels are launch-bound, a read per check would expose each launch. The block-list check reads once per
+    # call, set A's varlen call twice (its longest sequences).
+    arguments, expected, rows = sparse_case(top_k=top_k, separate=separate)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        output = stock.stock_sparse_attention(*arguments, cpu_twin_kernels(), own_group=top_k == 1 and not separate)
+    torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
+    reads = sum(event.count for event in profile.key_averages() if event.key == "aten::_local_scalar_dense")
+    assert reads <= 3, reads

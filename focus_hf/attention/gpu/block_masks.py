@@ -102,6 +102,12 @@ def _check_lists(name: str, counts: torch.Tensor, indices: torch.Tensor, blocks:
             raise _broken("dtype and layout", f"{name} {what} are not contiguous (strides {tensor.stride()})")
     if not values or batch == 0:
         return
+    # One read of the device for both rules (each read waits for every queued kernel); the details only on a breach.
+    outside = (counts < 0).any() | (counts > blocks.kv_blocks).any()
+    if indices.numel():
+        outside = outside | (indices < 0).any() | (indices >= blocks.kv_blocks).any()
+    if not bool(outside):
+        return
     if bool((counts < 0).any()) or bool((counts > blocks.kv_blocks).any()):
         raise _broken(
             "counts",
