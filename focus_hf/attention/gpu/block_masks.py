@@ -102,19 +102,17 @@ def _check_lists(name: str, counts: torch.Tensor, indices: torch.Tensor, blocks:
             raise _broken("dtype and layout", f"{name} {what} are not contiguous (strides {tensor.stride()})")
     if not values or batch == 0:
         return
-    # One read of the device for both rules (each read waits for every queued kernel); the details only on a breach.
-    outside = (counts < 0).any() | (counts > blocks.kv_blocks).any()
-    if indices.numel():
-        outside = outside | (indices < 0).any() | (indices >= blocks.kv_blocks).any()
-    if not bool(outside):
-        return
-    if bool((counts < 0).any()) or bool((counts > blocks.kv_blocks).any()):
+    # One read of the device for both rules (each read waits for every queued kernel); which rule broke, on a breach.
+    counts_out = (counts < 0).any() | (counts > blocks.kv_blocks).any()
+    indices_out = (indices < 0).any() | (indices >= blocks.kv_blocks).any() if indices.numel() else counts_out & False
+    broken = torch.stack([counts_out, indices_out]).tolist()
+    if broken[0]:
         raise _broken(
             "counts",
             f"{name} counts range over [{int(counts.min())}, {int(counts.max())}], outside "
             f"[0, {blocks.kv_blocks}] key blocks",
         )
-    if indices.numel() and (bool((indices < 0).any()) or bool((indices >= blocks.kv_blocks).any())):
+    if broken[1]:
         raise _broken(
             "indices",
             f"{name} indices range over [{int(indices.min())}, {int(indices.max())}], outside "
