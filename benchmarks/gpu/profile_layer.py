@@ -11,6 +11,14 @@ timed bare, then recorded by `torch.profiler` with Python stacks. The JSON keeps
 - `syncs`: the calls that wait for the device (`aten::item`, `aten::_local_scalar_dense`, `cudaStreamSynchronize`,
   `cudaDeviceSynchronize`) and how many times each ran.
 
+The Python stacks torch records are empty on some CUDA builds (torch 2.11 on the H200: every operator came out
+"(outside focus_hf)"), so during the profiled call every focus_hf function is also wrapped in a `record_function`
+range named after it (`labelled_functions`), and an operator belongs to the innermost range around it.
+
+On CUDA, `--mask-costs` then times set B's FlexAttention call (`stock.window_and_sinks`: the window and the sinks in
+token order, the part of a top-1 prefill that FlexAttention runs) with the same block lists under cheaper `mask_mod`s
+(`MASK_VARIANTS`): how much of the kernel's time its mask takes.
+
     python benchmarks/gpu/profile_layer.py --device cuda --lengths 65536 262144 --top-k 1 2 --out profile.json
 
 `--device cpu` runs it in float32 at small sizes (a check of the script; CPU times only).
@@ -19,6 +27,8 @@ timed bare, then recorded by `torch.profiler` with Python stacks. The JSON keeps
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import shlex
 import sys
@@ -40,18 +50,61 @@ def device_time(event) -> float:
 
 def focus_frame(event) -> str:
     """The innermost focus_hf Python frame an event ran in ("focus_hf/path.py(line): function"), or "(outside
-    focus_hf)": from the event's recorded stack where torch fills it, else by walking its parents, which with
-    `with_stack` include the Python functions' own events."""
+    focus_hf)": from the event's recorded stack where torch fills it, else from the ranges around it (its parents:
+    the Python functions' own events with `with_stack`, and `labelled_functions`' ranges)."""
     frames = list(getattr(event, "stack", None) or [])
-    if not frames:
-        parent = event
-        while parent is not None:
-            frames.append(parent.name)
-            parent = parent.cpu_parent
+    parent = event
+    while parent is not None:  # after the stack: the ranges around the event, `labelled_functions`' among them
+        frames.append(parent.name)
+        parent = parent.cpu_parent
     for frame in frames:
         if "focus_hf/" in frame:
             return frame[frame.index("focus_hf/") :]
     return "(outside focus_hf)"
+
+
+# Modules whose functions run inside torch.compile (FlexAttention's compiled calls): a record_function there would
+# break the graph that `fullgraph=True` requires.
+UNLABELLED_MODULES = ("focus_hf.attention.gpu.flex",)
+
+
+@contextlib.contextmanager
+def labelled_functions():
+    """Every module-level focus_hf function, wherever a focus_hf module holds it, wrapped in a `record_function` named
+    "focus_hf/<module path>.py: <function>" while the context is open; restored after."""
+    import types
+
+    import torch
+
+    def wrap(function):
+        label = f"{function.__module__.replace('.', '/')}.py: {function.__qualname__}"
+
+        @functools.wraps(function)
+        def labelled(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return function(*args, **kwargs)
+
+        return labelled
+
+    wrapped, replaced = {}, []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("focus_hf") or name.startswith(UNLABELLED_MODULES) or module is None:
+            continue
+        for attribute, value in list(vars(module).items()):
+            if (
+                isinstance(value, types.FunctionType)
+                and value.__module__.startswith("focus_hf")
+                and not value.__module__.startswith(UNLABELLED_MODULES)
+            ):
+                if value not in wrapped:
+                    wrapped[value] = wrap(value)
+                setattr(module, attribute, wrapped[value])
+                replaced.append((module, attribute, value))
+    try:
+        yield
+    finally:
+        for module, attribute, value in replaced:
+            setattr(module, attribute, value)
 
 
 def summarise(profiler, rows: int) -> dict:
@@ -60,6 +113,8 @@ def summarise(profiler, rows: int) -> dict:
     for event in profiler.events():
         if getattr(event, "device_type", None) is not None and "CPU" not in str(event.device_type):
             continue  # a kernel's time is its launching operator's self device time
+        if event.name.startswith("focus_hf/"):
+            continue  # a label's range (`labelled_functions`): its operators carry the time
         line = by_line[focus_frame(event)]
         line["device_ms"] += device_time(event) / 1e3
         line["cpu_ms"] += event.self_cpu_time_total / 1e3
@@ -84,8 +139,124 @@ def summarise(profiler, rows: int) -> dict:
         "top_device_ops": top(device_time),
         "top_cpu_ops": top(lambda event: event.self_cpu_time_total),
         "syncs": {event.key: event.count for event in averages if event.key in SYNC_OPS},
-        "device_ms_total": round(sum(device_time(event) for event in averages) / 1e3, 3),
+        # From the launching operators only: torch's table lists each kernel's time twice (the kernel, its operator).
+        "device_ms_total": round(sum(line["device_ms"] for line in by_line.values()), 3),
     }
+
+
+def int32_rule_mask(rule):
+    """`pair_rule.rule_mask` in int32, without the model's-mask term (the calls measured have no model mask)."""
+    row_position, column_position = rule.row_position.int(), rule.column_position.int()
+    column_group, row_probes, column_sink = rule.column_group.int(), rule.row_probes.int(), rule.column_sink
+    window, near_unprobed, probed_part = rule.window.int(), rule.near_unprobed, rule.probed
+    slots = row_probes.shape[-1]
+
+    def mask_mod(b, h, q_index, kv_index):
+        query_position = row_position[b, q_index]
+        key_position = column_position[b, kv_index]
+        group = column_group[b, kv_index]
+        probed = row_probes[b, q_index, 0] == group
+        for slot in range(1, slots):
+            probed = probed | (row_probes[b, q_index, slot] == group)
+        near = (query_position - key_position <= window) | column_sink[b, kv_index]
+        visible = (key_position >= 0) & (key_position <= query_position)
+        return visible & ((near & ~probed & near_unprobed) | (probed & probed_part))
+
+    return mask_mod
+
+
+def window_mask(rule):
+    """The window alone, read from the indices (a mask that loads nothing): not set B's answer, a floor."""
+    window = rule.window
+
+    def mask_mod(b, h, q_index, kv_index):
+        return (q_index - kv_index <= window) & (kv_index <= q_index)
+
+    return mask_mod
+
+
+def no_mask(rule):
+    """Every pair of the listed blocks: the kernel's own cost on these block lists."""
+    window = rule.window
+
+    def mask_mod(b, h, q_index, kv_index):
+        return q_index + window >= 0
+
+    return mask_mod
+
+
+def production_mask(rule):
+    from focus_hf.attention.gpu.pair_rule import rule_mask
+
+    return rule_mask(rule)
+
+
+# name -> (what it is, the mask_mod built from set B's rule)
+MASK_VARIANTS = {
+    "rule": ("pair_rule.rule_mask, as the path runs it (int64, model's-mask term)", production_mask),
+    "rule_int32": ("the same rule in int32, no model's-mask term", int32_rule_mask),
+    "window": ("causal window from the indices alone (loads nothing; a floor, not set B)", window_mask),
+    "none": ("every pair of the listed blocks (the kernel's floor on these lists)", no_mask),
+}
+
+
+def mask_costs(
+    lengths, heads: int, kv_heads: int, groups: int, window: int, device, dtype, repeats: int = 3, backend="inductor"
+) -> list:
+    """Set B's FlexAttention call (`stock.window_and_sinks`) at each length, its block lists fixed, under each
+    `MASK_VARIANTS` mask_mod: seconds per call (best of `repeats`, after a compiling call), and the time to build the
+    lists and the rule. `backend`: torch.compile's ("eager" rehearses it on the CPU, FlexAttention's reference)."""
+    import torch
+    from gpu_attention import error_text
+
+    from focus_hf.attention.gpu.block_masks import BlockLists
+    from focus_hf.attention.gpu.flex import run_compiled
+    from focus_hf.attention.gpu.pair_rule import token_rule
+    from focus_hf.attention.gpu.stock import SET_B, window_blocks
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(function) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            synchronize()
+            start = time.perf_counter()
+            function()
+            synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    # Each variant is a new mask code, compiled apart: more compilations than the path's own bound allows.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 256)
+    rows = []
+    for n in lengths:
+        generator = torch.Generator(device=device).manual_seed(n)
+        query = torch.randn(1, heads, n, 64, device=device, dtype=dtype, generator=generator)
+        key, value = (torch.randn(1, kv_heads, n, 64, device=device, dtype=dtype, generator=generator) for _ in "kv")
+        key_groups = torch.randint(0, groups, (1, n), device=device, generator=generator)
+        key_sink = torch.arange(n, device=device)[None] < 4
+        valid = torch.ones(1, n, dtype=torch.bool, device=device)
+
+        def build():
+            rule = token_rule(valid, key_groups[..., None], key_groups, key_sink, window, n, SET_B, None)
+            return rule, window_blocks(n, n, window, key_sink)
+
+        rule, (count, indices) = build()
+        row: dict = {"tokens": n, "build_s": timed(build), "variants": {}}
+        for name, (_, make) in MASK_VARIANTS.items():
+            blocks = BlockLists(count, indices, None, None, make(rule), n, n)
+            try:
+                call = functools.partial(run_compiled, "partial", query, key, value, blocks, 64**-0.5, backend=backend)
+                call()  # compiles this mask's code
+                row["variants"][name] = timed(call)
+            except Exception as error:  # noqa: BLE001 - one variant failing must not lose the others
+                row["variants"][name] = error_text(error)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def main() -> int:
@@ -101,6 +272,10 @@ def main() -> int:
         "--backend", default="sdpa", help="Focus backend (default sdpa, as gpu_attention.py without flash-attn)"
     )
     parser.add_argument("--rows", type=int, default=25, help="rows kept in each table")
+    parser.add_argument(
+        "--mask-costs", type=int, nargs="*", default=[], metavar="TOKENS",
+        help="CUDA: also time set B's FlexAttention call under each of MASK_VARIANTS' mask_mods at these lengths",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -147,7 +322,10 @@ def main() -> int:
                 with torch.no_grad():
                     prefill(ids)  # compiles what is compiled per shape
                     row["wall_s"] = prefill(ids)
-                    with torch.profiler.profile(activities=activities, with_stack=True) as profiler:
+                    with (
+                        labelled_functions(),
+                        torch.profiler.profile(activities=activities, with_stack=True) as profiler,
+                    ):
                         row["profiled_wall_s"] = prefill(ids)
                 row.update(summarise(profiler, args.rows), gpu_path=path_record())
             except Exception as error:  # noqa: BLE001 - one call failing must not lose the others
@@ -159,6 +337,12 @@ def main() -> int:
             for line in row.get("by_focus_line", [])[:12]:
                 print(f"    {line['device_ms']:10.3f} ms device {line['cpu_ms']:10.3f} ms cpu {line['calls']:6d}  "
                       f"{line['where']}", flush=True)  # fmt: skip
+    if args.mask_costs and cuda:
+        result["mask_variants"] = {name: what for name, (what, _) in MASK_VARIANTS.items()}
+        result["mask_costs"] = mask_costs(
+            args.mask_costs, args.heads, args.kv_heads, args.groups, args.window, device, dtype
+        )
+        write(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -33,6 +33,9 @@ figures say nothing about GPUs).
 
     python benchmarks/gpu/run.py [--device cuda|cpu] [--quick] [--out DIR] [--only STAGE ...] [--skip STAGE ...]
                                  [--deadline SECONDS] [--timeout STAGE=SECONDS ...]
+
+`FOCUS_HF_GPU_TESTS_K=EXPR` passes `-k EXPR` to the tests stage's pytest (a second call runs the tests the first did
+not reach).
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def tests_command(device: str, path: Path, quick: bool = False) -> list[str]:
         "-p",
         "no:cacheprovider",
         "--continue-on-collection-errors",  # a module that cannot be imported there must not stop the others
+        *(["-k", os.environ["FOCUS_HF_GPU_TESTS_K"]] if os.environ.get("FOCUS_HF_GPU_TESTS_K") else []),
     ]
 
 
@@ -149,7 +153,8 @@ def model_prefill_command(device: str, path: Path, quick: bool = False) -> list[
 def profile_command(device: str, path: Path, quick: bool = False) -> list[str]:
     command = [sys.executable, "benchmarks/gpu/profile_layer.py", "--device", device, "--out", str(path)]
     if device == "cuda":
-        return [*command, "--lengths", "4096", "65536", "262144", "--top-k", "1", "2"]
+        lengths = ["--lengths", "4096", "65536", "262144", "--top-k", "1", "2"]
+        return [*command, *lengths, "--mask-costs", "65536", "262144"]
     return [*command, "--heads", "8", "--kv-heads", "2", "--lengths", "1024", "--top-k", "1", "--backend", "stock"]
 
 

@@ -15,6 +15,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from focus_hf.attention.prefix_scan import sequence_cumsum, sequence_logcumsumexp
+
 # Stands in for log(0): finite, so that gradients through logcumsumexp never see inf - inf.
 LOG_ZERO = -1.0e4
 
@@ -161,7 +163,7 @@ def _probability_space_sinkhorn(
     keep = valid.unsqueeze(-1).double()
     new_column_lse, per_token = [], []
     for step in range(iterations):
-        prefix = torch.exp(column_lse[:, step].double())[:, None, :] + torch.cumsum(q * keep, dim=1)
+        prefix = torch.exp(column_lse[:, step].double())[:, None, :] + sequence_cumsum(q * keep)
         new_column_lse.append(torch.log(prefix[:, -1]).float().clamp_min(LOG_ZERO))
         if token_columns:
             per_token.append(torch.log(prefix).float().clamp_min(LOG_ZERO))
@@ -199,7 +201,7 @@ def _log_space_sinkhorn(
     new_column_lse, per_token = [], []
     for step in range(iterations):
         contribution = log_q.masked_fill(~keep, LOG_ZERO)
-        prefix = torch.logaddexp(torch.logcumsumexp(contribution, dim=1), column_lse[:, step, None, :])
+        prefix = torch.logaddexp(sequence_logcumsumexp(contribution), column_lse[:, step, None, :])
         new_column_lse.append(prefix[:, -1] if prefix.shape[1] else column_lse[:, step])
         if token_columns:
             per_token.append(prefix)
