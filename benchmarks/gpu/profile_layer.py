@@ -15,9 +15,10 @@ The Python stacks torch records are empty on some CUDA builds (torch 2.11 on the
 "(outside focus_hf)"), so during the profiled call every focus_hf function is also wrapped in a `record_function`
 range named after it (`labelled_functions`), and an operator belongs to the innermost range around it.
 
-On CUDA, `--mask-costs` then times set B's FlexAttention call (`stock.window_and_sinks`: the window and the sinks in
-token order, the part of a top-1 prefill that FlexAttention runs) with the same block lists under cheaper `mask_mod`s
-(`MASK_VARIANTS`): how much of the kernel's time its mask takes.
+On CUDA, `--mask-costs` then times set A's FlexAttention call of a top-2 prefill (`stock.fold_probed_groups`) with
+the same block lists under other `mask_mod`s (`MASK_VARIANTS`): how much of the kernel's time its mask takes. (At
+commit 432b95d it timed set B's call, which reading the pattern in its mask made 50 times slower than a mask of the
+indices alone: set B now runs in plain torch, `focus_hf/attention/gpu/bands.py`.)
 
     python benchmarks/gpu/profile_layer.py --device cuda --lengths 65536 262144 --top-k 1 2 --out profile.json
 
@@ -144,75 +145,102 @@ def summarise(profiler, rows: int) -> dict:
     }
 
 
-def int32_rule_mask(rule):
-    """`pair_rule.rule_mask` in int32, without the model's-mask term (the calls measured have no model mask)."""
-    row_position, column_position = rule.row_position.int(), rule.column_position.int()
-    column_group, row_probes, column_sink = rule.column_group.int(), rule.row_probes.int(), rule.column_sink
-    window, near_unprobed, probed_part = rule.window.int(), rule.near_unprobed, rule.probed
-    slots = row_probes.shape[-1]
+def diagonal_mask(captured):
+    """A mask from the indices alone (loads nothing): not set A's answer, a floor on the same block lists."""
 
     def mask_mod(b, h, q_index, kv_index):
-        query_position = row_position[b, q_index]
-        key_position = column_position[b, kv_index]
-        group = column_group[b, kv_index]
-        probed = row_probes[b, q_index, 0] == group
-        for slot in range(1, slots):
-            probed = probed | (row_probes[b, q_index, slot] == group)
-        near = (query_position - key_position <= window) | column_sink[b, kv_index]
-        visible = (key_position >= 0) & (key_position <= query_position)
-        return visible & ((near & ~probed & near_unprobed) | (probed & probed_part))
+        return kv_index <= q_index
 
     return mask_mod
 
 
-def window_mask(rule):
-    """The window alone, read from the indices (a mask that loads nothing): not set B's answer, a floor."""
-    window = rule.window
-
-    def mask_mod(b, h, q_index, kv_index):
-        return (q_index - kv_index <= window) & (kv_index <= q_index)
-
-    return mask_mod
-
-
-def no_mask(rule):
+def no_mask(captured):
     """Every pair of the listed blocks: the kernel's own cost on these block lists."""
-    window = rule.window
 
     def mask_mod(b, h, q_index, kv_index):
-        return q_index + window >= 0
+        return q_index >= 0
 
     return mask_mod
 
 
-def production_mask(rule):
+def rule_mask_of(captured):
+    """Set A's pairs read by `pair_rule.rule_mask` (seven loads per pair), as the path ran them up to commit 432b95d."""
     from focus_hf.attention.gpu.pair_rule import rule_mask
 
-    return rule_mask(rule)
+    return rule_mask(captured["rule"])
 
 
-# name -> (what it is, the mask_mod built from set B's rule)
+# name -> (what it is, the mask_mod built from the captured call; None: the call's own)
 MASK_VARIANTS = {
-    "rule": ("pair_rule.rule_mask, as the path runs it (int64, model's-mask term)", production_mask),
-    "rule_int32": ("the same rule in int32, no model's-mask term", int32_rule_mask),
-    "window": ("causal window from the indices alone (loads nothing; a floor, not set B)", window_mask),
+    "path": ("the path's own: each entry's range of sorted keys, `pair_rule.range_mask` (2 loads per row)", None),
+    "rule": ("the same pairs by `pair_rule.rule_mask` (7 loads per pair, int64, the model's-mask term)", rule_mask_of),
+    "diagonal": ("kv <= q from the indices alone (loads nothing; a floor, not set A)", diagonal_mask),
     "none": ("every pair of the listed blocks (the kernel's floor on these lists)", no_mask),
 }
+
+
+def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, device, dtype, kernels) -> dict:
+    """One top-2 prefill of `stock.stock_sparse_attention` on random routing, recording set A's FlexAttention call
+    (`fold_probed_groups`): its inputs and block lists, and the `pair_rule` rule of the same pairs."""
+    import dataclasses
+
+    import torch
+
+    import focus_hf.attention.gpu.stock as stock
+
+    captured: dict = {}
+    generator = torch.Generator(device=device).manual_seed(n)
+    query = torch.randn(1, heads, n, 64, device=device, dtype=dtype, generator=generator)
+    key, value = (torch.randn(1, kv_heads, n, 64, device=device, dtype=dtype, generator=generator) for _ in "kv")
+    scores = torch.rand(1, n, groups, device=device, generator=generator)
+    query_groups = scores.argsort(dim=-1, descending=True)[..., :2]
+    key_groups = query_groups[..., 0]
+    key_sink = torch.arange(n, device=device)[None] < 4
+
+    def record_flex(query, key, value, blocks, scale):
+        captured.update(call=(query, key, value, blocks, scale))
+        return kernels.raw_flex(query, key, value, blocks, scale)
+
+    recorder = dataclasses.replace(kernels, raw_flex=record_flex)
+    arguments = (query, key, value, None, query_groups, key_groups, key_sink, groups, window, 64**-0.5, recorder, False)
+    stock.stock_sparse_attention(*arguments)
+    call = captured["call"]
+    # The same call with a model's mask (all True, broadcast from one element) builds set A by `rule_mask`: its rule.
+    real_rule = stock.make_rule
+
+    def record_rule(*args):
+        captured["rule"] = real_rule(*args)
+        return captured["rule"]
+
+    stock.make_rule = record_rule
+    try:
+        everywhere = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+        stock.stock_sparse_attention(*arguments[:-1], False, everywhere)
+    finally:
+        stock.make_rule = real_rule
+    captured["call"] = call
+    return captured
 
 
 def mask_costs(
     lengths, heads: int, kv_heads: int, groups: int, window: int, device, dtype, repeats: int = 3, backend="inductor"
 ) -> list:
-    """Set B's FlexAttention call (`stock.window_and_sinks`) at each length, its block lists fixed, under each
-    `MASK_VARIANTS` mask_mod: seconds per call (best of `repeats`, after a compiling call), and the time to build the
-    lists and the rule. `backend`: torch.compile's ("eager" rehearses it on the CPU, FlexAttention's reference)."""
+    """Set A's FlexAttention call of a top-2 prefill (`stock.fold_probed_groups`) at each length, its block lists
+    fixed, under each `MASK_VARIANTS` mask_mod: seconds per call (best of `repeats`, after a compiling call). `backend`:
+    torch.compile's ("eager" rehearses it on the CPU, on FlexAttention's reference and the twin's kernels)."""
+    import dataclasses
+
     import torch
     from gpu_attention import error_text
 
-    from focus_hf.attention.gpu.block_masks import BlockLists
     from focus_hf.attention.gpu.flex import run_compiled
-    from focus_hf.attention.gpu.pair_rule import token_rule
-    from focus_hf.attention.gpu.stock import SET_B, window_blocks
+    from focus_hf.attention.gpu.kernels import cpu_twin_kernels
+    from focus_hf.attention.gpu.verify import stock_kernels
+
+    kernels = stock_kernels(device) if device.type == "cuda" else cpu_twin_kernels()
+    # Each variant is a new mask code, compiled apart: more compilations than the path's own bound allows.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 256)
 
     def synchronize() -> None:
         if device.type == "cuda":
@@ -228,29 +256,28 @@ def mask_costs(
             best = min(best, time.perf_counter() - start)
         return best
 
-    # Each variant is a new mask code, compiled apart: more compilations than the path's own bound allows.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 256)
     rows = []
     for n in lengths:
-        generator = torch.Generator(device=device).manual_seed(n)
-        query = torch.randn(1, heads, n, 64, device=device, dtype=dtype, generator=generator)
-        key, value = (torch.randn(1, kv_heads, n, 64, device=device, dtype=dtype, generator=generator) for _ in "kv")
-        key_groups = torch.randint(0, groups, (1, n), device=device, generator=generator)
-        key_sink = torch.arange(n, device=device)[None] < 4
-        valid = torch.ones(1, n, dtype=torch.bool, device=device)
-
-        def build():
-            rule = token_rule(valid, key_groups[..., None], key_groups, key_sink, window, n, SET_B, None)
-            return rule, window_blocks(n, n, window, key_sink)
-
-        rule, (count, indices) = build()
-        row: dict = {"tokens": n, "build_s": timed(build), "variants": {}}
+        row: dict = {"tokens": n, "top_k": 2, "variants": {}}
+        try:
+            captured = capture_set_a(n, heads, kv_heads, groups, window, device, dtype, kernels)
+        except Exception as error:  # noqa: BLE001 - reported in the row
+            row["error"] = error_text(error)
+            rows.append(row)
+            continue
+        query, key, value, blocks, scale = captured["call"]
+        row["entries"] = blocks.q_len
+        row["max_difference_from_path"] = {}
+        expected = None
         for name, (_, make) in MASK_VARIANTS.items():
-            blocks = BlockLists(count, indices, None, None, make(rule), n, n)
+            variant = blocks if make is None else dataclasses.replace(blocks, mask_mod=make(captured))
+            call = functools.partial(run_compiled, "full", query, key, value, variant, scale, backend=backend)
             try:
-                call = functools.partial(run_compiled, "partial", query, key, value, blocks, 64**-0.5, backend=backend)
-                call()  # compiles this mask's code
+                output, _ = call()  # compiles this mask's code
+                expected = output if make is None else expected
+                if expected is not None:  # the rule gives the same pairs: 0 apart
+                    difference = (output.float() - expected.float()).abs().max()
+                    row["max_difference_from_path"][name] = float(difference)
                 row["variants"][name] = timed(call)
             except Exception as error:  # noqa: BLE001 - one variant failing must not lose the others
                 row["variants"][name] = error_text(error)
@@ -274,7 +301,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=25, help="rows kept in each table")
     parser.add_argument(
         "--mask-costs", type=int, nargs="*", default=[], metavar="TOKENS",
-        help="CUDA: also time set B's FlexAttention call under each of MASK_VARIANTS' mask_mods at these lengths",
+        help="CUDA: also time set A's FlexAttention call (top-2) under each MASK_VARIANTS mask_mod at these lengths",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

@@ -192,7 +192,10 @@ def test_the_compiled_cpu_kernel_runs_every_prefill_mask(changes, compiler):
     with gpu_path_kernels(compiled_cpu_kernels(record)):
         output, reference, rows = run_case(case, backend="stock")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
-    assert record.calls >= 1
+    if changes is COMPILED_CASES["shared top-1"]:  # set A on varlen, set B in torch (`bands`): no FlexAttention
+        assert record.calls == 0
+    else:
+        assert record.calls >= 1
     assert hard.fallback_calls() == {}
 
 
@@ -208,7 +211,7 @@ def test_the_compiled_cpu_kernel_reads_a_model_mask_pair_by_pair(compiler):
             extra_mask=sliding,
         )
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
-    assert record.calls == 2  # set B and set A, each reading the mask
+    assert record.calls == 1  # set A, reading the mask (set B reads it in torch: `bands`)
     assert hard.fallback_calls() == {}
 
 
@@ -309,10 +312,11 @@ def test_twenty_configurations_compile_a_bounded_number_of_times(compiler):
 
 
 def test_past_the_recompile_limit_a_call_takes_the_exact_path_with_one_warning(compiler, capsys):
-    # One compilation per kind allowed; the probe slots (2, then 4, then 8) need a new one each time.
+    # One compilation per kind allowed; the probe slots (2, then 4, then 8) of the whole pattern's rule (a few queries
+    # after a cache) need a new one each time.
     with gpu_path_kernels(dynamo_kernels()), torch._dynamo.config.patch(recompile_limit=1):
         for top_k in (2, 3, 5):
-            case = {**BASE_CASE, "seq": 260, "q_len": 260, "num_groups": 6, "top_k": top_k}
+            case = {**BASE_CASE, "seq": 260, "q_len": 5, "num_groups": 6, "top_k": top_k}
             output, reference, rows = run_case(case, backend="stock")
             torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
     assert hard.fallback_calls() == {"recompile limit": 2}
@@ -330,11 +334,11 @@ def test_inside_a_compiled_model_each_call_runs_its_own_compiled_function(compil
         return stock_sparse_attention(query, key, value, *rest, dynamo_kernels(), own_group=False)
 
     explained = torch._dynamo.explain(attention)(query, key, value)
-    assert explained.graph_break_count >= 2, explained  # set B's call and set A's
+    assert explained.graph_break_count >= 1, explained  # set A's call (set B runs in torch: `bands`)
     for graph in explained.graphs:
         assert "flex_attention" not in str(graph.code), "FlexAttention was traced into the model's graph"
     torch._dynamo.reset()
     output = torch.compile(attention, backend="eager")(query, key, value)
     torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
     counts = flex_compilations()
-    assert counts["partial"] >= 1 and counts["full"] >= 1, counts
+    assert counts["full"] >= 1, counts

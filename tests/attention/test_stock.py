@@ -16,6 +16,7 @@ from tiny_models import VOCAB
 
 import focus_hf
 import focus_hf.attention.cpu.fast as fast
+import focus_hf.attention.gpu.bands as bands
 import focus_hf.attention.gpu.paged_keys as paged_keys_module
 import focus_hf.attention.gpu.stock as stock
 import focus_hf.attention.gpu.verify as verify
@@ -172,21 +173,76 @@ def listed_pairs(count, indices, q_len, kv_len):
     return block_visibility(count[:, None], indices[:, None], q_len, kv_len, BLOCK)[:, 0]
 
 
-@pytest.mark.parametrize("q_len, length", [(1000, 1000), (300, 1000), (129, 129)])
-@pytest.mark.parametrize("window", [0, 5, 128, 300])
-def test_window_blocks_cover_set_b_and_no_more_than_the_band_and_sinks(q_len, length, window):
-    sink = torch.zeros(2, length, dtype=torch.bool)
-    sink[0, 3:7] = True
-    sink[1, 200:203] = True  # left padding moves the sinks
-    count, indices = stock.window_blocks(q_len, length, window, sink)
-    listed = listed_pairs(count, indices, q_len, length)
+def set_b_oracle(query, key, value, valid, query_groups, key_groups, sink, window, model_mask=None):
+    """Set B by its definition, densely in float64: (output, natural-log lse, rows with a visible key)."""
+    q_len, length = query.shape[2], key.shape[2]
     positions = torch.arange(length)
     distance = positions[length - q_len :, None] - positions[None, :]
-    needed = (distance >= 0) & ((distance <= window) | sink[:, None, :])
-    assert bool((listed | ~needed).all())
-    # Each query block lists its band (at most window // BLOCK + 2 blocks) and the sinks' blocks before it.
-    band = (window + BLOCK - 1) // BLOCK + 2
-    assert int(count.max()) <= band + 2
+    probed = (query_groups[:, :, None, :] == key_groups[:, None, :, None]).any(dim=-1)
+    near = (distance <= window)[None] | sink[:, None, :]
+    pairs = (distance >= 0)[None] & valid[:, None, :] & near & ~probed
+    if model_mask is not None:
+        pairs = pairs & model_mask[:, 0]
+    repeats = query.shape[1] // key.shape[1]
+    keys, values = (states.double().repeat_interleave(repeats, dim=1) for states in (key, value))
+    scores = (query.double() @ keys.transpose(-1, -2) * SCALING).masked_fill(~pairs[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    seen = pairs.any(dim=-1)[:, None].expand_as(lse)
+    weights = torch.where(seen[..., None], torch.exp(scores - lse[..., None]), 0.0)
+    return weights @ values, lse, seen
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(1, 400),  # keys
+    st.integers(0, 399),  # of which before the queries
+    st.sampled_from([0, 5, 128, 300]),  # window
+    st.integers(1, 3),  # top_k
+    st.booleans(),  # a separate query router
+    st.integers(0, 6),  # sinks
+    st.booleans(),  # a general model mask
+    st.integers(0, 2**16),
+)
+def test_bands_equal_set_b_by_its_definition(length, before, window, top_k, separate, sinks, general, seed):
+    """Set B in plain torch (`bands`), chunks of one band forced, against its definition: GQA, left padding, sinks
+    moved by it, queries after a cache, rows without a key (lse NEG, output 0) and a general model mask."""
+    q_len = length - min(before, length - 1)
+    arguments, _, _ = sparse_case(
+        length=length, q_len=q_len, top_k=top_k, separate=separate, window=window, sinks=sinks, pad=length // 5,
+        seed=seed,
+    )  # fmt: skip
+    query, key, value, valid, query_groups, key_groups, sink, _, window, scaling = arguments
+    model_mask = None
+    if general:
+        generator = torch.Generator().manual_seed(seed)
+        model_mask = torch.rand(1, 1, q_len, length, generator=generator) > 0.3
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bands, "BAND_BYTES", 1)  # one band per chunk
+        output, lse = bands.band_attention(
+            query, key, value, valid, query_groups, key_groups, sink, window, scaling, model_mask
+        )
+    expected, expected_lse, seen = set_b_oracle(
+        query, key, value, valid, query_groups, key_groups, sink, window, model_mask
+    )
+    assert output.shape == query.shape and lse.shape == query.shape[:3] and lse.dtype == torch.float32
+    torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse[seen].double(), expected_lse[seen], atol=1e-5, rtol=1e-6)
+    assert bool((lse[~seen] == NEG).all()) and bool((output[~seen[..., None].expand_as(output)] == 0).all())
+
+
+def test_bands_take_a_sink_inside_the_window_once():
+    """A sink in its query's band is counted with the sinks only: its weight is that of one key, not two."""
+    query = torch.zeros(1, 1, 4, 2)
+    key = torch.zeros(1, 1, 4, 2)
+    value = torch.arange(4.0).view(1, 1, 4, 1).expand(1, 1, 4, 2).contiguous()
+    sink = torch.tensor([[True, False, False, False]])
+    groups = torch.tensor([[0, 1, 1, 1]])
+    output, lse = bands.band_attention(
+        query, key, value, torch.ones(1, 4, dtype=torch.bool), groups[..., None] + 5, groups, sink, 8, 1.0
+    )
+    # Equal scores: the last query sees 4 keys, each once.
+    torch.testing.assert_close(lse[0, 0, -1], torch.log(torch.tensor(4.0)))
+    torch.testing.assert_close(output[0, 0, -1], torch.full((2,), 1.5))
 
 
 @settings(max_examples=40, deadline=None)
@@ -560,7 +616,8 @@ def test_masks_close_over_no_value_that_changes_with_the_length():
         arguments, _, _ = sparse_case(length=length, q_len=q_len, top_k=2, separate=True)
         stock.stock_sparse_attention(*arguments, kernels)
         stock.pattern_attention(*arguments[:7], *arguments[8:], kernels)
-    for first, second in zip(captured[:3], captured[3:]):
+    assert len(captured) == 4  # per length: set A's call and the whole pattern's
+    for first, second in zip(captured[:2], captured[2:]):
         assert closure_constants(first) == closure_constants(second)
     store = paged_keys_module.PagedKeys(4, 16)
     masks = []

@@ -10,8 +10,8 @@ torch's recompile limit (8 by default) torch.compile silently runs the function 
 `FlexRecompileLimit`, and `hard` runs it on the bounded exact path with one printed warning.
 
 torch keeps its compilations, and counts them against the limit, per function: one function per kind of call
-(`FLEX_CALLS`) keeps the kinds from crowding each other out - set B (partial blocks only), set A and the whole pattern
-(partial and full blocks), a decoding step (one query, batch and heads kept static so that torch picks its split-key
+(`FLEX_CALLS`) keeps the kinds from crowding each other out - partial blocks only, partial and full blocks (set A, the
+whole pattern), a decoding step (one query, batch and heads kept static so that torch picks its split-key
 decoding kernel) and the output alone (torch's CPU kernel, which has no log-sum-exp in torch 2.13).
 """
 

@@ -13,15 +13,15 @@ kernels of `kernels`, with no n x n tensor anywhere:
   prefix of its group's sorted keys, so a block of 128 sorted entries reads one range of sorted key blocks, which the
   sort's offsets give (`sorted_range_blocks`); key blocks that every entry of a one-group block sees whole are listed
   as full, read without a mask. One FlexAttention call (`fold_probed_groups`).
-- B: one FlexAttention call in token order (`window_and_sinks`): each block of 128 queries lists the key blocks of its
-  window and those holding the sinks; the mask keeps keys within the window, or sinks, whose group the query does
-  not probe, and real (not padding).
+- B: in plain torch (`bands`), in token order: each block of 128 queries against the keys of its window and the
+  sinks, keeping those whose group the query does not probe and real (not padding). A FlexAttention call here spent
+  its time reading the pattern pair by pair in its mask (`bands`' docstring has the H200's figures).
 
 The parts of a query are merged by log-sum-exp (`merge_heads`), a row without visible keys weighing 0. Costs (n
 tokens, K groups, top_k probes, window w): A ~ top_k n^2 / 2K pairs, B ~ n (w + 2 * 128) pairs; memory beyond the
 output and its log-sum-exp: the sorted keys and values of one run of kv heads and its queries' part (a budget of
 VARLEN_BYTES), or for the FlexAttention path the sorted keys and the entries' queries and results (top_k times the
-queries), and block lists of one row per 128 queries.
+queries), and block lists of one row per 128 queries; set B's chunks of bands (`bands.BAND_BYTES` of scores).
 
 Exact by construction for every routing; what it assumes of the kernels is checked on each device by `verify`, which
 `hard` asks before this path runs.
@@ -33,10 +33,11 @@ from typing import Optional
 
 import torch
 
+from focus_hf.attention.gpu.bands import band_attention
 from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists, blocks_of, run_lists
 from focus_hf.attention.gpu.kernels import StockKernels
 from focus_hf.attention.gpu.paged_keys import PagedKeys
-from focus_hf.attention.gpu.pair_rule import NO_KEY, NO_QUERY, make_rule, padded, rule_mask, token_rule
+from focus_hf.attention.gpu.pair_rule import NO_KEY, NO_QUERY, make_rule, padded, range_mask, rule_mask, token_rule
 
 # Bytes of the sorted copies one variable-length call of set A may take (keys, values, queries, its result): the kv
 # heads - past it, the query heads of one kv head - go in runs that fit, so that a 1M-token prefill holds a fraction of
@@ -47,7 +48,6 @@ VARLEN_BYTES = 1 << 29
 MERGE_ROWS = 65536
 # The parts of the pattern a call takes (`pair_rule`): (near pairs of unprobed groups, pairs of probed groups).
 SET_A = (False, True)
-SET_B = (True, False)
 WHOLE_PATTERN = (True, True)
 
 
@@ -87,9 +87,8 @@ def stock_sparse_attention(
     valid = key_valid
     if valid is None:
         valid = torch.ones(batch, kv_len, dtype=torch.bool, device=query.device)
-    output, lse = window_and_sinks(
-        query, key, value, valid, query_groups, key_groups, key_sink, window, scaling, kernels, model_mask
-    )
+    near = (query_groups, key_groups, key_sink, window, scaling, model_mask)
+    output, lse = band_attention(query, key, value, valid, *near)
     if own_group is None:
         own_group = not torch.compiler.is_compiling() and torch.equal(
             query_groups[..., 0], key_groups[:, kv_len - q_len :]
@@ -117,48 +116,6 @@ def merge_heads(
         merged.addcmul_(part[:, :, rows].float(), torch.exp(new_lse - total).unsqueeze(-1))
         output[:, heads, rows] = merged.to(output.dtype)
         lse[:, heads, rows] = total
-
-
-def window_blocks(q_len: int, kv_len: int, window: int, key_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block lists of set B in token order: for each block of BLOCK queries, the key blocks that hold sinks before its
-    window, then those of its window. Returns kv_num_blocks [batch, q_blocks] and kv_indices [batch, q_blocks,
-    kv_blocks] (`block_masks.run_lists`)."""
-    device = key_sink.device
-    offset = kv_len - q_len
-    first = offset + torch.arange(blocks_of(q_len), device=device) * BLOCK  # position of each block's first query
-    last = torch.clamp(first + BLOCK, max=kv_len) - 1
-    band_start = torch.clamp(first - window, min=0) // BLOCK
-    band_count = last // BLOCK - band_start + 1  # [q_blocks]
-    # Sinks lie between the first and the last sink of their sample: those blocks, where they come before the band.
-    has_sink = key_sink.any(dim=1)
-    first_sink = key_sink.int().argmax(dim=1)
-    last_sink = kv_len - 1 - key_sink.flip(1).int().argmax(dim=1)
-    sink_start = (first_sink // BLOCK)[:, None]
-    sink_end = torch.minimum((last_sink // BLOCK + 1)[:, None], band_start[None, :])  # exclusive
-    sink_count = torch.where(has_sink[:, None], (sink_end - sink_start).clamp(min=0), 0)  # [batch, q_blocks]
-    return run_lists([(sink_start, sink_count), (band_start[None, :], band_count[None, :])], blocks_of(kv_len))
-
-
-def window_and_sinks(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    valid: torch.Tensor,
-    query_groups: torch.Tensor,
-    key_groups: torch.Tensor,
-    key_sink: torch.Tensor,
-    window: int,
-    scaling: float,
-    kernels: StockKernels,
-    model_mask: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Set B in one FlexAttention call: output [batch, heads, q, dim] and lse [batch, heads, q] float32 (the model's
-    mask, if given, read pair by pair)."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    rule = token_rule(valid, query_groups, key_groups, key_sink, window, q_len, SET_B, model_mask)
-    count, indices = window_blocks(q_len, kv_len, window, key_sink)
-    blocks = BlockLists(count, indices, None, None, rule_mask(rule), q_len, kv_len)
-    return kernels.flex(query, key, value, blocks, scaling)
 
 
 def pattern_attention(
@@ -395,18 +352,21 @@ def fold_probed_groups(
         first_key, end_key, entry_group, real_entries, kv_len
     )
 
-    sorted_valid = valid.gather(1, key_order)
-    no_sinks = torch.zeros_like(sorted_valid)  # set A takes only probed pairs: sinks play no part
-    rule = make_rule(
-        (torch.where(real, entry_position, NO_QUERY), entry_order // top_k, entry_group[..., None]),
-        (torch.where(sorted_valid, key_order, NO_KEY), segment.gather(1, key_order), no_sinks),
-        0,
-        SET_A,
-        model_mask,
-    )
-    if model_mask is not None:  # the mask may hide pairs inside a full block
+    if model_mask is None:  # the pattern is the ranges themselves
+        mask_mod = range_mask(first_key, end_key)
+    else:  # read pair by pair, with the model's mask; which may hide pairs inside a full block
+        sorted_valid = valid.gather(1, key_order)
+        no_sinks = torch.zeros_like(sorted_valid)  # set A takes only probed pairs: sinks play no part
+        rule = make_rule(
+            (torch.where(real, entry_position, NO_QUERY), entry_order // top_k, entry_group[..., None]),
+            (torch.where(sorted_valid, key_order, NO_KEY), segment.gather(1, key_order), no_sinks),
+            0,
+            SET_A,
+            model_mask,
+        )
+        mask_mod = rule_mask(rule)
         full_count = torch.zeros_like(full_count)
-    blocks = BlockLists(count, indices, full_count, full_indices, rule_mask(rule), entries, kv_len)
+    blocks = BlockLists(count, indices, full_count, full_indices, mask_mod, entries, kv_len)
     token_index = (entry_order // top_k)[:, None, :, None]
     sorted_keys = key.gather(2, key_order[:, None, :, None].expand(batch, kv_heads, kv_len, dim))
     sorted_values = value.gather(2, key_order[:, None, :, None].expand(batch, kv_heads, kv_len, dim))

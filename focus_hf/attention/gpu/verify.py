@@ -169,9 +169,9 @@ def _routed_case(
 
 
 def check_flex(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
-    """FlexAttention on the block masks the path itself builds - set B (whose first queries see no key: their only
-    keys are of their own group), set A over sorted keys and entries with full blocks, the whole pattern with full
-    blocks, lengths off the block size - each checked against the contract first (`block_masks`), then run on the
+    """FlexAttention on the block masks the path itself builds - set A over sorted keys and entries with full blocks
+    (an entry of a group with no earlier key sees none), the whole pattern with full blocks, lengths off the block
+    size - each checked against the contract first (`block_masks`), then run on the
     device's kernel and compared with FlexAttention's double, rows without visible keys included."""
     recorded: list[tuple] = []
     twin = cpu_twin_kernels()
