@@ -15,6 +15,20 @@ from focus_hf.commands import bench
 SMALL = ["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--window", "16"]
 
 
+def test_the_commit_given_by_the_runner_wins_over_a_copied_git_folder(monkeypatch):
+    # A lent GPU machine's copy of the tree carried an older .git: rows of commit 432b95d said 3056b1b-dirty.
+    bench.git_commit.cache_clear()
+    monkeypatch.setenv("FOCUS_HF_GIT_COMMIT", "0123abc")
+    try:
+        assert bench.git_commit() == "0123abc"
+        monkeypatch.delenv("FOCUS_HF_GIT_COMMIT")
+        bench.git_commit.cache_clear()
+        found = bench.git_commit()
+        assert found is None or len(found.removesuffix("-dirty")) == 40  # this checkout's own, where it has a .git
+    finally:
+        bench.git_commit.cache_clear()
+
+
 def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
     path = tmp_path / "rows.json"
     argv = ["bench", "--device", "cpu", "--seq-lens", "200", "--top-k", "1", "--repeats", "1", "--backend", "sdpa"]

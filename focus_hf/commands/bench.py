@@ -418,8 +418,11 @@ def package_versions() -> dict[str, Optional[str]]:
 
 @functools.lru_cache(maxsize=1)
 def git_commit() -> Optional[str]:
-    """The commit of the focus_hf checkout that runs ("-dirty" with uncommitted changes to tracked files), else
-    $FOCUS_HF_GIT_COMMIT (a copy of a working tree without its .git, as on a lent GPU machine), else None."""
+    """$FOCUS_HF_GIT_COMMIT where set (a copy of a working tree, as on a lent GPU machine, whose .git - if it has one -
+    may be older than the tree: one recorded 3056b1b-dirty for a run of 432b95d), else the commit of the focus_hf
+    checkout that runs ("-dirty" with uncommitted changes to tracked files), else None."""
+    if os.environ.get("FOCUS_HF_GIT_COMMIT"):
+        return os.environ["FOCUS_HF_GIT_COMMIT"]
     root = Path(__file__).resolve().parents[2]
     if (root / ".git").exists():
         git = ["git", "-C", str(root)]
@@ -430,7 +433,7 @@ def git_commit() -> Optional[str]:
             head = None
         if head is not None and head.returncode == 0:
             return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
-    return os.environ.get("FOCUS_HF_GIT_COMMIT") or None
+    return None
 
 
 def now() -> str:
