@@ -56,6 +56,7 @@ class LayerRouting:
     consumed: bool = False
     dense_kv_heads: tuple[int, ...] = ()  # kv heads of this layer that keep full attention
     dense_below: int = 0  # hard mode: queries with fewer keys (themselves included) attend densely
+    sink_tokens: Optional[int] = None  # the most sinks a sample has (None: not known, read from the flags)
     # Group-sorted copies of the distant keys of the layer's KV cache by run of kv heads (start, end), for one-query
     # decoding steps: one per sample (`fast.grouped_decode`, CPU) or, under ("paged", start, end), one paged copy of
     # the batch (`stock.paged_decode`, the GPU path); None where there is no cache to keep them with.
@@ -381,6 +382,7 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
             window=routing.window,
             scaling=scaling,
             backend=routing.backend,
+            sink_tokens=routing.sink_tokens,
             # A mask that is more than causal + padding (sliding window, packed documents, any custom 4D mask)
             # runs as one dense masked call that applies it in full.
             mask_is_padding=kwargs.get("sliding_window") is None

@@ -104,6 +104,7 @@ def hard_attention(
     paged: Optional[PagedKeys] = None,
     own_group: Optional[bool] = None,
     path: Optional[str] = None,
+    sink_tokens: Optional[int] = None,
 ) -> torch.Tensor:
     """Hard-mode Focus attention on backend "sdpa", "flash", "stock" or "auto" (see `backends`).
 
@@ -136,6 +137,8 @@ def hard_attention(
             crossover (`crossover.auto_path`), made here instead. The crossover's measurement times this function
             so (`crossover.measure`), so that what it times is what runs. None: "auto" asks the crossover, other
             backends run sparse.
+        sink_tokens: the most sinks a sample has (the adapter's `sink_tokens`), or None: the GPU path then reads
+            the count from the flags (one device read, and a graph break under torch.compile).
 
     Returns:
         [batch, q, heads, dim]; rows of padding queries are finite and meaningless.
@@ -185,6 +188,7 @@ def hard_attention(
                 own_group,
                 decode,
                 short,
+                sink_tokens,
             )
         except FlexRecompileLimit as error:
             if paged is not None:
@@ -212,7 +216,19 @@ def hard_attention(
 
 
 def _gpu_path(
-    query, key, value, model_mask, routing, num_groups, stock, mask_is_padding, paged, own_group, decode, short
+    query,
+    key,
+    value,
+    model_mask,
+    routing,
+    num_groups,
+    stock,
+    mask_is_padding,
+    paged,
+    own_group,
+    decode,
+    short,
+    sink_tokens=None,
 ) -> torch.Tensor:
     """The GPU path's choice among its calls (`gpu.stock`): [batch, q, heads, dim]."""
     query_groups, key_groups, key_sink, window, scaling = routing
@@ -227,7 +243,7 @@ def _gpu_path(
     if short or decode:  # few queries without a paged copy: one call over every causal block
         return pattern_attention(query, key, value, key_valid, *routing, stock, lookup)
     sparse = (query_groups, key_groups, key_sink, num_groups, window, scaling, stock, own_group, lookup)
-    return stock_sparse_attention(query, key, value, key_valid, *sparse)
+    return stock_sparse_attention(query, key, value, key_valid, *sparse, sink_slots=sink_tokens)
 
 
 def reference_hard_attention(

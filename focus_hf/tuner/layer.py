@@ -522,6 +522,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             queries=queries,
             keys=keys,
             dense_below=settings.dense_below,
+            sink_tokens=settings.sink_tokens,
             grouped_keys=grouped_keys,
             dense_kv_heads=settings.dense_kv_heads.get(self.layer_index, ()),
         )

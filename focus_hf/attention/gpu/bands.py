@@ -38,6 +38,7 @@ def band_attention(
     window: int,
     scaling: float,
     model_mask: Optional[torch.Tensor] = None,
+    sink_slots: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Set B: output [batch, heads, q, dim] in the query's dtype and lse [batch, heads, q] in float32.
 
@@ -52,6 +53,9 @@ def band_attention(
         window: the local window w: a query at p sees the keys at p - w .. p.
         scaling: the softmax scale.
         model_mask: a boolean mask [batch or 1, 1, q, kv] (True: may attend), or None.
+        sink_slots: at least the number of sinks of any sample (routing's `sink_tokens`: a sample's sinks are its
+            first real tokens), so that nothing is read from the device; None: counted from `key_sink` (one read,
+            which under torch.compile is a graph break).
     """
     batch, heads, q_len, dim = query.shape
     kv_len = key.shape[2]
@@ -67,7 +71,7 @@ def band_attention(
     # A sink is taken with the sinks, never in a band: padding and sinks are hidden from the bands alike.
     band_position = _bands(torch.where(valid & ~key_sink, positions, -1), pad, offset, span, -1)  # [b, bands, span]
     band_group = _bands(key_groups, pad, offset, span, -1)
-    sinks = _sinks(key, value, valid, key_groups, key_sink)
+    sinks = _sinks(key, value, valid, key_groups, key_sink, sink_slots)
 
     output = query.new_empty(batch, heads, bands * BAND_ROWS, dim)
     lse = torch.empty(batch, heads, bands * BAND_ROWS, dtype=torch.float32, device=query.device)
@@ -104,12 +108,19 @@ def _bands(per_key: torch.Tensor, pad: tuple[int, int], offset: int, span: int, 
 
 
 def _sinks(
-    key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, key_groups: torch.Tensor, key_sink: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    slots: Optional[int],
 ) -> tuple[torch.Tensor, ...]:
-    """Each sample's sinks, in position order, padded to the most any sample has: keys and values
-    [batch, kv_heads, s, dim], positions [batch, s] (-1: a padding slot) and groups [batch, s]. One device read (the
-    count)."""
-    count = int(key_sink.sum(dim=1).max()) if key_sink.numel() else 0
+    """Each sample's sinks, in position order, in `slots` columns (None: the most any sample has, read from the
+    device): keys and values [batch, kv_heads, s, dim], positions [batch, s] (-1: an empty slot) and groups
+    [batch, s]."""
+    if slots is None:
+        slots = int(key_sink.sum(dim=1).max()) if key_sink.numel() else 0
+    count = min(slots, key_sink.shape[1])
     # A stable sort on "not a sink" puts each sample's sinks first, in position order.
     order = torch.argsort((~key_sink).to(torch.int8), dim=1, stable=True)[:, :count]
     real = (key_sink & valid).gather(1, order)

@@ -102,6 +102,7 @@ def range_mask(first: torch.Tensor, end: torch.Tensor) -> Callable:
     benchmarks/results/gpu/chunked-scan/profile.json)."""
     rows = blocks_of(first.shape[1]) * BLOCK
     first, end = padded(first.long(), 1, rows, 0), padded(end.long(), 1, rows, 0)
+
     def mask_mod(b, h, q_index, kv_index):
         return (kv_index >= first[b, q_index]) & (kv_index < end[b, q_index])
 

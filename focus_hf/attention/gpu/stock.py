@@ -65,6 +65,7 @@ def stock_sparse_attention(
     kernels: StockKernels,
     own_group: Optional[bool] = None,
     model_mask: Optional[torch.Tensor] = None,
+    sink_slots: Optional[int] = None,
 ) -> torch.Tensor:
     """Sets A and B merged: [batch, q, heads, dim] in the query's dtype.
 
@@ -81,6 +82,8 @@ def stock_sparse_attention(
         model_mask: a boolean mask [batch or 1, 1, q, kv] that may hide more than future and padding keys (a
             sliding window, packed documents), read pair by pair by the FlexAttention calls (set A then takes
             FlexAttention, whatever the routing); None: causal + `key_valid`.
+        sink_slots: the most sinks any sample has (routing's `sink_tokens`), which sizes set B's sink columns
+            without reading the flags from the device (`bands.band_attention`); None: read.
     """
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
@@ -88,7 +91,7 @@ def stock_sparse_attention(
     if valid is None:
         valid = torch.ones(batch, kv_len, dtype=torch.bool, device=query.device)
     near = (query_groups, key_groups, key_sink, window, scaling, model_mask)
-    output, lse = band_attention(query, key, value, valid, *near)
+    output, lse = band_attention(query, key, value, valid, *near, sink_slots=sink_slots)
     if own_group is None:
         own_group = not torch.compiler.is_compiling() and torch.equal(
             query_groups[..., 0], key_groups[:, kv_len - q_len :]
