@@ -51,6 +51,11 @@ LC_ADAPTER_CONFIG = "benchmarks/long_context/adapter/adapter_config.json"
 VLLM_SERVING = "benchmarks/results/vllm_serving.json"
 LC_CALIBRATION = "benchmarks/long_context/calibration.json"
 GPU_SUMMARY = "benchmarks/results/gpu/summary.json"  # benchmarks/gpu/run.sh: every GPU stage's figures, one run
+# The session after it: the profile of commit 3056b1b, then the chunked scans measured (commit 432b95d).
+GPU_BEFORE = "benchmarks/results/gpu/profile-3056b1b/summary.json"
+GPU_PROFILE_BEFORE = "benchmarks/results/gpu/profile-3056b1b/profile.json"
+GPU_AFTER = "benchmarks/results/gpu/chunked-scan/summary.json"
+GPU_PROFILE_AFTER = "benchmarks/results/gpu/chunked-scan/profile.json"
 DEMO_RUN = "benchmarks/results/demo_run.json"  # benchmarks/demo_run.py: `focus-hf demo` timed from a fresh cache
 
 AS_SAVED = "focus as saved top-1, w=512, 18 dense heads, dense below 2048"  # the committed adapter's rows
@@ -253,16 +258,30 @@ def _vllm(prompt_tokens: int, field: str) -> Callable[[], str]:
     return lambda: times(pick(VLLM_SERVING, prompt_tokens=prompt_tokens)[field])
 
 
-def _gpu(stage: str, figure: str) -> dict:
-    """One figure of the committed GPU run's summary (`benchmarks/gpu/run.py`)."""
-    found = [row for row in load(GPU_SUMMARY)["figures"] if row["stage"] == stage and row["figure"] == figure]
+def _gpu(stage: str, figure: str, summary: str = GPU_SUMMARY) -> dict:
+    """One figure of a committed GPU run's summary (`benchmarks/gpu/run.py`)."""
+    found = [row for row in load(summary)["figures"] if row["stage"] == stage and row["figure"] == figure]
     if not found:
-        raise KeyError(f"{GPU_SUMMARY} has no figure {figure!r} of stage {stage!r}")
+        raise KeyError(f"{summary} has no figure {figure!r} of stage {stage!r}")
     return found[0]
 
 
-def _gpu_ratio(stage: str, figure: str) -> Callable[[], str]:
-    return lambda: times(_gpu(stage, figure)["ratio"])
+def _gpu_ratio(stage: str, figure: str, summary: str = GPU_SUMMARY) -> Callable[[], str]:
+    return lambda: times(_gpu(stage, figure, summary)["ratio"])
+
+
+def _profile_row(path: str, tokens: int, top_k: int) -> dict:
+    return next(row for row in load(path)["rows"] if row["tokens"] == tokens and row["top_k"] == top_k)
+
+
+def _scan_ms(path: str, tokens: int) -> float:
+    """Device milliseconds of routing's prefix sums in one top-1 prefill: torch's cumsum operator before the chunked
+    scans (its table row), the chunked scan's labelled function after."""
+    row = _profile_row(path, tokens, 1)
+    labelled = [line["device_ms"] for line in row["by_focus_line"] if line["where"].endswith("prefix_scan.py: _scan")]
+    if labelled:
+        return labelled[0]
+    return next(op["self_device_ms"] for op in row["top_device_ops"] if op["op"] == "aten::cumsum")
 
 
 def _gpu_targets() -> str:
@@ -280,6 +299,16 @@ FIGURES: dict[str, Callable[[], str]] = {
     "gpu.top2_256k": _gpu_ratio("attention", "top-2 prefill 256K"),
     "gpu.auto_top1_256k": _gpu_ratio("auto", "top-1 256K"),
     "gpu.auto_top1_1k": _gpu_ratio("auto", "top-1 1K"),
+    "gpu.after.commit": lambda: load(GPU_AFTER)["git_commit"][:7],
+    "gpu.after.top1_64k": _gpu_ratio("attention", "top-1 prefill 64K", GPU_AFTER),
+    "gpu.after.top1_256k": _gpu_ratio("attention", "top-1 prefill 256K", GPU_AFTER),
+    "gpu.after.top2_256k": _gpu_ratio("attention", "top-2 prefill 256K", GPU_AFTER),
+    "gpu.after.tests_passed": lambda: _gpu("tests", "pytest -m cuda", GPU_AFTER)["focus"],
+    "gpu.before.tests_passed": lambda: _gpu("tests", "pytest -m cuda", GPU_BEFORE)["focus"],
+    "gpu.scan_before_256k": lambda: f"{_scan_ms(GPU_PROFILE_BEFORE, 262144):.0f} ms",
+    "gpu.scan_after_256k": lambda: f"{_scan_ms(GPU_PROFILE_AFTER, 262144):.1f} ms",
+    "gpu.wall_before_256k": lambda: f"{1e3 * _profile_row(GPU_PROFILE_BEFORE, 262144, 1)['wall_s']:.0f} ms",
+    "gpu.wall_after_256k": lambda: f"{1e3 * _profile_row(GPU_PROFILE_AFTER, 262144, 1)['wall_s']:.0f} ms",
     "gpu.peak_1m": _gpu_ratio("peak_memory", "top-1 peak 1M"),
     # vLLM's CPU engine, Focus (the committed adapter) over vLLM's dense attention (benchmarks/vllm_serving.py)
     **{
@@ -818,12 +847,12 @@ def commands_table() -> str:
     return _table(["results file", "commands"], body)
 
 
-def gpu_table() -> str:
-    """Every figure of the committed GPU run with a target, and the prefill times of one layer, against dense."""
+def gpu_table(summary: str = GPU_SUMMARY) -> str:
+    """Every figure of a committed GPU run with a target, and the prefill times of one layer, against dense."""
     body = []
-    for row in load(GPU_SUMMARY)["figures"]:
-        if row["target"] is None and row["figure"].endswith("peak"):
-            continue
+    for row in load(summary)["figures"]:
+        if (row["target"] is None and row["figure"].endswith("peak")) or row["stage"] == "profile":
+            continue  # the profile has its own table (`gpu_profile_table`)
         ratio = "-" if row["ratio"] is None else times(row["ratio"])
         focus = row["focus"] if isinstance(row["focus"], str) else f"{row['focus']:.4g} {row['unit']}"
         dense = "-" if row["dense"] is None else f"{row['dense']:.4g} {row['unit']}"
@@ -836,8 +865,38 @@ def gpu_table() -> str:
     return _table(["stage", "figure", "dense", "Focus", "dense / Focus", "target", "met"], body)
 
 
+def gpu_profile_table() -> str:
+    """Where one prefill of the GPU run's layer spends its device time, by focus_hf function (torch's profiler;
+    `benchmarks/gpu/profile_layer.py`), at commit 432b95d."""
+    body = []
+    for row in load(GPU_PROFILE_AFTER)["rows"]:
+        lines = [line for line in row["by_focus_line"] if line["device_ms"] >= 0.05 * row["device_ms_total"]]
+        where = "; ".join(f"{line['where'].split(': ')[-1]} {line['device_ms']:.1f}" for line in lines)
+        tokens = f"{row['tokens'] // 1024}K"
+        body.append([tokens, str(row["top_k"]), f"{1e3 * row['wall_s']:.1f}", f"{row['device_ms_total']:.1f}", where])
+    return _table(["tokens", "top-k", "wall ms", "device ms", "device ms by function (5% and up)"], body)
+
+
+def gpu_mask_costs_table() -> str:
+    """Set B's FlexAttention call (commit 432b95d) with its block lists fixed, under each mask_mod measured."""
+    data = load(GPU_PROFILE_AFTER)
+    names = list(data["mask_variants"])
+    body = [
+        [f"{row['tokens'] // 1024}K", *(f"{1e3 * row['variants'][name]:.1f}" for name in names)]
+        for row in data["mask_costs"]
+    ]
+    return (
+        _table(["tokens", *(f"{name} (ms)" for name in names)], body)
+        + "\n\n"
+        + "\n".join(f"- `{name}`: {what}" for name, what in data["mask_variants"].items())
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "table.gpu": gpu_table,
+    "table.gpu_profile": gpu_profile_table,
+    "table.gpu_after": lambda: gpu_table(GPU_AFTER),
+    "table.gpu_mask_costs": gpu_mask_costs_table,
     "table.commands": commands_table,
     "table.model_targets": model_targets_table,
     "table.sinks": sinks_table,
