@@ -62,31 +62,29 @@ def band_attention(
     offset = kv_len - q_len
     bands = -(-q_len // BAND_ROWS)
     span = BAND_ROWS + window
-    # Positions padded by w before the keys (the first band starts there) and after them to whole bands; band r then
-    # starts at offset + r * BAND_ROWS of the padded positions.
+    # Per-key tensors padded by w before the keys (the first band starts there) and after them to whole bands; band r
+    # then starts at offset + r * BAND_ROWS of the padded positions. A sink is taken with the sinks, never in a band:
+    # padding and sinks are hidden from the bands alike.
     pad = (window, bands * BAND_ROWS - q_len)
-    band_keys = F.pad(key, (0, 0, *pad))[:, :, offset:].unfold(2, span, BAND_ROWS)  # [b, kv, bands, dim, span]
-    band_values = F.pad(value, (0, 0, *pad))[:, :, offset:].unfold(2, span, BAND_ROWS)
     positions = torch.arange(kv_len, device=key.device).expand(batch, kv_len)
-    # A sink is taken with the sinks, never in a band: padding and sinks are hidden from the bands alike.
-    band_position = _bands(torch.where(valid & ~key_sink, positions, -1), pad, offset, span, -1)  # [b, bands, span]
-    band_group = _bands(key_groups, pad, offset, span, -1)
+    band_position = _bands(torch.where(valid & ~key_sink, positions, -1), pad, offset, span)  # [b, bands, span]
+    band_group = _bands(key_groups, pad, offset, span)
     sinks = _sinks(key, value, valid, key_groups, key_sink, sink_slots)
 
-    output = query.new_empty(batch, heads, bands * BAND_ROWS, dim)
-    lse = torch.empty(batch, heads, bands * BAND_ROWS, dtype=torch.float32, device=query.device)
-    queries = F.pad(query, (0, 0, 0, bands * BAND_ROWS - q_len))
-    probes = F.pad(query_groups.long(), (0, 0, 0, bands * BAND_ROWS - q_len), value=-3)  # padding rows probe nothing
+    output = query.new_empty(batch, heads, q_len, dim)
+    lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=query.device)
     expanded_mask = None if model_mask is None else model_mask[:, 0].expand(-1, q_len, kv_len)
     per_band = batch * heads * BAND_ROWS * (span + sinks[0].shape[-1]) * 4
     step = max(1, BAND_BYTES // per_band)
     for first in range(0, bands, step):
         chunk = slice(first, min(first + step, bands))
-        rows = slice(chunk.start * BAND_ROWS, chunk.stop * BAND_ROWS)
-        query_index = torch.arange(rows.start, rows.stop, device=query.device)
+        rows = slice(chunk.start * BAND_ROWS, min(chunk.stop * BAND_ROWS, q_len))
+        missing = (chunk.stop - chunk.start) * BAND_ROWS - (rows.stop - rows.start)  # the last band's padding rows
+        query_index = torch.arange(rows.start, rows.start + (chunk.stop - chunk.start) * BAND_ROWS, device=key.device)
+        probes = F.pad(query_groups[:, rows].long(), (0, 0, 0, missing), value=-3)  # padding rows probe nothing
         mask = _chunk_mask(
             offset + query_index,
-            probes[:, rows],
+            probes,
             band_position[:, chunk],
             band_group[:, chunk],
             sinks,
@@ -94,17 +92,26 @@ def band_attention(
             expanded_mask,
             query_index.clamp(max=q_len - 1),
         )
-        part, part_lse = _attend(
-            queries[:, :, rows], band_keys[:, :, chunk], band_values[:, :, chunk], sinks, mask, scaling
-        )
-        output[:, :, rows] = part
-        lse[:, :, rows] = part_lse
-    return output[:, :, :q_len], lse[:, :, :q_len]
+        # The keys of the chunk's bands only: positions offset + start * BAND_ROWS - w up to its last query.
+        low, high = offset + chunk.start * BAND_ROWS - window, offset + chunk.stop * BAND_ROWS
+        band_keys, band_values = (_span(states, low, high).unfold(2, span, BAND_ROWS) for states in (key, value))
+        queries = F.pad(query[:, :, rows], (0, 0, 0, missing))
+        part, part_lse = _attend(queries, band_keys, band_values, sinks, mask, scaling)
+        output[:, :, rows] = part[:, :, : rows.stop - rows.start]
+        lse[:, :, rows] = part_lse[:, :, : rows.stop - rows.start]
+    return output, lse
 
 
-def _bands(per_key: torch.Tensor, pad: tuple[int, int], offset: int, span: int, fill: int) -> torch.Tensor:
-    """[batch, kv] per-key values as each band's [batch, bands, span] (padding positions `fill`)."""
-    return F.pad(per_key, pad, value=fill)[:, offset:].unfold(1, span, BAND_ROWS)
+def _bands(per_key: torch.Tensor, pad: tuple[int, int], offset: int, span: int) -> torch.Tensor:
+    """[batch, kv] per-key values as each band's [batch, bands, span] (-1 at padding positions)."""
+    return F.pad(per_key, pad, value=-1)[:, offset:].unfold(1, span, BAND_ROWS)
+
+
+def _span(states: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """states[:, :, low:high] of [batch, kv_heads, kv, dim], zeros where the range passes either end."""
+    kv_len = states.shape[2]
+    inside = states[:, :, max(low, 0) : min(high, kv_len)]
+    return F.pad(inside, (0, 0, max(-low, 0), max(high - kv_len, 0)))
 
 
 def _sinks(
