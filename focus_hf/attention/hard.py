@@ -175,21 +175,8 @@ def hard_attention(
     short = path == "dense"
     if stock is not None:
         try:
-            return _gpu_path(
-                query,
-                key,
-                value,
-                model_mask,
-                arguments[:-1],
-                num_groups,
-                stock,
-                mask_is_padding,
-                paged,
-                own_group,
-                decode,
-                short,
-                sink_tokens,
-            )
+            calls = (mask_is_padding, paged, own_group, decode, short, sink_tokens)  # what decides among its calls
+            return _gpu_path(query, key, value, model_mask, arguments[:-1], num_groups, stock, *calls)
         except FlexRecompileLimit as error:
             if paged is not None:
                 paged.invalidate()
