@@ -183,7 +183,7 @@ def _attend(
     per_kv = heads // kv_heads
     sink_keys, sink_values = sinks[0], sinks[1]
     # Query heads of one kv head and the rows of one band as one matrix: [batch, kv, bands, per_kv * BAND_ROWS, dim].
-    grouped = queries.float().view(batch, kv_heads, per_kv, bands, BAND_ROWS, dim).transpose(2, 3)
+    grouped = queries.float().reshape(batch, kv_heads, per_kv, bands, BAND_ROWS, dim).transpose(2, 3)
     grouped = grouped.reshape(batch, kv_heads, bands, per_kv * BAND_ROWS, dim)
     scores = torch.cat(
         [grouped @ band_keys.float(), grouped @ sink_keys.float()[:, :, None].transpose(-1, -2)], dim=-1
