@@ -143,10 +143,10 @@ def _chunk_mask(
     sinks: tuple[torch.Tensor, ...],
     window: int,
     model_mask: Optional[torch.Tensor],
-    query_index: Optional[torch.Tensor] = None,
+    mask_rows: torch.Tensor,
 ) -> torch.Tensor:
     """[batch, bands, BAND_ROWS, span + s] the pairs of set B among a chunk's bands and the sinks; `model_mask`
-    [batch or 1, q, kv] (expanded), read at rows `query_index` (the chunk's queries in the call, past its last
+    [batch or 1, q, kv] (expanded), read at `mask_rows` (the chunk's queries in the call, past its last
     clamped to it)."""
     batch, bands, span = band_position.shape
     _, _, sink_position, sink_group = sinks
@@ -163,7 +163,7 @@ def _chunk_mask(
     mask = (key_position >= 0) & (key_position <= rows) & near & ~probed
     if model_mask is not None:  # [batch or 1, q, kv], any dimension broadcast: read at the pairs only
         sample = torch.arange(model_mask.shape[0], device=mask.device).view(-1, 1, 1, 1)
-        row = query_index.view(1, bands, BAND_ROWS, 1)
+        row = mask_rows.view(1, bands, BAND_ROWS, 1)
         mask &= model_mask[sample, row, key_position.clamp(min=0)]
     return mask
 

@@ -12,9 +12,9 @@ flag - and `rule_mask` turns it into the one `mask_mod` all calls use:
 
 Set A takes the probed part, the whole pattern and a decoding step both (set B, the near unprobed part alone, runs in
 plain torch: `bands`). Set A without a model's mask reads its pairs from ranges of its sorted keys instead
-(`range_mask`): the same pairs, far fewer loads. The block
-lists of a call are then only a sparsity hint (`block_masks` rule 6): FlexAttention run eagerly, which applies
-`mask_mod` to every pair and ignores the lists, gives the compiled kernel's answer.
+(`range_mask`): the same pairs, far fewer loads. The block lists of a call are then only a sparsity hint
+(`block_masks` rule 6): FlexAttention run eagerly, which applies `mask_mod` to every pair and ignores the lists, gives
+the compiled kernel's answer.
 
 Why one function whose closure holds only tensors: torch.compile guards a compiled kernel on the mask's code and on
 what its closure holds - a Python number there is a constant compiled in, so every new length, window or decoding

@@ -80,8 +80,8 @@ def stock_sparse_attention(
         own_group: whether each query's first probe is its own key group (no separate query router); None: read
             from the groups (a device sync; never under torch.compile, where None counts as False).
         model_mask: a boolean mask [batch or 1, 1, q, kv] that may hide more than future and padding keys (a
-            sliding window, packed documents), read pair by pair by the FlexAttention calls (set A then takes
-            FlexAttention, whatever the routing); None: causal + `key_valid`.
+            sliding window, packed documents), read pair by pair - by set B's masks in torch and by set A's
+            FlexAttention call, which it then takes whatever the routing; None: causal + `key_valid`.
         sink_slots: the most sinks any sample has (routing's `sink_tokens`), which sizes set B's sink columns
             without reading the flags from the device (`bands.band_attention`); None: read.
     """
