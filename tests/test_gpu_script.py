@@ -218,3 +218,24 @@ def test_summary_holds_figures_against_the_targets(tmp_path):
     assert rows["peak_memory", "top-1 peak 1M"]["meets_target"] is False
     # Off CUDA no target is judged: they are GPU targets.
     assert all(row["meets_target"] is None for row in gpu_run.figures(tmp_path, cuda=False))
+
+
+def test_a_profile_name_torch_recorded_as_invalid_utf8_loses_only_that_name():
+    # One CPU run lost its whole profile row to a UnicodeDecodeError from a name torch's profiler handed back.
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    import profile_layer
+
+    class Unreadable:
+        stack, cpu_parent = None, None
+
+        @property
+        def name(self):
+            raise UnicodeDecodeError("utf-8", b"\x85", 0, 1, "invalid start byte")
+
+    class Labelled:
+        stack, name = None, "op"
+        cpu_parent = type("Range", (), {"stack": None, "name": "focus_hf/attention/gpu/bands.py: band_attention",
+                                        "cpu_parent": Unreadable()})()  # fmt: skip
+
+    assert profile_layer.focus_frame(Unreadable()) == "(outside focus_hf)"
+    assert profile_layer.focus_frame(Labelled()) == "focus_hf/attention/gpu/bands.py: band_attention"

@@ -36,6 +36,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: gpu_attention's layer
 
@@ -49,14 +50,26 @@ def device_time(event) -> float:
     return float(getattr(event, "self_cuda_time_total", 0.0))
 
 
+UNREADABLE = "(a name torch recorded as invalid UTF-8)"
+
+
+def readable(read: Callable[[], Any]) -> Any:
+    """`read()`, or UNREADABLE where torch's profiler hands back a name that is not valid UTF-8 (seen once on the
+    CPU: one row of a profile lost to a UnicodeDecodeError)."""
+    try:
+        return read()
+    except UnicodeDecodeError:
+        return UNREADABLE
+
+
 def focus_frame(event) -> str:
     """The innermost focus_hf Python frame an event ran in ("focus_hf/path.py(line): function"), or "(outside
     focus_hf)": from the event's recorded stack where torch fills it, else from the ranges around it (its parents:
     the Python functions' own events with `with_stack`, and `labelled_functions`' ranges)."""
-    frames = list(getattr(event, "stack", None) or [])
+    frames = list(readable(lambda: getattr(event, "stack", None) or []))
     parent = event
     while parent is not None:  # after the stack: the ranges around the event, `labelled_functions`' among them
-        frames.append(parent.name)
+        frames.append(readable(lambda: parent.name))
         parent = parent.cpu_parent
     for frame in frames:
         if "focus_hf/" in frame:
@@ -114,7 +127,7 @@ def summarise(profiler, rows: int) -> dict:
     for event in profiler.events():
         if getattr(event, "device_type", None) is not None and "CPU" not in str(event.device_type):
             continue  # a kernel's time is its launching operator's self device time
-        if event.name.startswith("focus_hf/"):
+        if readable(lambda: event.name).startswith("focus_hf/"):
             continue  # a label's range (`labelled_functions`): its operators carry the time
         line = by_line[focus_frame(event)]
         line["device_ms"] += device_time(event) / 1e3
@@ -127,7 +140,7 @@ def summarise(profiler, rows: int) -> dict:
         chosen = sorted(averages, key=key, reverse=True)[:rows]
         return [
             {
-                "op": event.key,
+                "op": readable(lambda: event.key),
                 "calls": event.count,
                 "self_device_ms": round(device_time(event) / 1e3, 3),
                 "self_cpu_ms": round(event.self_cpu_time_total / 1e3, 3),
@@ -139,7 +152,7 @@ def summarise(profiler, rows: int) -> dict:
         "by_focus_line": [{"where": where, **{k: round(v, 3) for k, v in t.items()}} for where, t in ordered[:rows]],
         "top_device_ops": top(device_time),
         "top_cpu_ops": top(lambda event: event.self_cpu_time_total),
-        "syncs": {event.key: event.count for event in averages if event.key in SYNC_OPS},
+        "syncs": {key: event.count for event in averages if (key := readable(lambda: event.key)) in SYNC_OPS},
         # From the launching operators only: torch's table lists each kernel's time twice (the kernel, its operator).
         "device_ms_total": round(sum(line["device_ms"] for line in by_line.values()), 3),
     }
