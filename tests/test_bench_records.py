@@ -53,6 +53,20 @@ def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
         # no instructions the processor lacks (a -march=native build uses what the compiler knows of them)
         assert "avx512 vectors" not in kernels["uses"] or "avx512f" in row["instruction_sets"]
         assert "avx512_bf16 dot products" not in kernels["uses"] or "avx512_bf16" in row["instruction_sets"]
+    # torch's own kernels, which dense SDPA runs: their dispatch level and the variables that limit it
+    assert row["torch_kernels"]["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(row["torch_kernels"]["limits"]) <= set(bench.TORCH_ISA_LIMITS)
+
+
+def test_the_limits_set_on_torchs_kernels_are_recorded(monkeypatch):
+    for name in bench.TORCH_ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    assert bench.torch_kernels()["limits"] == {}
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert bench.torch_kernels() == {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "limits": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    }
 
 
 def test_a_failing_length_is_reported_and_the_others_measured(tmp_path, monkeypatch, capsys):
