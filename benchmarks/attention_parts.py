@@ -11,8 +11,10 @@ the sparse path (`backend="sdpa"`) on one thread, each C call of the path timed 
 against dense causal SDPA on the same inputs, as nanoseconds per visible (query, key) pair and query head; and the
 same sparse path on torch operations alone (`native.torch_path`, what "auto" runs where it is the faster), so that
 each row shows whether the C kernels beat it. One thread and CPU time, so that the figures are the kernels' own rate
-(the threaded runs are `focus-hf bench`'s), and a busy machine moves them less. Each row records the kernels' build
-(`FOCUS_HF_CPU_TARGET`): run it once per target to compare builds on one machine.
+(the threaded runs are `focus-hf bench`'s), and a busy machine moves them less. Up to REPEAT_MAX_LEN tokens each path
+is timed --repeats times in turn and every figure is a median: one call of a few milliseconds moved by a tenth and
+more between runs. Each row records the kernels' build (`FOCUS_HF_CPU_TARGET`): run it once per target to compare
+builds on one machine.
 
     python benchmarks/attention_parts.py --json benchmarks/results/attention_cpu_parts.json
 """
@@ -20,6 +22,7 @@ each row shows whether the C kernels beat it. One thread and CPU time, so that t
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +38,10 @@ from focus_hf.attention.cpu.native import torch_path
 from focus_hf.attention.hard import hard_attention
 from focus_hf.commands.bench import allowed_pair_count, layer_fields, machine_fields, make_case
 
+# Above this many tokens one call takes seconds and is timed once; shorter calls (a few milliseconds at 1K) are timed
+# --repeats times, alternating, and each figure is the median.
+REPEAT_MAX_LEN = 16384
+PARTS = ("set_a", "local", "sinks")  # the C calls timed inside the path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from model_prefill import command_line, log, write_rows  # noqa: E402
@@ -46,10 +53,17 @@ def cpu_seconds(function: Callable[[], object]) -> float:
     return time.process_time() - started
 
 
+def rounds_for(seq_len: int, repeats: int) -> int:
+    return repeats if seq_len <= REPEAT_MAX_LEN else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--repeats", type=int, default=5, help=f"timed calls of each path up to {REPEAT_MAX_LEN:,} tokens (medians)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -69,8 +83,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     key_sink=case.routing[1].sink[:, :1024], num_groups=args.groups, window=args.window,
                     scaling=args.head_dim**-0.5, backend="sdpa", own_group=True,
                 )  # fmt: skip
-                dense_s = cpu_seconds(
-                    lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+                rounds = rounds_for(seq_len, options.repeats)
+                dense_s = statistics.median(
+                    cpu_seconds(
+                        lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+                    )
+                    for _ in range(rounds)
                 )
                 pair_heads = seq_len * (seq_len + 1) // 2 * args.heads
                 for top_k in (1, 2):
@@ -97,14 +115,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                             scaling=args.head_dim**-0.5, backend="sdpa", own_group=True,
                         )  # fmt: skip
 
-                    with (
-                        mock.patch.object(segments, "prefill_segments", timed("set_a", segments.prefill_segments)),
-                        mock.patch.object(partials, "prefill_attention", timed("local", partials.prefill_attention)),
-                        mock.patch.object(partials, "sink_pairs", timed("sinks", partials.sink_pairs)),
-                    ):
-                        focus_s = cpu_seconds(sparse_path)
-                    with torch_path():  # the same path on torch operations alone, as "auto" may run it
-                        torch_s = cpu_seconds(sparse_path)
+                    set_a_call, local_call = segments.prefill_segments, partials.prefill_attention
+                    sinks_call = partials.sink_pairs
+                    samples: dict[str, list[float]] = {name: [] for name in ("focus", "torch", *PARTS)}
+                    for _ in range(rounds):  # the C kernels' path and the torch path in turn
+                        spent.clear()
+                        with (
+                            mock.patch.object(segments, "prefill_segments", timed("set_a", set_a_call)),
+                            mock.patch.object(partials, "prefill_attention", timed("local", local_call)),
+                            mock.patch.object(partials, "sink_pairs", timed("sinks", sinks_call)),
+                        ):
+                            samples["focus"].append(cpu_seconds(sparse_path))
+                        for name in PARTS:
+                            samples[name].append(spent.get(name, 0.0))
+                        with torch_path():  # the same path on torch operations alone, as "auto" may run it
+                            samples["torch"].append(cpu_seconds(sparse_path))
+                    part_s = {name: statistics.median(samples[name]) for name in PARTS}
+                    focus_s, torch_s = statistics.median(samples["focus"]), statistics.median(samples["torch"])
                     other_pairs = max(allowed - set_a_pairs, 1)  # the window's pairs of other groups, distant sinks
                     row = {
                         "seq_len": seq_len,
@@ -118,13 +145,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "kernels_over_torch_path": torch_s / focus_s,
                         "ideal_speedup": seq_len * (seq_len + 1) / 2 / allowed,
                         "dense_ns_per_pair_head": dense_s / pair_heads * 1e9,
-                        "set_a_cpu_s": spent.get("set_a", 0.0),
+                        "set_a_cpu_s": part_s.get("set_a", 0.0),
                         "set_a_pairs_share": set_a_pairs / allowed,
-                        "set_a_ns_per_pair_head": spent.get("set_a", 0.0) / (set_a_pairs * args.heads) * 1e9,
-                        "local_cpu_s": spent.get("local", 0.0),
-                        "local_ns_per_pair_head": spent.get("local", 0.0) / (other_pairs * args.heads) * 1e9,
-                        "sinks_cpu_s": spent.get("sinks", 0.0),
-                        "rest_cpu_s": focus_s - sum(spent.values()),
+                        "set_a_ns_per_pair_head": part_s.get("set_a", 0.0) / (set_a_pairs * args.heads) * 1e9,
+                        "local_cpu_s": part_s.get("local", 0.0),
+                        "local_ns_per_pair_head": part_s.get("local", 0.0) / (other_pairs * args.heads) * 1e9,
+                        "sinks_cpu_s": part_s.get("sinks", 0.0),
+                        "rest_cpu_s": focus_s - sum(part_s.values()),
+                        "repeats": rounds,
                         **layer_fields(args),
                         **machine_fields(device),
                         "command": command_line("attention_parts.py", argv),

@@ -1,5 +1,5 @@
 """The benchmarks' measuring parts on tiny inputs: model_decode.py's token clock, teacher forcing and comparison,
-arithmetic_ceiling.py's pair counts."""
+arithmetic_ceiling.py's pair counts, attention_parts.py's repeated timings."""
 
 from __future__ import annotations
 
@@ -89,3 +89,22 @@ def test_arithmetic_ceiling_counts_the_pairs_its_calls_attend():
     assert local_pairs == ceiling.HEADS * 128 * 17
     output, lse = call()
     assert output.shape == (4, ceiling.HEADS, 32, ceiling.DIM) and torch.isfinite(lse).all()
+
+
+def test_attention_parts_times_short_calls_repeatedly_and_its_parts_add_up(tmp_path):
+    # One timed call of a few milliseconds moved by a tenth between runs: below REPEAT_MAX_LEN every figure is a
+    # median of --repeats calls, and the parts of the C kernels' path (set A, local, sinks, the rest) sum to it.
+    import json
+
+    attention_parts = load_benchmark("attention_parts")
+    path = tmp_path / "parts.json"
+    argv = ["--seq-lens", "320", "--dtypes", "float32", "--repeats", "3", "--json", str(path)]
+    assert attention_parts.main(argv) == 0
+    rows = json.loads(path.read_text())
+    assert [row["top_k"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["repeats"] == 3 and attention_parts.rounds_for(65536, 3) == 1
+        parts = row["set_a_cpu_s"] + row["local_cpu_s"] + row["sinks_cpu_s"] + row["rest_cpu_s"]
+        assert parts == pytest.approx(row["focus_cpu_s"])
+        assert row["speedup"] == pytest.approx(row["dense_cpu_s"] / row["focus_cpu_s"])
+        assert row["torch_kernels"]["capability"] == torch.backends.cpu.get_cpu_capability()
