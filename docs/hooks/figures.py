@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import statistics
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,6 +28,13 @@ ATTENTION_DECODE = "benchmarks/results/attention_cpu_decode.json"
 ATTENTION_MEMORY = "benchmarks/results/attention_cpu_peak_memory.json"
 ATTENTION_AUTO = {k: f"benchmarks/results/attention_cpu_auto_K{k}.json" for k in (4, 8, 16)}
 ATTENTION_BF16 = "benchmarks/results/attention_cpu_bf16.json"
+# Each machine's per-build runs: its folder, <stem>_<build>.json, and the builds measured there.
+AVX2_MACHINE = "benchmarks/results/cpu_targets"  # AMD EPYC Zen 3: AVX2 + FMA, no AVX-512
+CPU_TARGETS = ("native", "x86-64-v3", "x86-64-v2")
+AVX512_MACHINE = "benchmarks/results/cpu_targets_avx512"  # AMD EPYC with AVX-512 and avx512_bf16
+AVX512_TARGETS = ("native", "x86-64-v4", "x86-64-v3", "x86-64-v2")
+# Builds run there with torch's own kernels capped to the build's instruction sets (a processor of that level).
+AVX512_EMULATED = ("x86-64-v3_torch-avx2", "x86-64-v2_torch-default")
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
 ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
 CROSSOVER = "benchmarks/results/crossover_cpu.json"
@@ -393,6 +401,11 @@ FIGURES: dict[str, Callable[[], str]] = {
     "attn.bf16_top1_4k": _attention(ATTENTION_BF16, 4096, 1),
     "attn.bf16_top1_16k": _attention(ATTENTION_BF16, 16384, 1),
     "attn.bf16_top1_64k": _attention(ATTENTION_BF16, 65536, 1),
+    # The same layer on the current kernels: the AVX-512 machine's `focus-hf bench` again, and the AVX2 machine's
+    # `auto` at 64K on one thread (the path it chose).
+    "avx512.top1_64k": _attention(f"{AVX512_MACHINE}/attention_bench_native.json", 65536, 1),
+    "avx512.bf16_top1_64k": _attention(f"{AVX512_MACHINE}/attention_bench_bf16_native.json", 65536, 1),
+    "avx2.auto_top1_64k": _attention(f"{AVX2_MACHINE}/attention_auto_native.json", 65536, 1),
     "attn.bf16_top2_4k": _attention(ATTENTION_BF16, 4096, 2),
     "attn.bf16_top2_16k": _attention(ATTENTION_BF16, 16384, 2),
     "attn.bf16_top2_64k": _attention(ATTENTION_BF16, 65536, 2),
@@ -602,27 +615,30 @@ def parts_table() -> str:
     return _table(header + ["speedup / ideal"], body)
 
 
-CPU_TARGETS = ("native", "x86-64-v3", "x86-64-v2")  # benchmarks/results/cpu_targets/attention_parts_<target>.json
-
-
-def target_rows(stem: str) -> Iterator[tuple[str, str, dict]]:
-    """(build, results file, row) of each build's benchmarks/results/cpu_targets/<stem>_<build>.json."""
-    for target in CPU_TARGETS:
-        path = f"benchmarks/results/cpu_targets/{stem}_{target}.json"
+def target_rows(
+    stem: str, machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS
+) -> Iterator[tuple[str, str, dict]]:
+    """(build, results file, row) of each build's <machine>/<stem>_<build>.json."""
+    for target in targets:
+        path = f"{machine}/{stem}_{target}.json"
         for row in rows(path):
             yield target, path, row
 
 
-def cpu_targets_table() -> str:
+def cpu_targets_table(
+    machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS, dtype: Optional[str] = None
+) -> str:
     """One attention layer per build of the C kernels (`FOCUS_HF_CPU_TARGET`), all measured on one machine by
     benchmarks/attention_parts.py (one thread, CPU time): speedup over dense SDPA of the C kernels and of the torch
-    path, the pair-count ideal, and set A's cost per pair against dense SDPA's."""
+    path, the pair-count ideal, and set A's cost per pair against dense SDPA's (rows of `dtype` only, if given)."""
     body = []
-    for target, path, row in target_rows("attention_parts"):
+    for target, path, row in target_rows("attention_parts", machine, targets):
+        if dtype is not None and row["dtype"] != dtype:
+            continue
         build = row["cpu_kernels"]
         body.append(
             [
-                f"[{target}]({path})" + (f" ({build['march']})" if target == "native" else ""),
+                build_label(target, path, row),
                 str(build["vector_floats"]),
                 f"{row['seq_len']:,}",
                 str(row["top_k"]),
@@ -637,11 +653,81 @@ def cpu_targets_table() -> str:
     return _table(header + ["set A / dense ns per pair"], body)
 
 
-def cpu_targets_decode_table() -> str:
+def avx512_recheck_table() -> str:
+    """The AVX-512 machine's `focus-hf bench` figures measured again on the current kernels (the builds sized per
+    target since), beside the committed ones of the same command: same processor family, threads and layer."""
+    body = []
+    for before_path, now_path in ((ATTENTION, f"{AVX512_MACHINE}/attention_bench_native.json"),
+                                  (ATTENTION_BF16, f"{AVX512_MACHINE}/attention_bench_bf16_native.json")):  # fmt: skip
+        before = {(row["seq_len"], row["top_k"]): row for row in rows(before_path)}
+        for row in rows(now_path):
+            earlier = before.get((row["seq_len"], row["top_k"]))
+            if earlier is None:
+                continue
+            body.append(
+                [
+                    row["dtype"],
+                    f"{row['seq_len']:,}",
+                    str(row["top_k"]),
+                    f"[{times(earlier['speedup'])}]({before_path}) ({earlier['git_commit'][:7]})",
+                    f"[{times(row['speedup'])}]({now_path}) ({row['git_commit'][:7]})",
+                    times(row["ideal_speedup"]),
+                    f"{row['speedup'] / row['ideal_speedup']:.2f}",
+                ]
+            )
+    header = ["dtype", "tokens", "top-k", "committed before", "measured now", "ideal", "efficiency now"]
+    return _table(header, body)
+
+
+KERNELS_AB = f"{AVX512_MACHINE}/kernels_ab"  # {old,current}-<round>.json: focus-hf bench of two commits in turn
+
+
+def kernels_ab_table() -> str:
+    """The kernels of the commit that took the committed AVX-512 figures against the current ones, on the AVX-512
+    machine: `focus-hf bench --backend sdpa` of each commit's tree in turn, three rounds (2 threads, 10 repetitions
+    each); per length and top-k, the median over the rounds of each commit's Focus seconds (dense SDPA's in the same
+    runs, whose spread shows the machine's)."""
+    runs: dict[str, list[list[dict]]] = {"old": [], "current": []}
+    for name in runs:
+        for round_number in (1, 2, 3):
+            runs[name].append(rows(f"{KERNELS_AB}/{name}-{round_number}.json"))
+    commits = {name: runs[name][0][0]["git_commit"][:7] for name in runs}
+    body = []
+    for index, row in enumerate(runs["old"][0]):
+        seconds = {name: [run[index]["focus_s"] for run in runs[name]] for name in runs}
+        dense = [run[index]["dense_s"] for name in runs for run in runs[name]]
+        old, current = (statistics.median(seconds[name]) for name in ("old", "current"))
+        body.append(
+            [
+                f"{row['seq_len']:,}",
+                str(row["top_k"]),
+                f"{old * 1e3:.1f} ms",
+                f"{current * 1e3:.1f} ms",
+                times(old / current),
+                f"{min(dense) * 1e3:.0f}-{max(dense) * 1e3:.0f} ms",
+            ]
+        )
+    header = ["tokens", "top-k", f"Focus, kernels of {commits['old']}", f"Focus, kernels of {commits['current']}"]
+    return _table(header + ["old / current", "dense SDPA in the same runs"], body)
+
+
+def build_label(target: str, path: str, row: dict) -> str:
+    """A per-build row's first cell: the build linked to its results file, with what `native` resolved to, and the
+    level torch's own kernels were capped to where the file's name says so (`<build>_torch-<level>`)."""
+    build, _, torch_level = target.partition("_torch-")
+    label = f"[{build}]({path})"
+    if build == "native":
+        label += f" ({row['cpu_kernels']['march']})"
+    if torch_level:
+        label += f", torch's kernels capped at {torch_level}"
+    return label
+
+
+def cpu_targets_decode_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
     """One decoding step of one attention layer per build of the C kernels (`focus-hf bench --decode`, one thread),
     `auto` against dense SDPA on the same cache, all measured on one machine."""
     body = []
-    for target, path, row in target_rows("attention_decode"):
+    for target, path, row in target_rows("attention_decode", machine, targets):
         body.append(
             [
                 f"[{target}]({path})",
@@ -657,12 +743,12 @@ def cpu_targets_decode_table() -> str:
     return _table(header, body)
 
 
-def cpu_targets_auto_table() -> str:
+def cpu_targets_auto_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
     """One attention layer's prefill far beyond the lengths "auto" calibrates, per build (`focus-hf bench --backend
     auto`, one thread): the race of its two sparse paths on the untimed first call (each path's seconds), the path
     "auto" then ran, and that run against dense SDPA."""
     body = []
-    for target, path, row in target_rows("attention_auto"):
+    for target, path, row in target_rows("attention_auto", machine, targets):
         race = row["race"]
         body.append(
             [
@@ -671,13 +757,17 @@ def cpu_targets_auto_table() -> str:
                 str(row["top_k"]),
                 "-" if race is None else f"{race['kernels_s']:.2f} / {race['torch_s']:.2f}",
                 {"sparse": "C kernels", "sparse-torch": "torch path"}.get(row["focus_path"], row["focus_path"]),
-                f"{row['dense_s']:.1f} / {row['focus_s']:.2f}",
+                (
+                    f"{row['dense_s']:.1f} / {row['focus_s']:.2f} s"
+                    if row["dense_s"] >= 1
+                    else f"{row['dense_s'] * 1e3:.1f} / {row['focus_s'] * 1e3:.1f} ms"
+                ),
                 times(row["speedup"]),
                 times(row["ideal_speedup"]),
                 f"{row['speedup'] / row['ideal_speedup']:.2f}",
             ]
         )
-    header = ["build", "tokens", "top-k", "race: C kernels / torch path s", "auto ran", "dense / Focus s", "speedup"]
+    header = ["build", "tokens", "top-k", "race: C kernels / torch path s", "auto ran", "dense / Focus", "speedup"]
     return _table(header + ["ideal", "efficiency"], body)
 
 
@@ -705,14 +795,14 @@ def cpu_targets_demo_table() -> str:
     return _table(["build", "prefill tokens", "full attention / Focus", "speedup", "threads"], body)
 
 
-def cpu_targets_model_table() -> str:
+def cpu_targets_model_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
     """The whole model (SmolLM2-135M with the committed adapter) per build of the C kernels, all measured on one
     machine: one prefill (benchmarks/model_prefill.py) and generate()'s decoding speed after a prompt
     (benchmarks/model_decode.py), each against the base model in the same run, with the quality of the setting."""
     body = []
-    for target in CPU_TARGETS:
-        prefill_path = f"benchmarks/results/cpu_targets/model_prefill_{target}.json"
-        decode_path = f"benchmarks/results/cpu_targets/model_decode_{target}.json"
+    for target in targets:
+        prefill_path = f"{machine}/model_prefill_{target}.json"
+        decode_path = f"{machine}/model_decode_{target}.json"
         prefill = {row["seq_len"]: row for row in rows(prefill_path) if row["variant"] == FOCUS_SAVED}
         decode = {row["prompt_len"]: row for row in rows(decode_path) if row["variant"] == FOCUS_SAVED}
         for length in sorted(set(prefill) | set(decode)):
@@ -732,11 +822,11 @@ def cpu_targets_model_table() -> str:
     return _table(header + ["generate(): base / Focus (greedy tokens as the base model's)"], body)
 
 
-def cpu_targets_steps_table() -> str:
+def cpu_targets_steps_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
     """Decoding steps of the whole model per build of the C kernels, the base model's and Focus's taken in turn in one
     process (benchmarks/model_decode_steps.py), medians, all measured on one machine."""
     body = []
-    for target, path, row in target_rows("model_decode_steps"):
+    for target, path, row in target_rows("model_decode_steps", machine, targets):
         if row["variant"] != FOCUS_SAVED:
             continue
         full = pick(path, prompt_len=row["prompt_len"], variant=FULL_MODEL)
@@ -909,6 +999,14 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_model": cpu_targets_model_table,
     "table.cpu_targets_steps": cpu_targets_steps_table,
     "table.cpu_targets_decode": cpu_targets_decode_table,
+    "table.cpu_targets_avx512": lambda: cpu_targets_table(AVX512_MACHINE, AVX512_TARGETS + AVX512_EMULATED, "float32"),
+    "table.cpu_targets_avx512_bf16": lambda: cpu_targets_table(AVX512_MACHINE, ("native",), "bfloat16"),
+    "table.cpu_targets_avx512_decode": lambda: cpu_targets_decode_table(AVX512_MACHINE, AVX512_TARGETS),
+    "table.avx512_recheck": avx512_recheck_table,
+    "table.kernels_ab": kernels_ab_table,
+    "table.cpu_targets_avx512_auto": lambda: cpu_targets_auto_table(AVX512_MACHINE, AVX512_TARGETS),
+    "table.cpu_targets_avx512_model": lambda: cpu_targets_model_table(AVX512_MACHINE, AVX512_TARGETS),
+    "table.cpu_targets_avx512_steps": lambda: cpu_targets_steps_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_demo": cpu_targets_demo_table,
     "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
