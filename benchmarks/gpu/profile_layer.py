@@ -36,7 +36,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: gpu_attention's layer
 
@@ -119,6 +119,29 @@ def labelled_functions():
     finally:
         for module, attribute, value in replaced:
             setattr(module, attribute, value)
+
+
+def profiled(prefill: Callable[[], float], activities: list, rows: int, profile: Optional[Callable] = None) -> dict:
+    """One prefill under torch's profiler (`profile`, default torch.profiler.profile) with `labelled_functions`,
+    summarised (`summarise`), with its wall time (`profiled_wall_s`), the try that gave it (`profile_tries`) and
+    whether it recorded Python stacks. torch's profiler has now and then handed back invalid UTF-8 on the CPU - in a
+    name, or while it turned its results into events, where `readable` cannot reach (two CI runs lost the row so):
+    such a profile is taken again, the third time without Python stacks (the labelled ranges still place each
+    operator in its focus_hf function)."""
+    import torch
+
+    profile = profile or torch.profiler.profile
+    failure: Optional[UnicodeDecodeError] = None
+    for tries, with_stack in enumerate((True, True, False), start=1):
+        try:
+            with labelled_functions(), profile(activities=activities, with_stack=with_stack) as profiler:
+                wall_s = prefill()
+            summary = summarise(profiler, rows)
+        except UnicodeDecodeError as error:
+            failure = error
+            continue
+        return {"profiled_wall_s": wall_s, **summary, "profile_tries": tries, "with_stack": with_stack}
+    raise failure
 
 
 def summarise(profiler, rows: int) -> dict:
@@ -362,12 +385,8 @@ def main() -> int:
                 with torch.no_grad():
                     prefill(ids)  # compiles what is compiled per shape
                     row["wall_s"] = prefill(ids)
-                    with (
-                        labelled_functions(),
-                        torch.profiler.profile(activities=activities, with_stack=True) as profiler,
-                    ):
-                        row["profiled_wall_s"] = prefill(ids)
-                row.update(summarise(profiler, args.rows), gpu_path=path_record())
+                    row.update(profiled(functools.partial(prefill, ids), activities, args.rows))
+                row["gpu_path"] = path_record()
             except Exception as error:  # noqa: BLE001 - one call failing must not lose the others
                 row["error"] = error_text(error)
             result["rows"].append(row)
