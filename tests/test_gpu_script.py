@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -241,11 +242,18 @@ def test_a_profile_name_torch_recorded_as_invalid_utf8_loses_only_that_name():
     assert profile_layer.focus_frame(Labelled()) == "focus_hf/attention/gpu/bands.py: band_attention"
 
 
-def test_a_profile_that_raises_invalid_utf8_is_taken_again_at_last_without_stacks():
+def test_a_profile_that_raises_invalid_utf8_is_taken_again_at_last_without_stacks(monkeypatch):
     # Two CI runs lost the profile row to a UnicodeDecodeError raised where no name is read one by one (torch turning
     # its results into events): the profile is taken again, the third time without Python stacks.
     sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
     import profile_layer
+
+    import focus_hf.attention.hard as hard
+
+    # A function without a module (made by exec, as one in CI's process was) is left unlabelled, not a failure.
+    homeless = types.FunctionType((lambda: None).__code__, {})
+    homeless.__module__ = None
+    monkeypatch.setattr(hard, "homeless_function", homeless, raising=False)
 
     def failing_profiles(failures: int):
         taken: list[bool] = []

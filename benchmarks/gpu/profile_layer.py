@@ -105,10 +105,11 @@ def labelled_functions():
         if not name.startswith("focus_hf") or name.startswith(UNLABELLED_MODULES) or module is None:
             continue
         for attribute, value in list(vars(module).items()):
+            home = getattr(value, "__module__", None) or ""  # None for a function made by exec (seen in CI)
             if (
                 isinstance(value, types.FunctionType)
-                and value.__module__.startswith("focus_hf")
-                and not value.__module__.startswith(UNLABELLED_MODULES)
+                and home.startswith("focus_hf")
+                and not home.startswith(UNLABELLED_MODULES)
             ):
                 if value not in wrapped:
                     wrapped[value] = wrap(value)
