@@ -55,15 +55,15 @@ def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
         assert "avx512_bf16 dot products" not in kernels["uses"] or "avx512_bf16" in row["instruction_sets"]
     # torch's own kernels, which dense SDPA runs: their dispatch level and the variables that limit it
     assert row["torch_kernels"]["capability"] == torch.backends.cpu.get_cpu_capability()
-    assert set(row["torch_kernels"]["limits"]) <= set(bench.TORCH_ISA_LIMITS)
+    assert set(row["torch_kernels"]["limits"]) <= set(native.TORCH_ISA_LIMITS)
 
 
 def test_the_limits_set_on_torchs_kernels_are_recorded(monkeypatch):
-    for name in bench.TORCH_ISA_LIMITS:
+    for name in native.TORCH_ISA_LIMITS:
         monkeypatch.delenv(name, raising=False)
-    assert bench.torch_kernels()["limits"] == {}
+    assert native.torch_kernels()["limits"] == {}
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    assert bench.torch_kernels() == {
+    assert native.torch_kernels() == {
         "capability": torch.backends.cpu.get_cpu_capability(),
         "limits": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     }

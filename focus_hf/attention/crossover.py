@@ -1,10 +1,11 @@
 """Where "auto" switches from one dense masked call to the sparse path: measured once per machine and shape.
 
-The crossover (key count below which the dense masked call is faster) depends on the processor, the thread count, the
-dtype, the head shape, top_k, K, the window and which sparse path runs (`kind`): "shared" (queries probe their own key
-group first), "probe" (a separate query router with top_k = 1), "separate" (a separate query router with top_k > 1) -
-all three run set A through `partials.probe_part`, but their group balance differs - or "decode" (a few queries
-against a longer cache, `fast.decode_attention`). On first use of a shape, `dense_below` times both paths at lengths
+The crossover (key count below which the dense masked call is faster) depends on the processor, the build of the C
+kernels and the level of torch's own (`Shape`), the thread count, the dtype, the head shape, top_k, K, the window
+and which sparse path runs (`kind`): "shared" (queries probe their own key group first), "probe" (a separate query
+router with top_k = 1), "separate" (a separate query router with top_k > 1) - all three run set A through
+`partials.probe_part`, but their group balance differs - or "decode" (a few queries against a longer cache,
+`fast.decode_attention`). On first use of a shape, `dense_below` times both paths at lengths
 256, 512, ... through the very function that dispatches the call (`hard.hard_attention`, told which path to take), on
 random inputs laid out as a model hands them over and with the per-step work of a decoding step (the update of the
 layer's copy of the distant keys) - so that what is measured is what then runs - until the sparse path wins twice in a
@@ -43,7 +44,7 @@ from typing import Callable, Optional
 import torch
 
 from focus_hf.aliases import default_cache_dir
-from focus_hf.attention.cpu.native import kernels_identity
+from focus_hf.attention.cpu.native import kernels_identity, torch_kernels
 
 CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
@@ -59,8 +60,9 @@ CACHE_FILE = "crossover.json"
 # sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen; 21: both
 # sides are timed through `hard.hard_attention`, the function that dispatches them, CUDA decoding steps in runs of
 # FILE_EVERY); 22: on CPU the sparse path is also timed on torch operations (`native.torch_path`), and the faster of
-# the two runs at each length; 24: rows keep each sparse path's time apart from the faster one's, "sparse_s").
-CACHE_VERSION = 24
+# the two runs at each length; 24: rows keep each sparse path's time apart from the faster one's, "sparse_s"; 25: the
+# shape names the level of torch's own CPU kernels, which run the dense side).
+CACHE_VERSION = 25
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
 MAX_LENGTH = LENGTHS[-1]
@@ -95,6 +97,7 @@ class Shape:
     kernels: str  # on the CPU, the C kernels' build (`native.kernels_identity`); "" elsewhere
     threads: int
     torch: str
+    torch_kernels: str  # on the CPU, the level of torch's own kernels and its limits (`torch_kernels_level`)
     dtype: str
     heads: int
     kv_heads: int
@@ -135,6 +138,7 @@ def make_shape(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: i
         kernels=kernels_identity() if query.device.type == "cpu" else "",
         threads=torch.get_num_threads() if query.device.type == "cpu" else 0,
         torch=torch.__version__,
+        torch_kernels=torch_kernels_level() if query.device.type == "cpu" else "",
         dtype=str(query.dtype).removeprefix("torch."),
         heads=query.shape[1],
         kv_heads=key.shape[1],
@@ -144,6 +148,14 @@ def make_shape(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: i
         window=window,
         kind=kind,
     )
+
+
+def torch_kernels_level() -> str:
+    """The level of torch's CPU kernels as one word, with any limits set on them: "AVX512", or "AVX2
+    MKL_ENABLE_INSTRUCTIONS=AVX2". Dense SDPA, the other side of every CPU crossover, runs them: a processor's
+    crossover measured with torch capped at AVX2 does not hold for its uncapped runs (`native.torch_kernels`)."""
+    record = torch_kernels()
+    return " ".join([record["capability"], *(f"{name}={value}" for name, value in sorted(record["limits"].items()))])
 
 
 def default_dense_below(device_type: str, top_k: int) -> int:

@@ -360,7 +360,7 @@ def machine_fields(device: torch.device) -> dict:
     commit and the date."""
     import torch
 
-    from focus_hf.attention.cpu.native import build_record, instruction_sets
+    from focus_hf.attention.cpu.native import build_record, instruction_sets, torch_kernels
     from focus_hf.attention.crossover import processor_name
 
     cpu = {}
@@ -376,21 +376,6 @@ def machine_fields(device: torch.device) -> dict:
         "git_commit": git_commit(),
         "date": now(),
     }
-
-
-# Variables that cap the instruction sets of torch's own CPU kernels and of the BLAS libraries it calls: set on a
-# processor that has more, they make dense SDPA run as it would on a processor that has only those.
-TORCH_ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
-
-
-def torch_kernels() -> dict:
-    """Which of its CPU kernels torch dispatches to (its `get_cpu_capability()`: DEFAULT, AVX2, AVX512, ...) and the
-    limits set on them by environment variables: dense SDPA's speed, the baseline of every CPU row, depends on it
-    as much as the C kernels' speed depends on their build."""
-    import torch
-
-    limits = {name: os.environ[name] for name in TORCH_ISA_LIMITS if name in os.environ}
-    return {"capability": torch.backends.cpu.get_cpu_capability(), "limits": limits}
 
 
 def gpu_path_fields(args: argparse.Namespace, device: torch.device) -> dict:

@@ -172,6 +172,22 @@ def test_shape_key_names_the_machine_and_the_call():
     assert (shape.dtype, shape.heads, shape.kv_heads, shape.head_dim) == ("bfloat16", 9, 3, 16)
     assert (shape.top_k, shape.num_groups, shape.window, shape.kind) == (2, 8, 64, "probe")
     assert shape.kernels == native.kernels_identity() and shape.kernels in shape.key
+    assert shape.torch_kernels.split()[0] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_a_crossover_measured_with_torchs_kernels_capped_is_not_read_without_the_cap(monkeypatch):
+    # Dense SDPA, the other side of the crossover, runs torch's own kernels: capped at AVX2 (or its BLAS capped) it
+    # can take twice as long as uncapped on an AVX-512 processor, so the two settings are two shapes.
+    query, key = tensors()
+    for name in native.TORCH_ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    free = crossover.make_shape(query, key, 1, 4, 8, "shared")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    capped = crossover.make_shape(query, key, 1, 4, 8, "shared")
+    assert capped.torch_kernels == f"{free.torch_kernels} MKL_ENABLE_INSTRUCTIONS=AVX2"
+    assert capped.key != free.key
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert crossover.make_shape(query, key, 1, 4, 8, "shared").torch_kernels.startswith("DEFAULT ")
 
 
 def test_a_crossover_measured_with_one_build_is_measured_again_with_another(calibrating, monkeypatch):

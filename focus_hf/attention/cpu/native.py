@@ -302,6 +302,19 @@ def instruction_sets() -> list[str]:
     return [name for name in INSTRUCTION_SETS if name in flags]
 
 
+# Variables that cap the instruction sets of torch's own CPU kernels and of the BLAS libraries it calls: set on a
+# processor that has more, they make dense SDPA run as it would on a processor that has only those.
+TORCH_ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def torch_kernels() -> dict:
+    """Which of its CPU kernels torch dispatches to (its `get_cpu_capability()`: DEFAULT, AVX2, AVX512, ...) and the
+    limits set on them by environment variables: dense SDPA's speed, the baseline of every CPU row and one side of
+    every crossover, depends on it as much as the C kernels' speed depends on their build."""
+    limits = {name: os.environ[name] for name in TORCH_ISA_LIMITS if name in os.environ}
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "limits": limits}
+
+
 # focus_build_features' bits (csrc/prefill.c): what the compiled kernels use.
 BUILD_FEATURES = {1: "avx512 vectors", 2: "avx2+fma", 4: "avx512_bf16 dot products", 8: "openmp"}
 
