@@ -771,16 +771,14 @@ def cpu_targets_auto_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...]
     return _table(header + ["ideal", "efficiency"], body)
 
 
-DEMO_TARGETS = "benchmarks/results/cpu_targets/demo"  # a `focus-hf demo` run's eval_results.json and printed lines
-
-
-def cpu_targets_demo_table() -> str:
-    """`focus-hf demo`'s speed line per build of the C kernels: the demo's own (its eval_results.json), then
-    benchmarks/demo_speed.py's repeat of that step on the adapter it wrote, once per build."""
-    demo = load(f"{DEMO_TARGETS}/eval_results.json")
-    runs = [("native, `focus-hf demo` itself", f"{DEMO_TARGETS}/printed.txt", demo["speed"])]
-    for target in CPU_TARGETS:
-        path = f"benchmarks/results/cpu_targets/demo_speed_{target}.json"
+def cpu_targets_demo_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
+    """`focus-hf demo`'s speed line per build of the C kernels, on one machine: the demo's own (<machine>/demo: its
+    eval_results.json and printed lines), then benchmarks/demo_speed.py's repeat of that step on the adapter it
+    wrote, once per build."""
+    demo = load(f"{machine}/demo/eval_results.json")
+    runs = [("native, `focus-hf demo` itself", f"{machine}/demo/printed.txt", demo["speed"])]
+    for target in targets:
+        path = f"{machine}/demo_speed_{target}.json"
         runs.append((f"{target}, `benchmarks/demo_speed.py`", path, rows(path)[0]))
     body = [
         [
@@ -801,25 +799,35 @@ def cpu_targets_model_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...
     (benchmarks/model_decode.py), each against the base model in the same run, with the quality of the setting."""
     body = []
     for target in targets:
-        prefill_path = f"{machine}/model_prefill_{target}.json"
-        decode_path = f"{machine}/model_decode_{target}.json"
-        prefill = {row["seq_len"]: row for row in rows(prefill_path) if row["variant"] == FOCUS_SAVED}
-        decode = {row["prompt_len"]: row for row in rows(decode_path) if row["variant"] == FOCUS_SAVED}
+        # (path, row) by length of each build's files: model_<kind>_<build>.json, and model_<kind>_16k_<build>.json
+        # where the longest prompts ran apart
+        prefill = lengths_of("model_prefill", machine, target, "seq_len")
+        decode = lengths_of("model_decode", machine, target, "prompt_len")
         for length in sorted(set(prefill) | set(decode)):
-            cells = [f"[{target}]({prefill_path})", f"{length:,}", "-", "-", "-", "-"]
+            cells = [f"[{target}]({(prefill.get(length) or decode[length])[0]})", f"{length:,}", "-", "-", "-", "-"]
             if length in prefill:
-                row = prefill[length]
+                prefill_path, row = prefill[length]
                 full = pick(prefill_path, seq_len=length, variant=FULL_MODEL)
                 cells[2:4] = [f"{full['seconds']:.1f} / {row['seconds']:.1f} s", times(row["speedup"])]
                 cells[4] = f"{row['ppl_vs_full']:.3f}"
             if length in decode:
-                row = decode[length]
+                decode_path, row = decode[length]
                 full = pick(decode_path, prompt_len=length, variant=FULL_MODEL)
                 rate = f"{full['decode_tokens_per_s']:.1f} / {row['decode_tokens_per_s']:.1f}"
                 cells[5] = f"{rate} tokens/s, {times(row['speedup'])} ({row['argmax_agree']}/{row['new_tokens']} agree)"
             body.append(cells)
     header = ["build", "prompt tokens", "prefill: base / Focus", "prefill speedup", "perplexity vs base"]
     return _table(header + ["generate(): base / Focus (greedy tokens as the base model's)"], body)
+
+
+def lengths_of(stem: str, machine: str, target: str, length_field: str) -> dict[int, tuple[str, dict]]:
+    """(file, Focus row) by length of a build's <machine>/<stem>_<build>.json and, where it exists,
+    <machine>/<stem>_16k_<build>.json (the longest prompts, run apart)."""
+    found = {}
+    for path in (f"{machine}/{stem}_{target}.json", f"{machine}/{stem}_16k_{target}.json"):
+        if (ROOT / path).exists():
+            found.update({row[length_field]: (path, row) for row in rows(path) if row["variant"] == FOCUS_SAVED})
+    return found
 
 
 def cpu_targets_steps_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
@@ -1007,6 +1015,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_avx512_auto": lambda: cpu_targets_auto_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_avx512_model": lambda: cpu_targets_model_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_avx512_steps": lambda: cpu_targets_steps_table(AVX512_MACHINE, AVX512_TARGETS),
+    "table.cpu_targets_avx512_demo": lambda: cpu_targets_demo_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_demo": cpu_targets_demo_table,
     "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
