@@ -14,8 +14,9 @@ keeps the model's answers (`benchmarks/long_context/results/report.md`).
 
     python benchmarks/model_prefill.py --seq-lens 8192 16384 --json benchmarks/results/model_prefill.json
 
-Rows: seq_len, variant, top_k, seconds (best of --repeats), ppl, speedup (full seconds / this variant's seconds),
-backend, threads, load average. Wall-clock on a shared CPU varies; the load average is recorded for that reason.
+Rows: seq_len, variant, top_k, seconds (best of the rounds: --repeats, more at a length whose prefill is short with
+--min-seconds), ppl, speedup (full seconds / this variant's seconds), backend, threads, load average. Wall-clock on
+a shared CPU varies; the load average is recorded for that reason.
 """
 
 from __future__ import annotations
@@ -142,6 +143,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds of one timed prefill per variant (alternating), best kept"
     )
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=0.0,
+        help="at a length whose full-attention prefill is short, more rounds: as many as it takes the first one's "
+        "time to reach this many seconds (a 1K prefill of a few seconds moves by a tenth between single runs)",
+    )
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
 
@@ -161,14 +169,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     for seq_len in args.seq_lens:
         input_ids = held_out_sequence(tokenizer, seq_len)
         results: dict = {}
-        for repeat in range(args.repeats):
+        rounds, repeat = args.repeats, 0
+        while repeat < rounds:
             for top_k, variant in names.items():
-                log(f"{seq_len:,} tokens, round {repeat + 1} of {args.repeats}: {variant} ...")
+                log(f"{seq_len:,} tokens, round {repeat + 1} of {rounds}: {variant} ...")
                 # The perplexity is the same each round: scored once, in the first.
                 result = measure(model, input_ids, top_k, args.backend, score=repeat == 0)
                 log(f"  {result['seconds']:.1f} s")
                 best = results.setdefault(top_k, result)
                 best["seconds"] = min(best["seconds"], result["seconds"])
+            if repeat == 0:
+                rounds = max(rounds, math.ceil(args.min_seconds / results["full"]["seconds"]))
+            repeat += 1
         full = results["full"]
         for top_k, variant in names.items():
             result = results[top_k]
@@ -181,6 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "speedup": round(full["seconds"] / result["seconds"], 3),
                 "ppl_vs_full": round(result["ppl"] / full["ppl"], 4),
                 **setting_fields(args, model, top_k == "full"),
+                "repeats": rounds,
                 "peak_rss_mib_so_far": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                 **machine_fields(torch.device("cpu")),  # processor, instruction sets, the kernels' build target
                 "command": command_line("model_prefill.py", argv),
