@@ -711,6 +711,31 @@ def kernels_ab_table() -> str:
     return _table(header + ["old / current", "dense SDPA in the same runs"], body)
 
 
+def kernels_ab_64k_table() -> str:
+    """The same two commits' kernels at 64K, top-1, one thread, Focus alone (`focus-hf bench --backend sdpa
+    --dense-max-seq-len 0 --threads 1`), each commit's process in turn, three rounds per dtype: every round's
+    seconds and the medians."""
+    body = []
+    for dtype in ("float32", "bfloat16"):
+        seconds = {
+            name: [
+                rows(f"{KERNELS_AB}/64k-{name}-{dtype}-{round_number}.json")[0]["focus_s"] for round_number in (1, 2, 3)
+            ]
+            for name in ("old", "current")
+        }
+        old, current = (statistics.median(seconds[name]) for name in ("old", "current"))
+        body.append(
+            [dtype]
+            + [" / ".join(f"{value:.2f}" for value in seconds[name]) + " s" for name in ("old", "current")]
+            + [times(old / current)]
+        )
+    commits = {
+        name: rows(f"{KERNELS_AB}/64k-{name}-float32-1.json")[0]["git_commit"][:7] for name in ("old", "current")
+    }
+    header = ["dtype", f"kernels of {commits['old']}, rounds", f"kernels of {commits['current']}, rounds"]
+    return _table(header + ["old / current (medians)"], body)
+
+
 def build_label(target: str, path: str, row: dict) -> str:
     """A per-build row's first cell: the build linked to its results file, with what `native` resolved to, and the
     level torch's own kernels were capped to where the file's name says so (`<build>_torch-<level>`)."""
@@ -1012,6 +1037,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_avx512_decode": lambda: cpu_targets_decode_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.avx512_recheck": avx512_recheck_table,
     "table.kernels_ab": kernels_ab_table,
+    "table.kernels_ab_64k": kernels_ab_64k_table,
     "table.cpu_targets_avx512_auto": lambda: cpu_targets_auto_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_avx512_model": lambda: cpu_targets_model_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_avx512_steps": lambda: cpu_targets_steps_table(AVX512_MACHINE, AVX512_TARGETS),
