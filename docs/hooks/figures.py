@@ -715,23 +715,19 @@ def kernels_ab_64k_table() -> str:
     """The same two commits' kernels at 64K, top-1, one thread, Focus alone (`focus-hf bench --backend sdpa
     --dense-max-seq-len 0 --threads 1`), each commit's process in turn, three rounds per dtype: every round's
     seconds and the medians."""
-    body = []
+    names, body, commits = ("old", "current"), [], {}
     for dtype in ("float32", "bfloat16"):
-        seconds = {
-            name: [
-                rows(f"{KERNELS_AB}/64k-{name}-{dtype}-{round_number}.json")[0]["focus_s"] for round_number in (1, 2, 3)
-            ]
-            for name in ("old", "current")
+        runs = {
+            name: [rows(f"{KERNELS_AB}/64k-{name}-{dtype}-{number}.json")[0] for number in (1, 2, 3)] for name in names
         }
-        old, current = (statistics.median(seconds[name]) for name in ("old", "current"))
+        commits = {name: runs[name][0]["git_commit"][:7] for name in names}
+        seconds = {name: [run["focus_s"] for run in runs[name]] for name in names}
+        old, current = (statistics.median(seconds[name]) for name in names)
         body.append(
             [dtype]
-            + [" / ".join(f"{value:.2f}" for value in seconds[name]) + " s" for name in ("old", "current")]
+            + [" / ".join(f"{value:.2f}" for value in seconds[name]) + " s" for name in names]
             + [times(old / current)]
         )
-    commits = {
-        name: rows(f"{KERNELS_AB}/64k-{name}-float32-1.json")[0]["git_commit"][:7] for name in ("old", "current")
-    }
     header = ["dtype", f"kernels of {commits['old']}, rounds", f"kernels of {commits['current']}, rounds"]
     return _table(header + ["old / current (medians)"], body)
 
