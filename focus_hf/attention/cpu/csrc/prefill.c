@@ -88,9 +88,10 @@ static inline const void* element_at(const void* base, int64_t offset, int type)
 }
 /* 2^x for x <= 0, inline (a call into libm's vector routine per 16 lanes cost more than the products it sits
    between): x = n + r with |r| <= 1/2, 2^r by Cephes' degree-6 polynomial (a few ulp), times 2^n. With AVX-512,
-   rounding and scaling by 2^n are one instruction each and any x far below the range gives 0 (so do hidden scores,
-   -FLT_MAX); elsewhere x is clamped at -127 and 2^n built in the exponent bits, where n = -127 gives the bits of 0:
-   so hidden scores give 0 there too, and powers below 2^-126.5 (far below any weight that counts) round to 0. */
+   rounding and scaling by 2^n are one instruction each, and x is clamped at EXP2_FLOOR, where 2^x is 0 (so hidden
+   scores, -FLT_MAX, give 0); elsewhere x is clamped at -127 and 2^n built in the exponent bits, where n = -127 gives
+   the bits of 0: so hidden scores give 0 there too, and powers below 2^-126.5 (far below any weight that counts)
+   round to 0. Either clamp is the only one the caller needs (the other would be one more instruction per vector). */
 /* Powers below it are 0 in float32 (2^-150 rounds to 0): arguments are clamped to it, so that hidden scores and
    huge score gaps give 0, never an infinite or NaN intermediate. */
 #define EXP2_FLOOR -256.f
@@ -98,6 +99,7 @@ static inline const void* element_at(const void* base, int64_t offset, int type)
 static inline fvec fexp2(fvec x)
 {
 #ifdef __AVX512F__
+    x = fmax_lanes(x, fsplat(EXP2_FLOOR));
     const fvec n = (fvec)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const fvec r = x - n;
 #else
@@ -220,7 +222,7 @@ static inline __attribute__((always_inline)) void block_scores(const void* q, co
                 }
 #endif
             } else {
-                const float* qf = (const float*)q + r0 * dim;
+                const float* qf = (const float*)q + r0 * dim * SPLAT_LANES;
                 const float* kf = (const float*)block + u0 * FLANES;
                 for (int d = 0; d < dim; ++d) {
                     fvec k[QK_VECTORS];
@@ -231,7 +233,7 @@ static inline __attribute__((always_inline)) void block_scores(const void* q, co
 #endif
                     }
                     for (int r = 0; r < QK_ROWS; ++r) {
-                        const fvec qv = fsplat(qf[r * dim + d]);
+                        const fvec qv = splat_at(qf + (r * dim + d) * SPLAT_LANES);
                         for (int i = 0; i < QK_VECTORS; ++i) s[r][i] += qv * k[i];
                     }
                 }
@@ -394,9 +396,9 @@ static inline void finish_row(const float* acc, float maximum, float sum, void* 
     *lse = part_lse;
 }
 
-/* The query rows of a task in the layout its products take: float32 [rows][dim] (bfloat16 widened), or with `pairs`
-   the bfloat16 rows as they are ([rows][dim / 2] pairs). Rows past `rows` repeat the last (the micro-tiles take
-   QK_ROWS at a time). */
+/* The query rows of a task in the layout its products take: float32 [rows][dim][SPLAT_LANES] (bfloat16 widened;
+   each dim in SPLAT_LANES lanes), or with `pairs` the bfloat16 rows as they are ([rows][dim / 2] pairs). Rows past
+   `rows` repeat the last (the micro-tiles take QK_ROWS at a time). */
 static void load_queries(const Rows* where, int64_t rows, int padded, int dim, int pairs, void* queries)
 {
     for (int r = 0; r < padded; ++r) {
@@ -404,7 +406,9 @@ static void load_queries(const Rows* where, int64_t rows, int padded, int dim, i
         if (pairs)
             memcpy((uint16_t*)queries + r * dim, source, sizeof(uint16_t) * dim);
         else
-            for (int d = 0; d < dim; ++d) ((float*)queries)[r * dim + d] = element(source, d, where->type);
+            for (int d = 0; d < dim; ++d)
+                for (int lane = 0; lane < SPLAT_LANES; ++lane)
+                    ((float*)queries)[(r * dim + d) * SPLAT_LANES + lane] = element(source, d, where->type);
     }
 }
 
@@ -412,7 +416,7 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
                                                        const Rule* rule, float scale, int merge, const int dim,
                                                        const int pairs)
 {
-    float queries[QB * 128] __attribute__((aligned(64)));
+    float queries[QB * 128 * SPLAT_LANES] __attribute__((aligned(64)));
     float scores[QB * KB] __attribute__((aligned(64)));
     uint32_t weight_pairs[QB * KB / 2] __attribute__((aligned(64))); /* with `pairs` */
     float acc[QB * 128] __attribute__((aligned(64)));
@@ -475,11 +479,11 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
             maxima[r] = new_max;
             /* (score - max) * unit, never score * unit - max * unit: that FMA is off by up to half an ulp of
                max * unit, above 0 where scores are large (2^65536 = inf from scores near 1e13, NaN in the row) */
-            const fvec largest = fsplat(new_max), multiplier = fsplat(unit), floor = fsplat(EXP2_FLOOR);
+            const fvec largest = fsplat(new_max), multiplier = fsplat(unit);
             fvec total = (fvec){0};
             for (int u = first_vector; u < last_vector; ++u) {
                 const fvec score = fload(row + u * FLANES);
-                const fvec p = fexp2(fmax_lanes((score - largest) * multiplier, floor));
+                const fvec p = fexp2((score - largest) * multiplier);
                 fstore(row + u * FLANES, p);
                 total += p;
             }

@@ -8,7 +8,7 @@
    | AVX-512 (__AVX512F__)     | 16 floats | 32        | 8 x 2                       | 4 x 4      | 32 x 128         |
    | AVX / AVX2 (__AVX__)      | 8 floats  | 16        | 2 x 4, keys held            | 2 x 4      | 128 x 64         |
    | aarch64 NEON (__ARM_NEON) | 4 floats  | 32        | 4 x 4, keys held            | 4 x 4      | 128 x 64         |
-   | anything else (SSE, ...)  | 4 floats  | 16        | 2 x 4, keys held            | 2 x 4      | 128 x 64         |
+   | anything else (SSE, ...)  | 4 floats  | 16        | 2 x 4, keys held            | 2 x 4      | 64 x 64          |
 
    A tile's accumulators, the vectors it loads and a broadcast must fit the target's registers at once: a vector
    wider than the target's registers is split by the compiler into several, and a tile of them spills to the stack
@@ -16,7 +16,9 @@
    held": the tile's key vectors are kept in registers across its rows (IN_REGISTER), where compilers would fold
    them into each row's instructions as memory operands and load them once per row. The AVX-512 row is as tuned
    and measured on an AVX-512 EPYC; the AVX2 one on a Zen 3 EPYC (2 x 4 against 4 x 2: 3.8 against 4.1 ns per
-   pair; 128 rows per task against 32: fewer passes over keys that stream from beyond the core's cache).
+   pair; 128 rows per task against 32: fewer passes over keys that stream from beyond the core's cache). The SSE row
+   as measured with an x86-64-v2 build on the AVX-512 EPYC: 64 rows per task ran set A at 8.6 against 9.2 ns per pair
+   with 128 at 8K tokens, 8.2 against 9.4 at 16K (with the splatted queries below).
 
    The helpers that reduce or compare whole vectors use the target's instructions where it has them, else halving
    shuffles: nothing in a hot loop walks a vector lane by lane. */
@@ -54,8 +56,11 @@
 #define PV_ROWS 4
 #define KEEP_KEYS 1
 #else
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
 #define VECTOR_BYTES 16
-#define QUERY_ROWS 128
+#define QUERY_ROWS 64
 #define KEY_BLOCK 64
 #define QK_ROWS 2
 #define QK_VECTORS 4
@@ -63,6 +68,15 @@
 #define KEEP_KEYS 1
 #endif
 #define FLANES (VECTOR_BYTES / 4) /* floats per vector */
+/* Where a splat of a float is a load and a shuffle (SSE: no broadcast from memory), the shuffle takes a port of
+   the products it feeds: there the prefill kernel lays out its query rows splatted once per task, each dim in every
+   lane, and its products load them as they are. (The softmax weights, splatted once per block likewise, made the
+   value products slower: four times the weights no longer stay in the first-level cache beside the value rows.) */
+#if !defined(__AVX__) && defined(__SSE__)
+#define SPLAT_LANES FLANES
+#else
+#define SPLAT_LANES 1
+#endif
 #define PV_VECTORS 4              /* value vectors (dims) per row of the value micro-tile */
 
 typedef float fvec __attribute__((vector_size(VECTOR_BYTES)));
@@ -82,6 +96,16 @@ static inline fvec fload(const float* p) { fvec v; memcpy(&v, p, sizeof v); retu
 static inline void fstore(float* p, fvec v) { memcpy(p, &v, sizeof v); }
 static inline ivec iload(const int32_t* p) { ivec v; memcpy(&v, p, sizeof v); return v; }
 static inline fvec fsplat(float x) { return (fvec){0} + x; }
+/* The float at p in every lane; with SPLAT_LANES > 1, p is an aligned run of SPLAT_LANES copies of it, loaded as
+   they are (the load may be an operand of the instruction that uses it). */
+static inline fvec splat_at(const float* p)
+{
+#if SPLAT_LANES > 1
+    return *(const fvec*)__builtin_assume_aligned(p, VECTOR_BYTES);
+#else
+    return fsplat(*p);
+#endif
+}
 static inline ivec isplat(int32_t x) { return (ivec){0} + x; }
 static inline fvec as_fvec(ivec v) { fvec f; memcpy(&f, &v, sizeof f); return f; }
 static inline ivec as_ivec(fvec v) { ivec i; memcpy(&i, &v, sizeof i); return i; }
@@ -102,6 +126,8 @@ static inline fvec fmax_lanes(fvec a, fvec b)
     return (fvec)_mm256_max_ps((__m256)a, (__m256)b);
 #elif defined(__ARM_NEON)
     return (fvec)vmaxq_f32((float32x4_t)a, (float32x4_t)b);
+#elif defined(__SSE__)
+    return (fvec)_mm_max_ps((__m128)a, (__m128)b); /* a compare and a blend otherwise */
 #else
     const ivec greater = a > b;
     return as_fvec((as_ivec(a) & greater) | (as_ivec(b) & ~greater));
