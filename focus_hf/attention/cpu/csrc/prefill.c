@@ -195,16 +195,37 @@ static void pack_keys(const void* keys, const void* values, const int64_t* key_o
     }
 }
 
-/* Scores of vectors first .. last - 1 of a block (bounds multiples of QK_VECTORS: the micro-tile takes that many);
-   the others are left unwritten, for `hide` to cover (they lie outside every row's keys). Float32: q [rows][dim]
+/* Keys begin .. end - 1 of a block (offsets from its first key): the only ones a row may see there. */
+typedef struct {
+    int begin, end;
+} KeySpan;
+
+/* The keys some row of `spans[0 .. count - 1]` may see: the tiles of the products skip the others (the rows of a
+   task end at a staircase of keys, and a tile over keys beyond them all would be hidden after it is computed). */
+static inline KeySpan rows_span(const KeySpan* spans, int count)
+{
+    KeySpan all = {KB, 0};
+    for (int i = 0; i < count; ++i)
+        if (spans[i].end > spans[i].begin) {
+            all.begin = spans[i].begin < all.begin ? spans[i].begin : all.begin;
+            all.end = spans[i].end > all.end ? spans[i].end : all.end;
+        }
+    return all;
+}
+
+/* Scores of vectors first .. last - 1 of a block (bounds multiples of QK_VECTORS: the micro-tile takes that many),
+   for each group of QK_ROWS rows only the tiles over keys some row of the group may see (`spans`, one per row); the
+   others are left unwritten, for `hide` to cover (they lie outside the rows' keys). Float32: q [rows][dim]
    floats, the block [dim][KB]; pairs: q [rows][dim / 2] and the block [dim / 2][KB] pairs. Each tile of key vectors
    is taken by every row in turn, so that its slice of the block stays in the first-level cache. */
 static inline __attribute__((always_inline)) void block_scores(const void* q, const void* block, float* scores,
-                                                               int rows, int first, int last, const int dim,
-                                                               const int pairs)
+                                                               int rows, int first, int last, const KeySpan* spans,
+                                                               const int dim, const int pairs)
 {
     for (int u0 = first; u0 < last; u0 += QK_VECTORS)
         for (int r0 = 0; r0 < rows; r0 += QK_ROWS) {
+            const KeySpan span = rows_span(spans + r0, QK_ROWS);
+            if ((u0 + QK_VECTORS) * FLANES <= span.begin || u0 * FLANES >= span.end) continue; /* no row sees it */
             fvec s[QK_ROWS][QK_VECTORS];
             for (int r = 0; r < QK_ROWS; ++r)
                 for (int i = 0; i < QK_VECTORS; ++i) s[r][i] = (fvec){0};
@@ -246,7 +267,8 @@ static inline __attribute__((always_inline)) void block_scores(const void* q, co
 /* acc[rows][dim] += p[rows][begin .. cols - 1] x the value rows `values[begin .. cols - 1]` (float32). The micro-tile
    is PV_ROWS rows x PV_VECTORS vectors of dims: its accumulators, value vectors and weights fit the registers. */
 static inline __attribute__((always_inline)) void block_values(const float* p, const float* const* values, float* acc,
-                                                               int rows, int begin, int cols, const int dim)
+                                                               int rows, int begin, int cols, const KeySpan* spans,
+                                                               const int dim)
 {
     const int vectors = dim / FLANES;
     /* dims outermost: a slice of PV_VECTORS vectors of the block's values stays in the first-level cache while every
@@ -257,7 +279,9 @@ static inline __attribute__((always_inline)) void block_values(const float* p, c
             fvec a[PV_ROWS][PV_VECTORS];
             for (int r = 0; r < PV_ROWS; ++r)
                 for (int i = 0; i < count; ++i) a[r][i] = fload(acc + (r0 + r) * dim + (c0 + i) * FLANES);
-            for (int j = begin; j < cols; ++j) {
+            const KeySpan span = rows_span(spans + r0, PV_ROWS); /* the other keys' weights are 0 in these rows */
+            const int from = span.begin > begin ? span.begin : begin, to = span.end < cols ? span.end : cols;
+            for (int j = from; j < to; ++j) {
                 fvec v[PV_VECTORS];
                 for (int i = 0; i < count; ++i) v[i] = fload(values[j] + (c0 + i) * FLANES);
                 for (int r = 0; r < PV_ROWS; ++r) {
@@ -331,13 +355,32 @@ static inline int32_t clamp_offset(int64_t offset)
     return (int32_t)(offset < -KB ? -KB : offset > KB ? KB : offset);
 }
 
+/* The first and the last key (slots from the call's first) that `rule` may let call row r, at query position
+   `position`, see: its row_begin (else 0) and its row_end or causal bound. */
+static inline void row_bounds(const Rule* rule, int64_t r, int64_t position, int64_t* begin, int64_t* last)
+{
+    *begin = rule->row_begin ? rule->row_begin[r] - rule->base : 0;
+    *last = rule->row_end ? rule->row_end[r] - 1 - rule->base : rule->causal ? position : INT64_MAX;
+}
+
+/* A row's span in the block at c0 of `cols` keys; a local call's rows see no key before their window. */
+static inline KeySpan key_span(const Rule* rule, int64_t r, int64_t position, int64_t c0, int cols)
+{
+    int64_t begin, last;
+    row_bounds(rule, r, position, &begin, &last);
+    if (rule->local && position - rule->window > begin) begin = position - rule->window;
+    begin = begin > c0 ? begin - c0 : 0;
+    last = last < c0 + cols - 1 ? last - c0 : cols - 1;
+    return (KeySpan){(int)(begin < cols ? begin : cols), (int)(last + 1 > begin ? last + 1 : begin)};
+}
+
 /* Hide the pairs of score row `row` (call row r, query position `position`) over the keys of vectors first_vector ..
    last_vector - 1 of the block at c0 that `rule` does not allow; keys at or past `cols` are beyond the call's. */
 static inline void hide(float* row, const Rule* rule, int64_t r, int64_t position, int64_t c0, int cols,
                         int first_vector, int last_vector)
 {
-    const int64_t begin = rule->row_begin ? rule->row_begin[r] - rule->base : 0; /* first key */
-    const int64_t last = rule->row_end ? rule->row_end[r] - 1 - rule->base : rule->causal ? position : INT64_MAX;
+    int64_t begin, last;
+    row_bounds(rule, r, position, &begin, &last);
     const int64_t near = rule->query_bits ? position - rule->window : INT64_MIN; /* the window's first key */
     if (!rule->local && c0 >= begin && c0 + KB - 1 <= last && c0 >= near && cols == KB && !rule->key_valid) return;
     const ivec lane = lane_index();
@@ -421,6 +464,7 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
     uint32_t weight_pairs[QB * KB / 2] __attribute__((aligned(64))); /* with `pairs` */
     float acc[QB * 128] __attribute__((aligned(64)));
     float maxima[QB], sums[QB];
+    KeySpan spans[QB];
     const float* value_rows[KB];
     const int64_t S = keys->count, blocks = (S + KB - 1) / KB;
     const float* packed_values = keys->packed + blocks * KB * dim / (pairs ? 2 : 1); /* past the keys' blocks */
@@ -461,7 +505,11 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
         const int first_vector = lowest > c0 ? (int)((lowest - c0) / step) * QK_VECTORS : 0;
         const int last_vector = (cols + step - 1) / step * QK_VECTORS;
         const float* block = keys->packed + (c0 / KB) * dim * KB / (pairs ? 2 : 1);
-        block_scores(queries, block, scores, padded, first_vector, last_vector, dim, pairs);
+        for (int r = 0; r < padded; ++r) {
+            const int64_t call_row = start + (r < rows ? r : rows - 1);
+            spans[r] = key_span(rule, call_row, rule->first + call_row, c0, cols);
+        }
+        block_scores(queries, block, scores, padded, first_vector, last_vector, spans, dim, pairs);
         for (int r = 0; r < padded; ++r) {
             float* row = scores + r * KB;
             const int64_t call_row = start + (r < rows ? r : rows - 1);
@@ -510,7 +558,7 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
             value_rows[j] = keys->type == FLOAT32
                                 ? keys->values + row_offset(keys->offsets, keys->stride, c0 + j)
                                 : packed_values + (c0 + j) * dim;
-        block_values(scores, value_rows, acc, padded, first_vector * FLANES, cols, dim);
+        block_values(scores, value_rows, acc, padded, first_vector * FLANES, cols, spans, dim);
     }
     for (int r = 0; r < rows; ++r)
         finish_row(acc + r * dim, maxima[r] * scale, sums[r], where->out[r], where->lse[r], merge, where->out_type, dim);
