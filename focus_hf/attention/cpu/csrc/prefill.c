@@ -49,9 +49,11 @@ _Static_assert(KB % (QK_VECTORS * FLANES) == 0 && KEY_ARRAY_STEP % KB == 0,
 /* Query rows per task of a local call: its rows see only their window, so a task reads window + rows keys for rows
    x window pairs; fewer rows than QB waste less (AVX2, K=8, window 128: 10 -> 7.5 ns per pair at 32 rows) */
 #define LOCAL_ROWS (QB < 32 ? QB : 32)
-/* Segments of fewer keys than this take LOCAL_ROWS rows per task in `focus_prefill_segments`: a task computes every
+/* Segments of fewer keys than this take LOCAL_ROWS rows per task in `focus_prefill_segments`: a task computed every
    pair of its rows up to the keys of its last row, about half a rows x rows triangle more than its rows see, which
-   in a short segment is a large share of its pairs (AVX2, 1K tokens, K 8: 15.8 -> 13 ns per visible pair) */
+   in a short segment is a large share of its pairs (AVX2, 1K tokens, K 8: 15.8 -> 13 ns per visible pair). Its
+   tiles now skip the keys beyond their own rows', but QB rows in short segments were still slower (AVX-512 EPYC,
+   x86-64-v3 build, 4K: 4.35 against 4.12 ns per pair). */
 #define SHORT_SEGMENT (8 * QB)
 
 /* Element types of queries, keys and values (one per call; as in decode.c); outputs are float32, or with a call
