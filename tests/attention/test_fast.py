@@ -316,9 +316,10 @@ def test_own_group_top_1_runs_unmasked_causal_squares():
     torch.testing.assert_close(lse, staircase_lse, atol=ATOL, rtol=0)
 
 
-def kernel_set_a(arguments, block_rows, riders):
+def kernel_set_a(arguments, block_rows, riders, scratch=None):
     """Set A of `partials.probe_part`'s arguments in the C kernel (`segments.SegmentKeys`), block by block of
-    `block_rows` queries: output, lse and which queries' sinks rode (None: none ride)."""
+    `block_rows` queries (packing into `scratch`, if given): output, lse and which queries' sinks rode (None: none
+    ride)."""
     query, key, value, valid, probe_groups, key_groups, num_groups, scaling, _, sink = arguments
     batch, heads, q_len, dim = query.shape
     in_kernel = SegmentKeys.build(
@@ -330,7 +331,7 @@ def kernel_set_a(arguments, block_rows, riders):
     done = torch.zeros(batch, q_len, dtype=torch.bool)
     for start in range(0, q_len, block_rows):
         end = min(start + block_rows, q_len)
-        rode = in_kernel.fold(query, key, value, start, end, output[:, start:end], lse[:, start:end], scaling)
+        rode = in_kernel.fold(query, key, value, start, end, output[:, start:end], lse[:, start:end], scaling, scratch)
         assert (rode is None) == (not riders)
         if rode is not None:
             done[:, start:end] = rode
@@ -397,6 +398,33 @@ def test_set_a_in_the_kernel_with_long_and_short_segments(top_k, separate):
     rows = chunked_lse > torch.finfo(torch.float32).min / 2
     torch.testing.assert_close(output[rows], chunked[rows], atol=ATOL, rtol=0)
     torch.testing.assert_close(lse[rows], chunked_lse[rows], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_set_a_shares_a_scratch_buffer_sized_for_its_packed_values(dtype):
+    # prefill_segments packs float32 values beside the keys too (it gathers both through token indices), so its
+    # scratch holds twice the words of a prefill_attention call over as many keys; what the buffer held before a
+    # call must not matter
+    kernels = native.native_kernels()
+    assert kernels is not None
+    float32 = native.PREFILL_TYPES[torch.float32]
+    attention_words, segments_words = (kernels.packed_words(512, 32, float32, segments) for segments in (0, 1))
+    assert segments_words == 2 * attention_words
+    generator = torch.Generator().manual_seed(4)
+    batch, seq, num_groups = 2, 300, 3
+    probe_groups, key_groups = random_routing(generator, batch, seq, num_groups, 1, "some", separate=False)
+    query = states(generator, batch, 4, seq, 32, True).to(dtype)
+    key, value = (states(generator, batch, 2, seq, 32, False).to(dtype) for _ in range(2))
+    valid = padding(batch, seq, "left", 20)
+    sink = valid & (valid.cumsum(dim=1) - 1 < 2)
+    arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
+    with mock.patch.object(native, "SEGMENT_SLAB_KEYS", 64):  # several slabs per segment, one buffer
+        plain, plain_lse, _ = kernel_set_a(arguments, seq, riders=True)
+        scratch = native.packing_scratch(dtype, 2, 32, (1, native.SEGMENT_SLAB_KEYS, True))
+        shared, shared_lse, _ = kernel_set_a(arguments, seq, riders=True, scratch=scratch.fill_(float("nan")))
+    assert not scratch.isnan().all()  # the call packed into it: it was large enough
+    torch.testing.assert_close(shared, plain, atol=0, rtol=0)
+    torch.testing.assert_close(shared_lse, plain_lse, atol=0, rtol=0)
 
 
 def test_kernel_key_sort_files_keys_by_segment_riders_first():
@@ -481,7 +509,7 @@ def test_prefill_calls_share_a_scratch_buffer_and_ignore_one_too_small():
     generator = torch.Generator().manual_seed(2)
     query, key, value = (torch.randn(2, h, 150, 32, generator=generator) for h in (4, 2, 2))
     plain = native.prefill_attention(query, key, value, causal=True, scale=SCALING)
-    for scratch in (native.packing_scratch(torch.float32, 2, 32, (2, 150)), torch.empty(10)):
+    for scratch in (native.packing_scratch(torch.float32, 2, 32, (2, 150, False)), torch.empty(10)):
         scratch.fill_(float("nan"))  # what a buffer holds before a call must not matter
         shared = native.prefill_attention(query, key, value, causal=True, scale=SCALING, scratch=scratch)
         torch.testing.assert_close(shared, plain, atol=0, rtol=0)

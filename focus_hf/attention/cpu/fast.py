@@ -199,7 +199,7 @@ def sparse_attention(
     block_lse = query.new_empty(batch, block_rows, heads, dtype=torch.float32)
     # The local part's calls read a block of queries and the window before it; set A's read slabs of one segment.
     local_keys = min(STREAM_ROWS + window, key.shape[2])
-    scratch = packing_scratch(key.dtype, key.shape[1], dim, (batch, local_keys), (1, SEGMENT_SLAB_KEYS))
+    scratch = packing_scratch(key.dtype, key.shape[1], dim, (batch, local_keys, False), (1, SEGMENT_SLAB_KEYS, True))
     for start in range(0, q_len, block_rows):
         end = min(start + block_rows, q_len)
         lse = block_lse[:, : end - start].fill_(torch.finfo(torch.float32).min)

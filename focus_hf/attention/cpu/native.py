@@ -162,7 +162,7 @@ class NativeKernels:
         self.sink_pairs.argtypes += [size, size, ctypes.c_float, flag]
         self.sink_pairs.restype = ctypes.c_int
         self.packed_words = library.focus_packed_words
-        self.packed_words.argtypes = [size, size, flag]
+        self.packed_words.argtypes = [size, size, flag, flag]
         self.packed_words.restype = size
         self.build_features = library.focus_build_features
         self.build_features.argtypes = []
@@ -750,17 +750,22 @@ def addresses(*tensors: torch.Tensor) -> list[int]:
     return [tensor.data_ptr() for tensor in tensors]
 
 
-def packing_scratch(dtype: torch.dtype, kv_heads: int, dim: int, *calls: tuple[int, int]) -> Optional[torch.Tensor]:
-    """A float32 buffer for the packed keys (and values, in bfloat16) of each of `calls` ((batch, keys): a prefill
-    call of element type `dtype` over `keys` keys of `batch` samples of `kv_heads` heads; `prefill_segments` packs
-    at most SEGMENT_SLAB_KEYS keys of one sample), to pass to every call of a loop (`prefill_attention`,
+def packing_scratch(
+    dtype: torch.dtype, kv_heads: int, dim: int, *calls: tuple[int, int, bool]
+) -> Optional[torch.Tensor]:
+    """A float32 buffer for the packed keys (and values) of each of `calls` ((batch, keys, segments): a call of
+    element type `dtype` over `keys` keys of `batch` samples of `kv_heads` heads, of `prefill_segments` where
+    `segments` is true - it packs at most SEGMENT_SLAB_KEYS keys of one sample, and float32 values too - else of
+    `prefill_attention`), to pass to every call of a loop (`prefill_attention`,
     `prefill_segments`): buffers that each call allocates and frees land in different places of the heap and leave
     it larger than any one of them needs (at 128K tokens, a few MiB more resident memory than the call ever held at
     once). None where the kernels do not take the dtype."""
     kernels = native_kernels()
     if kernels is None or dtype not in PREFILL_TYPES:
         return None
-    words = max(batch * kernels.packed_words(keys, dim, PREFILL_TYPES[dtype]) for batch, keys in calls)
+    words = max(
+        batch * kernels.packed_words(keys, dim, PREFILL_TYPES[dtype], segments) for batch, keys, segments in calls
+    )
     return torch.empty(kv_heads * words, dtype=torch.float32)
 
 

@@ -133,18 +133,25 @@ static inline int64_t row_offset(const int64_t* offsets, int64_t stride, int64_t
     return offsets ? offsets[j] : j * stride;
 }
 
-/* How a call of element type `type` packs its keys and values (`pack_block`):
-   - float32 calls pack their keys, each block [dim][KB] floats, and read their values where they lie;
+/* How a call of element type `type` packs its keys and values (`pack_keys`):
+   - float32 calls pack their keys, each block [dim][KB] floats, and read their values where they lie - except with
+     `values` (`focus_prefill_segments`, whose keys are gathered from all over the sequence through token indices),
+     which pack the values as [KB][dim] floats too (set A a few percent faster per pair at 16K on the AVX-512 EPYC,
+     in the native, x86-64-v3 and x86-64-v2 builds; the local part, whose rows lie in order, paid the copy and
+     gained nothing);
    - bfloat16 calls with BF16_DOT ("pairs") pack keys as [dim / 2][KB] pairs of dims and values as [KB / 2][dim]
      pairs of keys (32 bits each);
    - other bfloat16 calls pack keys as float32 calls do and values as [KB][dim] floats, widened. */
 static inline int pairs_of(int type) { return BF16_DOT && type == BFLOAT16; }
 
+/* Whether a call packs its values as [KB][dim] floats (widened bfloat16, or float32 with `values`). */
+static inline int packs_float_values(int type, int values) { return type == FLOAT32 ? values : !pairs_of(type); }
+
 /* 32-bit words a kv head's packed keys and values take, for `blocks` blocks. */
-static inline int64_t packed_words(int64_t blocks, int64_t dim, int type)
+static inline int64_t packed_words(int64_t blocks, int64_t dim, int type, int values)
 {
     const int64_t keys = blocks * KB * dim;
-    return type == FLOAT32 ? keys : pairs_of(type) ? keys : 2 * keys;
+    return packs_float_values(type, values) ? 2 * keys : keys;
 }
 
 /* The packed buffer: the caller's `scratch` (64-byte aligned) where it holds `words`, else a new one (which the
@@ -156,11 +163,12 @@ static float* take_scratch(float* scratch, int64_t scratch_words, int64_t words)
     return aligned_alloc(64, sizeof(float) * words);
 }
 
-/* Pack keys (and values, for bfloat16) rows 0 .. S - 1 into `packed` (`packed_words(blocks)` words: the keys'
-   blocks, then the values' blocks), zero-padded to whole blocks. Row j lies at row_offset(key_offsets, key_stride,
+/* Pack keys (and values, for bfloat16 or with `pack_values`) rows 0 .. S - 1 into `packed` (`packed_words(blocks)`
+   words: the keys' blocks, then the values' blocks), zero-padded to whole blocks. Row j lies at row_offset(key_offsets, key_stride,
    j) elements from `keys`, and likewise for `values`. */
 static void pack_keys(const void* keys, const void* values, const int64_t* key_offsets, const int64_t* value_offsets,
-                      int64_t key_stride, int64_t value_stride, int64_t S, int dim, int type, float* packed)
+                      int64_t key_stride, int64_t value_stride, int64_t S, int dim, int type, int pack_values,
+                      float* packed)
 {
     const int64_t blocks = (S + KB - 1) / KB;
     if (pairs_of(type)) {
@@ -190,7 +198,7 @@ static void pack_keys(const void* keys, const void* values, const int64_t* key_o
             const int64_t key = block * KB + j;
             const void* row = key < S ? element_at(keys, row_offset(key_offsets, key_stride, key), type) : NULL;
             for (int d = 0; d < dim; ++d) out[d * KB + j] = row ? element(row, d, type) : 0.f;
-            if (type == FLOAT32) continue;
+            if (!packs_float_values(type, pack_values)) continue;
             const void* v_row = key < S ? element_at(values, row_offset(value_offsets, value_stride, key), type) : NULL;
             for (int d = 0; d < dim; ++d) value_rows[key * dim + d] = v_row ? element(v_row, d, type) : 0.f;
         }
@@ -343,7 +351,7 @@ typedef struct {
 } Rows;
 
 /* A task's keys: packed blocks (`pack_keys`); value rows at `values` + row_offset(offsets, stride, j) (float32
-   calls) or in the packed buffer. */
+   calls that read them where they lie), else (`values` NULL) in the packed buffer. */
 typedef struct {
     const float* packed;
     const float* values;
@@ -557,9 +565,8 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
         }
 #endif
         for (int j = first_vector * FLANES; j < cols; ++j)
-            value_rows[j] = keys->type == FLOAT32
-                                ? keys->values + row_offset(keys->offsets, keys->stride, c0 + j)
-                                : packed_values + (c0 + j) * dim;
+            value_rows[j] = keys->values ? keys->values + row_offset(keys->offsets, keys->stride, c0 + j)
+                                         : packed_values + (c0 + j) * dim;
         block_values(scores, value_rows, acc, padded, first_vector * FLANES, cols, spans, dim);
     }
     for (int r = 0; r < rows; ++r)
@@ -610,10 +617,11 @@ int focus_prefill_supports(int64_t heads, int64_t kv_heads, int64_t dim)
 }
 
 /* 32-bit words of packed keys (and values) a call of element type `type` over `keys` keys of one kv head takes: the
-   size of the `scratch` that spares it an allocation (times kv heads and samples). */
-int64_t focus_packed_words(int64_t keys, int64_t dim, int type)
+   size of the `scratch` that spares it an allocation (times kv heads and samples). `segments`: a
+   `focus_prefill_segments` call (which packs float32 values too), else a `focus_prefill` one. */
+int64_t focus_packed_words(int64_t keys, int64_t dim, int type, int segments)
 {
-    return packed_words((keys + KB - 1) / KB, dim, type);
+    return packed_words((keys + KB - 1) / KB, dim, type, segments);
 }
 
 /* What the library was compiled to use: 1 AVX-512 (16-float vectors in one register), 2 AVX2 and FMA, 4 bfloat16
@@ -659,7 +667,7 @@ int focus_prefill(const void* q, const void* k, const void* v, void* out, float*
     const int out_type = merge ? FLOAT32 : type;
     const int64_t sharing = H / KH, blocks = (S + KB - 1) / KB;
     const int64_t padded_keys = (S + KEY_ARRAY_STEP - 1) / KEY_ARRAY_STEP * KEY_ARRAY_STEP;
-    const int64_t packed_size = packed_words(blocks, dim, type);
+    const int64_t packed_size = packed_words(blocks, dim, type, 0);
     const TaskFunction run_task = task_function(dim, type);
     float* packed = take_scratch(scratch, scratch_words, packed_size * B * KH);
     if (!packed) return 1;
@@ -668,7 +676,7 @@ int focus_prefill(const void* q, const void* k, const void* v, void* out, float*
         const int64_t b = bh / KH, kh = bh % KH;
         pack_keys(element_at(k, b * k_strides[0] + kh * k_strides[1], type),
                   element_at(v, b * v_strides[0] + kh * v_strides[1], type), NULL, NULL, k_strides[2], v_strides[2],
-                  S, (int)dim, type, packed + bh * packed_size);
+                  S, (int)dim, type, 0, packed + bh * packed_size);
     }
     const int64_t task_rows = local ? LOCAL_ROWS : QB;
     const int64_t chunks = (L + task_rows - 1) / task_rows, heads = B * H;
@@ -681,8 +689,8 @@ int focus_prefill(const void* q, const void* k, const void* v, void* out, float*
         const Rule rule = {NULL, row_end ? row_end + b * L : NULL, 0, query_bits ? query_bits + b * L : NULL,
                            key_bits ? key_bits + b * padded_keys : NULL, key_valid ? key_valid + b * padded_keys : NULL,
                            window, first, causal, local};
-        const Keys keys = {packed + (b * KH + kh) * packed_size,
-                           (const float*)v + b * v_strides[0] + kh * v_strides[1], NULL, v_strides[2], S, type};
+        const float* values = type == FLOAT32 ? (const float*)v + b * v_strides[0] + kh * v_strides[1] : NULL;
+        const Keys keys = {packed + (b * KH + kh) * packed_size, values, NULL, v_strides[2], S, type};
         Rows where = {.type = type, .out_type = out_type};
         for (int64_t r = 0; r < rows; ++r) {
             where.query[r] = element_at(q, b * q_strides[0] + h * q_strides[1] + (start + r) * q_strides[2], type);
@@ -725,7 +733,7 @@ int focus_prefill_segments(const void* q, const void* k, const void* v, float* o
     if (most == 0) return 0;
     most = most < slab_keys ? most : slab_keys;
     const int64_t padded_keys = (most + KB - 1) / KB * KB, sharing = H / KH;
-    const int64_t packed_size = packed_words(padded_keys / KB, dim, type);
+    const int64_t packed_size = packed_words(padded_keys / KB, dim, type, 1);
     const TaskFunction run_task = task_function(dim, type);
     float* packed = take_scratch(scratch, scratch_words, packed_size * KH);
     int64_t* key_offsets = malloc(sizeof(int64_t) * 2 * padded_keys);
@@ -752,7 +760,7 @@ int focus_prefill_segments(const void* q, const void* k, const void* v, float* o
 #pragma omp parallel for
             for (int64_t kh = 0; kh < KH; ++kh)
                 pack_keys(element_at(k, kh * k_strides[1], type), element_at(v, kh * v_strides[1], type), key_offsets,
-                          value_offsets, 0, 0, slab, (int)dim, type, packed + kh * packed_size);
+                          value_offsets, 0, 0, slab, (int)dim, type, 1, packed + kh * packed_size);
             const int64_t task_rows = count < SHORT_SEGMENT ? LOCAL_ROWS : QB;
             const int64_t first_chunk = reaching / task_rows;
             const int64_t chunks = (entries + task_rows - 1) / task_rows - first_chunk;
@@ -763,8 +771,7 @@ int focus_prefill_segments(const void* q, const void* k, const void* v, float* o
                 const int64_t h = t % H, kh = h / sharing, chunk = first_chunk + chunks - 1 - t / H;
                 const int64_t start = chunk * task_rows;
                 const int64_t rows = entries - start < task_rows ? entries - start : task_rows;
-                const Keys keys = {packed + kh * packed_size, (const float*)v + kh * v_strides[1], value_offsets, 0,
-                                   slab, type};
+                const Keys keys = {packed + kh * packed_size, NULL, NULL, 0, slab, type}; /* values packed too */
                 Rows where = {.type = type, .out_type = FLOAT32};
                 for (int64_t r = 0; r < rows; ++r) {
                     const int64_t row = entry_query[first_entry + start + r];
