@@ -135,23 +135,26 @@ static inline int64_t row_offset(const int64_t* offsets, int64_t stride, int64_t
 
 /* How a call of element type `type` packs its keys and values (`pack_keys`):
    - float32 calls pack their keys, each block [dim][KB] floats, and read their values where they lie - except with
-     `values` (`focus_prefill_segments`, whose keys are gathered from all over the sequence through token indices),
-     which pack the values as [KB][dim] floats too (set A a few percent faster per pair at 16K on the AVX-512 EPYC,
-     in the native, x86-64-v3 and x86-64-v2 builds; the local part, whose rows lie in order, paid the copy and
-     gained nothing);
+     `pack_values` (`focus_prefill_segments`, whose keys are gathered from all over the sequence through token
+     indices), which pack the values as [KB][dim] floats too (set A a few percent faster per pair at 16K on the
+     AVX-512 EPYC, in the native, x86-64-v3 and x86-64-v2 builds; the local part, whose rows lie in order, paid the
+     copy and gained nothing);
    - bfloat16 calls with BF16_DOT ("pairs") pack keys as [dim / 2][KB] pairs of dims and values as [KB / 2][dim]
      pairs of keys (32 bits each);
    - other bfloat16 calls pack keys as float32 calls do and values as [KB][dim] floats, widened. */
 static inline int pairs_of(int type) { return BF16_DOT && type == BFLOAT16; }
 
-/* Whether a call packs its values as [KB][dim] floats (widened bfloat16, or float32 with `values`). */
-static inline int packs_float_values(int type, int values) { return type == FLOAT32 ? values : !pairs_of(type); }
+/* Whether a call packs its values as [KB][dim] floats (widened bfloat16, or float32 with `pack_values`). */
+static inline int packs_float_values(int type, int pack_values)
+{
+    return type == FLOAT32 ? pack_values : !pairs_of(type);
+}
 
 /* 32-bit words a kv head's packed keys and values take, for `blocks` blocks. */
-static inline int64_t packed_words(int64_t blocks, int64_t dim, int type, int values)
+static inline int64_t packed_words(int64_t blocks, int64_t dim, int type, int pack_values)
 {
     const int64_t keys = blocks * KB * dim;
-    return packs_float_values(type, values) ? 2 * keys : keys;
+    return packs_float_values(type, pack_values) ? 2 * keys : keys;
 }
 
 /* The packed buffer: the caller's `scratch` (64-byte aligned) where it holds `words`, else a new one (which the
@@ -164,8 +167,8 @@ static float* take_scratch(float* scratch, int64_t scratch_words, int64_t words)
 }
 
 /* Pack keys (and values, for bfloat16 or with `pack_values`) rows 0 .. S - 1 into `packed` (`packed_words(blocks)`
-   words: the keys' blocks, then the values' blocks), zero-padded to whole blocks. Row j lies at row_offset(key_offsets, key_stride,
-   j) elements from `keys`, and likewise for `values`. */
+   words: the keys' blocks, then the values' blocks), zero-padded to whole blocks. Row j lies at
+   row_offset(key_offsets, key_stride, j) elements from `keys`, and likewise for `values`. */
 static void pack_keys(const void* keys, const void* values, const int64_t* key_offsets, const int64_t* value_offsets,
                       int64_t key_stride, int64_t value_stride, int64_t S, int dim, int type, int pack_values,
                       float* packed)
