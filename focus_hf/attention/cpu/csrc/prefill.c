@@ -277,11 +277,13 @@ static inline __attribute__((always_inline)) void block_scores(const void* q, co
         }
 }
 
-/* acc[rows][dim] += p[rows][begin .. cols - 1] x the value rows `values[begin .. cols - 1]` (float32). The micro-tile
-   is PV_ROWS rows x PV_VECTORS vectors of dims: its accumulators, value vectors and weights fit the registers. */
-static inline __attribute__((always_inline)) void block_values(const float* p, const float* const* values, float* acc,
-                                                               int rows, int begin, int cols, const KeySpan* spans,
-                                                               const int dim)
+/* acc[rows][dim] += p[rows][begin .. cols - 1] x the block's value rows (float32): `packed` [KB][dim] where the call
+   packed them (read at a stride: no pointer load per key), else where `values[begin .. cols - 1]` point. The
+   micro-tile is PV_ROWS rows x PV_VECTORS vectors of dims: its accumulators, value vectors and weights fit the
+   registers. */
+static inline __attribute__((always_inline)) void block_values(const float* p, const float* const* values,
+                                                               const float* packed, float* acc, int rows, int begin,
+                                                               int cols, const KeySpan* spans, const int dim)
 {
     const int vectors = dim / FLANES;
     /* dims outermost: a slice of PV_VECTORS vectors of the block's values stays in the first-level cache while every
@@ -296,7 +298,8 @@ static inline __attribute__((always_inline)) void block_values(const float* p, c
             const int from = span.begin > begin ? span.begin : begin, to = span.end < cols ? span.end : cols;
             for (int j = from; j < to; ++j) {
                 fvec v[PV_VECTORS];
-                for (int i = 0; i < count; ++i) v[i] = fload(values[j] + (c0 + i) * FLANES);
+                const float* row = packed ? packed + (int64_t)j * dim : values[j];
+                for (int i = 0; i < count; ++i) v[i] = fload(row + (c0 + i) * FLANES);
                 for (int r = 0; r < PV_ROWS; ++r) {
                     const fvec w = fsplat(p[(r0 + r) * KB + j]);
                     for (int i = 0; i < count; ++i) a[r][i] += w * v[i];
@@ -567,10 +570,13 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
             continue;
         }
 #endif
+        if (!keys->values) {
+            block_values(scores, NULL, packed_values + c0 * dim, acc, padded, first_vector * FLANES, cols, spans, dim);
+            continue;
+        }
         for (int j = first_vector * FLANES; j < cols; ++j)
-            value_rows[j] = keys->values ? keys->values + row_offset(keys->offsets, keys->stride, c0 + j)
-                                         : packed_values + (c0 + j) * dim;
-        block_values(scores, value_rows, acc, padded, first_vector * FLANES, cols, spans, dim);
+            value_rows[j] = keys->values + row_offset(keys->offsets, keys->stride, c0 + j);
+        block_values(scores, value_rows, NULL, acc, padded, first_vector * FLANES, cols, spans, dim);
     }
     for (int r = 0; r < rows; ++r)
         finish_row(acc + r * dim, maxima[r] * scale, sums[r], where->out[r], where->lse[r], merge, where->out_type, dim);
