@@ -95,7 +95,7 @@ BUILD_TIMEOUT_S = 600
 SEGMENT_SLAB_KEYS = 2048
 # What csrc/prefill.c pads its per-key arrays to (KEY_ARRAY_STEP): a multiple of every target's key block, so that
 # blocks read whole vectors whichever build runs.
-PREFILL_KEY_BLOCK = 128
+PREFILL_KEY_BLOCK = 384
 # The kernel's element types (csrc/decode.c): each call reads and writes one of them, accumulating in float32.
 ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 

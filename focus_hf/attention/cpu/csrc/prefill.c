@@ -42,7 +42,7 @@
 _Static_assert(QB % QK_ROWS == 0 && QK_ROWS % PV_ROWS == 0, "the tiles must divide a task's rows");
 /* Per-key arrays (key_bits, key_valid) come padded to a multiple of this for every target (native.PREFILL_KEY_BLOCK),
    so that the caller's layout does not depend on the build */
-#define KEY_ARRAY_STEP 128
+#define KEY_ARRAY_STEP 384 /* 128, 96 and 64 divide it */
 _Static_assert(KB % (QK_VECTORS * FLANES) == 0 && KEY_ARRAY_STEP % KB == 0,
                "the score tile must divide a key block, and a block the per-key arrays' padding");
 #define LOG2E 1.44269504088896341f
