@@ -93,9 +93,6 @@ BUILD_TIMEOUT_S = 600
 # caches (K=8 top-1 at 64K tokens, segments of 8K keys, alternating: slabs of 256 / 512 / 1K / 2K / 4K / 8K keys
 # 5.10 / 4.61 / 4.36 / 4.34 / 4.78 / 5.30 s).
 SEGMENT_SLAB_KEYS = 2048
-# What csrc/prefill.c pads its per-key arrays to (KEY_ARRAY_STEP): a multiple of every target's key block, so that
-# blocks read whole vectors whichever build runs.
-PREFILL_KEY_BLOCK = 384
 # The kernel's element types (csrc/decode.c): each call reads and writes one of them, accumulating in float32.
 ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -170,6 +167,11 @@ class NativeKernels:
         self.vector_floats = library.focus_vector_floats
         self.vector_floats.argtypes = []
         self.vector_floats.restype = flag
+        # what a prefill call's per-key arrays are padded to (csrc/prefill.c's KEY_ARRAY_STEP: a multiple of every
+        # target's key block, so that blocks read whole vectors)
+        step = library.focus_key_array_step
+        step.argtypes, step.restype = [], flag
+        self.key_array_step = int(step())
         self.segment_keys = library.focus_segment_keys
         # groups, group strides, valid, sinks, batch, kv, K, key token, key starts, riders, last sink
         self.segment_keys.argtypes = [*[pointer] * 4, *[size] * 3, *[pointer] * 4]
@@ -813,7 +815,7 @@ def prefill_attention(
         return None
     batch, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
-    padding = -keys % PREFILL_KEY_BLOCK
+    padding = -keys % kernels.key_array_step
 
     def per_key(flags: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if flags is None else F.pad(flags.to(torch.int32), (0, padding)).contiguous()

@@ -14,7 +14,6 @@
 #include <string.h>
 
 #define TOLERANCE 1e-4
-#define KEY_ARRAY_STEP 384 /* per-key arrays' padding (prefill.c) */
 
 int focus_prefill(const void* q, const void* k, const void* v, void* out, float* lse, int64_t B, int64_t H,
                   int64_t KH, int64_t L, int64_t S, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
@@ -26,6 +25,7 @@ int focus_decode(const void* query, int64_t heads, int64_t kv_heads, int64_t dim
                  const void* const* keys, const void* const* values, const int64_t* lengths,
                  const int64_t* head_strides, void* out, int type);
 int focus_vector_floats(void);
+int focus_key_array_step(void); /* per-key arrays' padding (prefill.c) */
 
 static uint64_t state = 0x9e3779b97f4a7c15u;
 static uint64_t next_bits(void) /* xorshift64*: the same inputs on every target */
@@ -80,7 +80,7 @@ typedef struct {
 static void check_prefill(const PrefillCase* c)
 {
     const int64_t B = c->B, H = c->H, KH = c->KH, L = c->L, S = c->S, dim = c->dim;
-    const int64_t padded = (S + KEY_ARRAY_STEP - 1) / KEY_ARRAY_STEP * KEY_ARRAY_STEP;
+    const int64_t step = focus_key_array_step(), padded = (S + step - 1) / step * step;
     float *q = floats(B * H * L * dim), *k = floats(B * KH * S * dim), *v = floats(B * KH * S * dim);
     float *out = floats(B * H * L * dim), *lse = floats(B * H * L);
     int32_t* query_bits = calloc(B * L, sizeof(int32_t));

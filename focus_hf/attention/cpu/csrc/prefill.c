@@ -40,7 +40,7 @@
 #define QB QUERY_ROWS /* query rows per task (vectors.h: per target) */
 #define KB KEY_BLOCK /* keys per block (on AVX-512 64 was 6-8% slower per pair on long calls than 128) */
 _Static_assert(QB % QK_ROWS == 0 && QK_ROWS % PV_ROWS == 0, "the tiles must divide a task's rows");
-/* Per-key arrays (key_bits, key_valid) come padded to a multiple of this for every target (native.PREFILL_KEY_BLOCK),
+/* Per-key arrays (key_bits, key_valid) come padded to a multiple of this for every target (`focus_key_array_step`),
    so that the caller's layout does not depend on the build */
 #define KEY_ARRAY_STEP 384 /* 128, 96 and 64 divide it */
 _Static_assert(KB % (QK_VECTORS * FLANES) == 0 && KEY_ARRAY_STEP % KB == 0,
@@ -633,11 +633,15 @@ int64_t focus_packed_words(int64_t keys, int64_t dim, int type, int segments)
     return packed_words((keys + KB - 1) / KB, dim, type, segments);
 }
 
-/* What the library was compiled to use: 1 AVX-512 (16-float vectors in one register), 2 AVX2 and FMA, 4 bfloat16
-   dot products (`vdpbf16ps`, BF16_DOT), 8 OpenMP threads. */
 /* Floats per vector in this build (vectors.h): 16 with AVX-512, 8 with AVX, 4 elsewhere. */
 int focus_vector_floats(void) { return FLANES; }
 
+/* What a `focus_prefill` call's per-key arrays (key_bits, key_valid) are padded to: callers read it here, so that
+   the padding and the key blocks that read it cannot disagree. */
+int focus_key_array_step(void) { return KEY_ARRAY_STEP; }
+
+/* What the library was compiled to use: 1 AVX-512 (16-float vectors in one register), 2 AVX2 and FMA, 4 bfloat16
+   dot products (`vdpbf16ps`, BF16_DOT), 8 OpenMP threads. */
 int focus_build_features(void)
 {
     int features = 0;
