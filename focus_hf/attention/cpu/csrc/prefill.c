@@ -235,9 +235,12 @@ static inline __attribute__((always_inline)) void block_scores(const void* q, co
                                                                int rows, int first, int last, const KeySpan* spans,
                                                                const int dim, const int pairs)
 {
+    /* each group's keys, once per block rather than once per tile */
+    KeySpan groups[QB / QK_ROWS];
+    for (int r0 = 0; r0 < rows; r0 += QK_ROWS) groups[r0 / QK_ROWS] = rows_span(spans + r0, QK_ROWS);
     for (int u0 = first; u0 < last; u0 += QK_VECTORS)
         for (int r0 = 0; r0 < rows; r0 += QK_ROWS) {
-            const KeySpan span = rows_span(spans + r0, QK_ROWS);
+            const KeySpan span = groups[r0 / QK_ROWS];
             if ((u0 + QK_VECTORS) * FLANES <= span.begin || u0 * FLANES >= span.end) continue; /* no row sees it */
             fvec s[QK_ROWS][QK_VECTORS];
             for (int r = 0; r < QK_ROWS; ++r)
@@ -539,7 +542,8 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
                 continue;
             }
             const float new_max = block_max > maxima[r] ? block_max : maxima[r];
-            const float rescale = exp2f(fmaxf((maxima[r] - new_max) * unit, EXP2_FLOOR));
+            /* a row's maximum mostly stays put after its first blocks: no libm call then */
+            const float rescale = new_max == maxima[r] ? 1.f : exp2f(fmaxf((maxima[r] - new_max) * unit, EXP2_FLOOR));
             maxima[r] = new_max;
             /* (score - max) * unit, never score * unit - max * unit: that FMA is off by up to half an ulp of
                max * unit, above 0 where scores are large (2^65536 = inf from scores near 1e13, NaN in the row) */
