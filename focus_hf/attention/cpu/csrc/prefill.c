@@ -166,6 +166,35 @@ static float* take_scratch(float* scratch, int64_t scratch_words, int64_t words)
     return aligned_alloc(64, sizeof(float) * words);
 }
 
+/* Rows gathered through offsets (set A's keys, from all over the sequence) are beyond the hardware prefetchers'
+   reach: each key's rows are asked for this many keys before they are packed (bfloat16 set A at 16K on the AVX-512
+   EPYC: the packing took about 7% of the call's time, then about 2%) */
+#define PREFETCH_AHEAD 8
+/* GCC 12's dead-code pass deleted __builtin_prefetch from `prefetch_rows` (it kept it in simpler loops): on x86 and
+   aarch64 the instruction is written out */
+static inline void prefetch(const char* p)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ volatile("prefetcht0 %0" : : "m"(*p));
+#elif defined(__aarch64__)
+    __asm__ volatile("prfm pldl1keep, %0" : : "Q"(*p));
+#else
+    __builtin_prefetch(p);
+#endif
+}
+static inline void prefetch_rows(const void* keys, const void* values, const int64_t* key_offsets,
+                                 const int64_t* value_offsets, int64_t key, int64_t S, int dim, int type)
+{
+    if (!key_offsets || key >= S) return;
+    const int64_t size = (int64_t)element_size(type), bytes = dim * size;
+    const char* k_row = (const char*)keys + key_offsets[key] * size;
+    const char* v_row = (const char*)values + value_offsets[key] * size;
+    for (int64_t byte = 0; byte < bytes; byte += 64) {
+        prefetch(k_row + byte);
+        prefetch(v_row + byte);
+    }
+}
+
 /* Pack keys (and values, for bfloat16 or with `pack_values`) rows 0 .. S - 1 into `packed` (`packed_words(blocks)`
    words: the keys' blocks, then the values' blocks), zero-padded to whole blocks. Row j lies at
    row_offset(key_offsets, key_stride, j) elements from `keys`, and likewise for `values`. */
@@ -182,6 +211,7 @@ static void pack_keys(const void* keys, const void* values, const int64_t* key_o
             uint32_t* v_out = value_pairs + block * KB * dim / 2;
             for (int j = 0; j < KB; ++j) {
                 const int64_t key = block * KB + j;
+                prefetch_rows(keys, values, key_offsets, value_offsets, key + PREFETCH_AHEAD, S, dim, type);
                 const uint16_t* k_row = key < S ? (const uint16_t*)keys + row_offset(key_offsets, key_stride, key) : NULL;
                 const uint16_t* v_row =
                     key < S ? (const uint16_t*)values + row_offset(value_offsets, value_stride, key) : NULL;
@@ -199,6 +229,7 @@ static void pack_keys(const void* keys, const void* values, const int64_t* key_o
         float* out = packed + block * dim * KB;
         for (int j = 0; j < KB; ++j) {
             const int64_t key = block * KB + j;
+            prefetch_rows(keys, values, key_offsets, value_offsets, key + PREFETCH_AHEAD, S, dim, type);
             const void* row = key < S ? element_at(keys, row_offset(key_offsets, key_stride, key), type) : NULL;
             for (int d = 0; d < dim; ++d) out[d * KB + j] = row ? element(row, d, type) : 0.f;
             if (!packs_float_values(type, pack_values)) continue;
