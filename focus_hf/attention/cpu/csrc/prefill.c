@@ -204,22 +204,27 @@ static void pack_keys(const void* keys, const void* values, const int64_t* key_o
 {
     const int64_t blocks = (S + KB - 1) / KB;
     if (pairs_of(type)) {
+        /* two keys at a time, branch-free (a key past S reads a row of zeros), so that the loops vectorize */
+        static const uint16_t zeros[128] = {0};
         uint32_t* key_pairs = (uint32_t*)packed;
         uint32_t* value_pairs = key_pairs + blocks * KB * dim / 2;
         for (int64_t block = 0; block < blocks; ++block) {
             uint32_t* k_out = key_pairs + block * KB * dim / 2;
             uint32_t* v_out = value_pairs + block * KB * dim / 2;
-            for (int j = 0; j < KB; ++j) {
-                const int64_t key = block * KB + j;
-                prefetch_rows(keys, values, key_offsets, value_offsets, key + PREFETCH_AHEAD, S, dim, type);
-                const uint16_t* k_row = key < S ? (const uint16_t*)keys + row_offset(key_offsets, key_stride, key) : NULL;
-                const uint16_t* v_row =
-                    key < S ? (const uint16_t*)values + row_offset(value_offsets, value_stride, key) : NULL;
-                for (int d = 0; d < dim; d += 2)
-                    k_out[d / 2 * KB + j] = k_row ? (uint32_t)k_row[d] | (uint32_t)k_row[d + 1] << 16 : 0;
-                /* key j's value is the low half of pair j / 2 for even j, the high half for odd j */
-                uint16_t* v_halves = (uint16_t*)(v_out + j / 2 * dim) + (j & 1);
-                for (int d = 0; d < dim; ++d) v_halves[2 * d] = v_row ? v_row[d] : 0;
+            for (int j = 0; j < KB; j += 2) {
+                const uint16_t *k_rows[2], *v_rows[2];
+                for (int i = 0; i < 2; ++i) {
+                    const int64_t key = block * KB + j + i;
+                    prefetch_rows(keys, values, key_offsets, value_offsets, key + PREFETCH_AHEAD, S, dim, type);
+                    k_rows[i] = key < S ? (const uint16_t*)keys + row_offset(key_offsets, key_stride, key) : zeros;
+                    v_rows[i] = key < S ? (const uint16_t*)values + row_offset(value_offsets, value_stride, key) : zeros;
+                }
+                /* a key's dims 2w and 2w + 1 are pair w; keys j and j + 1's values share a word, j's the low half */
+                for (int i = 0; i < 2; ++i)
+                    for (int w = 0; w < dim / 2; ++w)
+                        k_out[w * KB + j + i] = (uint32_t)k_rows[i][2 * w] | (uint32_t)k_rows[i][2 * w + 1] << 16;
+                for (int d = 0; d < dim; ++d)
+                    v_out[j / 2 * dim + d] = (uint32_t)v_rows[0][d] | (uint32_t)v_rows[1][d] << 16;
             }
         }
         return;
@@ -573,8 +578,11 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
                 continue;
             }
             const float new_max = block_max > maxima[r] ? block_max : maxima[r];
-            /* a row's maximum mostly stays put after its first blocks: no libm call then */
-            const float rescale = new_max == maxima[r] ? 1.f : exp2f(fmaxf((maxima[r] - new_max) * unit, EXP2_FLOOR));
+            /* no libm call where a row's maximum stays put (mostly, after its first blocks) or where it had none
+               (libm's underflow path is slow) */
+            const float rescale = new_max == maxima[r]      ? 1.f
+                                  : maxima[r] == -FLT_MAX ? 0.f
+                                                          : exp2f(fmaxf((maxima[r] - new_max) * unit, EXP2_FLOOR));
             maxima[r] = new_max;
             /* (score - max) * unit, never score * unit - max * unit: that FMA is off by up to half an ulp of
                max * unit, above 0 where scores are large (2^65536 = inf from scores near 1e13, NaN in the row) */
