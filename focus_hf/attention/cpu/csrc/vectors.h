@@ -3,23 +3,24 @@
    One source for every target: the kernels are written on GCC/Clang generic vectors of FLANES floats, and the
    constants here size those vectors and the kernels' register tiles to what the target has:
 
-   | target (predefined macro) | vector    | registers | score tile (rows x vectors) | value tile | task rows x keys |
-   |---------------------------|-----------|-----------|-----------------------------|------------|------------------|
-   | AVX-512 (__AVX512F__)     | 16 floats | 32        | 8 x 2                       | 4 x 4      | 32 x 128         |
-   | AVX / AVX2 (__AVX__)      | 8 floats  | 16        | 4 x 3, keys held            | 2 x 4      | 128 x 96         |
-   | aarch64 NEON (__ARM_NEON) | 4 floats  | 32        | 4 x 4, keys held            | 4 x 4      | 128 x 64         |
-   | anything else (SSE, ...)  | 4 floats  | 16        | 2 x 4, keys held            | 2 x 4      | 64 x 64          |
+   | target (predefined macro) | vector    | registers | score tile (rows x vectors) | value tile  | task rows x keys |
+   |---------------------------|-----------|-----------|-----------------------------|-------------|------------------|
+   | AVX-512 (__AVX512F__)     | 16 floats | 32        | 8 x 2                       | 4 x 4, held | 32 x 128         |
+   | AVX / AVX2 (__AVX__)      | 8 floats  | 16        | 4 x 3, keys held            | 2 x 4, held | 128 x 96         |
+   | aarch64 NEON (__ARM_NEON) | 4 floats  | 32        | 4 x 4, keys held            | 4 x 4, held | 128 x 64         |
+   | anything else (SSE, ...)  | 4 floats  | 16        | 2 x 4, keys held            | 2 x 4, held | 64 x 64          |
 
    A tile's accumulators, the vectors it loads and a broadcast must fit the target's registers at once: a vector
-   wider than the target's registers is split by the compiler into several, and a tile of them spills to the stack
-   on every step (a 16-float tile of 8 x 2 on AVX2's 16 registers ran at a tenth of dense attention's rate). "Keys
-   held": the tile's key vectors are kept in registers across its rows (IN_REGISTER), where compilers would fold
-   them into each row's instructions as memory operands and load them once per row. The AVX-512 row is as tuned
-   and measured on an AVX-512 EPYC; the AVX2 one on a Zen 3 EPYC (2 x 4 against 4 x 2: 3.8 against 4.1 ns per
-   pair; 128 rows per task against 32: fewer passes over keys that stream from beyond the core's cache), then with
-   an x86-64-v3 build on the AVX-512 EPYC: a 4 x 3 score tile (12 accumulators, 3 key vectors and a broadcast: all 16
-   registers) loads 7 vectors per 12 products where 2 x 4 loads 6 per 8, and ran set A at 16K tokens 2-5% faster per
-   pair (its 24-key width sets the key block to 96). The SSE row
+   wider than the target's registers is split by the compiler into several, and a tile of them spills to the stack on
+   every step (a 16-float tile of 8 x 2 on AVX2's 16 registers ran at a tenth of dense attention's rate). "Keys
+   held": the tile's key vectors are kept in registers across its rows (IN_REGISTER), where compilers would fold them
+   into each row's instructions as memory operands and load them once per row; a value tile's value vectors are held
+   so on every target (`block_values` in prefill.c; with AVX-512 too, where holding the score tile's keys gained
+   nothing measurable). The AVX-512 row is as tuned and measured on an AVX-512 EPYC; the AVX2 one on a Zen 3 EPYC
+   (2 x 4 against 4 x 2: 3.8 against 4.1 ns per pair; 128 rows per task against 32: fewer passes over keys that stream
+   from beyond the core's cache), then with an x86-64-v3 build on the AVX-512 EPYC: a 4 x 3 score tile (12
+   accumulators, 3 key vectors and a broadcast: all 16 registers) loads 7 vectors per 12 products where 2 x 4 loads 6
+   per 8, and ran set A at 16K tokens 2-5% faster per pair (its 24-key width sets the key block to 96). The SSE row
    as measured with an x86-64-v2 build on the AVX-512 EPYC: 64 rows per task ran set A at 8.6 against 9.2 ns per pair
    with 128 at 8K tokens, 8.2 against 9.4 at 16K (with the splatted queries below).
 
