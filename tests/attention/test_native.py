@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import focus_hf.attention.cpu.grouped_keys as grouped_keys
 import focus_hf.attention.cpu.native as native
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
 
@@ -121,12 +122,60 @@ def test_one_key_appends_equal_the_torch_copy(monkeypatch, dtype):
         for upto in [5, *range(6, 400)]:  # a prompt's keys at once, then one at a time
             assert copy.extend(keys, values, key_groups, sink, None, upto)
         copies[enabled] = copy
-    assert copies[True].counts == copies[False].counts
+    assert list(copies[True].counts) == list(copies[False].counts)
     for group, count in enumerate(copies[True].counts):
         for store in ("keys", "values"):
             assert torch.equal(
                 getattr(copies[True], store)[group][:, :count], getattr(copies[False], store)[group][:, :count]
             )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_steps_equal_the_python_steps(monkeypatch, dtype):
+    """`GroupedKeys.step` in one C call (`grouped_step`: the append and the attention) against the same steps in
+    Python (`take`, then `attend` in torch), step after step on one copy: through buffer growth, sinks, padding
+    keys, repeated probes and a probe not routed yet; the buffers and the outputs agree."""
+    generator = torch.Generator().manual_seed(9)
+    kv_heads, sharing, dim, n, window, groups = 2, 3, 32, 1100, 20, 3
+    keys = torch.randn(1, kv_heads, n, dim, generator=generator).to(dtype)
+    values = torch.randn(1, kv_heads, n, dim, generator=generator).to(dtype)
+    query = torch.randn(kv_heads * sharing, dim, generator=generator).to(dtype)
+    key_groups = torch.randint(0, groups, (1, n), generator=generator)
+    valid = torch.rand(1, n, generator=generator) > 0.1
+    sink = valid & (valid.cumsum(dim=1) <= 2)
+    probes = torch.randint(0, groups, (1, 1, 2), generator=generator)
+    results, copies, fused = {}, {}, []
+
+    def counted(*args):
+        status = native.grouped_step(*args)
+        fused.append(isinstance(status, torch.Tensor))
+        return status
+
+    monkeypatch.setattr(grouped_keys, "grouped_step", counted)
+    for enabled in (True, False):
+        monkeypatch.setattr(native, "native_kernels", native.native_kernels if enabled else lambda: None)
+        copy, outputs = GroupedKeys(groups), []
+        for position in range(n - window):  # the sinks first: they go in every buffer
+            cache = (keys[0][:, : position + window + 1], values[0][:, : position + window + 1])
+            step_probes = probes if position % 7 else probes[..., :1].expand(1, 1, 2).contiguous()  # a repeat
+            if position == 500:  # a probe not routed yet: nothing taken in
+                assert copy.step(query, *cache, 0, key_groups, sink, valid, torch.full_like(probes, -1), 0.125) is None
+                assert copy.filled == position
+            outputs.append(copy.step(query, *cache, 0, key_groups, sink, valid, step_probes, 0.125))
+            assert copy.filled == position + 1
+        results[enabled], copies[enabled] = torch.stack(outputs).float(), copy
+        if enabled:  # every step in one call but the sinks' (3: two, and a padding key before them), growth's
+            assert sum(fused) >= len(outputs) - 3 - 2 * groups and len(fused) > len(outputs)
+    assert max(copies[True].counts) > 256  # grown past the first capacity
+    assert list(copies[True].counts) == list(copies[False].counts) and copies[True].sinks == 2
+    for group, count in enumerate(copies[True].counts):
+        for store in ("keys", "values"):
+            assert torch.equal(
+                getattr(copies[True], store)[group][:, :count], getattr(copies[False], store)[group][:, :count]
+            )
+    tolerance = TOLERANCE[dtype] if dtype == torch.float32 else 2 * TOLERANCE[dtype]  # both paths round
+    torch.testing.assert_close(results[True], results[False], atol=tolerance, rtol=tolerance)
 
 
 @needs_kernel

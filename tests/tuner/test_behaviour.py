@@ -266,16 +266,23 @@ def test_steps_in_the_c_decoding_kernel_equal_a_forward_without_cache(options):
         served.append((len(runs), native.attend_runs(query, runs, scale)))
         return served[-1][1]
 
+    def recorded_step(*args):
+        status = native.grouped_step(*args)
+        served.append(("step", status if isinstance(status, torch.Tensor) else None))
+        return status
+
     with (
         torch.no_grad(),
         mock.patch.object(grouped_keys, "attend_runs", recorded),
+        mock.patch.object(grouped_keys, "grouped_step", recorded_step),
         mock.patch.object(function, "attend_runs", recorded),
     ):
         whole = model(input_ids=sequence, use_cache=False).logits
         cache, steps = model(input_ids=sequence[:, :30], use_cache=True).past_key_values, []
         for position in range(30, 44):
             steps.append(model(input_ids=sequence[:, position : position + 1], past_key_values=cache).logits)
-    # Every step of both layers: one call per run of routed heads, and per run of dense heads (one run: the cache).
+    # Every step of both layers: one call per run of routed heads (the append and the attention: `grouped_step`), and
+    # per run of dense heads (one run: the cache).
     calls_per_step = 4 if "dense_heads" in options else 2
     assert len(served) == 14 * calls_per_step and all(output is not None for _, output in served)
     assert any(runs == 1 for runs, _ in served) == ("dense_heads" in options)

@@ -325,40 +325,27 @@ def grouped_decode(
         return None
     if key_valid is not None and not bool(key_valid[:, first_window:].all()):
         return None
-    probes = [rows[0] for rows in query_groups.tolist()]  # [batch][top_k]: the one query's probes
-    if min(min(sample) for sample in probes) < 0:  # a query not routed yet (group -1): `pattern.probes` applies
-        return None
-    behind = {copy.filled for copy in grouped}
-    one_step = behind == {first_window - 1}  # as every step but the first: one position to take in, read at once
-    if one_step:
-        position = first_window - 1
-        groups, sinks = _column(key_groups, position), _column(key_sink, position)
-        valid = [True] * len(grouped) if key_valid is None else key_valid[:, position].tolist()
     outputs = []
     for sample, copy in enumerate(grouped):
         keys, values = key[sample], value[sample]
-        if one_step:
-            taken = copy.take(keys, values, groups[sample], sinks[sample], valid[sample])
-        else:
-            sample_valid = None if key_valid is None else key_valid[sample]
-            taken = copy.extend(keys, values, key_groups[sample], key_sink[sample], sample_valid, first_window)
-        if not taken:
-            return None
-        probed = list(dict.fromkeys(probes[sample]))  # distinct, best first
         # One sample: its query [1, heads, 1, dim] as [heads, dim] is a view (a cheaper call than two indexings).
         rows = query.reshape(query.shape[1], query.shape[3]) if len(grouped) == 1 else query[sample, :, 0]
-        outputs.append(copy.attend(rows, keys, values, first_window, probed, scaling))
+        if copy.filled == first_window - 1:  # as every step but the first: one position to take in, in one call
+            output = copy.step(rows, keys, values, sample, key_groups, key_sink, key_valid, query_groups, scaling)
+        else:
+            probes = list(dict.fromkeys(query_groups[sample, 0].tolist()))  # distinct, best first
+            if min(probes) < 0:  # a query not routed yet (group -1): `pattern.probes` applies
+                return None
+            sample_valid = None if key_valid is None else key_valid[sample]
+            if not copy.extend(keys, values, key_groups[sample], key_sink[sample], sample_valid, first_window):
+                return None
+            output = copy.attend(rows, keys, values, first_window, probes, scaling)
+        if output is None:
+            return None
+        outputs.append(output)
     if len(outputs) == 1:
         return outputs[0].view(1, 1, *outputs[0].shape)
     return torch.stack(outputs).unsqueeze(1)
-
-
-def _column(rows: torch.Tensor, position: int) -> list:
-    """Column `position` of a CPU [batch, n] tensor as Python values, read through numpy where it can be (one
-    decoding step of every routed layer reads two such: a tensor index and `tolist` cost more)."""
-    if rows.device.type == "cpu" and not rows.requires_grad:
-        return rows.numpy()[:, position].tolist()
-    return rows[:, position].tolist()
 
 
 def padding_keys(model_mask: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:

@@ -23,7 +23,15 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.cpu.native import attend_runs, copy_row
+from focus_hf.attention.cpu.native import (
+    STEP_APPENDED,
+    STEP_FULL,
+    STEP_UNROUTED,
+    GroupTables,
+    attend_runs,
+    copy_row,
+    grouped_step,
+)
 
 # Buffers grow to this factor of what they must hold (amortised appends), and start at MIN_CAPACITY slots.
 GROWTH = 1.5
@@ -42,7 +50,9 @@ class GroupedKeys:
         self.num_groups = num_groups
         self.filled = 0  # positions taken in (each appended to its group's buffer, or left out as padding)
         self.sinks = 0  # sinks at the front of every buffer
-        self.counts = [0] * num_groups  # filled slots of each buffer, sinks included
+        # The buffers as the C kernel reads them (`native.grouped_step`), which appends to them too.
+        self.tables = GroupTables(num_groups)
+        self.counts = self.tables.counts  # filled slots of each buffer, sinks included
         self.keys: list[Optional[torch.Tensor]] = [None] * num_groups
         self.values: list[Optional[torch.Tensor]] = [None] * num_groups
 
@@ -54,7 +64,7 @@ class GroupedKeys:
         """Return to an earlier fill level (slots beyond it are overwritten by the next `extend`). Benchmarks use it
         to time the same decoding step, its append included, again and again."""
         self.filled, self.sinks, counts = mark
-        self.counts = list(counts)
+        self.counts[:] = counts
 
     def extend(
         self,
@@ -116,6 +126,60 @@ class GroupedKeys:
         self.filled = position + 1
         return True
 
+    def step(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        sample: int,
+        key_groups: torch.Tensor,
+        key_sink: torch.Tensor,
+        key_valid: Optional[torch.Tensor],
+        query_groups: torch.Tensor,
+        scale: float,
+    ) -> Optional[torch.Tensor]:
+        """A decoding step of sample `sample`: `take` the key at position `filled` of its keys/values [kv_heads, n,
+        dim] (the one that has just left the window; its group, sink flag and validity in key_groups / key_sink /
+        key_valid [batch, n]), then `attend` with query [heads, dim] to its probes (query_groups [batch, 1, top_k])
+        and the window, rows `filled` .. n - 1. Returns [heads, dim], or None where the step cannot be served
+        exactly (a probe or the key not routed yet; nothing is taken in then).
+
+        One call of the C kernel (`native.grouped_step`) where it takes the step; otherwise, and for a sink, the
+        same in Python."""
+        position = self.filled
+        status = grouped_step(
+            query,
+            self.tables,
+            self.sinks,
+            keys,
+            values,
+            position,
+            sample,
+            key_groups,
+            key_sink,
+            key_valid,
+            query_groups,
+            scale,
+        )
+        if isinstance(status, torch.Tensor):
+            self.filled = position + 1
+            return status
+        if status == STEP_FULL:
+            group = int(key_groups[sample, position])
+            self._reserve(group, self.counts[group] + 1, keys)
+            return self.step(query, keys, values, sample, key_groups, key_sink, key_valid, query_groups, scale)
+        if status == STEP_UNROUTED:
+            return None
+        probes = list(dict.fromkeys(query_groups[sample, 0].tolist()))  # distinct, best first
+        if status != STEP_APPENDED:
+            if min(probes) < 0:
+                return None
+            valid = key_valid is None or bool(key_valid[sample, position])
+            if not self.take(keys, values, int(key_groups[sample, position]), bool(key_sink[sample, position]), valid):
+                return None
+        self.filled = position + 1
+        return self.attend(query, keys, values, position + 1, probes, scale)
+
     def _append_sinks(self, keys: torch.Tensor, values: torch.Tensor, start: int, added: int) -> bool:
         """Sinks go in front of every buffer, so they must come before any group's keys."""
         if any(count != self.sinks for count in self.counts):
@@ -148,6 +212,7 @@ class GroupedKeys:
             if store[group] is not None:
                 grown[:, :count] = store[group][:, :count]
             store[group] = grown
+        self.tables.hold(group, self.keys[group], self.values[group])
 
     def attend(
         self,

@@ -98,7 +98,8 @@ ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class NativeKernels:
-    """The loaded library: `supports(heads, kv_heads, dim)`, `attend(...)` and `copy_row(...)` (csrc/decode.c),
+    """The loaded library: `supports(heads, kv_heads, dim)`, `attend(...)`, `copy_row(...)` and `grouped_step(...)`
+    (csrc/decode.c),
     `prefill_supports(heads, kv_heads, dim)`, `prefill(...)`, `prefill_segments(...)` and `sink_pairs(...)`
     (csrc/prefill.c),
     `segment_keys(...)` and `segment_entries(...)` (csrc/segments.c)."""
@@ -124,6 +125,12 @@ class NativeKernels:
         self.paged_decode.restype = ctypes.c_int
         self.copy_row = library.focus_copy_row
         self.copy_row.argtypes = [pointer, pointer, size, pointer, pointer, size, size, size]
+        self.grouped_step = library.focus_grouped_step
+        # query, heads, kv_heads, dim, scale, buffer keys, buffer values, capacities, counts, groups, sinks, cache
+        # keys, cache values, cache head stride, position, width, group, sink, valid, probes, top_k, out, element type
+        self.grouped_step.argtypes = [pointer, size, size, size, ctypes.c_float, *[pointer] * 4, size, size]
+        self.grouped_step.argtypes += [pointer, pointer, size, size, size, *[pointer] * 4, size, pointer, ctypes.c_int]
+        self.grouped_step.restype = ctypes.c_int
         self.prefill_supports = library.focus_prefill_supports
         self.prefill_supports.argtypes = [size, size, size]
         self.prefill_supports.restype = ctypes.c_int
@@ -706,6 +713,101 @@ def copy_row(
         keys.shape[2] * size,
     )
     return True
+
+
+class GroupTables:
+    """The buffers of a group-sorted copy (`grouped_keys.GroupedKeys`) as `grouped_step` hands them to the kernel:
+    per group, the addresses of its key and value buffers, their capacity (slots) and the slots filled. Arrays kept
+    across steps and brought up to date where a buffer grows, so that a step passes four addresses."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.keys = (ctypes.c_void_p * num_groups)()
+        self.values = (ctypes.c_void_p * num_groups)()
+        self.capacities = (ctypes.c_int64 * num_groups)()
+        self.counts = (ctypes.c_int64 * num_groups)()
+
+    def hold(self, group: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Group `group`'s buffers are now keys / values [kv_heads, capacity, dim] (contiguous)."""
+        self.keys[group], self.values[group] = keys.data_ptr(), values.data_ptr()
+        self.capacities[group] = keys.shape[1]
+
+
+# What `grouped_step` reports besides an output (csrc/decode.c, focus_grouped_step): nothing was changed, and the
+# caller takes the step another way - the kernel cannot take it (REFUSED), the key's group has no free slot (FULL),
+# the key is a sink (SINK), or a probe or the key is in no group yet (UNROUTED); or the key was appended but the
+# attention failed (APPENDED).
+STEP_REFUSED, STEP_FULL, STEP_SINK, STEP_UNROUTED, STEP_APPENDED = 1, 2, 3, 4, 5
+
+
+def element_address(tensor: torch.Tensor, *index: int) -> int:
+    """The address of `tensor[index]` (a CPU tensor; no view is made)."""
+    return tensor.data_ptr() + sum(i * stride for i, stride in zip(index, tensor.stride())) * tensor.element_size()
+
+
+def grouped_step(
+    query: torch.Tensor,
+    tables: GroupTables,
+    sinks: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: int,
+    sample: int,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    scale: float,
+) -> Union[torch.Tensor, int]:
+    """A decoding step of sample `sample` over its group-sorted copy, in one call (csrc/decode.c,
+    `focus_grouped_step`): the key at `position` of its keys/values [kv_heads, n, dim] (the one that has just left
+    the window) appended to its group's buffers in `tables` (which `sinks` slots of each begin with), then the query
+    [heads, dim] attended to its probed groups (query_groups [batch, 1, top_k]) and the window (rows position + 1 ..
+    n - 1). The key's group, sink flag and validity are read from key_groups / key_sink / key_valid [batch, n] (None:
+    every key real). Returns [heads, dim], or one of the STEP_ codes."""
+    heads, dim = query.shape
+    kv_heads = keys.shape[0]
+    kernels = native_kernels()
+    if (
+        kernels is None
+        or query.requires_grad
+        or not query.is_contiguous()
+        or keys.dtype != query.dtype
+        or keys.shape[2] != dim
+        or keys.stride() != values.stride()
+        or not rows_contiguous(keys)
+        or key_groups.dtype != torch.int64
+        or query_groups.dtype != torch.int64
+        or query_groups.stride(-1) != 1
+        or not serves(query.dtype, heads, kv_heads, dim)
+    ):
+        return STEP_REFUSED
+    output = torch.empty_like(query)
+    status = kernels.grouped_step(
+        query.data_ptr(),
+        heads,
+        kv_heads,
+        dim,
+        scale,
+        tables.keys,
+        tables.values,
+        tables.capacities,
+        tables.counts,
+        len(tables.counts),
+        sinks,
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(0),
+        position,
+        keys.shape[1] - position - 1,
+        element_address(key_groups, sample, position),
+        element_address(key_sink, sample, position),
+        None if key_valid is None else element_address(key_valid, sample, position),
+        element_address(query_groups, sample, 0, 0),
+        query_groups.shape[-1],
+        output.data_ptr(),
+        ELEMENT_TYPES[query.dtype],
+    )
+    return output if status == 0 else status
 
 
 # The element types of the prefill kernels (csrc/prefill.c): queries, keys and values of one of them, float32 sums.

@@ -298,6 +298,67 @@ void focus_copy_row(char* dst_keys, char* dst_values, int64_t dst_head_stride, c
     }
 }
 
+/* A decoding step of one sample over its group-sorted copy (`grouped_keys.GroupedKeys`), in one call: the key that
+   has just left the window is appended to its group's buffers, then the query attends to its probed groups' buffers
+   and the window (focus_decode). Per step this replaces the reads of the key's flags, the append and the tables of
+   runs that Python would otherwise build, each an operation run from cold caches between two layers' weights.
+
+   Group g's buffers: buffer_keys[g] / buffer_values[g], [kv_heads, capacities[g], dim] contiguous (NULL while
+   capacities[g] is 0), counts[g] slots filled, the first `sinks` of them the sinks (in every buffer). The cache:
+   key row j of kv head h at element h * cache_head_stride + j * dim of cache_keys / cache_values; the new key is row
+   `position`, its group, sink flag and validity at *group, *sink, *valid (valid NULL: a real key); the window is
+   rows position + 1 .. position + width. probes: the query's `top_k` groups, best first (repeats are read once).
+   Returns 0 (done, counts[group] grown by one), 1 for a call focus_decode refuses, and, with nothing changed:
+   2 where the key's group has no free slot (the caller grows its buffers and calls again), 3 where the key is a sink
+   (the caller appends it to every buffer), 4 where a probe or the key's group is not routed yet (negative); 5 where
+   the key was appended but focus_decode failed (out of memory: the caller attends another way). */
+int focus_grouped_step(const void* query, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                       void* const* buffer_keys, void* const* buffer_values, const int64_t* capacities,
+                       int64_t* counts, int64_t num_groups, int64_t sinks, const void* cache_keys,
+                       const void* cache_values, int64_t cache_head_stride, int64_t position, int64_t width,
+                       const int64_t* group, const uint8_t* sink, const uint8_t* valid, const int64_t* probes,
+                       int64_t top_k, void* out, int type)
+{
+    if (!focus_decode_supports(heads, kv_heads, dim, type) || top_k + 1 > MAX_RUNS) return 1;
+    for (int64_t p = 0; p < top_k; ++p)
+        if (probes[p] < 0 || probes[p] >= num_groups) return 4;
+    const int64_t element = type == FLOAT32 ? 4 : 2;
+    if (valid == NULL || *valid) {
+        if (*sink) return 3;
+        const int64_t g = *group;
+        if (g < 0 || g >= num_groups) return 4;
+        if (counts[g] >= capacities[g]) return 2;
+        const int64_t row_bytes = dim * element;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const int64_t into = (h * capacities[g] + counts[g]) * row_bytes;
+            const int64_t from = (h * cache_head_stride + position * dim) * element;
+            memcpy((char*)buffer_keys[g] + into, (const char*)cache_keys + from, row_bytes);
+            memcpy((char*)buffer_values[g] + into, (const char*)cache_values + from, row_bytes);
+        }
+        counts[g] += 1;
+    }
+    const void* keys[MAX_RUNS];
+    const void* values[MAX_RUNS];
+    int64_t lengths[MAX_RUNS], head_strides[MAX_RUNS], runs = 0;
+    for (int64_t p = 0; p < top_k; ++p) {
+        const int64_t g = probes[p];
+        int repeat = 0;
+        for (int64_t q = 0; q < p; ++q) repeat |= probes[q] == g;
+        /* the sinks are read once, with the first group */
+        const int64_t skip = p == 0 ? 0 : sinks, length = counts[g] - skip;
+        if (repeat || length <= 0) continue;
+        keys[runs] = (const char*)buffer_keys[g] + skip * dim * element;
+        values[runs] = (const char*)buffer_values[g] + skip * dim * element;
+        lengths[runs] = length;
+        head_strides[runs++] = capacities[g] * dim;
+    }
+    keys[runs] = (const char*)cache_keys + (position + 1) * dim * element;
+    values[runs] = (const char*)cache_values + (position + 1) * dim * element;
+    lengths[runs] = width;
+    head_strides[runs++] = cache_head_stride;
+    return focus_decode(query, heads, kv_heads, dim, scale, runs, keys, values, lengths, head_strides, out, type) ? 5 : 0;
+}
+
 /* ---- A decoding step read straight from vLLM's paged KV cache (`focus_hf.vllm.decode`) ----
 
    One query of a request whose tokens lie in blocks of `block_size` slots (block b of the request is block
