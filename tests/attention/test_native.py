@@ -157,7 +157,7 @@ def test_fused_steps_equal_the_python_steps(monkeypatch, dtype):
         monkeypatch.setattr(native, "native_kernels", native.native_kernels if enabled else lambda: None)
         copy, outputs = GroupedKeys(groups), []
         for position in range(n - window):  # the sinks first: they go in every buffer
-            cache = (keys[0][:, : position + window + 1], values[0][:, : position + window + 1])
+            cache = (keys[:, :, : position + window + 1], values[:, :, : position + window + 1])
             step_probes = probes if position % 7 else probes[..., :1].expand(1, 1, 2).contiguous()  # a repeat
             if position == 500:  # a probe not routed yet: nothing taken in
                 assert copy.step(query, *cache, 0, key_groups, sink, valid, torch.full_like(probes, -1), 0.125) is None

@@ -327,15 +327,15 @@ def grouped_decode(
         return None
     outputs = []
     for sample, copy in enumerate(grouped):
-        keys, values = key[sample], value[sample]
         # One sample: its query [1, heads, 1, dim] as [heads, dim] is a view (a cheaper call than two indexings).
         rows = query.reshape(query.shape[1], query.shape[3]) if len(grouped) == 1 else query[sample, :, 0]
         if copy.filled == first_window - 1:  # as every step but the first: one position to take in, in one call
-            output = copy.step(rows, keys, values, sample, key_groups, key_sink, key_valid, query_groups, scaling)
+            output = copy.step(rows, key, value, sample, key_groups, key_sink, key_valid, query_groups, scaling)
         else:
             probes = list(dict.fromkeys(query_groups[sample, 0].tolist()))  # distinct, best first
             if min(probes) < 0:  # a query not routed yet (group -1): `pattern.probes` applies
                 return None
+            keys, values = key[sample], value[sample]
             sample_valid = None if key_valid is None else key_valid[sample]
             if not copy.extend(keys, values, key_groups[sample], key_sink[sample], sample_valid, first_window):
                 return None

@@ -129,8 +129,8 @@ class GroupedKeys:
     def step(
         self,
         query: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         sample: int,
         key_groups: torch.Tensor,
         key_sink: torch.Tensor,
@@ -138,36 +138,25 @@ class GroupedKeys:
         query_groups: torch.Tensor,
         scale: float,
     ) -> Optional[torch.Tensor]:
-        """A decoding step of sample `sample`: `take` the key at position `filled` of its keys/values [kv_heads, n,
-        dim] (the one that has just left the window; its group, sink flag and validity in key_groups / key_sink /
-        key_valid [batch, n]), then `attend` with query [heads, dim] to its probes (query_groups [batch, 1, top_k])
-        and the window, rows `filled` .. n - 1. Returns [heads, dim], or None where the step cannot be served
+        """A decoding step of sample `sample` of key/value [batch, kv_heads, n, dim] (the cache): `take` its key at
+        position `filled` (the one that has just left the window; its group, sink flag and validity in key_groups /
+        key_sink / key_valid [batch, n]), then `attend` with query [heads, dim] to its probes (query_groups [batch, 1,
+        top_k]) and the window, rows `filled` .. n - 1. Returns [heads, dim], or None where the step cannot be served
         exactly (a probe or the key not routed yet; nothing is taken in then).
 
         One call of the C kernel (`native.grouped_step`) where it takes the step; otherwise, and for a sink, the
         same in Python."""
         position = self.filled
-        status = grouped_step(
-            query,
-            self.tables,
-            self.sinks,
-            keys,
-            values,
-            position,
-            sample,
-            key_groups,
-            key_sink,
-            key_valid,
-            query_groups,
-            scale,
-        )
+        arguments = (key_groups, key_sink, key_valid, query_groups, scale)
+        status = grouped_step(query, self.tables, self.sinks, key, value, sample, position, *arguments)
         if isinstance(status, torch.Tensor):
             self.filled = position + 1
             return status
+        keys, values = key[sample], value[sample]
         if status == STEP_FULL:
             group = int(key_groups[sample, position])
             self._reserve(group, self.counts[group] + 1, keys)
-            return self.step(query, keys, values, sample, key_groups, key_sink, key_valid, query_groups, scale)
+            return self.step(query, key, value, sample, *arguments)
         if status == STEP_UNROUTED:
             return None
         probes = list(dict.fromkeys(query_groups[sample, 0].tolist()))  # distinct, best first

@@ -748,10 +748,10 @@ def grouped_step(
     query: torch.Tensor,
     tables: GroupTables,
     sinks: int,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    position: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
     sample: int,
+    position: int,
     key_groups: torch.Tensor,
     key_sink: torch.Tensor,
     key_valid: Optional[torch.Tensor],
@@ -759,22 +759,24 @@ def grouped_step(
     scale: float,
 ) -> Union[torch.Tensor, int]:
     """A decoding step of sample `sample` over its group-sorted copy, in one call (csrc/decode.c,
-    `focus_grouped_step`): the key at `position` of its keys/values [kv_heads, n, dim] (the one that has just left
-    the window) appended to its group's buffers in `tables` (which `sinks` slots of each begin with), then the query
-    [heads, dim] attended to its probed groups (query_groups [batch, 1, top_k]) and the window (rows position + 1 ..
-    n - 1). The key's group, sink flag and validity are read from key_groups / key_sink / key_valid [batch, n] (None:
-    every key real). Returns [heads, dim], or one of the STEP_ codes."""
+    `focus_grouped_step`): the key at `position` of its keys/values (key/value [batch, kv_heads, n, dim], the cache:
+    read in place, no view per sample) - the one that has just left the window - appended to its group's buffers in
+    `tables` (which `sinks` slots of each begin with), then the query [heads, dim] attended to its probed groups
+    (query_groups [batch, 1, top_k]) and the window (rows position + 1 .. n - 1). The key's group, sink flag and
+    validity are read from key_groups / key_sink / key_valid [batch, n] (None: every key real). Returns [heads, dim],
+    or one of the STEP_ codes."""
     heads, dim = query.shape
-    kv_heads = keys.shape[0]
+    kv_heads = key.shape[1]
     kernels = native_kernels()
     if (
         kernels is None
         or query.requires_grad
         or not query.is_contiguous()
-        or keys.dtype != query.dtype
-        or keys.shape[2] != dim
-        or keys.stride() != values.stride()
-        or not rows_contiguous(keys)
+        or key.dtype != query.dtype
+        or key.shape[3] != dim
+        or key.stride() != value.stride()
+        or key.stride(3) != 1
+        or (key.shape[2] > 1 and key.stride(2) != dim)
         or key_groups.dtype != torch.int64
         or query_groups.dtype != torch.int64
         or query_groups.stride(-1) != 1
@@ -794,11 +796,11 @@ def grouped_step(
         tables.counts,
         len(tables.counts),
         sinks,
-        keys.data_ptr(),
-        values.data_ptr(),
-        keys.stride(0),
+        element_address(key, sample),
+        element_address(value, sample),
+        key.stride(1),
         position,
-        keys.shape[1] - position - 1,
+        key.shape[2] - position - 1,
         element_address(key_groups, sample, position),
         element_address(key_sink, sample, position),
         None if key_valid is None else element_address(key_valid, sample, position),
