@@ -179,6 +179,31 @@ def test_fused_steps_equal_the_python_steps(monkeypatch, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("flags", ["sink", "valid", "groups", "probes"])
+def test_a_fused_step_refuses_flags_it_would_misread(flags):
+    """The kernel reads a byte per sink or validity flag and an int64 per group: other element types are refused (the
+    caller then takes the step in Python), never read as something else."""
+    n, groups = 40, 3
+    key = torch.randn(1, 1, n, 16)
+    arguments = {
+        "key_groups": torch.zeros(1, n, dtype=torch.int64),
+        "key_sink": torch.zeros(1, n, dtype=torch.bool),
+        "key_valid": torch.ones(1, n, dtype=torch.bool),
+        "query_groups": torch.zeros(1, 1, 1, dtype=torch.int64),
+    }
+
+    def status():
+        return native.grouped_step(
+            torch.randn(2, 16), native.GroupTables(groups), 0, key, key.clone(), 0, 5, **arguments, scale=0.25
+        )
+
+    assert status() == native.STEP_FULL  # read: group 0 of a copy with no buffers yet
+    name = {"sink": "key_sink", "valid": "key_valid", "groups": "key_groups", "probes": "query_groups"}[flags]
+    arguments[name] = arguments[name].to(torch.int32)
+    assert status() == native.STEP_REFUSED
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     "change",
     [

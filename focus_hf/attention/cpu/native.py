@@ -778,6 +778,8 @@ def grouped_step(
         or key.stride(3) != 1
         or (key.shape[2] > 1 and key.stride(2) != dim)
         or key_groups.dtype != torch.int64
+        or key_sink.dtype != torch.bool  # the kernel reads one byte per flag
+        or (key_valid is not None and key_valid.dtype != torch.bool)
         or query_groups.dtype != torch.int64
         or query_groups.stride(-1) != 1
         or not serves(query.dtype, heads, kv_heads, dim)
