@@ -89,23 +89,24 @@ static inline const void* element_at(const void* base, int64_t offset, int type)
     return (const char*)base + offset * (int64_t)element_size(type);
 }
 /* 2^x for x <= 0, inline (a call into libm's vector routine per 16 lanes cost more than the products it sits
-   between): x = n + r with |r| <= 1/2, 2^r by Cephes' degree-6 polynomial (a few ulp), times 2^n. With AVX-512,
-   rounding and scaling by 2^n are one instruction each, and x is clamped at EXP2_FLOOR, where 2^x is 0 (so hidden
-   scores, -FLT_MAX, give 0); elsewhere x is clamped at -127 and 2^n built in the exponent bits, where n = -127 gives
-   the bits of 0: so hidden scores give 0 there too, and powers below 2^-126.5 (far below any weight that counts)
-   round to 0. Either clamp is the only one the caller needs (the other would be one more instruction per vector). */
-/* Powers below it are 0 in float32 (2^-150 rounds to 0): arguments are clamped to it, so that hidden scores and
-   huge score gaps give 0, never an infinite or NaN intermediate. */
-#define EXP2_FLOOR -256.f
-#define EXP_FLOOR -256.f /* the same for e^x */
+   between): x = n + r with |r| <= 1/2, 2^r by Cephes' degree-6 polynomial (a few ulp), times 2^n (with AVX-512,
+   rounding and scaling by 2^n are one instruction each; elsewhere 2^n is built in the exponent bits).
+   Powers below 2^EXP2_FLOOR are 0: x is clamped there, so that every power computed is a normal float, and the lanes
+   below are then zeroed by a mask. A power that underflows into a subnormal float (or to 0, from a subnormal
+   intermediate) costs a microcode assist of a hundred cycles and more on Intel processors unless the thread flushes
+   subnormals to zero, which the caller's may not: hidden scores (-FLT_MAX), a large share of a local call's, made its
+   pairs four times dearer per pair than set A's on a Xeon (Emerald Rapids), where AMD's Zen takes them at full
+   speed. Weights below 2^-125 of a row's largest (which is 1) are far below what a float32 sum can hold. */
+#define EXP2_FLOOR -125.f
+#define EXP_FLOOR -256.f /* e^x's clamp for the scalar log-sum-exp merges (libm's expf) */
 static inline fvec fexp2(fvec x)
 {
-#ifdef __AVX512F__
+    const ivec kept = x >= fsplat(EXP2_FLOOR);
     x = fmax_lanes(x, fsplat(EXP2_FLOOR));
+#ifdef __AVX512F__
     const fvec n = (fvec)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const fvec r = x - n;
 #else
-    x = fmax_lanes(x, fsplat(-127.f));
     /* truncating x - 1/2 toward zero rounds it to the nearest integer for x <= 0 */
     const ivec whole = __builtin_convertvector(x - fsplat(0.5f), ivec);
     const fvec r = x - __builtin_convertvector(whole, fvec);
@@ -118,13 +119,14 @@ static inline fvec fexp2(fvec x)
     p = p * r + fsplat(6.931472028550421e-1f);
     p = p * r + fsplat(1.f);
 #ifdef __AVX512F__
-    return (fvec)_mm512_scalef_ps((__m512)p, (__m512)n);
+    p = (fvec)_mm512_scalef_ps((__m512)p, (__m512)n);
 #else
     const ivec scale_bits = (whole + isplat(127)) << 23;
     fvec two_n;
     memcpy(&two_n, &scale_bits, sizeof two_n);
-    return p * two_n;
+    p = p * two_n;
 #endif
+    return as_fvec(as_ivec(p) & kept);
 }
 
 /* Key j's row lies at `offsets[j]` elements past the head's base (or j * stride without offsets). */
@@ -580,11 +582,10 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
                 continue;
             }
             const float new_max = block_max > maxima[r] ? block_max : maxima[r];
-            /* no libm call where a row's maximum stays put (mostly, after its first blocks) or where it had none
-               (libm's underflow path is slow) */
-            const float rescale = new_max == maxima[r]      ? 1.f
-                                  : maxima[r] == -FLT_MAX ? 0.f
-                                                          : exp2f(fmaxf((maxima[r] - new_max) * unit, EXP2_FLOOR));
+            /* no libm call where a row's maximum stays put (mostly, after its first blocks), where it had none or
+               where the power is below EXP2_FLOOR (libm's underflow path is slow; `fexp2`) */
+            const float drop = (maxima[r] - new_max) * unit;
+            const float rescale = new_max == maxima[r] ? 1.f : drop < EXP2_FLOOR ? 0.f : exp2f(drop);
             maxima[r] = new_max;
             /* (score - max) * unit, never score * unit - max * unit: that FMA is off by up to half an ulp of
                max * unit, above 0 where scores are large (2^65536 = inf from scores near 1e13, NaN in the row) */
