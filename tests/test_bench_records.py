@@ -53,6 +53,7 @@ def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
         # no instructions the processor lacks (a -march=native build uses what the compiler knows of them)
         assert "avx512 vectors" not in kernels["uses"] or "avx512f" in row["instruction_sets"]
         assert "avx512_bf16 dot products" not in kernels["uses"] or "avx512_bf16" in row["instruction_sets"]
+        assert "amx_bf16 tiles" not in kernels["uses"] or "amx_bf16" in row["instruction_sets"]
     # torch's own kernels, which dense SDPA runs: their dispatch level and the variables that limit it
     assert row["torch_kernels"]["capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(row["torch_kernels"]["limits"]) <= set(native.TORCH_ISA_LIMITS)

@@ -84,6 +84,8 @@ TARGET_MACROS = {
     "__AVX512VL__": "avx512vl",
     "__AVX512BF16__": "avx512_bf16",
     "__AVX512FP16__": "avx512_fp16",
+    "__AMX_TILE__": "amx_tile",
+    "__AMX_BF16__": "amx_bf16",
 }
 # A compiler call that takes longer is taken for hung (the slowest, decode.c for the compiler's default target, takes
 # about half a minute of CPU on a 2-core AMD EPYC).
@@ -325,7 +327,13 @@ def torch_kernels() -> dict:
 
 
 # focus_build_features' bits (csrc/prefill.c): what the compiled kernels use.
-BUILD_FEATURES = {1: "avx512 vectors", 2: "avx2+fma", 4: "avx512_bf16 dot products", 8: "openmp"}
+BUILD_FEATURES = {
+    1: "avx512 vectors",
+    2: "avx2+fma",
+    4: "avx512_bf16 dot products",
+    8: "openmp",
+    16: "amx_bf16 tiles",
+}
 
 
 @functools.lru_cache(maxsize=4)
