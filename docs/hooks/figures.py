@@ -35,6 +35,9 @@ AVX512_MACHINE = "benchmarks/results/cpu_targets_avx512"  # AMD EPYC with AVX-51
 AVX512_TARGETS = ("native", "x86-64-v4", "x86-64-v3", "x86-64-v2")
 # Builds run there with torch's own kernels capped to the build's instruction sets (a processor of that level).
 AVX512_EMULATED = ("x86-64-v3_torch-avx2", "x86-64-v2_torch-default")
+XEON_MACHINE = "benchmarks/results/cpu_targets_xeon"  # Intel Xeon (Emerald Rapids): AVX-512, avx512_bf16, AMX
+XEON_TARGETS = ("native", *AVX512_EMULATED)
+XEON_BF16_RUNS = ("native", "native_before-amx-tiles")  # the bfloat16 products in tiles, and in vectors before
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
 ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
 CROSSOVER = "benchmarks/results/crossover_cpu.json"
@@ -734,13 +737,16 @@ def kernels_ab_64k_table() -> str:
 
 def build_label(target: str, path: str, row: dict) -> str:
     """A per-build row's first cell: the build linked to its results file, with what `native` resolved to, and the
-    level torch's own kernels were capped to where the file's name says so (`<build>_torch-<level>`)."""
-    build, _, torch_level = target.partition("_torch-")
+    level torch's own kernels were capped to where the file's name says so (`<build>_torch-<level>`), or the variant
+    it names (`<build>_<variant>`: `before-amx-tiles`)."""
+    build, _, variant = target.partition("_")
     label = f"[{build}]({path})"
     if build == "native":
         label += f" ({row['cpu_kernels']['march']})"
-    if torch_level:
-        label += f", torch's kernels capped at {torch_level}"
+    if variant.startswith("torch-"):
+        label += f", torch's kernels capped at {variant.removeprefix('torch-')}"
+    elif variant:
+        label += f", {variant.replace('-', ' ')}"
     return label
 
 
@@ -764,6 +770,10 @@ def cpu_targets_decode_table(machine: str = AVX2_MACHINE, targets: tuple[str, ..
     return _table(header, body)
 
 
+# What each `focus_path` of a `focus-hf bench` row is (`hard.hard_attention`'s paths).
+AUTO_PATHS = {"sparse": "C kernels", "sparse-torch": "torch path", "dense": "dense masked call"}
+
+
 def cpu_targets_auto_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
     """One attention layer's prefill far beyond the lengths "auto" calibrates, per build (`focus-hf bench --backend
     auto`, one thread): the race of its two sparse paths on the untimed first call (each path's seconds), the path
@@ -773,11 +783,11 @@ def cpu_targets_auto_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...]
         race = row["race"]
         body.append(
             [
-                f"[{target}]({path})",
+                f"[{target}]({path})" + ("" if row["dtype"] == "float32" else f", {row['dtype']}"),
                 f"{row['seq_len']:,}",
                 str(row["top_k"]),
                 "-" if race is None else f"{race['kernels_s']:.2f} / {race['torch_s']:.2f}",
-                {"sparse": "C kernels", "sparse-torch": "torch path"}.get(row["focus_path"], row["focus_path"]),
+                AUTO_PATHS.get(row["focus_path"], row["focus_path"]),
                 (
                     f"{row['dense_s']:.1f} / {row['focus_s']:.2f} s"
                     if row["dense_s"] >= 1
@@ -1039,6 +1049,10 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_avx512_steps": lambda: cpu_targets_steps_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_avx512_demo": lambda: cpu_targets_demo_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_demo": cpu_targets_demo_table,
+    "table.cpu_targets_xeon": lambda: cpu_targets_table(XEON_MACHINE, XEON_TARGETS, "float32"),
+    "table.cpu_targets_xeon_bf16": lambda: cpu_targets_table(XEON_MACHINE, XEON_BF16_RUNS, "bfloat16"),
+    "table.cpu_targets_xeon_auto": lambda: cpu_targets_auto_table(XEON_MACHINE, ("native",)),
+    "table.cpu_targets_xeon_decode": lambda: cpu_targets_decode_table(XEON_MACHINE, ("native",)),
     "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
 }
