@@ -38,6 +38,7 @@ AVX512_EMULATED = ("x86-64-v3_torch-avx2", "x86-64-v2_torch-default")
 XEON_MACHINE = "benchmarks/results/cpu_targets_xeon"  # Intel Xeon (Emerald Rapids): AVX-512, avx512_bf16, AMX
 XEON_TARGETS = ("native", *AVX512_EMULATED)
 XEON_BF16_RUNS = ("native", "native_before-amx-tiles")  # the bfloat16 products in tiles, and in vectors before
+XEON_MODEL_RUNS = ("native", "native_one-thread")  # two threads, then generate() after 1K and 2K on one
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
 ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
 CROSSOVER = "benchmarks/results/crossover_cpu.json"
@@ -409,6 +410,9 @@ FIGURES: dict[str, Callable[[], str]] = {
     "avx512.top1_64k": _attention(f"{AVX512_MACHINE}/attention_bench_native.json", 65536, 1),
     "avx512.bf16_top1_64k": _attention(f"{AVX512_MACHINE}/attention_bench_bf16_native.json", 65536, 1),
     "avx2.auto_top1_64k": _attention(f"{AVX2_MACHINE}/attention_auto_native.json", 65536, 1),
+    "xeon.bf16_top1_64k": lambda: times(
+        pick(f"{XEON_MACHINE}/attention_parts_native.json", seq_len=65536, top_k=1, dtype="bfloat16")["speedup"]
+    ),
     "attn.bf16_top2_4k": _attention(ATTENTION_BF16, 4096, 2),
     "attn.bf16_top2_16k": _attention(ATTENTION_BF16, 16384, 2),
     "attn.bf16_top2_64k": _attention(ATTENTION_BF16, 65536, 2),
@@ -1053,6 +1057,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_xeon_bf16": lambda: cpu_targets_table(XEON_MACHINE, XEON_BF16_RUNS, "bfloat16"),
     "table.cpu_targets_xeon_auto": lambda: cpu_targets_auto_table(XEON_MACHINE, ("native",)),
     "table.cpu_targets_xeon_decode": lambda: cpu_targets_decode_table(XEON_MACHINE, ("native",)),
+    "table.cpu_targets_xeon_model": lambda: cpu_targets_model_table(XEON_MACHINE, XEON_MODEL_RUNS),
+    "table.cpu_targets_xeon_steps": lambda: cpu_targets_steps_table(XEON_MACHINE, ("native",)),
     "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
 }
