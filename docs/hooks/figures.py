@@ -36,7 +36,7 @@ AVX512_TARGETS = ("native", "x86-64-v4", "x86-64-v3", "x86-64-v2")
 # Builds run there with torch's own kernels capped to the build's instruction sets (a processor of that level).
 AVX512_EMULATED = ("x86-64-v3_torch-avx2", "x86-64-v2_torch-default")
 XEON_MACHINE = "benchmarks/results/cpu_targets_xeon"  # Intel Xeon (Emerald Rapids): AVX-512, avx512_bf16, AMX
-XEON_TARGETS = ("native", *AVX512_EMULATED)
+XEON_TARGETS = ("native", "x86-64-v4", *AVX512_EMULATED)
 XEON_BF16_RUNS = ("native", "native_before-amx-tiles")  # the bfloat16 products in tiles, and in vectors before
 XEON_MODEL_RUNS = ("native", "native_one-thread")  # two threads, then generate() after 1K and 2K on one
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
@@ -1056,7 +1056,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_xeon": lambda: cpu_targets_table(XEON_MACHINE, XEON_TARGETS, "float32"),
     "table.cpu_targets_xeon_bf16": lambda: cpu_targets_table(XEON_MACHINE, XEON_BF16_RUNS, "bfloat16"),
     "table.cpu_targets_xeon_auto": lambda: cpu_targets_auto_table(XEON_MACHINE, ("native",)),
-    "table.cpu_targets_xeon_decode": lambda: cpu_targets_decode_table(XEON_MACHINE, ("native",)),
+    "table.cpu_targets_xeon_decode": lambda: cpu_targets_decode_table(XEON_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_xeon_model": lambda: cpu_targets_model_table(XEON_MACHINE, XEON_MODEL_RUNS),
     "table.cpu_targets_xeon_steps": lambda: cpu_targets_steps_table(XEON_MACHINE, ("native",)),
     "table.cpu_targets_auto": cpu_targets_auto_table,
