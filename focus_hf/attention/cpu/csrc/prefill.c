@@ -78,6 +78,9 @@ enum { FLOAT32 = 0, BFLOAT16 = 1 };
 #endif
 /* A task's kind of products (`task_function`): float32 (bfloat16 widened), bfloat16 pairs, bfloat16 pairs in tiles. */
 enum { WIDE = 0, PAIRS = 1, TILES = 2 };
+/* Rows of an AMX tile, and the rows a task of TILES pads its rows to; a tile row is 64 bytes: 16 float32 sums, 16
+   pairs of bfloat16 (32 dims, or 32 keys' weights) or 16 key pairs' values (16 dims). */
+#define TILE 16
 
 static inline float widen(uint16_t bits) /* a bfloat16 is the high half of a float32 */
 {
@@ -396,10 +399,7 @@ static inline __attribute__((always_inline)) void block_value_pairs(const uint32
 #endif
 
 #if AMX_TILES
-/* A tile is TILE rows of 64 bytes: 16 float32 sums, 16 pairs of bfloat16 (32 dims, or 32 keys' weights) or 16 key
-   pairs' values (16 dims). Tile registers: 0-3 sums (two row tiles x two column tiles), 4-5 the rows' operands, 6-7
-   the columns'. */
-#define TILE 16
+/* Tile registers: 0-3 sums (two row tiles x two column tiles), 4-5 the rows' operands, 6-7 the columns'. */
 _Static_assert(TILE == FLANES && QB % (2 * TILE) == 0 && KB % (2 * TILE) == 0, "a vector is a tile's 16 columns");
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -644,7 +644,7 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
                                                        const Rule* rule, float scale, int merge, const int dim,
                                                        const int kind)
 {
-    const int pairs = kind != 0, tiles = kind == TILES; /* `task_function` */
+    const int pairs = kind != WIDE, tiles = kind == TILES; /* `task_function` */
     float queries[QB * 128 * SPLAT_LANES] __attribute__((aligned(64)));
     float scores[QB * KB] __attribute__((aligned(64)));
     uint32_t weight_pairs[QB * KB / 2] __attribute__((aligned(64))); /* with `pairs` */
@@ -655,7 +655,7 @@ static inline __attribute__((always_inline)) void task(const Rows* where, int64_
     const float* packed_values = keys->packed + blocks * KB * dim / (pairs ? 2 : 1); /* past the keys' blocks */
     /* 2^(s * unit) = e^(s * scale) for a raw score s */
     const float unit = scale * LOG2E;
-    const int row_step = tiles ? 16 : QK_ROWS; /* the tiles' rows */
+    const int row_step = tiles ? TILE : QK_ROWS;
     const int padded = (int)((rows + row_step - 1) / row_step * row_step);
     load_queries(where, rows, padded, dim, pairs, queries);
 #if AMX_TILES
@@ -791,28 +791,28 @@ typedef void (*TaskFunction)(const Rows*, int64_t, const Keys*, int64_t, const R
     TASK_FUNCTION(96, P)                                                                                               \
     TASK_FUNCTION(112, P)                                                                                              \
     TASK_FUNCTION(128, P)
-TASK_FUNCTIONS(0)
+TASK_FUNCTIONS(WIDE)
 #if BF16_DOT
-TASK_FUNCTIONS(1)
+TASK_FUNCTIONS(PAIRS)
 #endif
 #if AMX_TILES
-TASK_FUNCTION(32, 2)
-TASK_FUNCTION(64, 2)
-TASK_FUNCTION(96, 2)
-TASK_FUNCTION(128, 2)
+TASK_FUNCTION(32, TILES)
+TASK_FUNCTION(64, TILES)
+TASK_FUNCTION(96, TILES)
+TASK_FUNCTION(128, TILES)
 #endif
 #define TASK_TABLE(P) {task_16_##P, task_32_##P, task_48_##P, task_64_##P, task_80_##P, task_96_##P, task_112_##P, task_128_##P}
 
 /* The task of a call of head size `dim` (a multiple of 16 up to 128) and element type `type`. */
 static TaskFunction task_function(int64_t dim, int type)
 {
-    static const TaskFunction wide[8] = TASK_TABLE(0);
+    static const TaskFunction wide[8] = TASK_TABLE(WIDE);
 #if AMX_TILES
-    static const TaskFunction tiles[4] = {task_32_2, task_64_2, task_96_2, task_128_2};
+    static const TaskFunction tiles[4] = {task_32_TILES, task_64_TILES, task_96_TILES, task_128_TILES};
     if (pairs_of(type) && dim % 32 == 0 && tiles_granted()) return tiles[dim / 32 - 1];
 #endif
 #if BF16_DOT
-    static const TaskFunction pairs[8] = TASK_TABLE(1);
+    static const TaskFunction pairs[8] = TASK_TABLE(PAIRS);
     if (pairs_of(type)) return pairs[dim / 16 - 1];
 #else
     (void)type;
