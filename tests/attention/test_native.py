@@ -326,20 +326,6 @@ def test_other_build_targets_give_the_same_results(monkeypatch, tmp_path, script
 
 
 @needs_kernel
-def test_bfloat16_products_take_the_tiles_where_the_processor_has_them():
-    """A native build on a processor with AMX (Intel, Sapphire Rapids and later) takes bfloat16 products in tiles,
-    where torch's dense attention does: vectors there ran Focus slower than dense attention (at 1K tokens, a third)."""
-    if native.cpu_target() != "native" or "amx_bf16" not in native.cpu_flags():
-        pytest.skip("needs a native build on a processor with amx_bf16 (this one: no AMX, or another target)")
-    defined = subprocess.run(
-        [native.compiler(), "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True, text=True
-    ).stdout
-    if "__AMX_BF16__" not in defined:
-        pytest.skip("this C compiler does not build AMX code for -march=native")
-    assert "amx_bf16 tiles" in native.build_record()["uses"]
-
-
-@needs_kernel
 def test_loading_the_kernel_keeps_subnormal_floats():
     """A library linked with -ffast-math would set flush-to-zero for the whole process on load."""
     code = (
