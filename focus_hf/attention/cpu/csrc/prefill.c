@@ -421,10 +421,12 @@ static void configure_tiles(void)
 /* Whether the OS lets this process use the tile registers: Linux hands out their 8 KB of state per process, on
    request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction stops the
    process. torch's oneDNN asks too; asking again is harmless. */
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* <asm/prctl.h>, which older kernel headers lack */
+#define XFEATURE_XTILEDATA 18
 static int tiles_granted(void)
 {
     static int granted = -1; /* asked once; threads that race ask twice and agree */
-    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return granted;
 }
 
