@@ -103,8 +103,9 @@ def test_flex_double_answers_as_the_compiled_kernel(dtype):
     torch.testing.assert_close(lse[~empty], expected_lse[~empty], atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("window", [-1, 0, 37])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_varlen_double_answers_as_the_kernel(dtype):
+def test_varlen_double_answers_as_the_kernel(dtype, window):
     kernels = cuda_kernels()
     if kernels.raw_varlen is None:
         pytest.skip("no variable-length kernel in this torch and no flash-attn")
@@ -113,8 +114,10 @@ def test_varlen_double_answers_as_the_kernel(dtype):
     cu_k = torch.tensor([0, 50, 57, 357], dtype=torch.int32, device="cuda")
     query = torch.randn(181, 4, 64, generator=generator).to("cuda", dtype)
     key, value = (torch.randn(357, 4, 64, generator=generator).to("cuda", dtype) for _ in range(2))
-    output, lse = kernels.raw_varlen(query, key, value, cu_q, cu_k, 130, 300, 0.125)
-    expected, expected_lse = varlen_attention_double(query, key, value, cu_q, cu_k, 130, 300, scale=0.125)
+    output, lse = kernels.raw_varlen(query, key, value, cu_q, cu_k, 130, 300, 0.125, window)
+    expected, expected_lse = varlen_attention_double(
+        query, key, value, cu_q, cu_k, 130, 300, scale=0.125, window=window
+    )
     assert lse.shape == expected_lse.shape  # [heads, tokens]
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
     torch.testing.assert_close(lse.float(), expected_lse, atol=TOLERANCE[dtype], rtol=0)

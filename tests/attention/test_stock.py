@@ -17,6 +17,7 @@ from tiny_models import VOCAB
 import focus_hf
 import focus_hf.attention.cpu.fast as fast
 import focus_hf.attention.gpu.bands as bands
+import focus_hf.attention.gpu.merge as merge
 import focus_hf.attention.gpu.paged_keys as paged_keys_module
 import focus_hf.attention.gpu.stock as stock
 import focus_hf.attention.gpu.verify as verify
@@ -48,7 +49,7 @@ def _fresh_verdicts():
 @given(cases(), st.booleans())
 def test_stock_path_equals_dense_oracle(case, varlen_gqa):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stock, "MERGE_ROWS", case["stream_rows"])
+        patch.setattr(merge, "MERGE_ROWS", case["stream_rows"])
         patch.setattr(stock, "VARLEN_BYTES", case["set_a_rows"])  # kv heads in runs of one, or all at once
         patch.setattr(verify, "stock_kernels", lambda device, backend="auto": cpu_twin_kernels(varlen_gqa))
         output, reference, rows = run_case(case, backend="stock")
@@ -106,7 +107,8 @@ def test_own_group_top_1_runs_one_varlen_call_per_kv_head_run(monkeypatch):
     twin = cpu_twin_kernels()
 
     def counting(query, key, value, *rest):
-        calls.append((query.shape[1], key.shape[1]))
+        if rest[-1] < 0:  # set A's causal calls (set B's take the window)
+            calls.append((query.shape[1], key.shape[1]))
         return twin.raw_varlen(query, key, value, *rest)
 
     kernels = StockKernels("counting", twin.raw_flex, counting, False, twin.varlen_dtypes, twin.head_dims)
@@ -127,7 +129,8 @@ def test_a_kv_head_past_the_budget_takes_its_query_heads_in_runs(monkeypatch):
     twin = cpu_twin_kernels(varlen_gqa=True)
 
     def counting(query, key, value, *rest):
-        calls.append((query.shape[1], key.shape[1]))
+        if rest[-1] < 0:  # set A's causal calls (set B's take the window)
+            calls.append((query.shape[1], key.shape[1]))
         return twin.raw_varlen(query, key, value, *rest)
 
     kernels = StockKernels("counting", twin.raw_flex, counting, True, twin.varlen_dtypes, twin.head_dims)
@@ -144,13 +147,15 @@ def test_a_kv_head_past_the_budget_takes_its_query_heads_in_runs(monkeypatch):
     assert calls == [(3, 1)] * 2
 
 
-def test_probed_routing_never_calls_varlen():
+def test_probed_routing_never_calls_varlen_for_set_a():
     twin = cpu_twin_kernels()
 
-    def refuse(*args):
-        raise AssertionError("varlen is for own-group top-1 only")
+    def refuse_causal(*args):
+        if args[-1] < 0:  # set B's windowed calls are for every routing
+            raise AssertionError("varlen's causal calls are for own-group top-1 only")
+        return twin.raw_varlen(*args)
 
-    kernels = StockKernels("no varlen", twin.raw_flex, refuse, False, twin.varlen_dtypes, twin.head_dims)
+    kernels = StockKernels("no causal varlen", twin.raw_flex, refuse_causal, False, twin.varlen_dtypes, twin.head_dims)
     for top_k, separate in ((2, False), (1, True)):
         arguments, expected, rows = sparse_case(top_k=top_k, separate=separate)
         output = stock.stock_sparse_attention(*arguments, kernels)
@@ -459,6 +464,33 @@ def zero_lse_for_empty_rows_flex(query, key, value, blocks, scale):
 def tokens_major_lse_varlen(query, key, value, *rest):
     output, lse = cpu_twin_kernels().raw_varlen(query, key, value, *rest)
     return output, lse.transpose(0, 1).contiguous().view(lse.shape)
+
+
+def causal_only_varlen(query, key, value, *rest):
+    return cpu_twin_kernels().raw_varlen(query, key, value, *rest[:-1])  # the window dropped: a wrong bound
+
+
+def test_a_windowed_call_that_is_not_exact_leaves_set_b_to_the_bands(monkeypatch, capsys):
+    broken = kernels_with(raw_varlen=causal_only_varlen)
+    query, key = torch.zeros(1, 4, 1, 12), torch.zeros(1, 2, 1, 12)
+    assert verify.verify(query, key, broken) is None  # the rest of the path is exact
+    (verdict,) = verify.verdicts().values()
+    assert verdict.startswith("exact, set B in torch (varlen within a window of")
+    assert not verify.verified_kernels(query, key, broken).varlen_window
+    verify.forget_verdicts()
+    capsys.readouterr()
+    monkeypatch.setattr(verify, "stock_kernels", lambda device, backend="auto": broken)
+    model = focus_llama(1)
+    ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        focus_hf.set_routing(model, "hard", backend="reference")
+        expected = model(input_ids=ids).logits
+        focus_hf.set_routing(model, "hard", backend="stock")
+        actual = model(input_ids=ids).logits
+        model(input_ids=ids)
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+    err = capsys.readouterr().err
+    assert err.count("was not exact") == 1 and "did not reproduce" not in err
 
 
 def test_verify_passes_the_twin():

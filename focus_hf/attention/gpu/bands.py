@@ -10,7 +10,7 @@ blocks by broadcast comparisons of positions and groups, shared by every head, a
 and a softmax in float32. A sink inside a band is taken with the sinks only, so no pair counts twice.
 
 Returns what `kernels.flex` returns for set B: the output in the query's dtype and the natural-log log-sum-exp in
-float32, `NEG` with a zero output for a row without a visible key, ready for `stock.merge_heads`.
+float32, `NEG` with a zero output for a row without a visible key, ready for `merge.merge_heads`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def band_attention(
     positions = torch.arange(kv_len, device=key.device).expand(batch, kv_len)
     band_position = _bands(torch.where(valid & ~key_sink, positions, -1), pad, offset, span)  # [b, bands, span]
     band_group = _bands(key_groups, pad, offset, span)
-    sinks = _sinks(key, value, valid, key_groups, key_sink, sink_slots)
+    sinks = sink_states(key, value, valid, key_groups, key_sink, sink_slots)
 
     output = query.new_empty(batch, heads, q_len, dim)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=query.device)
@@ -114,7 +114,7 @@ def _span(states: torch.Tensor, low: int, high: int) -> torch.Tensor:
     return F.pad(inside, (0, 0, max(-low, 0), max(high - kv_len, 0)))
 
 
-def _sinks(
+def sink_states(
     key: torch.Tensor,
     value: torch.Tensor,
     valid: torch.Tensor,

@@ -13,7 +13,9 @@ tests and for `backend="stock"` on CPU.
   evaluates `mask_mod` over every pair and ignores the block lists, so it cannot stand in for the kernel.)
 - `varlen_attention_double`: `torch.nn.attention.varlen.varlen_attn` / flash-attn's `flash_attn_varlen_func`:
   packed [tokens, heads, dim], one sequence per `cu_seq` range, causal aligned to the bottom right when a sequence
-  has fewer queries than keys, log-sum-exp [heads, tokens]; without `gqa` (torch 2.11) the heads must match.
+  has fewer queries than keys, a sliding window of `window` keys before each query's own (flash-attn's
+  `window_size=(window, 0)`: keys r + Lk - Lq - window .. r + Lk - Lq), log-sum-exp [heads, tokens]; without `gqa`
+  (torch 2.11) the heads must match.
 - `efficient_attention_double`: torch's CUDA memory-efficient kernel (`_scaled_dot_product_efficient_attention`):
   log-sum-exp padded to a multiple of 32 queries, and a row whose keys are all hidden by the bias returns output 0
   and log-sum-exp 0.0 (not -inf) - the convention that made merged partials wrong on CUDA.
@@ -106,10 +108,12 @@ def varlen_attention_double(
     *,
     scale: float,
     gqa: bool = False,
+    window: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal variable-length attention over packed query [Tq, heads, dim] and key/value [Tk, kv_heads, dim], one
     sequence per range of `cu_seq_q` / `cu_seq_k` (int32, [N + 1]). Causal is aligned to the bottom right: in a
-    sequence of Lq queries and Lk keys, query r sees keys c <= r + Lk - Lq. Returns output [Tq, heads, dim] and
+    sequence of Lq queries and Lk keys, query r sees keys c <= r + Lk - Lq, and with `window` >= 0 only those with
+    c >= r + Lk - Lq - window (flash attention's `window_size=(window, 0)`). Returns output [Tq, heads, dim] and
     float32 log-sum-exp [heads, Tq]. `max_q` / `max_k` must bound the sequences' lengths, as the kernel requires.
     Without `gqa` the kernel takes no GQA: the heads must match."""
     heads, kv_heads = query.shape[1], key.shape[1]
@@ -127,7 +131,10 @@ def varlen_attention_double(
         queries = query[q_start:q_end].transpose(0, 1).double()  # [heads, Lq, dim]
         keys = key[k_start:k_end].transpose(0, 1).double().repeat_interleave(heads // kv_heads, dim=0)
         values = value[k_start:k_end].transpose(0, 1).double().repeat_interleave(heads // kv_heads, dim=0)
-        visible = torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len)
+        diagonal = torch.arange(q_len)[:, None] + (k_len - q_len)
+        visible = torch.arange(k_len)[None, :] <= diagonal
+        if window >= 0:
+            visible = visible & (torch.arange(k_len)[None, :] >= diagonal - window)
         weights, row_lse, _ = _softmax_parts((queries @ keys.transpose(-1, -2)) * scale, visible.to(query.device))
         output[q_start:q_end] = (weights @ values).transpose(0, 1).to(query.dtype)
         lse[:, q_start:q_end] = row_lse.float()
@@ -145,14 +152,17 @@ def varlen_attention_op(
     max_k: int,
     scale: float,
     gqa: bool,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`varlen_attention_double` as an opaque operator, as torch's `varlen_attn` is one: torch.compile traces
     around it (its loop over the sequences reads their lengths from the data)."""
-    return varlen_attention_double(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, gqa=gqa)
+    return varlen_attention_double(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, gqa=gqa, window=window
+    )
 
 
 @varlen_attention_op.register_fake
-def _varlen_attention_shapes(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, gqa):
+def _varlen_attention_shapes(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, gqa, window):
     return torch.empty_like(query), query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
 
 

@@ -1,12 +1,12 @@
 """The GPU path's kernels - FlexAttention and variable-length flash attention - behind one convention.
 
 `StockKernels.flex(query [B, H, L, D], key/value [B, KV, S, D], blocks, scale)` and `StockKernels.varlen(query
-[T, H, D], key/value [T', KV, D], cu_seq_q, cu_seq_k, max_q, max_k, scale)` (causal within each sequence, aligned to
-the bottom right) return the output in the query's dtype and a float32 log-sum-exp - natural log, [B, H, L] and
-[T, H] - where a row without any visible key has output 0 and log-sum-exp `NEG` (finite, so that a log-sum-exp merge
-gives it weight 0 and never a NaN). What each kernel returns raw differs (flex: -inf for empty rows; varlen: [H, T];
-flash-attn 2 and 3: tuples of different lengths); the conversion is here, once, and `verify` checks it on every
-CUDA device and dtype before the path is used.
+[T, H, D], key/value [T', KV, D], cu_seq_q, cu_seq_k, max_q, max_k, scale, window)` (causal within each sequence,
+aligned to the bottom right, optionally within a sliding window) return the output in the query's dtype and a
+float32 log-sum-exp - natural log, [B, H, L] and [T, H] - where a row without any visible key has output 0 and
+log-sum-exp `NEG` (finite, so that a log-sum-exp merge gives it weight 0 and never a NaN). What each kernel returns
+raw differs (flex: -inf for empty rows; varlen: [H, T]; flash-attn 2 and 3: tuples of different lengths); the
+conversion is here, once, and `verify` checks it on every CUDA device and dtype before the path is used.
 
 On CUDA: FlexAttention compiled (`flex`) and torch's `varlen_attn` (flash-attn's `flash_attn_varlen_func` when
 installed). On CPU: their doubles (`doubles`), the path's CPU twin - the same decomposition, exact and slow, for tests
@@ -42,11 +42,14 @@ class StockKernels:
     Attributes:
         name: what runs ("cuda: flex + torch varlen", "cpu twin", ...), for messages and benchmark rows.
         raw_flex: (query, key, value, blocks, scale) -> (output, lse) as the kernel returns them.
-        raw_varlen: (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale) -> (output [T, H, D], lse [H, T]),
-            causal; None where no variable-length kernel is available.
+        raw_varlen: (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window) -> (output [T, H, D],
+            lse [H, T]), causal, and with window >= 0 each query seeing its own key and the `window` before it (flash
+            attention's `window_size=(window, 0)`); None where no variable-length kernel is available.
         varlen_gqa: whether raw_varlen takes fewer kv heads than query heads.
         varlen_dtypes: the dtypes raw_varlen runs (flash attention: half precision only).
         head_dims: rounds a head dim up to one the kernels take (keys and queries are padded with zeros).
+        varlen_window: whether raw_varlen's sliding window may be used (`verify` clears it where the windowed call
+            is not exact on a device; set B then takes `bands`).
     """
 
     name: str
@@ -55,9 +58,13 @@ class StockKernels:
     varlen_gqa: bool
     varlen_dtypes: tuple[torch.dtype, ...]
     head_dims: Callable[[int], int]
+    varlen_window: bool = True
 
     def runs_varlen(self, dtype: torch.dtype) -> bool:
         return self.raw_varlen is not None and dtype in self.varlen_dtypes
+
+    def runs_window(self, dtype: torch.dtype) -> bool:
+        return self.varlen_window and self.runs_varlen(dtype)
 
     def flex(
         self,
@@ -90,8 +97,10 @@ class StockKernels:
         max_q: int,
         max_k: int,
         scale: float,
+        window: int = -1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal attention within each packed sequence: output [T, H, D] (query dtype) and lse [T, H] (float32).
+        """Causal attention within each packed sequence: output [T, H, D] (query dtype) and lse [T, H] (float32);
+        with `window` >= 0 a query sees only its own key and the `window` keys before it.
 
         GQA (query head h reads kv head h // (H // KV)) where the kernel takes none: one call per position p in a kv
         head's run of query heads, with query heads p, p + H / KV, ... against kv heads 0, 1, ... - no expanded copy
@@ -103,7 +112,7 @@ class StockKernels:
         if padded != dim:
             query, key, value = (F.pad(states, (0, padded - dim)) for states in (query, key, value))
         heads, kv_heads = query.shape[1], key.shape[1]
-        arguments = (cu_seq_q, cu_seq_k, max_q, max_k, scale)
+        arguments = (cu_seq_q, cu_seq_k, max_q, max_k, scale, window)
         if heads == kv_heads or self.varlen_gqa:
             output, lse = self.raw_varlen(query, key, value, *arguments)
             return output[..., :dim], lse.float().transpose(0, 1)
@@ -153,7 +162,7 @@ def torch_varlen_function() -> Optional[tuple[Callable, bool]]:
 def _torch_varlen(function: Callable, gqa: bool) -> RawVarlen:
     from torch.nn.attention.varlen import AuxRequest
 
-    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale):
+    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window=-1):
         options = {"enable_gqa": True} if gqa and query.shape[1] != key.shape[1] else {}
         return function(
             query,
@@ -165,7 +174,7 @@ def _torch_varlen(function: Callable, gqa: bool) -> RawVarlen:
             max_k,
             return_aux=AuxRequest(lse=True),
             scale=scale,
-            window_size=(-1, 0),
+            window_size=(window, 0),
             **options,
         )
 
@@ -173,7 +182,7 @@ def _torch_varlen(function: Callable, gqa: bool) -> RawVarlen:
 
 
 def _flash_attn_varlen(function: Callable) -> RawVarlen:
-    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale):
+    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window=-1):
         result = function(
             query,
             key,
@@ -184,6 +193,7 @@ def _flash_attn_varlen(function: Callable) -> RawVarlen:
             max_k,
             softmax_scale=scale,
             causal=True,
+            window_size=(window, 0),
             return_attn_probs=True,
         )
         return result[0], result[1]  # flash-attn 2: (out, lse, probs); 3: (out, lse)
@@ -213,8 +223,8 @@ def cpu_twin_kernels(varlen_gqa: bool = False) -> StockKernels:
     """The CPU twin: FlexAttention's and varlen's doubles, in every dtype. Without `varlen_gqa` the varlen double
     refuses GQA as torch 2.11's kernel does, so that the per-position calls run."""
 
-    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale):
-        return varlen_attention_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, varlen_gqa)
+    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window=-1):
+        return varlen_attention_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, varlen_gqa, window)
 
     dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     return StockKernels("cpu twin", cpu_flex, varlen, varlen_gqa, dtypes, _power_of_two_from_16)

@@ -13,9 +13,12 @@ kernels of `kernels`, with no n x n tensor anywhere:
   prefix of its group's sorted keys, so a block of 128 sorted entries reads one range of sorted key blocks, which the
   sort's offsets give (`sorted_range_blocks`); key blocks that every entry of a one-group block sees whole are listed
   as full, read without a mask. One FlexAttention call (`fold_probed_groups`).
-- B: in plain torch (`bands`), in token order: each block of 128 queries against the keys of its window and the
-  sinks, keeping those whose group the query does not probe and real (not padding). A FlexAttention call here spent
-  its time reading the pattern pair by pair in its mask (`bands`' docstring has the H200's figures).
+- B, without a model's mask where the kernels run varlen in a dtype of float32's range: one sliding-window flash call
+  per run of kv heads, the probed groups, sinks and padding hidden by indicator columns appended to the head dimension,
+  and the sinks as one small product (`window`).
+- B otherwise: in plain torch (`bands`), in token order: each block of 128 queries against the keys of its window and
+  the sinks, keeping those whose group the query does not probe and real (not padding). A FlexAttention call here
+  spent its time reading the pattern pair by pair in its mask (`bands`' docstring has the H200's figures).
 
 The parts of a query are merged by log-sum-exp (`merge_heads`), a row without visible keys weighing 0. Costs (n
 tokens, K groups, top_k probes, window w): A ~ top_k n^2 / 2K pairs, B ~ n (w + 2 * 128) pairs; memory beyond the
@@ -36,16 +39,16 @@ import torch
 from focus_hf.attention.gpu.bands import band_attention
 from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists, blocks_of, run_lists
 from focus_hf.attention.gpu.kernels import StockKernels
+from focus_hf.attention.gpu.merge import merge_heads
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.gpu.pair_rule import NO_KEY, NO_QUERY, make_rule, padded, range_mask, rule_mask, token_rule
+from focus_hf.attention.gpu.window import window_attention, window_dtype
 
 # Bytes of the sorted copies one variable-length call of set A may take (keys, values, queries, its result): the kv
 # heads - past it, the query heads of one kv head - go in runs that fit, so that a 1M-token prefill holds a fraction of
 # a layer's states, not a second copy (at 1M tokens, 32 / 8 heads in bf16, 1 GiB runs measured 1.15x dense SDPA's
 # peak memory on an H200; 512 MiB takes one query head at a time there).
 VARLEN_BYTES = 1 << 29
-# Query rows merged at a time (float32 temporaries of this many rows of the merged heads).
-MERGE_ROWS = 65536
 # The parts of the pattern a call takes (`pair_rule`): (near pairs of unprobed groups, pairs of probed groups).
 SET_A = (False, True)
 WHOLE_PATTERN = (True, True)
@@ -90,8 +93,12 @@ def stock_sparse_attention(
     valid = key_valid
     if valid is None:
         valid = torch.ones(batch, kv_len, dtype=torch.bool, device=query.device)
-    near = (query_groups, key_groups, key_sink, window, scaling, model_mask)
-    output, lse = band_attention(query, key, value, valid, *near, sink_slots=sink_slots)
+    if model_mask is None and window_dtype(query.dtype) and kernels.runs_window(query.dtype):
+        near = (query_groups, key_groups, key_sink, num_groups, window, scaling, kernels)
+        output, lse = window_attention(query, key, value, valid, *near, sink_slots=sink_slots)
+    else:
+        near = (query_groups, key_groups, key_sink, window, scaling, model_mask)
+        output, lse = band_attention(query, key, value, valid, *near, sink_slots=sink_slots)
     if own_group is None:
         own_group = not torch.compiler.is_compiling() and torch.equal(
             query_groups[..., 0], key_groups[:, kv_len - q_len :]
@@ -102,23 +109,6 @@ def stock_sparse_attention(
         routing = (valid, query_groups, key_groups, num_groups, scaling, kernels, model_mask)
         fold_probed_groups(output, lse, query, key, value, *routing)
     return output.transpose(1, 2).contiguous()
-
-
-def merge_heads(
-    output: torch.Tensor, lse: torch.Tensor, heads: slice, part: torch.Tensor, part_lse: torch.Tensor
-) -> None:
-    """Fold `part` [batch, h, q, dim] with `part_lse` [batch, h, q] (a disjoint key set) into query heads `heads` of
-    `output` [batch, heads, q, dim] and float32 `lse` [batch, heads, q], in place, MERGE_ROWS rows at a time in
-    float32: o = o exp(lse - t) + part exp(part_lse - t), lse = t = logaddexp(lse, part_lse)."""
-    for start in range(0, output.shape[2], MERGE_ROWS):
-        rows = slice(start, start + MERGE_ROWS)
-        held, held_lse = output[:, heads, rows], lse[:, heads, rows]
-        new_lse = part_lse[:, :, rows].float()
-        total = torch.logaddexp(held_lse, new_lse)
-        merged = held.float() * torch.exp(held_lse - total).unsqueeze(-1)
-        merged.addcmul_(part[:, :, rows].float(), torch.exp(new_lse - total).unsqueeze(-1))
-        output[:, heads, rows] = merged.to(output.dtype)
-        lse[:, heads, rows] = total
 
 
 def pattern_attention(
