@@ -68,6 +68,10 @@ GPU_BEFORE = "benchmarks/results/gpu/profile-3056b1b/summary.json"
 GPU_PROFILE_BEFORE = "benchmarks/results/gpu/profile-3056b1b/profile.json"
 GPU_AFTER = "benchmarks/results/gpu/chunked-scan/summary.json"
 GPU_PROFILE_AFTER = "benchmarks/results/gpu/chunked-scan/profile.json"
+# A third session: the quick set of 456c31e (set B in torch bands, profiled), then set B as one windowed flash call.
+GPU_QUICK = "benchmarks/results/gpu/quick-456c31e/summary.json"
+GPU_PROFILE_QUICK = "benchmarks/results/gpu/quick-456c31e/profile.json"
+GPU_WINDOW = "benchmarks/results/gpu/window-e9ee7e1/summary.json"
 DEMO_RUN = "benchmarks/results/demo_run.json"  # benchmarks/demo_run.py: `focus-hf demo` timed from a fresh cache
 
 AS_SAVED = "focus as saved top-1, w=512, 18 dense heads, dense below 2048"  # the committed adapter's rows
@@ -296,6 +300,19 @@ def _scan_ms(path: str, tokens: int) -> float:
     return next(op["self_device_ms"] for op in row["top_device_ops"] if op["op"] == "aten::cumsum")
 
 
+def _module_ms(path: str, tokens: int, top_k: int, module: str) -> str:
+    """Device milliseconds of one prefill spent in the functions of one focus_hf module (the profile's lines)."""
+    lines = _profile_row(path, tokens, top_k)["by_focus_line"]
+    return f"{sum(line['device_ms'] for line in lines if line['where'].startswith(module + ':')):.0f} ms"
+
+
+def _range_mask_over_floor(path: str, tokens: int) -> float:
+    """Set A's FlexAttention call (top-2) under the path's mask over the same call with no mask on the same block
+    lists (`mask_costs`: the mask's cost over the kernel's floor)."""
+    variants = next(row for row in load(path)["mask_costs"] if row["tokens"] == tokens)["variants"]
+    return variants["path"] / variants["none"]
+
+
 def _gpu_targets() -> str:
     judged = [row for row in load(GPU_SUMMARY)["figures"] if row.get("meets_target") is not None]
     return f"{sum(row['meets_target'] for row in judged)} of {len(judged)}"
@@ -322,6 +339,26 @@ FIGURES: dict[str, Callable[[], str]] = {
     "gpu.wall_before_256k": lambda: f"{1e3 * _profile_row(GPU_PROFILE_BEFORE, 262144, 1)['wall_s']:.0f} ms",
     "gpu.wall_after_256k": lambda: f"{1e3 * _profile_row(GPU_PROFILE_AFTER, 262144, 1)['wall_s']:.0f} ms",
     "gpu.peak_1m": _gpu_ratio("peak_memory", "top-1 peak 1M"),
+    "gpu.quick.commit": lambda: load(GPU_QUICK)["git_commit"][:7],
+    "gpu.quick.top1_64k": _gpu_ratio("attention", "top-1 prefill 64K", GPU_QUICK),
+    "gpu.quick.top1_256k": _gpu_ratio("attention", "top-1 prefill 256K", GPU_QUICK),
+    "gpu.quick.wall_256k": lambda: f"{_profile_row(GPU_PROFILE_QUICK, 262144, 1)['device_ms_total']:.0f} ms",
+    "gpu.quick.bands_256k": lambda: _module_ms(GPU_PROFILE_QUICK, 262144, 1, "focus_hf/attention/gpu/bands.py"),
+    "gpu.quick.wall_64k": lambda: f"{_profile_row(GPU_PROFILE_QUICK, 65536, 1)['device_ms_total']:.0f} ms",
+    "gpu.quick.bands_64k": lambda: _module_ms(GPU_PROFILE_QUICK, 65536, 1, "focus_hf/attention/gpu/bands.py"),
+    "gpu.window.commit": lambda: load(GPU_WINDOW)["git_commit"][:7],
+    "gpu.window.top1_64k": _gpu_ratio("attention", "top-1 prefill 64K", GPU_WINDOW),
+    "gpu.window.top1_256k": _gpu_ratio("attention", "top-1 prefill 256K", GPU_WINDOW),
+    "gpu.window.top1_1m": _gpu_ratio("attention", "top-1 prefill 1M", GPU_WINDOW),
+    "gpu.window.top2_1m": _gpu_ratio("attention", "top-2 prefill 1M", GPU_WINDOW),
+    "gpu.window.top2_256k": _gpu_ratio("attention", "top-2 prefill 256K", GPU_WINDOW),
+    "gpu.window.top2_64k": _gpu_ratio("attention", "top-2 prefill 64K", GPU_WINDOW),
+    "gpu.window.peak_top1_1m": _gpu_ratio("attention", "top-1 prefill 1M peak", GPU_WINDOW),
+    "gpu.window.peak_top2_1m": _gpu_ratio("attention", "top-2 prefill 1M peak", GPU_WINDOW),
+    "gpu.window.peak_top1_64k": _gpu_ratio("attention", "top-1 prefill 64K peak", GPU_WINDOW),
+    "gpu.window.tests_passed": lambda: _gpu("tests", "pytest -m cuda", GPU_WINDOW)["focus"],
+    "gpu.quick.range_mask_256k": lambda: times(_range_mask_over_floor(GPU_PROFILE_QUICK, 262144)),
+    "gpu.quick.tests_passed": lambda: _gpu("tests", "pytest -m cuda", GPU_QUICK)["focus"],
     # vLLM's CPU engine, Focus (the committed adapter) over vLLM's dense attention (benchmarks/vllm_serving.py)
     **{
         f"vllm.{kind}_{length // 1024}k": _vllm(length, f"{kind}_speedup")
@@ -998,11 +1035,11 @@ def gpu_table(summary: str = GPU_SUMMARY) -> str:
     return _table(["stage", "figure", "dense", "Focus", "dense / Focus", "target", "met"], body)
 
 
-def gpu_profile_table() -> str:
+def gpu_profile_table(path: str = GPU_PROFILE_AFTER) -> str:
     """Where one prefill of the GPU run's layer spends its device time, by focus_hf function (torch's profiler;
-    `benchmarks/gpu/profile_layer.py`), at commit 432b95d."""
+    `benchmarks/gpu/profile_layer.py`), in the profile at `path`."""
     body = []
-    for row in load(GPU_PROFILE_AFTER)["rows"]:
+    for row in load(path)["rows"]:
         lines = [line for line in row["by_focus_line"] if line["device_ms"] >= 0.05 * row["device_ms_total"]]
         where = "; ".join(f"{line['where'].split(': ')[-1]} {line['device_ms']:.1f}" for line in lines)
         tokens = f"{row['tokens'] // 1024}K"
@@ -1030,6 +1067,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.gpu_profile": gpu_profile_table,
     "table.gpu_after": lambda: gpu_table(GPU_AFTER),
     "table.gpu_mask_costs": gpu_mask_costs_table,
+    "table.gpu_quick": lambda: gpu_table(GPU_QUICK),
+    "table.gpu_quick_profile": lambda: gpu_profile_table(GPU_PROFILE_QUICK),
+    "table.gpu_window": lambda: gpu_table(GPU_WINDOW),
     "table.commands": commands_table,
     "table.model_targets": model_targets_table,
     "table.sinks": sinks_table,
