@@ -12,8 +12,8 @@
 #          carry:     [".whl"]
 #          timeout_s: 420
 #          command:   FOCUS_HF_GIT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu/run.sh --quick
-#      (the copy of the working tree there has no .git: the variable records the commit measured): the profile,
-#      decoding, the CUDA tests, the model at 128K and prefill at 64K-1M within 330 s. Then, with what the 15 device
+#      (the copy of the working tree there has no .git: the variable records the commit measured): prefill at
+#      64K-1M, eager decoding, the model at 128K and the CUDA tests within 330 s. Then, with what the 15 device
 #      minutes leave, the full set: `... bash benchmarks/gpu/run.sh --skip tests --deadline <seconds left - 60>`.
 #      The results come back under files_at/gpu/ (the tool brings back 8 files at most: the full set is 7 stage
 #      files and summary.json).
