@@ -5,7 +5,8 @@ diagonal with holes where a key's group is probed. Flash attention's sliding win
 exactly the band and takes no mask; the holes go into the scores themselves. Each key gets one more column per
 segment (its group, or "not routed yet") and one "hidden" column (a sink, taken apart, or padding), holding 1 where
 it belongs; each query holds -M in the columns of the groups it probes and in the hidden one. The appended dot
-product is then 0 for a pair of set B - exactly: every product is a zero - and -M for any other pair of the band.
+product is then 0 for a pair of set B - exactly: every product is a zero - and -M or less for any other pair of
+the band.
 
 M is a power of two with M * scale >= 4 * bound + 256, `bound` being the largest |score| the states allow (scale times
 the largest query norm times the largest key norm). A hidden pair then lies more than 256 below the row's largest
@@ -70,7 +71,7 @@ def window_attention(
         num_groups: K, the router's groups.
         window: the local window w: a query at p sees the keys at p - w .. p.
         scaling: the softmax scale.
-        kernels: a kernel set whose `runs_varlen(query.dtype)`.
+        kernels: a kernel set whose `runs_window(query.dtype)`.
         sink_slots: as in `bands.band_attention`.
     """
     batch, heads, q_len, dim = query.shape
