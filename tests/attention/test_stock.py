@@ -466,6 +466,25 @@ def tokens_major_lse_varlen(query, key, value, *rest):
     return output, lse.transpose(0, 1).contiguous().view(lse.shape)
 
 
+def stock_model_equals_the_reference(monkeypatch, capsys, kernels) -> str:
+    """A model on the stock backend with `kernels` (checked afresh) gives the reference backend's logits, called twice;
+    returns what it printed to stderr."""
+    verify.forget_verdicts()
+    capsys.readouterr()
+    monkeypatch.setattr(verify, "stock_kernels", lambda device, backend="auto": kernels)
+    model = focus_llama(1)
+    ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        focus_hf.set_routing(model, "hard", backend="reference")
+        expected = model(input_ids=ids).logits
+        focus_hf.set_routing(model, "hard", backend="stock")
+        actual = model(input_ids=ids).logits
+        model(input_ids=ids)
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+    err = capsys.readouterr().err
+    return err
+
+
 def causal_only_varlen(query, key, value, *rest):
     return cpu_twin_kernels().raw_varlen(query, key, value, *rest[:-1])  # the window dropped: a wrong bound
 
@@ -477,19 +496,7 @@ def test_a_windowed_call_that_is_not_exact_leaves_set_b_to_the_bands(monkeypatch
     (verdict,) = verify.verdicts().values()
     assert verdict.startswith("exact, set B in torch (varlen within a window of")
     assert not verify.verified_kernels(query, key, broken).varlen_window
-    verify.forget_verdicts()
-    capsys.readouterr()
-    monkeypatch.setattr(verify, "stock_kernels", lambda device, backend="auto": broken)
-    model = focus_llama(1)
-    ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        focus_hf.set_routing(model, "hard", backend="reference")
-        expected = model(input_ids=ids).logits
-        focus_hf.set_routing(model, "hard", backend="stock")
-        actual = model(input_ids=ids).logits
-        model(input_ids=ids)
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
-    err = capsys.readouterr().err
+    err = stock_model_equals_the_reference(monkeypatch, capsys, broken)
     assert err.count("was not exact") == 1 and "did not reproduce" not in err
 
 
@@ -511,19 +518,7 @@ def test_verify_passes_the_twin():
 def test_verify_catches_a_kernel_convention_and_the_model_falls_back_exactly(monkeypatch, capsys, broken, message):
     query, key = torch.zeros(1, 4, 1, 12), torch.zeros(1, 2, 1, 12)
     assert message in verify.verify(query, key, broken)
-    verify.forget_verdicts()
-    capsys.readouterr()
-    monkeypatch.setattr(verify, "stock_kernels", lambda device, backend="auto": broken)
-    model = focus_llama(1)
-    ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        focus_hf.set_routing(model, "hard", backend="reference")
-        expected = model(input_ids=ids).logits
-        focus_hf.set_routing(model, "hard", backend="stock")
-        actual = model(input_ids=ids).logits
-        model(input_ids=ids)
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
-    err = capsys.readouterr().err
+    err = stock_model_equals_the_reference(monkeypatch, capsys, broken)
     assert err.count("did not reproduce exact results") == 1 and message in err
 
 
