@@ -24,7 +24,8 @@ The parts of a query are merged by log-sum-exp (`merge_heads`), a row without vi
 tokens, K groups, top_k probes, window w): A ~ top_k n^2 / 2K pairs, B ~ n (w + 2 * 128) pairs; memory beyond the
 output and its log-sum-exp: the sorted keys and values of one run of kv heads and its queries' part (a budget of
 VARLEN_BYTES), or for the FlexAttention path the sorted keys and the entries' queries and results (top_k times the
-queries), and block lists of one row per 128 queries; set B's chunks of bands (`bands.BAND_BYTES` of scores).
+queries), and block lists of one row per 128 queries; set B's packed copies for the windowed call (a budget of
+`window.WINDOW_BYTES`) or its chunks of bands (`bands.BAND_BYTES` of scores).
 
 Exact by construction for every routing; what it assumes of the kernels is checked on each device by `verify`, which
 `hard` asks before this path runs.
