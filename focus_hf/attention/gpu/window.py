@@ -29,6 +29,7 @@ import torch
 
 from focus_hf.attention.gpu.bands import sink_states
 from focus_hf.attention.gpu.kernels import NEG, StockKernels
+from focus_hf.attention.gpu.merge import merge_heads
 
 # Bytes of the copies one windowed call may take (a run of kv heads' keys and values, its queries and their result).
 WINDOW_BYTES = 1 << 29
@@ -166,8 +167,6 @@ def sink_attention(
 ) -> None:
     """Fold the pairs of each query with the sinks it may see - real, not after it, of a group it does not probe -
     into `output` and `lse` (float32 scores, SINK_ROWS queries at a time)."""
-    from focus_hf.attention.gpu.stock import merge_heads  # stock imports this module
-
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     per_kv = heads // kv_heads
