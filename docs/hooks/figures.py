@@ -1098,7 +1098,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_xeon_auto": lambda: cpu_targets_auto_table(XEON_MACHINE, ("native",)),
     "table.cpu_targets_xeon_decode": lambda: cpu_targets_decode_table(XEON_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_xeon_model": lambda: cpu_targets_model_table(XEON_MACHINE, XEON_MODEL_RUNS),
-    "table.cpu_targets_xeon_steps": lambda: cpu_targets_steps_table(XEON_MACHINE, ("native",)),
+    "table.cpu_targets_xeon_steps": lambda: cpu_targets_steps_table(XEON_MACHINE, ("native", *AVX512_EMULATED)),
+    "table.cpu_targets_xeon_demo": lambda: cpu_targets_demo_table(XEON_MACHINE, ("native", *AVX512_EMULATED)),
     "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
 }
