@@ -39,6 +39,8 @@ XEON_MACHINE = "benchmarks/results/cpu_targets_xeon"  # Intel Xeon (Emerald Rapi
 XEON_TARGETS = ("native", "x86-64-v4", *AVX512_EMULATED)
 XEON_BF16_RUNS = ("native", "native_before-amx-tiles")  # the bfloat16 products in tiles, and in vectors before
 XEON_MODEL_RUNS = ("native", "native_one-thread", *AVX512_EMULATED)  # two threads; generate() after 1K, 2K on one
+ZEN5_MACHINE = "benchmarks/results/cpu_targets_zen5"  # AMD EPYC Zen 5 (family 26): AVX-512, avx512_bf16, no AMX
+ZEN5_TARGETS = ("native", *AVX512_EMULATED)
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
 ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
 CROSSOVER = "benchmarks/results/crossover_cpu.json"
@@ -904,21 +906,21 @@ def lengths_of(stem: str, machine: str, target: str, length_field: str) -> dict[
 
 def cpu_targets_steps_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
     """Decoding steps of the whole model per build of the C kernels, the base model's and Focus's taken in turn in one
-    process (benchmarks/model_decode_steps.py), medians, all measured on one machine."""
+    process (benchmarks/model_decode_steps.py), medians, all measured on one machine (with the longest prompts'
+    file, model_decode_steps_16k_<build>.json, where they ran apart)."""
     body = []
-    for target, path, row in target_rows("model_decode_steps", machine, targets):
-        if row["variant"] != FOCUS_SAVED:
-            continue
-        full = pick(path, prompt_len=row["prompt_len"], variant=FULL_MODEL)
-        body.append(
-            [
-                f"[{target}]({path})",
-                f"{row['prompt_len']:,}",
-                f"{full['step_ms']:.1f} / {row['step_ms']:.1f} ms",
-                times(row["speedup"]),
-                str(row["steps"]),
-            ]
-        )
+    for target in targets:
+        for length, (path, row) in sorted(lengths_of("model_decode_steps", machine, target, "prompt_len").items()):
+            full = pick(path, prompt_len=length, variant=FULL_MODEL)
+            body.append(
+                [
+                    f"[{target}]({path})",
+                    f"{length:,}",
+                    f"{full['step_ms']:.1f} / {row['step_ms']:.1f} ms",
+                    times(row["speedup"]),
+                    str(row["steps"]),
+                ]
+            )
     return _table(["build", "prompt tokens", "step: base / Focus", "speedup", "steps each"], body)
 
 
@@ -1100,6 +1102,13 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_xeon_model": lambda: cpu_targets_model_table(XEON_MACHINE, XEON_MODEL_RUNS),
     "table.cpu_targets_xeon_steps": lambda: cpu_targets_steps_table(XEON_MACHINE, ("native", *AVX512_EMULATED)),
     "table.cpu_targets_xeon_demo": lambda: cpu_targets_demo_table(XEON_MACHINE, ("native", *AVX512_EMULATED)),
+    "table.cpu_targets_zen5": lambda: cpu_targets_table(ZEN5_MACHINE, ZEN5_TARGETS, "float32"),
+    "table.cpu_targets_zen5_bf16": lambda: cpu_targets_table(ZEN5_MACHINE, ("native",), "bfloat16"),
+    "table.cpu_targets_zen5_auto": lambda: cpu_targets_auto_table(ZEN5_MACHINE, ZEN5_TARGETS),
+    "table.cpu_targets_zen5_decode": lambda: cpu_targets_decode_table(ZEN5_MACHINE, ZEN5_TARGETS),
+    "table.cpu_targets_zen5_model": lambda: cpu_targets_model_table(ZEN5_MACHINE, ZEN5_TARGETS),
+    "table.cpu_targets_zen5_steps": lambda: cpu_targets_steps_table(ZEN5_MACHINE, ZEN5_TARGETS),
+    "table.cpu_targets_zen5_demo": lambda: cpu_targets_demo_table(ZEN5_MACHINE, ZEN5_TARGETS),
     "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
 }
