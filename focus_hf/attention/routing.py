@@ -8,6 +8,7 @@ continue the very same computation token by token: the running column sums are c
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -40,8 +41,8 @@ class RoutingState:
         token_column_lse: [batch, new, iterations, groups], the running log column sums after each token of the call
             that made this state (`route_tokens(token_columns=True)`), or None. A paged cache keeps them per token
             (`focus_hf.vllm.side_cache`) so that routing can resume after any cached prefix.
-        noted_steps: the attention inputs [batch, 1, hidden_size] and validity [batch, 1] of the last decoding steps
-            whose tokens wait in a list (`note_step`), or None. They count in `seen` and nowhere else: key_groups
+        noted_steps: the attention inputs and validity of the last decoding steps whose tokens wait
+            (`note_step`, `NotedSteps`), or None. They count in `seen` and nowhere else: key_groups
             and key_sink end before them (`waiting_keys` reads them as in no group yet and not sinks) until
             `defer_noted_steps` defers them as one block; every other reader of the state calls it first.
         sinks_filled: every sample has had its sink tokens (`route_tokens` found so), so no later token is one; a
@@ -57,7 +58,7 @@ class RoutingState:
     pending_hidden: Optional[torch.Tensor] = None
     pending_valid: Optional[torch.Tensor] = None
     token_column_lse: Optional[torch.Tensor] = None
-    noted_steps: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+    noted_steps: Optional["NotedSteps"] = None
     sinks_filled: bool = False
 
     @property
@@ -430,18 +431,86 @@ def _shared_constant(batch: int, seq: int, value: Union[bool, int], dtype: torch
         return torch.full((batch, seq), value, dtype=dtype, device=device)
 
 
+# Steps a `NotedSteps` holds before it grows: the layer defers its waiting tokens in blocks of up to 64.
+NOTED_CAPACITY = 64
+
+
+class NotedSteps:
+    """The attention inputs [batch, hidden_size] and validity [batch] of decoding steps whose tokens wait
+    (`note_step`), copied into two buffers made for NOTED_CAPACITY steps (grown if more come).
+
+    Why copies: a step's input is a tensor the model frees after the layer. Kept alive (as a list of them once
+    was), each step's inputs sit, one small block per layer, amid the megabytes that transformers' `DynamicCache`
+    frees and takes again at every step (it concatenates each layer's keys into a new, slightly larger tensor):
+    those blocks split the space it would reuse, so that the heap grew by tens of megabytes a step, and fresh pages
+    (page faults) made many of Focus's decoding steps after a 16K prompt several times as slow as its own steps
+    without them, slower than the base model's.
+    """
+
+    def __init__(self, hidden: torch.Tensor, valid: torch.Tensor, count: int = 0) -> None:
+        self.hidden = hidden  # [batch, capacity, hidden_size]
+        self.valid = valid  # [batch, capacity]
+        self.count = count
+        # The validity `query_validity` gives a step without padding (one shared tensor): nothing to copy then.
+        self.every_token_real = constant_rows(valid.shape[0], 1, True, valid.device)
+
+    @classmethod
+    def for_inputs(cls, hidden: torch.Tensor, capacity: int = 0) -> "NotedSteps":
+        """Empty buffers for steps of `hidden` [batch, 1, hidden_size]: ordinary tensors, also when first made under
+        inference_mode (a later step may run outside it)."""
+        capacity = max(capacity, NOTED_CAPACITY)
+        with torch.inference_mode(False):
+            buffer = hidden.new_empty(hidden.shape[0], capacity, hidden.shape[2], requires_grad=False)
+            valid = torch.ones(hidden.shape[0], capacity, dtype=torch.bool, device=hidden.device)
+        return cls(buffer, valid)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def append(self, hidden: torch.Tensor, valid: torch.Tensor) -> None:
+        """Copy in one step's hidden [batch, 1, hidden_size] and validity [batch, 1]."""
+        if self.count == self.hidden.shape[1]:
+            grown = NotedSteps.for_inputs(hidden, 2 * self.count)
+            grown.hidden[:, : self.count] = self.hidden
+            grown.valid[:, : self.count] = self.valid
+            self.hidden, self.valid = grown.hidden, grown.valid
+        if self.hidden.is_cpu and hidden.dtype == self.hidden.dtype and hidden.is_contiguous():
+            # A step's one row per sample, copied by address: a tensor copy cost about ten microseconds per layer
+            # and step in a model, most of what the rest of a dense decoding step's bookkeeping costs.
+            row = hidden.shape[2] * hidden.element_size()
+            source, target = hidden.data_ptr(), self.hidden.data_ptr() + self.count * row
+            for sample in range(hidden.shape[0]):
+                ctypes.memmove(target + sample * self.hidden.shape[1] * row, source + sample * row, row)
+        else:
+            with torch.no_grad():  # the routing of a waiting token reads its input, never a gradient through it
+                self.hidden.narrow(1, self.count, 1).copy_(hidden)
+        if valid is not self.every_token_real:  # else True already, as made
+            self.valid.narrow(1, self.count, 1).copy_(valid)
+        self.count += 1
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The noted steps' hidden [batch, count, hidden_size] and validity [batch, count] (views of the buffers)."""
+        return self.hidden[:, : self.count], self.valid[:, : self.count]
+
+    def index_select(self, index: torch.Tensor) -> "NotedSteps":
+        """These steps of the samples at `index` (a batch reordered by beam search)."""
+        hidden, valid = self.inputs()
+        return NotedSteps(hidden.index_select(0, index), valid.index_select(0, index), self.count)
+
+
 def note_step(state: RoutingState, hidden: torch.Tensor, valid: torch.Tensor) -> None:
-    """Count a decoding step whose token waits in a list in `state`, in place: one that attends densely (below
-    `dense_below`, within the window), or a routed one once every sample has its sinks (its routing is
+    """Count a decoding step whose token waits in `state` (`NotedSteps`), in place: one that attends densely
+    (below `dense_below`, within the window), or a routed one once every sample has its sinks (its routing is
     `waiting_step`'s).
 
-    Its key side is needed only once it lies beyond the window: the step pays a list append where `defer_tokens`
-    would grow four tensors, so that a dense step decodes at the base model's cost. The tokens are deferred as one
-    block (`defer_noted_steps`) when something next needs them - a full block to settle, or a prefill chunk.
+    Its key side is needed only once it lies beyond the window: the step pays two small copies where
+    `defer_tokens` would grow four tensors, so that a dense step decodes at the base model's cost. The tokens are
+    deferred as one block (`defer_noted_steps`) when something next needs them - a full block to settle, or a
+    prefill chunk.
     """
     if state.noted_steps is None:
-        state.noted_steps = []
-    state.noted_steps.append((hidden, valid))
+        state.noted_steps = NotedSteps.for_inputs(hidden)
+    state.noted_steps.append(hidden, valid)
     state.seen += 1
 
 
@@ -484,8 +553,7 @@ def defer_noted_steps(state: RoutingState, sink_tokens: int) -> RoutingState:
         pending_valid=state.pending_valid,
         sinks_filled=state.sinks_filled,
     )
-    hidden = torch.cat([step[0] for step in steps], dim=1)
-    valid = torch.cat([step[1] for step in steps], dim=1)
+    hidden, valid = steps.inputs()  # views: the buffers go with the deferred state (a new one takes the next)
     return defer_tokens(hidden, valid, earlier, probes=None, sink_tokens=sink_tokens)[1]
 
 

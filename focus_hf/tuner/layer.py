@@ -93,9 +93,7 @@ def _select_samples(state: RoutingState, index: torch.Tensor) -> RoutingState:
         key_sink=state.key_sink.index_select(0, index),
         pending_hidden=None if state.pending_hidden is None else state.pending_hidden.index_select(0, index),
         pending_valid=None if state.pending_valid is None else state.pending_valid.index_select(0, index),
-        noted_steps=None
-        if state.noted_steps is None
-        else [(hidden.index_select(0, index), valid.index_select(0, index)) for hidden, valid in state.noted_steps],
+        noted_steps=None if state.noted_steps is None else state.noted_steps.index_select(index),
     )
 
 

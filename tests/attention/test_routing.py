@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,6 +12,7 @@ from hypothesis import strategies as st
 
 from focus_hf.attention.pattern import allowed_pairs, soft_gate
 from focus_hf.attention.routing import (
+    NOTED_CAPACITY,
     RoutingState,
     causal_sinkhorn,
     defer_noted_steps,
@@ -18,6 +22,36 @@ from focus_hf.attention.routing import (
     route_tokens,
     settle,
 )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_noted_steps_keep_copies_not_the_models_tensors(dtype):
+    # A noted step must not keep the model's tensors alive (they would pin the heap between the KV cache's blocks),
+    # and must read back exactly what was noted - past the buffers' first size, with padding, after a beam reorder.
+    state = RoutingState.empty(2, 3, 4, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    steps = NOTED_CAPACITY + 5
+    inputs = torch.randn(2, steps, 6, generator=generator).to(dtype)
+    validity = torch.rand(2, steps, generator=generator) > 0.3
+    for position in range(steps):
+        hidden = inputs[:, position : position + 1].clone()
+        valid = validity[:, position : position + 1].clone()
+        if position % 2:
+            hidden = inputs[:, position : position + 1].transpose(0, 1).clone().transpose(0, 1)  # not contiguous
+        watched = weakref.ref(hidden), weakref.ref(valid)
+        note_step(state, hidden, valid)
+        del hidden, valid
+        gc.collect()
+        assert watched[0]() is None and watched[1]() is None, position
+    assert len(state.noted_steps) == steps and state.seen == steps
+    noted_hidden, noted_valid = state.noted_steps.inputs()
+    assert noted_hidden.dtype == dtype
+    assert torch.equal(noted_hidden, inputs) and torch.equal(noted_valid, validity)
+    reordered = state.noted_steps.index_select(torch.tensor([1, 1]))
+    reordered.append(inputs[:, :1], validity[:, :1])
+    hidden, valid = reordered.inputs()
+    assert torch.equal(hidden[:, :steps], inputs[[1, 1]]) and torch.equal(hidden[:, steps], inputs[:, 0])
+    assert torch.equal(valid[:, :steps], validity[[1, 1]]) and torch.equal(valid[:, steps], validity[:, 0])
 
 
 def test_dense_steps_defer_as_their_steps_would():
