@@ -41,6 +41,7 @@ XEON_BF16_RUNS = ("native", "native_before-amx-tiles")  # the bfloat16 products 
 XEON_MODEL_RUNS = ("native", "native_one-thread", *AVX512_EMULATED)  # two threads; generate() after 1K, 2K on one
 ZEN5_MACHINE = "benchmarks/results/cpu_targets_zen5"  # AMD EPYC Zen 5 (family 26): AVX-512, avx512_bf16, no AMX
 ZEN5_TARGETS = ("native", *AVX512_EMULATED)
+ZEN5_MODEL_RUNS = (*ZEN5_TARGETS, "native_noted-steps-copied")  # and native again, decoding after 41557c4
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
 ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
 CROSSOVER = "benchmarks/results/crossover_cpu.json"
@@ -1106,8 +1107,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_zen5_bf16": lambda: cpu_targets_table(ZEN5_MACHINE, ("native",), "bfloat16"),
     "table.cpu_targets_zen5_auto": lambda: cpu_targets_auto_table(ZEN5_MACHINE, ZEN5_TARGETS),
     "table.cpu_targets_zen5_decode": lambda: cpu_targets_decode_table(ZEN5_MACHINE, ZEN5_TARGETS),
-    "table.cpu_targets_zen5_model": lambda: cpu_targets_model_table(ZEN5_MACHINE, ZEN5_TARGETS),
-    "table.cpu_targets_zen5_steps": lambda: cpu_targets_steps_table(ZEN5_MACHINE, ZEN5_TARGETS),
+    "table.cpu_targets_zen5_model": lambda: cpu_targets_model_table(ZEN5_MACHINE, ZEN5_MODEL_RUNS),
+    "table.cpu_targets_zen5_steps": lambda: cpu_targets_steps_table(ZEN5_MACHINE, ZEN5_MODEL_RUNS),
     "table.cpu_targets_zen5_demo": lambda: cpu_targets_demo_table(ZEN5_MACHINE, ZEN5_TARGETS),
     "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
