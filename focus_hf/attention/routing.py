@@ -431,13 +431,15 @@ def _shared_constant(batch: int, seq: int, value: Union[bool, int], dtype: torch
         return torch.full((batch, seq), value, dtype=dtype, device=device)
 
 
-# Steps a `NotedSteps` holds before it grows: the layer defers its waiting tokens in blocks of up to 64.
-NOTED_CAPACITY = 64
+# Decoding with a query router defers the key-side Sinkhorn of new tokens and balances them in blocks of at most
+# this many (never more than the window, so that a token's group is known before any query sees it from afar);
+# a `NotedSteps` is made for as many.
+PENDING_LIMIT = 64
 
 
 class NotedSteps:
     """The attention inputs [batch, hidden_size] and validity [batch] of decoding steps whose tokens wait
-    (`note_step`), copied into two buffers made for NOTED_CAPACITY steps (grown if more come).
+    (`note_step`), copied into two buffers made for PENDING_LIMIT steps (grown if more come).
 
     Why copies: a step's input is a tensor the model frees after the layer. Kept alive (as a list of them once
     was), each step's inputs sit, one small block per layer, amid the megabytes that transformers' `DynamicCache`
@@ -458,7 +460,7 @@ class NotedSteps:
     def for_inputs(cls, hidden: torch.Tensor, capacity: int = 0) -> "NotedSteps":
         """Empty buffers for steps of `hidden` [batch, 1, hidden_size]: ordinary tensors, also when first made under
         inference_mode (a later step may run outside it)."""
-        capacity = max(capacity, NOTED_CAPACITY)
+        capacity = max(capacity, PENDING_LIMIT)
         with torch.inference_mode(False):
             buffer = hidden.new_empty(hidden.shape[0], capacity, hidden.shape[2], requires_grad=False)
             valid = torch.ones(hidden.shape[0], capacity, dtype=torch.bool, device=hidden.device)

@@ -23,6 +23,7 @@ from focus_hf.attention.function import (
 )
 from focus_hf.attention.gpu.verify import is_verified, verify_shape
 from focus_hf.attention.routing import (
+    PENDING_LIMIT,
     RoutingState,
     TokenRouting,
     constant_rows,
@@ -44,9 +45,6 @@ _CACHE_ATTRIBUTE = "_focus_routing_states"
 _GROUPED_ATTRIBUTE = "_focus_grouped_keys"
 # Stands in for them once the cache has reordered its samples: decoding then gathers until the cache starts afresh.
 _REORDERED = "reordered"
-# Decoding with a query router defers the key-side Sinkhorn of new tokens and balances them in blocks of at most
-# this many (never more than the window, so that a token's group is known before any query sees it from afar).
-PENDING_LIMIT = 64
 
 
 @dataclass

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from focus_hf.attention.pattern import allowed_pairs, soft_gate
 from focus_hf.attention.routing import (
-    NOTED_CAPACITY,
+    PENDING_LIMIT,
     RoutingState,
     causal_sinkhorn,
     defer_noted_steps,
@@ -30,7 +30,7 @@ def test_noted_steps_keep_copies_not_the_models_tensors(dtype):
     # and must read back exactly what was noted - past the buffers' first size, with padding, after a beam reorder.
     state = RoutingState.empty(2, 3, 4, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
-    steps = NOTED_CAPACITY + 5
+    steps = PENDING_LIMIT + 5
     inputs = torch.randn(2, steps, 6, generator=generator).to(dtype)
     validity = torch.rand(2, steps, generator=generator) > 0.3
     for position in range(steps):
