@@ -3,7 +3,11 @@ they come, a failing length reported without losing the others, and the GPU's ti
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +152,29 @@ def test_cuda_peak_memory_is_the_allocators_peak(tmp_path):
         assert "error" not in row, row
         assert row["allocated_before_call_mib"] >= inputs_mib
         assert row["peak_allocated_mib"] >= row["allocated_before_call_mib"] + 8192 * 8 * 64 * 2 / 2**20  # + output
+
+
+def test_capped_runs_name_every_cap_of_their_level_and_rows_record_them():
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "capped.py"
+    spec = importlib.util.spec_from_file_location("capped", script)
+    capped = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capped)
+    v2_amd, v2_intel = capped.caps_for("x86-64-v2", "AuthenticAMD"), capped.caps_for("x86-64-v2", "GenuineIntel")
+    # MKL ignores MKL_ENABLE_INSTRUCTIONS on AMD processors and runs AVX2 + FMA sgemm kernels: only MKL_CBWR holds it
+    assert v2_amd["MKL_CBWR"] == "COMPATIBLE" and "MKL_CBWR" not in v2_intel
+    assert v2_intel["FOCUS_HF_CPU_TARGET"] == "x86-64-v2" and v2_intel["ATEN_CPU_CAPABILITY"] == "default"
+    assert "-FMA" in v2_intel["GLIBC_TUNABLES"]  # libm's expf otherwise resolves to its FMA variant
+    assert capped.caps_for("native", "AuthenticAMD") == {"FOCUS_HF_CPU_TARGET": "native"}
+    # every variable it sets is one the rows record
+    assert set(v2_amd) - {"FOCUS_HF_CPU_TARGET"} <= set(native.TORCH_ISA_LIMITS)
+    assert set(capped.caps_for("x86-64-v3", "GenuineIntel")) - {"FOCUS_HF_CPU_TARGET"} <= set(native.TORCH_ISA_LIMITS)
+    probe = "import json, torch; from focus_hf.attention.cpu import native; print(json.dumps(native.torch_kernels()))"
+    ran = subprocess.run(
+        [sys.executable, str(script), "x86-64-v2", "--", sys.executable, "-c", probe],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    record = json.loads(ran.stdout)
+    assert record["capability"] == "DEFAULT"
+    expected = capped.caps_for("x86-64-v2", capped.processor_vendor())
+    expected.pop("FOCUS_HF_CPU_TARGET")
+    assert record["limits"] == expected

@@ -313,9 +313,16 @@ def instruction_sets() -> list[str]:
     return [name for name in INSTRUCTION_SETS if name in flags]
 
 
-# Variables that cap the instruction sets of torch's own CPU kernels and of the BLAS libraries it calls: set on a
-# processor that has more, they make dense SDPA run as it would on a processor that has only those.
-TORCH_ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+# Variables that cap the instruction sets of torch's own CPU kernels, of the BLAS libraries it calls and of libm's
+# variants: set on a processor that has more, they make dense SDPA run as it would on a processor that has only those
+# (benchmarks/capped.py sets them per build target; MKL follows MKL_CBWR alone on AMD processors).
+TORCH_ISA_LIMITS = (
+    "ATEN_CPU_CAPABILITY",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+    "ONEDNN_MAX_CPU_ISA",
+    "GLIBC_TUNABLES",
+)
 
 
 def torch_kernels() -> dict:
