@@ -131,6 +131,52 @@ def test_one_key_appends_equal_the_torch_copy(monkeypatch, dtype):
 
 
 @needs_kernel
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    length=st.integers(1, 200),
+    split=st.floats(0.0, 1.0),
+    kv_heads=st.integers(1, 3),
+    dim=st.sampled_from([4, 24, 64]),
+    groups=st.integers(1, 8),
+    sinks=st.integers(0, 3),
+    padded=st.booleans(),
+    heads_outer=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_prompts_keys_filled_in_one_pass_equal_the_sorted_copy(
+    monkeypatch, length, split, kv_heads, dim, groups, sinks, padded, heads_outer, dtype, seed
+):
+    """`extend` over many keys at once (`grouped_fill`: each row to its group's buffers in one pass) against the
+    sort, gather and copy of the torch path: the same buffers, counts and sinks, with padding left out and the
+    cache's heads inner or outer."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (kv_heads, length, dim) if heads_outer else (length, kv_heads, dim)
+    keys, values = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    if not heads_outer:
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+    key_groups = torch.randint(0, groups, (length,), generator=generator)
+    sink = torch.arange(length) < sinks
+    valid = torch.rand(length, generator=generator) > 0.25 if padded else None
+    first = int(split * length)
+    copies = {}
+    for enabled in (True, False):
+        with monkeypatch.context() as patch:  # undone after each example: hypothesis runs many in one test call
+            if not enabled:
+                patch.setattr(native, "native_kernels", lambda: None)
+            copy = GroupedKeys(groups)
+            taken = [copy.extend(keys, values, key_groups, sink, valid, upto) for upto in (first, length)]
+        copies[enabled] = (copy, taken)
+    (fast, fast_taken), (slow, slow_taken) = copies[True], copies[False]
+    assert fast_taken == slow_taken
+    assert (fast.filled, fast.sinks, list(fast.counts)) == (slow.filled, slow.sinks, list(slow.counts))
+    for group, count in enumerate(fast.counts):
+        for store in ("keys", "values"):
+            if count:
+                assert torch.equal(getattr(fast, store)[group][:, :count], getattr(slow, store)[group][:, :count])
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_steps_equal_the_python_steps(monkeypatch, dtype):
     """`GroupedKeys.step` in one C call (`grouped_step`: the append and the attention) against the same steps in

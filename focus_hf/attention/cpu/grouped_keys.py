@@ -30,6 +30,7 @@ from focus_hf.attention.cpu.native import (
     GroupTables,
     attend_runs,
     copy_row,
+    grouped_fill,
     grouped_step,
 )
 
@@ -100,14 +101,20 @@ class GroupedKeys:
             if not self._append_sinks(key.index_select(1, position), value.index_select(1, position), 0, len(sinks)):
                 return False
         member_groups = groups[members]
-        order = torch.sort(member_groups, stable=True).indices
-        position = members[order] + first
-        sorted_keys, sorted_values = key.index_select(1, position), value.index_select(1, position)
-        start = 0
-        for group, count in enumerate(torch.bincount(member_groups, minlength=self.num_groups).tolist()):
+        added = torch.bincount(member_groups, minlength=self.num_groups).tolist()
+        for group, count in enumerate(added):
             if count:
-                self._append(group, sorted_keys, sorted_values, start, count)
-                start += count
+                self._reserve(group, self.counts[group] + count, key)
+        run_keys, run_values = key.narrow(1, first, upto - first), value.narrow(1, first, upto - first)
+        if not grouped_fill(self.tables, run_keys, run_values, groups, ~sink & real):
+            order = torch.sort(member_groups, stable=True).indices
+            position = members[order] + first
+            sorted_keys, sorted_values = key.index_select(1, position), value.index_select(1, position)
+            start = 0
+            for group, count in enumerate(added):
+                if count:
+                    self._append(group, sorted_keys, sorted_values, start, count)
+                    start += count
         self.filled = upto
         return True
 

@@ -100,8 +100,8 @@ ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class NativeKernels:
-    """The loaded library: `supports(heads, kv_heads, dim)`, `attend(...)`, `copy_row(...)` and `grouped_step(...)`
-    (csrc/decode.c),
+    """The loaded library: `supports(heads, kv_heads, dim)`, `attend(...)`, `copy_row(...)`, `grouped_fill(...)` and
+    `grouped_step(...)` (csrc/decode.c),
     `prefill_supports(heads, kv_heads, dim)`, `prefill(...)`, `prefill_segments(...)` and `sink_pairs(...)`
     (csrc/prefill.c),
     `segment_keys(...)` and `segment_entries(...)` (csrc/segments.c)."""
@@ -127,6 +127,11 @@ class NativeKernels:
         self.paged_decode.restype = ctypes.c_int
         self.copy_row = library.focus_copy_row
         self.copy_row.argtypes = [pointer, pointer, size, pointer, pointer, size, size, size]
+        self.grouped_fill = library.focus_grouped_fill
+        # buffer keys, buffer values, capacities, counts, keys, values, head stride, row stride, kv heads, row bytes,
+        # groups, take, count
+        self.grouped_fill.argtypes = [*[pointer] * 6, *[size] * 4, pointer, pointer, size]
+        self.grouped_fill.restype = None
         self.grouped_step = library.focus_grouped_step
         # query, heads, kv_heads, dim, scale, buffer keys, buffer values, capacities, counts, groups, sinks, cache
         # keys, cache values, cache head stride, position, width, group, sink, valid, probes, top_k, out, element type
@@ -727,6 +732,33 @@ def copy_row(
         keys.shape[0],
         keys.shape[2] * size,
     )
+    return True
+
+
+def grouped_fill(
+    tables: "GroupTables", keys: torch.Tensor, values: torch.Tensor, groups: torch.Tensor, take: torch.Tensor
+) -> bool:
+    """Append each row j of keys/values [kv_heads, n, dim] with take[j] to group groups[j]'s buffers in `tables`, in
+    position order, in one pass (csrc/decode.c, `focus_grouped_fill`): the buffers must already hold them, and
+    every taken row's group lie in 0 .. K - 1. False (nothing written) where the kernel is not available or the
+    layouts differ; the caller then sorts and copies with torch."""
+    kernel = native_kernels()
+    if (
+        kernel is None
+        or keys.device.type != "cpu"
+        or values.dtype != keys.dtype
+        or keys.stride() != values.stride()
+        or keys.stride(2) != 1
+    ):
+        return False
+    groups = groups.to(torch.int64).contiguous()
+    take = take.to(torch.uint8).contiguous()
+    size = keys.element_size()
+    kernel.grouped_fill(
+        tables.keys, tables.values, tables.capacities, tables.counts, keys.data_ptr(), values.data_ptr(),
+        keys.stride(0) * size, keys.stride(1) * size, keys.shape[0], keys.shape[2] * size,
+        groups.data_ptr(), take.data_ptr(), keys.shape[1],
+    )  # fmt: skip
     return True
 
 

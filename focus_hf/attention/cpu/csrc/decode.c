@@ -298,6 +298,30 @@ void focus_copy_row(char* dst_keys, char* dst_values, int64_t dst_head_stride, c
     }
 }
 
+/* Append rows 0 .. count - 1 of a run of the cache to their groups' buffers, in position order, in one pass (a
+   prompt's distant keys, taken in at its first decoding step): row j, where take[j] (not a sink, not padding), goes
+   to slot counts[groups[j]] of that group's buffers, which then grows by one. Group g's buffers as
+   focus_grouped_step's: [kv_heads, capacities[g], dim] contiguous; the caller has grown each to hold its rows, and
+   every groups[j] of a row taken lies in 0 .. num_groups - 1. Key row j of kv head h at h * head_stride + j * row_stride
+   bytes from keys (values alike). A sort and a gather of all the rows, then a copy of each group's, cost two
+   more passes over them and two temporaries as large (at 16K tokens, 12 MB each per layer). */
+void focus_grouped_fill(void* const* buffer_keys, void* const* buffer_values, const int64_t* capacities,
+                        int64_t* counts, const char* keys, const char* values, int64_t head_stride, int64_t row_stride,
+                        int64_t kv_heads, int64_t row_bytes, const int64_t* groups, const uint8_t* take, int64_t count)
+{
+    for (int64_t j = 0; j < count; ++j) {
+        if (!take[j]) continue;
+        const int64_t g = groups[j], slot = counts[g]++;
+        const int64_t buffer_head = capacities[g] * row_bytes;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            memcpy((char*)buffer_keys[g] + h * buffer_head + slot * row_bytes, keys + h * head_stride + j * row_stride,
+                   row_bytes);
+            memcpy((char*)buffer_values[g] + h * buffer_head + slot * row_bytes,
+                   values + h * head_stride + j * row_stride, row_bytes);
+        }
+    }
+}
+
 /* A decoding step of one sample over its group-sorted copy (`grouped_keys.GroupedKeys`), in one call: the key that
    has just left the window is appended to its group's buffers, then the query attends to its probed groups' buffers
    and the window (focus_decode). Per step this replaces the reads of the key's flags, the append and the tables of
