@@ -40,9 +40,16 @@ XEON_TARGETS = ("native", "x86-64-v4", *AVX512_EMULATED)
 XEON_BF16_RUNS = ("native", "native_before-amx-tiles")  # the bfloat16 products in tiles, and in vectors before
 XEON_MODEL_RUNS = ("native", "native_one-thread", *AVX512_EMULATED)  # two threads; generate() after 1K, 2K on one
 ZEN5_MACHINE = "benchmarks/results/cpu_targets_zen5"  # AMD EPYC Zen 5 (family 26): AVX-512, avx512_bf16, no AMX
-ZEN5_TARGETS = ("native", *AVX512_EMULATED)
+# x86-64-v2 again with MKL and libm capped too (benchmarks/capped.py): MKL ignores MKL_ENABLE_INSTRUCTIONS on AMD
+ZEN5_V2_CAPPED = "x86-64-v2_capped"
+ZEN5_TARGETS = ("native", *AVX512_EMULATED, ZEN5_V2_CAPPED)
 # and each build again, decoding after 41557c4 (native from 1K, the others after 16K)
-ZEN5_MODEL_RUNS = (*ZEN5_TARGETS, *(f"{target}_noted-steps-copied" for target in ZEN5_TARGETS))
+ZEN5_MODEL_RUNS = (
+    *ZEN5_TARGETS[:-1],
+    *(f"{target}_noted-steps-copied" for target in ZEN5_TARGETS[:-1]),
+    ZEN5_V2_CAPPED,
+    "native_grouped-fill",  # after 16K again with f7401db's one-pass fill of the group-sorted copies
+)
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
 ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
 CROSSOVER = "benchmarks/results/crossover_cpu.json"
@@ -782,14 +789,16 @@ def kernels_ab_64k_table() -> str:
 
 def build_label(target: str, path: str, row: dict) -> str:
     """A per-build row's first cell: the build linked to its results file, with what `native` resolved to, and the
-    level torch's own kernels were capped to where the file's name says so (`<build>_torch-<level>`), or the variant
-    it names (`<build>_<variant>`: `before-amx-tiles`)."""
+    level torch's own kernels were capped to where the file's name says so (`<build>_torch-<level>`; `<build>_capped`:
+    with MKL and libm too, benchmarks/capped.py), or the variant it names (`<build>_<variant>`: `before-amx-tiles`)."""
     build, _, variant = target.partition("_")
     label = f"[{build}]({path})"
     if build == "native":
         label += f" ({row['cpu_kernels']['march']})"
     if variant.startswith("torch-"):
         label += f", torch's kernels capped at {variant.removeprefix('torch-')}"
+    elif variant == "capped":
+        label += ", torch's kernels, MKL and libm capped at the same level"
     elif variant:
         label += f", {variant.replace('-', ' ')}"
     return label
