@@ -25,8 +25,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Optional
+
+from focus_hf.attention.cpu.native import cpuinfo_field
 
 # Above x86-64-v3 nothing is capped: torch, MKL and glibc pick AVX-512 code by themselves where the processor has it.
 TARGET_CAPS: dict[str, dict[str, str]] = {
@@ -44,13 +45,7 @@ AMD_CAPS: dict[str, dict[str, str]] = {"x86-64-v2": {"MKL_CBWR": "COMPATIBLE"}}
 
 def processor_vendor() -> str:
     """The processor's vendor as /proc/cpuinfo names it ("AuthenticAMD", "GenuineIntel"; "" where unknown)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field("vendor_id") or ""
 
 
 def caps_for(target: str, vendor: str) -> dict[str, str]:

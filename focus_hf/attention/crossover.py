@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import torch
 
 from focus_hf.aliases import default_cache_dir
-from focus_hf.attention.cpu.native import kernels_identity, torch_kernels
+from focus_hf.attention.cpu.native import cpuinfo_field, kernels_identity, torch_kernels
 
 CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
@@ -119,15 +119,9 @@ def processor_name(device: Optional[torch.device] = None) -> str:
     return cpu_name()
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The processor's model name (/proc/cpuinfo), else what `platform` says of it."""
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def make_shape(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> Shape:

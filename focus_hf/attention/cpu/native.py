@@ -300,16 +300,22 @@ INSTRUCTION_SETS = (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> tuple[str, ...]:
-    """This processor's instruction-set flags as /proc/cpuinfo lists them (() where it cannot be read)."""
+@functools.lru_cache(maxsize=8)
+def cpuinfo_field(*names: str) -> Optional[str]:
+    """The value of the first line of /proc/cpuinfo that names one of `names` ("model name", "vendor_id", "flags"),
+    or None where there is none or the file cannot be read (not Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return tuple(line.split(":", 1)[1].split())
+            if line.startswith(names):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return ()
+    return None
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """This processor's instruction-set flags as /proc/cpuinfo lists them (() where it cannot be read)."""
+    return tuple((cpuinfo_field("flags", "Features") or "").split())
 
 
 def instruction_sets() -> list[str]:
