@@ -302,8 +302,8 @@ void focus_copy_row(char* dst_keys, char* dst_values, int64_t dst_head_stride, c
    prompt's distant keys, taken in at its first decoding step): row j, where take[j] (not a sink, not padding), goes
    to slot counts[groups[j]] of that group's buffers, which then grows by one. Group g's buffers as
    focus_grouped_step's: [kv_heads, capacities[g], dim] contiguous; the caller has grown each to hold its rows, and
-   every groups[j] of a row taken lies in 0 .. num_groups - 1. Key row j of kv head h at h * head_stride + j * row_stride
-   bytes from keys (values alike). A sort and a gather of all the rows, then a copy of each group's, cost two
+   every groups[j] of a row taken is a group of the tables. Key row j of kv head h lies h * head_stride + j *
+   row_stride bytes from keys (values alike). A sort and a gather of all the rows, then a copy of each group's, cost two
    more passes over them and two temporaries as large (at 16K tokens, 12 MB each per layer). */
 void focus_grouped_fill(void* const* buffer_keys, void* const* buffer_values, const int64_t* capacities,
                         int64_t* counts, const char* keys, const char* values, int64_t head_stride, int64_t row_stride,
