@@ -91,8 +91,10 @@ class GroupedKeys:
         groups, sink = key_groups[span], key_sink[span]
         real = torch.ones_like(sink) if key_valid is None else key_valid[span]
         sinks = (sink & real).nonzero().flatten()
-        members = (~sink & real).nonzero().flatten()
-        if len(members) and int(groups[members].min()) < 0:
+        taken = ~sink & real  # the rows that join a group's keys
+        members = taken.nonzero().flatten()
+        member_groups = groups[members]
+        if len(members) and int(member_groups.min()) < 0:
             return False
         if len(sinks):
             if len(members) and int(members[0]) < int(sinks[-1]):
@@ -100,13 +102,12 @@ class GroupedKeys:
             position = sinks + first
             if not self._append_sinks(key.index_select(1, position), value.index_select(1, position), 0, len(sinks)):
                 return False
-        member_groups = groups[members]
         added = torch.bincount(member_groups, minlength=self.num_groups).tolist()
         for group, count in enumerate(added):
             if count:
                 self._reserve(group, self.counts[group] + count, key)
         run_keys, run_values = key.narrow(1, first, upto - first), value.narrow(1, first, upto - first)
-        if not grouped_fill(self.tables, run_keys, run_values, groups, ~sink & real):
+        if not grouped_fill(self.tables, run_keys, run_values, groups, taken):
             order = torch.sort(member_groups, stable=True).indices
             position = members[order] + first
             sorted_keys, sorted_values = key.index_select(1, position), value.index_select(1, position)
