@@ -42,11 +42,12 @@ XEON_MODEL_RUNS = ("native", "native_one-thread", *AVX512_EMULATED)  # two threa
 ZEN5_MACHINE = "benchmarks/results/cpu_targets_zen5"  # AMD EPYC Zen 5 (family 26): AVX-512, avx512_bf16, no AMX
 # x86-64-v2 again with MKL and libm capped too (benchmarks/capped.py): MKL ignores MKL_ENABLE_INSTRUCTIONS on AMD
 ZEN5_V2_CAPPED = "x86-64-v2_capped"
-ZEN5_TARGETS = ("native", *AVX512_EMULATED, ZEN5_V2_CAPPED)
+ZEN5_FIRST_RUNS = ("native", *AVX512_EMULATED)  # on 003eb6e
+ZEN5_TARGETS = (*ZEN5_FIRST_RUNS, ZEN5_V2_CAPPED)
 # and each build again, decoding after 41557c4 (native from 1K, the others after 16K)
 ZEN5_MODEL_RUNS = (
-    *ZEN5_TARGETS[:-1],
-    *(f"{target}_noted-steps-copied" for target in ZEN5_TARGETS[:-1]),
+    *ZEN5_FIRST_RUNS,
+    *(f"{target}_noted-steps-copied" for target in ZEN5_FIRST_RUNS),
     ZEN5_V2_CAPPED,
     "native_grouped-fill",  # after 16K again with f7401db's one-pass fill of the group-sorted copies
 )
