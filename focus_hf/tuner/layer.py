@@ -238,6 +238,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         super().__init__()
         self.base_layer = base_layer
         self.layer_index = layer_index
+        # Which of the KV cache's layers holds this attention's keys (asked at every call).
+        self.cache_layer_index: int = getattr(base_layer, "layer_idx", 0)
         current = base_layer.config._attn_implementation
         # Restored by unload(); "focus" here means an earlier adapter switched it already.
         self.base_attn_implementation = current if current != ATTENTION_NAME else "sdpa"
@@ -314,9 +316,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         if self.disable_adapters:
             return None
         active = self.active_adapters
-        if len(active) == 1:  # the usual case, asked at every call of every layer
-            return active[0] if active[0] in self.focus_proj else None
-        active = [name for name in active if name in self.focus_proj]
+        # `focus_settings` has the names of `focus_proj`: a plain dict, where the ParameterDict is reached through
+        # nn.Module.__getattr__'s lookups (asked at every call of every layer).
+        if len(active) == 1:  # the usual case
+            return active[0] if active[0] in self.focus_settings else None
+        active = [name for name in active if name in self.focus_settings]
         if len(active) > 1:
             raise FocusRuntimeError(
                 f"{len(active)} Focus adapters are active at once ({active}); routing uses one adapter at a time. "
@@ -328,10 +332,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self, cache: Any, adapter_name: str, batch: int, settings: RouterSettings, device: torch.device
     ) -> RoutingState:
         # int(): a StaticCache counts its tokens in a tensor.
-        cached_tokens = 0 if cache is None else int(cache.get_seq_length(getattr(self.base_layer, "layer_idx", 0)))
+        cached_tokens = 0 if cache is None else int(cache.get_seq_length(self.cache_layer_index))
         if cached_tokens == 0:
             return RoutingState.empty(batch, settings.sinkhorn_iterations, settings.num_groups, device)
-        state = getattr(cache, _CACHE_ATTRIBUTE, {}).get((adapter_name, self.layer_index))
+        states = getattr(cache, _CACHE_ATTRIBUTE, None)
+        state = None if states is None else states.get((adapter_name, self.layer_index))
         if state is None or state.seen != cached_tokens or state.valid_count.shape[0] != batch:
             raise FocusRuntimeError(
                 f"The KV cache holds {cached_tokens} tokens but the Focus router of layer {self.layer_index} has "
@@ -456,11 +461,12 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         valid = query_validity(kwargs.get("attention_mask"), batch, q_len, hidden.device, state.seen)
         if cache is not None and self._decodes_densely(adapter_name, mode, q_len, state, top_k):
             # The base model's decoding step: the token waits, unrouted, until the state is next read.
-            layer_key = (adapter_name, self.layer_index)
-            if state.seen == 0 and self.decode_copy:
-                _grouped_keys(cache, layer_key, fresh=True)  # a reused cache starts afresh: drop its old copies
+            if state.seen == 0:  # a new state (else the cache holds it already)
+                layer_key = (adapter_name, self.layer_index)
+                _attach_routing_states(cache)[layer_key] = state
+                if self.decode_copy:
+                    _grouped_keys(cache, layer_key, fresh=True)  # a reused cache starts afresh: drop its old copies
             note_step(state, hidden, valid)
-            _attach_routing_states(cache)[layer_key] = state
             return self.base_layer(*args, **kwargs)
         # A hard-mode decoding step defers its key side: its own group is needed only once it lies beyond the
         # window, so the waiting tokens are routed in blocks (`defer_tokens`, `settle`). Its probes are needed
