@@ -19,7 +19,8 @@ With transformers' default DynamicCache every step concatenates each layer's key
 a copy of the whole cache that both variants pay; `--cache static` pre-allocates the cache
 (`cache_implementation="static"`), so that a step costs the model's weights and its attention.
 
-Rows: prompt_len, cache, variant, prefill_s, decode_tokens_per_s (best of --repeats), speedup (this variant's tokens/s /
+Rows: prompt_len, cache, variant, prefill_s, decode_tokens_per_s (best of the rounds: --repeats, more after a short
+prompt with --min-seconds), repeats (the rounds run), speedup (this variant's tokens/s /
 full attention's), argmax_agree (steps whose greedy token is full attention's), mean_kl / max_kl (nats per step),
 processor, threads, load average.
 """
@@ -51,6 +52,7 @@ from model_prefill import (  # noqa: E402
     command_line,
     held_out_sequence,
     log,
+    rounds_for,
     saved_setting,
     setting_fields,
     write_rows,
@@ -154,6 +156,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--cache", default="dynamic", choices=["dynamic", "static"], help="KV cache of both variants (see above)"
     )
     parser.add_argument("--repeats", type=int, default=1, help="generations per variant (alternating), best kept")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=0.0,
+        help="after a short prompt, more rounds: as many as it takes full attention's decoding time of the first "
+        "to reach this many seconds (32 tokens after 1K decode in about a second, which moves by a tenth between runs)",
+    )
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
@@ -170,9 +179,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for prompt_len in args.prompt_lens:
         input_ids = held_out_sequence(tokenizer, prompt_len)
         best: dict[str, dict] = {}
-        for repeat in range(args.repeats):
+        rounds, repeat = args.repeats, 0
+        while repeat < rounds:
             for variant in ("full", "focus"):
-                log(f"{prompt_len:,}-token prompt, run {repeat + 1}: {names[variant]} ...")
+                log(f"{prompt_len:,}-token prompt, round {repeat + 1} of {rounds}: {names[variant]} ...")
                 # Focus follows full attention's greedy tokens (the first run's: greedy decoding is deterministic).
                 reference = None if variant == "full" else best["full"]["tokens"]
                 result = generate_variant(
@@ -181,6 +191,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 log(f"  prefill {result['prefill_s']:.1f} s, {result['tokens_per_s']:.2f} tokens/s")
                 if variant not in best or result["tokens_per_s"] > best[variant]["tokens_per_s"]:
                     best[variant] = result
+            if repeat == 0:
+                decoding_seconds = (args.new_tokens - 1) / best["full"]["tokens_per_s"]
+                rounds = rounds_for(args.repeats, args.min_seconds, decoding_seconds)
+            repeat += 1
         full = best["full"]
         for variant in ("full", "focus"):
             result = best[variant]
@@ -194,6 +208,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "decode_tokens_per_s": round(result["tokens_per_s"], 3),
                     "decode_step_ms": round(1e3 / result["tokens_per_s"], 2),
                     "speedup": round(result["tokens_per_s"] / full["tokens_per_s"], 3),
+                    "repeats": rounds,
                     **step_agreement(result["log_probs"], full["log_probs"]),
                     **setting_fields(args, model, variant == "full"),
                     **machine_fields(torch.device("cpu")),

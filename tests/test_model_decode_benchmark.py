@@ -108,3 +108,10 @@ def test_attention_parts_times_short_calls_repeatedly_and_its_parts_add_up(tmp_p
         assert parts == pytest.approx(row["focus_cpu_s"])
         assert row["speedup"] == pytest.approx(row["dense_cpu_s"] / row["focus_cpu_s"])
         assert row["torch_kernels"]["capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_a_short_timing_gets_rounds_enough_to_reach_the_minimum(model_decode):
+    # 1.3 s of decoding per round: 20 s take 16 rounds; a long one keeps --repeats.
+    assert model_decode.rounds_for(3, 20.0, 1.3) == 16
+    assert model_decode.rounds_for(3, 20.0, 30.0) == 3
+    assert model_decode.rounds_for(2, 0.0, 1.3) == 2
