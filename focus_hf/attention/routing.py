@@ -450,11 +450,21 @@ class NotedSteps:
     """
 
     def __init__(self, hidden: torch.Tensor, valid: torch.Tensor, count: int = 0) -> None:
-        self.hidden = hidden  # [batch, capacity, hidden_size]
-        self.valid = valid  # [batch, capacity]
         self.count = count
+        self._hold(hidden, valid)
         # The validity `query_validity` gives a step without padding (one shared tensor): nothing to copy then.
         self.every_token_real = constant_rows(valid.shape[0], 1, True, valid.device)
+
+    def _hold(self, hidden: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep these buffers, and where a step's rows are copied by address (CPU): asked once, not at every step."""
+        self.hidden = hidden  # [batch, capacity, hidden_size]
+        self.valid = valid  # [batch, capacity]
+        self.capacity = hidden.shape[1]
+        by_address = hidden.is_cpu and hidden.stride(2) == 1
+        self._address = hidden.data_ptr() if by_address else None
+        size = hidden.element_size()
+        self._row_bytes = hidden.shape[2] * size
+        self._sample_stride, self._step_stride = hidden.stride(0) * size, hidden.stride(1) * size
 
     @classmethod
     def for_inputs(cls, hidden: torch.Tensor, capacity: int = 0) -> "NotedSteps":
@@ -471,18 +481,18 @@ class NotedSteps:
 
     def append(self, hidden: torch.Tensor, valid: torch.Tensor) -> None:
         """Copy in one step's hidden [batch, 1, hidden_size] and validity [batch, 1]."""
-        if self.count == self.hidden.shape[1]:
+        if self.count == self.capacity:
             grown = NotedSteps.for_inputs(hidden, 2 * self.count)
             grown.hidden[:, : self.count] = self.hidden
             grown.valid[:, : self.count] = self.valid
-            self.hidden, self.valid = grown.hidden, grown.valid
-        if self.hidden.is_cpu and hidden.dtype == self.hidden.dtype and hidden.is_contiguous():
+            self._hold(grown.hidden, grown.valid)
+        if self._address is not None and hidden.dtype is self.hidden.dtype and hidden.is_contiguous():
             # A step's one row per sample, copied by address: a tensor copy cost about ten microseconds per layer
             # and step in a model, most of what the rest of a dense decoding step's bookkeeping costs.
-            row = hidden.shape[2] * hidden.element_size()
-            source, target = hidden.data_ptr(), self.hidden.data_ptr() + self.count * row
+            row = self._row_bytes
+            source, target = hidden.data_ptr(), self._address + self.count * self._step_stride
             for sample in range(hidden.shape[0]):
-                ctypes.memmove(target + sample * self.hidden.shape[1] * row, source + sample * row, row)
+                ctypes.memmove(target + sample * self._sample_stride, source + sample * row, row)
         else:
             with torch.no_grad():  # the routing of a waiting token reads its input, never a gradient through it
                 self.hidden.narrow(1, self.count, 1).copy_(hidden)
