@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -34,11 +35,16 @@ BACKENDS = ("auto", "reference", "sdpa", "flash", "stock")
 def pattern_restricts(mode: str, kv_len: int, window: int, num_groups: int, top_k: int, dense_below: int) -> bool:
     """Whether the Focus pattern (routing `mode` "soft" or "hard") removes any causal pair among `kv_len` keys;
     where it does not, the attention is the base model's."""
-    if kv_len - 1 <= window or num_groups == 1:
-        return False
-    if mode == "hard" and kv_len < dense_below:
-        return False
-    return mode == "soft" or top_k < num_groups
+    return kv_len >= first_restricted_length(mode, window, num_groups, top_k, dense_below)
+
+
+def first_restricted_length(mode: str, window: int, num_groups: int, top_k: int, dense_below: int) -> float:
+    """The fewest keys (the query's own included) among which the Focus pattern removes a causal pair (math.inf
+    where it never does): every key within the window, one group, hard mode with every group probed or below
+    `dense_below` keep the attention dense."""
+    if num_groups == 1 or (mode == "hard" and top_k >= num_groups):
+        return math.inf
+    return window + 2 if mode == "soft" else max(window + 2, dense_below)
 
 
 @dataclass

@@ -236,7 +236,7 @@ def test_decoding_across_dense_below_equals_recomputation(query_projection, dens
 
 @pytest.mark.parametrize("query_projection", [False, True])
 def test_decoding_steps_below_dense_below_route_nothing(monkeypatch, query_projection):
-    # A decoding step that attends densely is the base model's step (`FocusLayer._decodes_densely`): no router runs
+    # A decoding step that attends densely is the base model's step (`FocusLayer._dense_decoding_until`): no router runs
     # until a step needs the waiting tokens, which are then routed as one block; the tokens generated still equal
     # recomputing the whole text.
     model = focus_model(top_k=1, query_projection=query_projection, window=16, dense_below=45)
@@ -302,11 +302,17 @@ def test_dense_decoding_steps_generate_as_routed_ones(monkeypatch, beams):
     mask = torch.cat([torch.cat([torch.zeros(1, 7), torch.ones(1, 23)], 1), torch.ones(1, 30)]).long()
     options = dict(max_new_tokens=26, num_beams=beams, do_sample=False, pad_token_id=0, eos_token_id=None)
     dense_steps = []
-    original = FocusLayer._decodes_densely
-    monkeypatch.setattr(FocusLayer, "_decodes_densely", lambda *a: dense_steps.append(original(*a)) or dense_steps[-1])
+    original = FocusLayer._dense_decoding_until
+
+    def noting_until(self, adapter_name, mode, state, top_k):
+        until = original(self, adapter_name, mode, state, top_k)
+        dense_steps.append(state.seen < until)
+        return until
+
+    monkeypatch.setattr(FocusLayer, "_dense_decoding_until", noting_until)
     fast = model.generate(input_ids=ids, attention_mask=mask, **options)
     assert any(dense_steps) and not all(dense_steps)
-    monkeypatch.setattr(FocusLayer, "_decodes_densely", lambda *a: False)
+    monkeypatch.setattr(FocusLayer, "_dense_decoding_until", lambda *a: 0)
     assert torch.equal(fast, model.generate(input_ids=ids, attention_mask=mask, **options))
 
 
