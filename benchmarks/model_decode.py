@@ -208,9 +208,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "decode_tokens_per_s": round(result["tokens_per_s"], 3),
                     "decode_step_ms": round(1e3 / result["tokens_per_s"], 2),
                     "speedup": round(result["tokens_per_s"] / full["tokens_per_s"], 3),
-                    "repeats": rounds,
                     **step_agreement(result["log_probs"], full["log_probs"]),
                     **setting_fields(args, model, variant == "full"),
+                    "repeats": rounds,  # the rounds run, --repeats or more (--min-seconds)
                     **machine_fields(torch.device("cpu")),
                     "command": command_line("model_decode.py", argv),
                     "focus_hf": focus_hf.__version__,
