@@ -52,7 +52,7 @@ from model_prefill import (  # noqa: E402
     command_line,
     held_out_sequence,
     log,
-    rounds_for,
+    rounds_to_reach,
     saved_setting,
     setting_fields,
     write_rows,
@@ -193,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     best[variant] = result
             if repeat == 0:
                 decoding_seconds = (args.new_tokens - 1) / best["full"]["tokens_per_s"]
-                rounds = rounds_for(args.repeats, args.min_seconds, decoding_seconds)
+                rounds = rounds_to_reach(args.repeats, args.min_seconds, decoding_seconds)
             repeat += 1
         full = best["full"]
         for variant in ("full", "focus"):

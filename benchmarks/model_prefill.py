@@ -132,7 +132,7 @@ def write_rows(path: Optional[Path], rows: list[dict]) -> None:
         path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
 
 
-def rounds_for(repeats: int, min_seconds: float, first_seconds: float) -> int:
+def rounds_to_reach(repeats: int, min_seconds: float, first_seconds: float) -> int:
     """How many rounds a length gets: `repeats`, or more where the first round's full-attention timing
     (`first_seconds`) is short - as many as it takes that timing to add up to `min_seconds` (a short timing on a
     shared CPU moves by a tenth from one run to the next; the best of many is steadier)."""
@@ -186,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 best = results.setdefault(top_k, result)
                 best["seconds"] = min(best["seconds"], result["seconds"])
             if repeat == 0:
-                rounds = rounds_for(args.repeats, args.min_seconds, results["full"]["seconds"])
+                rounds = rounds_to_reach(args.repeats, args.min_seconds, results["full"]["seconds"])
             repeat += 1
         full = results["full"]
         for top_k, variant in names.items():

@@ -112,6 +112,27 @@ def test_attention_parts_times_short_calls_repeatedly_and_its_parts_add_up(tmp_p
 
 def test_a_short_timing_gets_rounds_enough_to_reach_the_minimum(model_decode):
     # 1.3 s of decoding per round: 20 s take 16 rounds; a long one keeps --repeats.
-    assert model_decode.rounds_for(3, 20.0, 1.3) == 16
-    assert model_decode.rounds_for(3, 20.0, 30.0) == 3
-    assert model_decode.rounds_for(2, 0.0, 1.3) == 2
+    assert model_decode.rounds_to_reach(3, 20.0, 1.3) == 16
+    assert model_decode.rounds_to_reach(3, 20.0, 30.0) == 3
+    assert model_decode.rounds_to_reach(2, 0.0, 1.3) == 2
+
+
+def test_decode_bookkeeping_times_the_layers_outside_their_attention_and_restores_them():
+    from focus_hf.tuner.layer import DenseSteps, FocusLayer
+
+    module = load_benchmark("decode_bookkeeping")
+    config = focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8, dense_below=64)
+    model = get_peft_model(tiny_model("llama"), config).eval()
+    prompt = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    forward, take_step = FocusLayer.forward, DenseSteps.take_step
+    with module.every_step_decided(True):
+        assert DenseSteps.take_step is not take_step
+    assert DenseSteps.take_step is take_step
+    clock = module.LayerClock(model)
+    with clock.installed():
+        times = module.step_in_turn(model, clock, prompt, steps=3)
+    assert FocusLayer.forward is forward and all("forward" not in vars(layer.base_layer) for layer in clock.layers)
+    assert set(times) == set(module.KINDS)
+    for seconds in times.values():
+        assert len(seconds["step"]) == 3
+        assert all(0 < bookkeeping < step for step, bookkeeping in zip(seconds["step"], seconds["bookkeeping"]))
