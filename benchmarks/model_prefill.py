@@ -132,11 +132,11 @@ def write_rows(path: Optional[Path], rows: list[dict]) -> None:
         path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
 
 
-def rounds_to_reach(repeats: int, min_seconds: float, first_seconds: float) -> int:
-    """How many rounds a length gets: `repeats`, or more where the first round's full-attention timing
-    (`first_seconds`) is short - as many as it takes that timing to add up to `min_seconds` (a short timing on a
-    shared CPU moves by a tenth from one run to the next; the best of many is steadier)."""
-    return max(repeats, math.ceil(min_seconds / first_seconds))
+def rounds_to_reach(repeats: int, min_seconds: float, seconds: float) -> int:
+    """How many rounds a length gets: `repeats`, or more where full attention's best timing so far (`seconds`) is
+    short - as many as it takes that timing to add up to `min_seconds` (a short timing on a shared CPU moves by a
+    tenth from one run to the next; the best of many is steadier)."""
+    return max(repeats, math.ceil(min_seconds / seconds))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -154,8 +154,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--min-seconds",
         type=float,
         default=0.0,
-        help="at a length whose full-attention prefill is short, more rounds: as many as it takes the first one's "
-        "time to reach this many seconds (a 1K prefill of a few seconds moves by a tenth between single runs)",
+        help="at a length whose full-attention prefill is short, more rounds: as many as it takes its best time so "
+        "far to reach this many seconds (a 1K prefill of a few seconds moves by a tenth between single runs)",
     )
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
@@ -185,8 +185,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 log(f"  {result['seconds']:.1f} s")
                 best = results.setdefault(top_k, result)
                 best["seconds"] = min(best["seconds"], result["seconds"])
-            if repeat == 0:
-                rounds = rounds_to_reach(args.repeats, args.min_seconds, results["full"]["seconds"])
+            # From the best round so far: a first round slowed by something else would leave too few.
+            rounds = rounds_to_reach(args.repeats, args.min_seconds, results["full"]["seconds"])
             repeat += 1
         full = results["full"]
         for top_k, variant in names.items():

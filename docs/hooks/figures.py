@@ -51,6 +51,12 @@ ZEN5_MODEL_RUNS = (
     ZEN5_V2_CAPPED,
     "native_grouped-fill",  # after 16K again with f7401db's one-pass fill of the group-sorted copies
 )
+# generate() after 1K and 2K with rounds enough for 20 s of decoding (--min-seconds) and the stepped medians, every
+# build under benchmarks/capped.py: on ca19001, then on b2c6d9b, whose dense steps are decided once per run (DenseSteps)
+ZEN5_SHORT_BUILDS = ("native", "x86-64-v3_capped", ZEN5_V2_CAPPED)
+ZEN5_SHORT_RUNS = tuple(
+    f"{build}_{variant}" for build in ZEN5_SHORT_BUILDS for variant in ("min-seconds", "dense-steps")
+)
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
 ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
 CROSSOVER = "benchmarks/results/crossover_cpu.json"
@@ -1120,6 +1126,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_zen5_decode": lambda: cpu_targets_decode_table(ZEN5_MACHINE, ZEN5_TARGETS),
     "table.cpu_targets_zen5_model": lambda: cpu_targets_model_table(ZEN5_MACHINE, ZEN5_MODEL_RUNS),
     "table.cpu_targets_zen5_steps": lambda: cpu_targets_steps_table(ZEN5_MACHINE, ZEN5_MODEL_RUNS),
+    "table.cpu_targets_zen5_short_model": lambda: cpu_targets_model_table(ZEN5_MACHINE, ZEN5_SHORT_RUNS),
+    "table.cpu_targets_zen5_short_steps": lambda: cpu_targets_steps_table(ZEN5_MACHINE, ZEN5_SHORT_RUNS),
     "table.cpu_targets_zen5_demo": lambda: cpu_targets_demo_table(ZEN5_MACHINE, ZEN5_TARGETS),
     "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
