@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import math
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -42,6 +41,8 @@ from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.devices import execution_device
 
 _CACHE_ATTRIBUTE = "_focus_routing_states"
+# The run of dense decoding steps under way in each layer (`DenseSteps`), by (adapter, layer).
+_DENSE_STEPS_ATTRIBUTE = "_focus_dense_steps"
 # Group-sorted copies of each routed layer's distant keys (`attention.cpu.grouped_keys`), by (adapter, layer).
 _GROUPED_ATTRIBUTE = "_focus_grouped_keys"
 # Stands in for them once the cache has reordered its samples: decoding then gathers until the cache starts afresh.
@@ -160,40 +161,35 @@ def _grouped_keys(cache: Any, layer_key: tuple[str, int], fresh: bool) -> Option
 
 @dataclass
 class DenseSteps:
-    """A run of one layer's one-token decoding steps that decode as the base model's (`FocusLayer.forward`'s
-    dense branch), from the step that found so while the routing state has seen fewer than `until` tokens.
+    """A run of one layer's one-token decoding steps on one cache that decode as the base model's
+    (`FocusLayer.forward`'s dense branch), from the step that found so while the routing state has seen fewer than
+    `until` tokens. It rides on the cache, beside the routing states: each cache decoded in turn keeps its own.
 
     The first step of the run makes the whole decision; the later ones check only what may have changed since (the
-    adapter and its options, the model's mode, the cache and its length, padding, observers, gradients) and copy
-    their token's input. Measured in SmolLM2-135M on a 2-core Zen 5, whose attention module's step takes about 470
-    microseconds after a 1K prompt, the whole decision added 23 to 26 microseconds to it and a run's step adds
-    about 16, a third of them the copy. Only a weak reference to the cache: a finished generation's cache is freed as
-    before."""
+    adapter and its options, the model's mode, the cache's length, padding, observers, gradients) and copy their
+    token's input."""
 
-    cache: weakref.ref
-    key: tuple[str, int]  # (adapter, layer): the state's key on the cache
     settings: RouterSettings
     options: tuple[Optional[str], Optional[int], bool]  # the layer's mode and top-k overrides, and training flag
     until: float
 
-    def take_step(self, layer: "FocusLayer", adapter_name: str, hidden: torch.Tensor, cache: Any, mask: Any) -> bool:
-        """If this call of `layer` is the run's next step (every condition of the dense branch holds; no padding),
-        note its token in the routing state on `cache` (`note_step`) and say so."""
-        if cache is None or cache is not self.cache() or adapter_name != self.key[0] or mask is not None:
-            return False
-        state = getattr(cache, _CACHE_ATTRIBUTE, {}).get(self.key)
+    def take_step(self, layer: "FocusLayer", key: tuple[str, int], hidden: torch.Tensor, cache: Any, mask: Any) -> bool:
+        """If this call of `layer` (adapter and layer `key`) is the run's next step (every condition of the dense
+        branch holds; no padding), note its token in the routing state on `cache` (`note_step`) and say so."""
+        state = getattr(cache, _CACHE_ATTRIBUTE, {}).get(key)
         if not (
             state is not None
+            and mask is None
             and hidden.shape[1] == 1
             and state.seen < self.until
             and hidden.shape[0] == state.valid_count.shape[0]
-            and layer.focus_settings[adapter_name] is self.settings
+            and layer.focus_settings[key[0]] is self.settings
             and (layer.mode_override, layer.top_k_override, layer.training) == self.options
             and not layer.routing_observers
             # Cropped (assisted decoding) or reset: the full path refuses or starts afresh.
             and int(cache.get_seq_length(layer.cache_layer_index)) == state.seen
             and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and layer.focus_proj[adapter_name].requires_grad)
+            and not (torch.is_grad_enabled() and layer.focus_proj[key[0]].requires_grad)
         ):
             return False
         note_step(state, hidden, state.noted_steps.every_token_real)
@@ -299,16 +295,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
         self._kept_values: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # `_kept`, by (adapter, what)
         self._every_head_dense_for: Optional[tuple[RouterSettings, bool]] = None  # `_every_head_dense`
-        self._dense_steps: Optional[DenseSteps] = None  # the run of dense decoding steps under way, if any
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
         # A new module starts in train mode; the router takes the mode of the module it wraps instead, so that a
         # fresh adapter on an eval-mode model routes as its saved-and-reloaded copy does ("auto": hard in eval mode).
         self.train(base_layer.training)
-
-    def __getstate__(self) -> dict:
-        # A run of dense decoding steps belongs to a cache of this process, weakly referenced: not pickled.
-        return {**self.__dict__, "_dense_steps": None}
 
     def update_layer(self, adapter_name: str, config: FocusConfig) -> None:
         """Create the router parameters of `adapter_name` (random init, `FocusConfig.init_weights`; loading
@@ -496,11 +487,14 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         hidden = args[0] if args else kwargs["hidden_states"]
         # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before, deprecated until 5.40).
         cache = kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
-        dense_steps = self._dense_steps
-        if dense_steps is not None:
-            if dense_steps.take_step(self, adapter_name, hidden, cache, kwargs.get("attention_mask")):
-                return self.base_layer(*args, **kwargs)
-            self._dense_steps = None
+        runs = getattr(cache, _DENSE_STEPS_ATTRIBUTE, None)
+        if runs:
+            layer_key = (adapter_name, self.layer_index)
+            run = runs.get(layer_key)
+            if run is not None:
+                if run.take_step(self, layer_key, hidden, cache, kwargs.get("attention_mask")):
+                    return self.base_layer(*args, **kwargs)
+                del runs[layer_key]
         batch, q_len = hidden.shape[:2]
         top_k = self.top_k_override or settings.top_k
         mode = self.mode_override or settings.routing_mode
@@ -523,13 +517,12 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 if self.decode_copy:
                     _grouped_keys(cache, layer_key, fresh=True)  # a reused cache starts afresh: drop its old copies
             note_step(state, hidden, valid)
-            self._dense_steps = DenseSteps(
-                weakref.ref(cache),
-                layer_key,
-                settings,
-                (self.mode_override, self.top_k_override, self.training),
-                dense_until,
-            )
+            runs = getattr(cache, _DENSE_STEPS_ATTRIBUTE, None)
+            if runs is None:
+                runs = {}
+                setattr(cache, _DENSE_STEPS_ATTRIBUTE, runs)
+            options = (self.mode_override, self.top_k_override, self.training)
+            runs[layer_key] = DenseSteps(settings, options, dense_until)
             return self.base_layer(*args, **kwargs)
         # A hard-mode decoding step defers its key side: its own group is needed only once it lies beyond the
         # window, so the waiting tokens are routed in blocks (`defer_tokens`, `settle`). Its probes are needed

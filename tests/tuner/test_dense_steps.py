@@ -4,7 +4,6 @@ It must decode exactly as deciding every step would, end wherever anything it as
 from __future__ import annotations
 
 import gc
-import io
 import weakref
 
 import pytest
@@ -106,7 +105,7 @@ def test_generate_with_runs_equals_generate_deciding_every_step(monkeypatch, cou
     assert torch.equal(with_runs, model.generate(input_ids=tokens(batch=2), **options))
 
 
-def test_two_caches_decoded_in_turn_each_decode_as_alone(counted_runs):
+def test_two_caches_decoded_in_turn_each_keep_their_run_and_decode_as_alone(counted_runs):
     model = focus_model()
     alone = [decode(model, tokens(seed=seed), 8)[0] for seed in (1, 2)]
     caches = [DynamicCache(), DynamicCache()]
@@ -116,10 +115,15 @@ def test_two_caches_decoded_in_turn_each_decode_as_alone(counted_runs):
             for seed, cache in zip((1, 2), caches)
         ]
         generated = [[token] for token in last]
+        taken = counted_runs["run"]
         for _ in range(7):
             for which, cache in enumerate(caches):
                 logits = model(input_ids=generated[which][-1], past_key_values=cache, use_cache=True).logits
                 generated[which].append(logits[:, -1:].argmax(-1))
+    # The runs ride on the caches: after each cache's first step (decided), every later step of each continues its
+    # run in every layer, although the other cache's steps come between.
+    layers = len(focus_hf.focus_layers(model))
+    assert counted_runs["run"] - taken == 2 * 6 * layers
     for which in (0, 1):
         assert torch.equal(torch.cat(generated[which], 1), alone[which])
 
@@ -154,17 +158,11 @@ def test_a_cropped_or_bypassed_cache_is_still_refused(counted_runs):
         model(input_ids=tokens(seq=1), past_key_values=cache, use_cache=True)
 
 
-def test_a_run_keeps_no_cache_alive_and_is_not_pickled(counted_runs):
+def test_a_finished_generations_cache_is_freed(counted_runs):
     model = focus_model()
     _, cache = decode(model, tokens(), 6)
     assert counted_runs["run"] > 0
-    layer = focus_hf.focus_layers(model)[0]
-    assert layer._dense_steps is not None
     finished = weakref.ref(cache)
     del cache
     gc.collect()
     assert finished() is None
-    buffer = io.BytesIO()
-    torch.save(layer, buffer)
-    buffer.seek(0)
-    assert torch.load(buffer, weights_only=False)._dense_steps is None
