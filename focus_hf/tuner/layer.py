@@ -517,12 +517,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 if self.decode_copy:
                     _grouped_keys(cache, layer_key, fresh=True)  # a reused cache starts afresh: drop its old copies
             note_step(state, hidden, valid)
-            runs = getattr(cache, _DENSE_STEPS_ATTRIBUTE, None)
-            if runs is None:
-                runs = {}
-                setattr(cache, _DENSE_STEPS_ATTRIBUTE, runs)
             options = (self.mode_override, self.top_k_override, self.training)
-            runs[layer_key] = DenseSteps(settings, options, dense_until)
+            vars(cache).setdefault(_DENSE_STEPS_ATTRIBUTE, {})[layer_key] = DenseSteps(settings, options, dense_until)
             return self.base_layer(*args, **kwargs)
         # A hard-mode decoding step defers its key side: its own group is needed only once it lies beyond the
         # window, so the waiting tokens are routed in blocks (`defer_tokens`, `settle`). Its probes are needed
