@@ -52,11 +52,9 @@ ZEN5_MODEL_RUNS = (
     "native_grouped-fill",  # after 16K again with f7401db's one-pass fill of the group-sorted copies
 )
 # generate() after 1K and 2K with rounds enough for 20 s of decoding (--min-seconds) and the stepped medians, every
-# build under benchmarks/capped.py: on ca19001, then on b2c6d9b, whose dense steps are decided once per run (DenseSteps)
-ZEN5_SHORT_BUILDS = ("native", "x86-64-v3_capped", ZEN5_V2_CAPPED)
-ZEN5_SHORT_RUNS = tuple(
-    f"{build}_{variant}" for build in ZEN5_SHORT_BUILDS for variant in ("min-seconds", "dense-steps")
-)
+# build (the x86-64 levels under benchmarks/capped.py), dense steps decided once a run (DenseSteps)
+ZEN5_SHORT_RUNS = ("native_dense-steps", "x86-64-v3_capped_dense-steps", f"{ZEN5_V2_CAPPED}_dense-steps")
+ZEN5_BOOKKEEPING = f"{ZEN5_MACHINE}/decode_bookkeeping_native.json"
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
 ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
 CROSSOVER = "benchmarks/results/crossover_cpu.json"
@@ -942,6 +940,23 @@ def cpu_targets_steps_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...
     return _table(["build", "prompt tokens", "step: base / Focus", "speedup", "steps each"], body)
 
 
+def decode_bookkeeping_table(path: str) -> str:
+    """What Focus's layers cost a decoding step outside the attention modules they wrap
+    (benchmarks/decode_bookkeeping.py): the adapter disabled, Focus as saved, and Focus deciding every dense step
+    afresh, stepped in turn, medians."""
+    body = [
+        [
+            f"[{row['prompt_len']:,}]({path})",
+            row["variant"],
+            f"{row['step_ms']:.1f} ms",
+            f"{row['bookkeeping_ms']:.2f} ms",
+            f"{row['bookkeeping_us_per_layer']:.1f} us",
+        ]
+        for row in rows(path)
+    ]
+    return _table(["prompt tokens", "variant", "step", "outside the attention modules", "per layer"], body)
+
+
 def processors_table() -> str:
     """Which processor each CPU results file of the attention layer was measured on, with its instruction sets, the C
     kernels' build and the cores other processes kept busy while it was timed, where the rows record them (rows
@@ -1128,6 +1143,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_zen5_steps": lambda: cpu_targets_steps_table(ZEN5_MACHINE, ZEN5_MODEL_RUNS),
     "table.cpu_targets_zen5_short_model": lambda: cpu_targets_model_table(ZEN5_MACHINE, ZEN5_SHORT_RUNS),
     "table.cpu_targets_zen5_short_steps": lambda: cpu_targets_steps_table(ZEN5_MACHINE, ZEN5_SHORT_RUNS),
+    "table.cpu_targets_zen5_bookkeeping": lambda: decode_bookkeeping_table(ZEN5_BOOKKEEPING),
     "table.cpu_targets_zen5_demo": lambda: cpu_targets_demo_table(ZEN5_MACHINE, ZEN5_TARGETS),
     "table.cpu_targets_auto": cpu_targets_auto_table,
     "table.parts": parts_table,
