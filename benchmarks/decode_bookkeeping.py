@@ -4,8 +4,8 @@ attention modules they wrap, stepped in turn in one process (as `model_decode_st
 Three variants each read the same prompt into a KV cache of their own, then take decoding steps in turn:
 - full attention: the adapter disabled - what peft's wrapper costs by itself;
 - Focus hard as saved;
-- Focus with every dense step decided afresh: `DenseSteps.take_step` refused, so that each step below `dense_below`
-  runs the whole decision of `FocusLayer.forward`, as before b2c6d9b.
+- Focus with every step decided afresh: `DecodingRun.next_state` refused, so that each step runs the whole decision
+  of `FocusLayer.forward`, as before runs of steps (b2c6d9b below `dense_below`, then routed steps too).
 Each step is timed whole and, in every Focus layer, around `FocusLayer.forward` and around its wrapped module; the
 difference of the two sums is the bookkeeping (the timers' own cost is in every variant's).
 
@@ -33,7 +33,7 @@ import focus_hf
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
 from focus_hf.commands.bench import machine_fields
-from focus_hf.tuner.layer import DenseSteps, FocusLayer
+from focus_hf.tuner.layer import DecodingRun, FocusLayer
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -97,14 +97,15 @@ class LayerClock:
 
 @contextlib.contextmanager
 def every_step_decided(decided: bool) -> Iterator[None]:
-    """With `decided`, no run of dense steps continues (`DenseSteps.take_step` refuses): each step decides afresh."""
-    take_step = DenseSteps.take_step
+    """With `decided`, no run of decoding steps continues (`DecodingRun.next_state` refuses): each step decides
+    afresh."""
+    next_state = DecodingRun.next_state
     if decided:
-        DenseSteps.take_step = lambda *args: False
+        DecodingRun.next_state = lambda *args: None
     try:
         yield
     finally:
-        DenseSteps.take_step = take_step
+        DecodingRun.next_state = next_state
 
 
 # variant -> (model_decode_steps' variant, every step decided)
@@ -148,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     names = {
         "full": "full attention (adapter disabled)",
         "focus": f"Focus hard as saved ({setting})",
-        "focus-decided": f"Focus hard as saved ({setting}), every dense step decided afresh",
+        "focus-decided": f"Focus hard as saved ({setting}), every step decided afresh",
     }
     clock = LayerClock(model)
     rows = []

@@ -118,16 +118,16 @@ def test_a_short_timing_gets_rounds_enough_to_reach_the_minimum(model_decode):
 
 
 def test_decode_bookkeeping_times_the_layers_outside_their_attention_and_restores_them():
-    from focus_hf.tuner.layer import DenseSteps, FocusLayer
+    from focus_hf.tuner.layer import DecodingRun, FocusLayer
 
     module = load_benchmark("decode_bookkeeping")
     config = focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8, dense_below=64)
     model = get_peft_model(tiny_model("llama"), config).eval()
     prompt = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
-    forward, take_step = FocusLayer.forward, DenseSteps.take_step
+    forward, next_state = FocusLayer.forward, DecodingRun.next_state
     with module.every_step_decided(True):
-        assert DenseSteps.take_step is not take_step
-    assert DenseSteps.take_step is take_step
+        assert DecodingRun.next_state is not next_state
+    assert DecodingRun.next_state is next_state
     clock = module.LayerClock(model)
     with clock.installed():
         times = module.step_in_turn(model, clock, prompt, steps=3)

@@ -41,8 +41,8 @@ from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.devices import execution_device
 
 _CACHE_ATTRIBUTE = "_focus_routing_states"
-# The run of dense decoding steps under way in each layer (`DenseSteps`), by (adapter, layer).
-_DENSE_STEPS_ATTRIBUTE = "_focus_dense_steps"
+# The run of decoding steps under way in each layer (`DecodingRun`), by (adapter, layer).
+_RUNS_ATTRIBUTE = "_focus_decoding_runs"
 # Group-sorted copies of each routed layer's distant keys (`attention.cpu.grouped_keys`), by (adapter, layer).
 _GROUPED_ATTRIBUTE = "_focus_grouped_keys"
 # Stands in for them once the cache has reordered its samples: decoding then gathers until the cache starts afresh.
@@ -160,40 +160,50 @@ def _grouped_keys(cache: Any, layer_key: tuple[str, int], fresh: bool) -> Option
 
 
 @dataclass
-class DenseSteps:
-    """A run of one layer's one-token decoding steps on one cache that decode as the base model's
-    (`FocusLayer.forward`'s dense branch), from the step that found so while the routing state has seen fewer than
-    `until` tokens. It rides on the cache, beside the routing states: each cache decoded in turn keeps its own.
+class DecodingRun:
+    """A run of one layer's one-token decoding steps on one cache that take the same branch of `FocusLayer.forward`,
+    from the step that found so while the routing state has seen fewer than `until` tokens: steps that decode as the
+    base model's (`top_k` None), or routed steps whose key side waits (`note_step`) and whose queries probe the
+    query router's `top_k` groups. It rides on the cache, beside the routing states: each cache decoded in turn keeps
+    its own.
 
     The first step of the run makes the whole decision; the later ones check only what may have changed since (the
-    adapter and its options, the model's mode, the cache's length, padding, observers, gradients) and copy their
-    token's input."""
+    adapter and its options, the model's mode, the cache's length, padding, observers, gradients)."""
 
     settings: RouterSettings
-    options: tuple[Optional[str], Optional[int], bool]  # the layer's mode and top-k overrides, and training flag
+    options: tuple  # the layer's overrides and mode when the run began (`FocusLayer._run_options`)
     until: float
+    top_k: Optional[int] = None
 
-    def take_step(self, layer: "FocusLayer", key: tuple[str, int], hidden: torch.Tensor, cache: Any, mask: Any) -> bool:
-        """If this call of `layer` (adapter and layer `key`) is the run's next step (every condition of the dense
-        branch holds; no padding), note its token in the routing state on `cache` (`note_step`) and say so."""
+    def next_state(
+        self, layer: "FocusLayer", key: tuple[str, int], hidden: torch.Tensor, cache: Any, mask: Any
+    ) -> Optional[RoutingState]:
+        """The routing state on `cache` of layer and adapter `key` if this call of `layer` is the run's next step
+        (every condition of the branch holds; no padding), else None."""
         state = getattr(cache, _CACHE_ATTRIBUTE, {}).get(key)
-        if not (
+        if (
             state is not None
             and mask is None
             and hidden.shape[1] == 1
             and state.seen < self.until
             and hidden.shape[0] == state.valid_count.shape[0]
             and layer.focus_settings[key[0]] is self.settings
-            and (layer.mode_override, layer.top_k_override, layer.training) == self.options
+            and layer._run_options() == self.options
             and not layer.routing_observers
             # Cropped (assisted decoding) or reset: the full path refuses or starts afresh.
             and int(cache.get_seq_length(layer.cache_layer_index)) == state.seen
             and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and layer.focus_proj[key[0]].requires_grad)
         ):
-            return False
-        note_step(state, hidden, state.noted_steps.every_token_real)
-        return True
+            return state
+        return None
+
+
+def _block_until(state: RoutingState, settings: RouterSettings) -> int:
+    """How many tokens `state` may have seen for a decoding step's token to wait (`note_step`, `defer_tokens`): each
+    step adds one; once as many wait as a block holds, `settle` runs, which bounds their memory."""
+    waiting = state.pending + len(state.noted_steps or ())
+    return state.seen + min(PENDING_LIMIT, settings.window) - waiting
 
 
 def query_validity(
@@ -487,13 +497,14 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         hidden = args[0] if args else kwargs["hidden_states"]
         # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before, deprecated until 5.40).
         cache = kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
-        runs = getattr(cache, _DENSE_STEPS_ATTRIBUTE, None)
+        runs = getattr(cache, _RUNS_ATTRIBUTE, None)
         if runs:
             layer_key = (adapter_name, self.layer_index)
             run = runs.get(layer_key)
             if run is not None:
-                if run.take_step(self, layer_key, hidden, cache, kwargs.get("attention_mask")):
-                    return self.base_layer(*args, **kwargs)
+                state = run.next_state(self, layer_key, hidden, cache, kwargs.get("attention_mask"))
+                if state is not None:
+                    return self._run_step(run, state, layer_key, hidden, cache, args, kwargs)
                 del runs[layer_key]
         batch, q_len = hidden.shape[:2]
         top_k = self.top_k_override or settings.top_k
@@ -517,8 +528,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 if self.decode_copy:
                     _grouped_keys(cache, layer_key, fresh=True)  # a reused cache starts afresh: drop its old copies
             note_step(state, hidden, valid)
-            options = (self.mode_override, self.top_k_override, self.training)
-            vars(cache).setdefault(_DENSE_STEPS_ATTRIBUTE, {})[layer_key] = DenseSteps(settings, options, dense_until)
+            vars(cache).setdefault(_RUNS_ATTRIBUTE, {})[layer_key] = DecodingRun(
+                settings, self._run_options(), dense_until
+            )
             return self.base_layer(*args, **kwargs)
         # A hard-mode decoding step defers its key side: its own group is needed only once it lies beyond the
         # window, so the waiting tokens are routed in blocks (`defer_tokens`, `settle`). Its probes are needed
@@ -531,15 +543,19 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             and cache is not None
             and not self.routing_observers
             and (attends_densely or adapter_name in self.focus_query_proj)
-            and state.pending + len(state.noted_steps or ()) < min(PENDING_LIMIT, settings.window)
+            and state.seen < _block_until(state, settings)
         )
         if defer and not attends_densely and state.sinks_filled and not torch.compiler.is_compiling():
             # Past every sample's sinks the token is no sink: it waits in the state's list as a dense step's does
             # (`note_step`; the list is Python state, hence not under torch.compile), and the attention reads the
-            # keys' groups with the waiting ones in none (`routing.waiting_keys`).
+            # keys' groups with the waiting ones in none (`routing.waiting_keys`). So do the next steps, as a run,
+            # until a block is full.
+            run = DecodingRun(settings, self._run_options(), _block_until(state, settings), top_k)
             queries = waiting_step(self.query_probes(adapter_name, hidden, top_k))
             note_step(state, hidden, valid)
             keys = state
+            if not (torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad):
+                vars(cache).setdefault(_RUNS_ATTRIBUTE, {})[(adapter_name, self.layer_index)] = run
         elif defer:
             state = defer_noted_steps(state, settings.sink_tokens)
             # No probes where the call attends densely (top_groups -1).
@@ -566,6 +582,31 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 "'auto', which is soft in train mode - or with the distillation objective; switch to hard mode "
                 "for inference after `model.eval()`."
             )
+        output = self._attend(settings, mode, top_k, queries, keys, grouped_keys, hidden, args, kwargs)
+        if chosen_by_eval_mode and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
+            # Hard because the model is in eval mode, not because it was asked for (`set_routing(model, "hard")`
+            # keeps gradients flowing to whatever else trains, the routers aside): hard routing gives the routers
+            # no gradient. Where something else trains (the output already requires grad), a backward pass would
+            # silently leave the routers untrained; it raises an error that says why instead. An output that needs
+            # no gradient is left alone: making it need one would move every later layer onto the differentiable
+            # attention paths (slower, other rounding), and a backward pass from it fails in torch anyway ("does
+            # not require grad").
+            output = _refuse_backward(output, self.focus_proj[adapter_name], self.layer_index)
+        return output
+
+    def _attend(
+        self,
+        settings: RouterSettings,
+        mode: str,
+        top_k: int,
+        queries: TokenRouting,
+        keys: RoutingState,
+        grouped_keys: Optional[dict],
+        hidden: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
+        """The wrapped module's call, its attention function handed this call's routing."""
         routing = LayerRouting(
             mode=mode,
             backend=self.backend,
@@ -595,16 +636,32 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 f"{type(self.base_layer).__name__} did not call the model's attention function, so Focus routing "
                 "would be silently ignored. This architecture is not supported."
             )
-        if chosen_by_eval_mode and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
-            # Hard because the model is in eval mode, not because it was asked for (`set_routing(model, "hard")`
-            # keeps gradients flowing to whatever else trains, the routers aside): hard routing gives the routers
-            # no gradient. Where something else trains (the output already requires grad), a backward pass would
-            # silently leave the routers untrained; it raises an error that says why instead. An output that needs
-            # no gradient is left alone: making it need one would move every later layer onto the differentiable
-            # attention paths (slower, other rounding), and a backward pass from it fails in torch anyway ("does
-            # not require grad").
-            output = _refuse_backward(output, self.focus_proj[adapter_name], self.layer_index)
         return output
+
+    def _run_step(
+        self,
+        run: DecodingRun,
+        state: RoutingState,
+        layer_key: tuple[str, int],
+        hidden: torch.Tensor,
+        cache: Any,
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
+        """A later step of `run` (`DecodingRun.next_state` found it one): its token waits in `state`; a dense run's
+        step is then the base model's, a routed one's attends with the query router's probes."""
+        if run.top_k is None:
+            note_step(state, hidden, state.noted_steps.every_token_real)
+            return self.base_layer(*args, **kwargs)
+        queries = waiting_step(self.query_probes(layer_key[0], hidden, run.top_k))
+        note_step(state, hidden, state.noted_steps.every_token_real)
+        grouped_keys = _grouped_keys(cache, layer_key, fresh=False) if self.decode_copy else None
+        return self._attend(run.settings, "hard", run.top_k, queries, state, grouped_keys, hidden, args, kwargs)
+
+    def _run_options(self) -> tuple:
+        """What a `DecodingRun` assumes of this layer besides its adapter's settings: the overrides of mode, top-k
+        and backend, the group-sorted copies' switch, and train or eval mode ("auto" routing follows it)."""
+        return (self.mode_override, self.top_k_override, self.backend, self.decode_copy, self.training)
 
     def _dense_decoding_until(self, adapter_name: str, mode: str, state: RoutingState, top_k: int) -> float:
         """How many tokens `state` may have seen for a one-token decoding step to decode as the base model's: one
@@ -620,9 +677,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         ):
             return 0
         settings = self.focus_settings[adapter_name]
-        # Each step adds a waiting token; once as many wait as a block holds, `settle` runs (bounding their memory).
-        waiting = state.pending + len(state.noted_steps or ())
-        until = state.seen + min(PENDING_LIMIT, settings.window) - waiting
+        until = _block_until(state, settings)
         if self._every_head_dense(settings):
             return until
         # A step that has seen n tokens attends over n + 1 keys.

@@ -1,5 +1,6 @@
-"""`DenseSteps`: a run of decoding steps below `dense_below` decided once, then checked in a few comparisons per step.
-It must decode exactly as deciding every step would, end wherever anything it assumed changes, and hold no cache."""
+"""`DecodingRun`: a run of decoding steps taking one branch of `FocusLayer.forward` (dense below `dense_below`, or
+routed with the query router's probes) decided once, then checked in a few comparisons per step. It must decode and
+route exactly as deciding every step would, end wherever anything it assumed changes, and hold no cache."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from transformers import DynamicCache
 
 import focus_hf
 from focus_hf.errors import FocusRuntimeError
-from focus_hf.tuner.layer import DenseSteps, FocusLayer
+from focus_hf.tuner.layer import DecodingRun, FocusLayer
 
 
 def focus_model(**options):
@@ -31,20 +32,22 @@ def tokens(batch=1, seq=30, seed=1):
 
 @pytest.fixture
 def counted_runs(monkeypatch):
-    """How many steps each kind took: "run" (a run's later step) and "decided" (the full decision ran)."""
-    counts = {"run": 0, "decided": 0}
-    take_step, decide = DenseSteps.take_step, FocusLayer._dense_decoding_until
+    """How many steps each kind took: "run" (a run's later step; "routed" of them those of routed runs) and
+    "decided" (the full decision ran)."""
+    counts = {"run": 0, "routed": 0, "decided": 0}
+    next_state, decide = DecodingRun.next_state, FocusLayer._dense_decoding_until
 
-    def counting_take_step(self, *args):
-        taken = take_step(self, *args)
-        counts["run"] += taken
-        return taken
+    def counting_next_state(self, *args):
+        state = next_state(self, *args)
+        counts["run"] += state is not None
+        counts["routed"] += state is not None and self.top_k is not None
+        return state
 
     def counting_decide(self, *args):
         counts["decided"] += 1
         return decide(self, *args)
 
-    monkeypatch.setattr(DenseSteps, "take_step", counting_take_step)
+    monkeypatch.setattr(DecodingRun, "next_state", counting_next_state)
     monkeypatch.setattr(FocusLayer, "_dense_decoding_until", counting_decide)
     return counts
 
@@ -65,6 +68,16 @@ def routing_states(cache):
     return {key: state for key, state in cache._focus_routing_states.items()}
 
 
+def grouped_fill(cache):
+    """How many positions each group-sorted copy on `cache` has taken in, by layer and run of kv heads."""
+    stores = getattr(cache, "_focus_grouped_keys", {})
+    return {
+        (key, heads): [copy.filled for copy in copies]
+        for key, store in stores.items()
+        for heads, copies in store.items()
+    }
+
+
 def assert_same_states(first, second):
     assert first.keys() == second.keys()
     for key in first:
@@ -79,19 +92,26 @@ def assert_same_states(first, second):
 
 @pytest.mark.parametrize("query_projection", [False, True])
 @pytest.mark.parametrize("pending_limit", [4, 64])
-def test_a_run_decodes_and_routes_as_deciding_every_step(monkeypatch, counted_runs, query_projection, pending_limit):
-    # From a 30-token prompt past dense_below (40 keys) and, with a limit of 4, through full blocks settled on the
-    # way: the tokens and every layer's routing state equal those of steps that each make the whole decision.
+@pytest.mark.parametrize("dense_below", [40, 0])
+def test_a_run_decodes_and_routes_as_deciding_every_step(
+    monkeypatch, counted_runs, query_projection, pending_limit, dense_below
+):
+    # From a 30-token prompt past dense_below (40 keys; 0: routed from the first step) and, with a limit of 4,
+    # through full blocks settled on the way: the tokens and every layer's routing state equal those of steps that
+    # each make the whole decision. Routed steps run as runs with a query router only (without one, each settles).
     import focus_hf.tuner.layer as layer_module
 
     monkeypatch.setattr(layer_module, "PENDING_LIMIT", pending_limit)
-    model = focus_model(query_projection=query_projection)
+    model = focus_model(query_projection=query_projection, dense_below=dense_below)
     with_runs, cache = decode(model, tokens(), 20)
-    assert counted_runs["run"] > 0
-    monkeypatch.setattr(DenseSteps, "take_step", lambda *args: False)
+    assert (counted_runs["run"] > 0) == (dense_below > 0 or query_projection)
+    assert (counted_runs["routed"] > 0) == query_projection
+    monkeypatch.setattr(DecodingRun, "next_state", lambda *args: None)
     deciding, deciding_cache = decode(model, tokens(), 20)
     assert torch.equal(with_runs, deciding)
     assert_same_states(routing_states(cache), routing_states(deciding_cache))
+    # A routed run's steps read the group-sorted copies as a decided step would, keeping them as far along.
+    assert grouped_fill(cache) == grouped_fill(deciding_cache) and (grouped_fill(cache) or not query_projection)
 
 
 @pytest.mark.parametrize("beams", [1, 3])
@@ -101,7 +121,7 @@ def test_generate_with_runs_equals_generate_deciding_every_step(monkeypatch, cou
     options = dict(max_new_tokens=20, num_beams=beams, do_sample=False, pad_token_id=0, eos_token_id=None)
     with_runs = model.generate(input_ids=tokens(batch=2), **options)
     assert counted_runs["run"] > 0
-    monkeypatch.setattr(DenseSteps, "take_step", lambda *args: False)
+    monkeypatch.setattr(DecodingRun, "next_state", lambda *args: None)
     assert torch.equal(with_runs, model.generate(input_ids=tokens(batch=2), **options))
 
 
@@ -128,11 +148,15 @@ def test_two_caches_decoded_in_turn_each_keep_their_run_and_decode_as_alone(coun
         assert torch.equal(torch.cat(generated[which], 1), alone[which])
 
 
-def test_a_change_of_options_or_mode_ends_the_run(counted_runs):
-    model = focus_model(num_groups=4, top_k=1)
+@pytest.mark.parametrize("dense_below", [40, 0])
+def test_a_change_of_options_or_mode_ends_the_run(counted_runs, dense_below):
+    model = focus_model(num_groups=4, top_k=1, query_projection=True, dense_below=dense_below)
     _, cache = decode(model, tokens(), 4)
+    # One option at a time (set_routing resets the top-k and backend it is not given).
     for change in (
+        lambda: focus_hf.set_routing(model, "hard", backend="auto"),
         lambda: focus_hf.set_routing(model, "hard", top_k=2),
+        lambda: focus_hf.set_routing(model, "hard", top_k=2, decode_copy=False),
         lambda: model.train(),
         lambda: focus_hf.configure_adapter(model, dense_below=64),
     ):
