@@ -52,7 +52,7 @@ ZEN5_MODEL_RUNS = (
     "native_grouped-fill",  # after 16K again with f7401db's one-pass fill of the group-sorted copies
 )
 # generate() after 1K and 2K with rounds enough for 20 s of decoding (--min-seconds) and the stepped medians, every
-# build (the x86-64 levels under benchmarks/capped.py), dense steps decided once a run (DenseSteps)
+# build (the x86-64 levels under benchmarks/capped.py), steps decided once a run (DecodingRun)
 ZEN5_SHORT_RUNS = ("native_dense-steps", "x86-64-v3_capped_dense-steps", f"{ZEN5_V2_CAPPED}_dense-steps")
 ZEN5_BOOKKEEPING = f"{ZEN5_MACHINE}/decode_bookkeeping_native.json"
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
