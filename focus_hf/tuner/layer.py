@@ -193,7 +193,7 @@ class DecodingRun:
             # Cropped (assisted decoding) or reset: the full path refuses or starts afresh.
             and int(cache.get_seq_length(layer.cache_layer_index)) == state.seen
             and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and layer.focus_proj[key[0]].requires_grad)
+            and not layer._routers_need_gradient(key[0])
         ):
             return state
         return None
@@ -497,9 +497,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         hidden = args[0] if args else kwargs["hidden_states"]
         # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before, deprecated until 5.40).
         cache = kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+        layer_key = (adapter_name, self.layer_index)  # the key of this layer's state, copies and run on the cache
         runs = getattr(cache, _RUNS_ATTRIBUTE, None)
         if runs:
-            layer_key = (adapter_name, self.layer_index)
             run = runs.get(layer_key)
             if run is not None:
                 state = run.next_state(self, layer_key, hidden, cache, kwargs.get("attention_mask"))
@@ -522,7 +522,6 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         dense_until = self._dense_decoding_until(adapter_name, mode, state, top_k) if one_step else 0
         if state.seen < dense_until:
             # The base model's decoding step: the token waits, unrouted, until the state is next read.
-            layer_key = (adapter_name, self.layer_index)
             if state.seen == 0:  # a new state (else the cache holds it already)
                 _attach_routing_states(cache)[layer_key] = state
                 if self.decode_copy:
@@ -554,8 +553,8 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             queries = waiting_step(self.query_probes(adapter_name, hidden, top_k))
             note_step(state, hidden, valid)
             keys = state
-            if not (torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad):
-                vars(cache).setdefault(_RUNS_ATTRIBUTE, {})[(adapter_name, self.layer_index)] = run
+            if not self._routers_need_gradient(adapter_name):
+                vars(cache).setdefault(_RUNS_ATTRIBUTE, {})[layer_key] = run
         elif defer:
             state = defer_noted_steps(state, settings.sink_tokens)
             # No probes where the call attends densely (top_groups -1).
@@ -569,12 +568,12 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             queries, keys = self.route_tokens(adapter_name, hidden, valid, state, top_k)
         grouped_keys = None
         if cache is not None:
-            _attach_routing_states(cache)[(adapter_name, self.layer_index)] = keys
+            _attach_routing_states(cache)[layer_key] = keys
             if mode == "hard" and self.decode_copy:
-                grouped_keys = _grouped_keys(cache, (adapter_name, self.layer_index), fresh=state.seen == 0)
+                grouped_keys = _grouped_keys(cache, layer_key, fresh=state.seen == 0)
         for observer in self.routing_observers:
             observer(self, queries)
-        if mode == "hard" and self.training and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
+        if mode == "hard" and self.training and self._routers_need_gradient(adapter_name):
             raise FocusRuntimeError(
                 f"Training in hard routing mode (layer {self.layer_index}): hard routing picks groups with an "
                 "argmax, which is not differentiable, so the routers would get no gradient (torch would report "
@@ -583,7 +582,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
                 "for inference after `model.eval()`."
             )
         output = self._attend(settings, mode, top_k, queries, keys, grouped_keys, hidden, args, kwargs)
-        if chosen_by_eval_mode and torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad:
+        if chosen_by_eval_mode and self._routers_need_gradient(adapter_name):
             # Hard because the model is in eval mode, not because it was asked for (`set_routing(model, "hard")`
             # keeps gradients flowing to whatever else trains, the routers aside): hard routing gives the routers
             # no gradient. Where something else trains (the output already requires grad), a backward pass would
@@ -658,6 +657,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         grouped_keys = _grouped_keys(cache, layer_key, fresh=False) if self.decode_copy else None
         return self._attend(run.settings, "hard", run.top_k, queries, state, grouped_keys, hidden, args, kwargs)
 
+    def _routers_need_gradient(self, adapter_name: str) -> bool:
+        """Whether this call records autograd and `adapter_name`'s routers train: hard routing gives them no
+        gradient, so the refusals of `forward` apply, and no step may skip them (`DecodingRun`)."""
+        return torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad
+
     def _run_options(self) -> tuple:
         """What a `DecodingRun` assumes of this layer besides its adapter's settings: the overrides of mode, top-k
         and backend, the group-sorted copies' switch, and train or eval mode ("auto" routing follows it)."""
@@ -673,7 +677,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             mode != "hard"
             or self.routing_observers
             or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and self.focus_proj[adapter_name].requires_grad)
+            or self._routers_need_gradient(adapter_name)
         ):
             return 0
         settings = self.focus_settings[adapter_name]
