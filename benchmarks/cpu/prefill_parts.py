@@ -16,7 +16,7 @@ is timed --repeats times in turn and every figure is a median: one call of a few
 more between runs. Each row records the kernels' build (`FOCUS_HF_CPU_TARGET`): run it once per target to compare
 builds on one machine.
 
-    python benchmarks/attention_parts.py --json benchmarks/results/attention_cpu_parts.json
+    python benchmarks/cpu/prefill_parts.py --json benchmarks/results/attention_cpu_parts.json
 """
 
 from __future__ import annotations
@@ -36,15 +36,13 @@ import focus_hf.attention.cpu.partials as partials
 import focus_hf.attention.cpu.segments as segments
 from focus_hf.attention.cpu.native import torch_path
 from focus_hf.attention.hard import hard_attention
-from focus_hf.commands.bench import allowed_pair_count, layer_fields, machine_fields, make_case
+from focus_hf.benchmarking.layer import allowed_pair_count, layer_fields, make_case
+from focus_hf.benchmarking.records import log, machine_fields, script_command, write_json
 
 # Above this many tokens one call takes seconds and is timed once; shorter calls (a few milliseconds at 1K) are timed
 # --repeats times, alternating, and each figure is the median.
 REPEAT_MAX_LEN = 16384
 PARTS = ("set_a", "local", "sinks")  # the C calls timed inside the path
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from model_prefill import command_line, log, write_rows  # noqa: E402
 
 
 def cpu_seconds(function: Callable[[], object]) -> float:
@@ -155,10 +153,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "repeats": rounds,
                         **layer_fields(args),
                         **machine_fields(device),
-                        "command": command_line("attention_parts.py", argv),
+                        "command": script_command(__file__, argv),
                     }
                     rows.append(row)
-                    write_rows(options.json, rows)
+                    write_json(options.json, rows)
                     log(
                         f"{dtype_name} {seq_len} top-{top_k}: ns per pair and head - dense "
                         f"{row['dense_ns_per_pair_head']:.2f}, set A {row['set_a_ns_per_pair_head']:.2f}, local "

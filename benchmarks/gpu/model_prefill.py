@@ -1,4 +1,4 @@
-"""GPU benchmark (issue 15, part 6; issue 37): model-level prefill of SmolLM2-135M up to 128K tokens, dense against
+"""GPU benchmark: model-level prefill of SmolLM2-135M up to 128K tokens, dense against
 Focus with the committed long-context adapter's settings (benchmarks/long_context/adapter/: its K, window, top-k,
 sinks, query router, dense heads and dense_below).
 
@@ -6,9 +6,9 @@ sinks, query router, dense heads and dense_below).
 saved, and prefills held-out Python standard-library source. `--weights random` builds SmolLM2-135M's architecture
 (30 layers, hidden 576, 9 heads, 3 kv heads, intermediate 1536, vocab 49152, RoPE theta 100000) with random weights,
 and the adapter's settings with random-init routers, balanced by causal Sinkhorn as trained ones are; the tokens are
-random. That is for machines the 93 MB weights cannot reach (a lent GPU machine): the speed of both paths depends on
-the shapes and the group sizes, not on the weight values (the JSON records the largest group's share per layer), and
-it says nothing about quality, which is measured on the CPU with the real model.
+random. That is for machines the 93 MB weights cannot reach: the speed of both paths depends on the shapes and the
+group sizes, not on the weight values (the JSON records the largest group's share per layer), and it says nothing
+about quality, which is measured on the CPU with the real model.
 
 Dense is the base model with the adapter disabled (transformers' SDPA, on CUDA inside torch's flash kernel when it
 takes the inputs, or flash_attention_2 when flash-attn is installed); Focus is the same model with the adapter in hard
@@ -16,7 +16,7 @@ mode on --backend (default `flash` with flash-attn, else `sdpa`). Both run the d
 its logits at 128K would dwarf the attention), in bf16 on CUDA, timed alternately after a warm-up at the full length,
 each call between CUDA synchronisations; the best of --repeats is kept, with the peak GPU memory of each call.
 
-    python benchmarks/gpu_model_prefill.py --weights random --lengths 8192 16384 32768 65536 131072 \\
+    python benchmarks/gpu/model_prefill.py --weights random --lengths 8192 16384 32768 65536 131072 \\
         --out benchmarks/results/model_prefill_gpu.json
 
 Needs CUDA; `--device cpu` runs the same code in float32 (with `--layers 2 --dense-below 0` at short lengths: a check
@@ -139,14 +139,14 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from gpu_attention import error_text, flash_context, timing_row, write  # this script's folder is on the path
+    from layer_prefill import flash_context, timing_row  # this script's folder
 
     import focus_hf
-    from focus_hf.commands.bench import provenance
+    from focus_hf.benchmarking.records import error_text, provenance, write_json
     from focus_hf.tuner.controls import configure_adapter
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/gpu_model_prefill.py needs a CUDA GPU; none is available here, nothing was measured.")
+        print("benchmarks/gpu/model_prefill.py needs a CUDA GPU; none is available here, nothing was measured.")
         return 2
     if args.weights == "real" and args.layers != 30:
         parser.error("--layers applies to --weights random only")
@@ -247,14 +247,14 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 - one length failing must not lose the others
             result["rows"].append({"tokens": n, "error": error_text(error)})
             print(json.dumps(result["rows"][-1]), flush=True)
-            write(out, result)
+            write_json(out, result)
             if cuda:
                 torch.cuda.empty_cache()
             continue
         result["rows"].append({**timing_row(n, dense, focus), "gpu_path": path_record()})
         print(json.dumps(result["rows"][-1]), flush=True)
-        write(out, result)
-    write(out, result)
+        write_json(out, result)
+    write_json(out, result)
     print(f"wrote {out}")
     return 0
 

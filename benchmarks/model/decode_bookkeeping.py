@@ -1,5 +1,5 @@
 """What Focus's bookkeeping costs a decoding step of SmolLM2-135M-Instruct: the time its layers spend outside the
-attention modules they wrap, stepped in turn in one process (as `model_decode_steps.py` steps).
+attention modules they wrap, stepped in turn in one process (as `decode_steps.py` steps).
 
 Three variants each read the same prompt into a KV cache of their own, then take decoding steps in turn:
 - full attention: the adapter disabled - what peft's wrapper costs by itself;
@@ -9,7 +9,7 @@ Three variants each read the same prompt into a KV cache of their own, then take
 Each step is timed whole and, in every Focus layer, around `FocusLayer.forward` and around its wrapped module; the
 difference of the two sums is the bookkeeping (the timers' own cost is in every variant's).
 
-    python benchmarks/decode_bookkeeping.py --prompt-lens 1024 2048 --steps 100 \\
+    python benchmarks/model/decode_bookkeeping.py --prompt-lens 1024 2048 --steps 100 \\
         --json benchmarks/results/cpu_targets_zen5/decode_bookkeeping_native.json
 
 Rows: prompt_len, variant, step_ms and bookkeeping_ms (medians), bookkeeping_us_per_layer, layers, steps, processor,
@@ -32,21 +32,18 @@ from peft import PeftModel
 import focus_hf
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
-from focus_hf.commands.bench import machine_fields
+from focus_hf.benchmarking.model import (
+    COMMITTED_ADAPTER,
+    VARIANTS,
+    attention_variant,
+    held_out_sequence,
+    prefilled,
+    saved_setting,
+)
+from focus_hf.benchmarking.records import log, machine_fields, repository_of, script_command, write_json
 from focus_hf.tuner.layer import DecodingRun, FocusLayer
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from model_decode_steps import VARIANTS, prefilled  # noqa: E402
-from model_prefill import (  # noqa: E402
-    DEFAULT_ADAPTER,
-    attention_variant,
-    command_line,
-    held_out_sequence,
-    log,
-    saved_setting,
-    write_rows,
-)
+REPOSITORY = repository_of(__file__)
 
 
 class LayerClock:
@@ -108,7 +105,7 @@ def every_step_decided(decided: bool) -> Iterator[None]:
         DecodingRun.next_state = next_state
 
 
-# variant -> (model_decode_steps' variant, every step decided)
+# variant -> (`VARIANTS`' variant, every step decided)
 KINDS = {"full": ("full", False), "focus": ("focus", False), "focus-decided": ("focus", True)}
 
 
@@ -137,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--steps", type=int, default=100, help="decoding steps per variant, taken in turn")
-    parser.add_argument("--adapter", type=Path, default=DEFAULT_ADAPTER, help="Focus adapter folder")
+    parser.add_argument("--adapter", type=Path, default=REPOSITORY / COMMITTED_ADAPTER, help="Focus adapter folder")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -170,13 +167,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "steps": args.steps,
                         "adapter": str(args.adapter),
                         **machine_fields(torch.device("cpu")),
-                        "command": command_line("decode_bookkeeping.py", argv),
+                        "command": script_command(__file__, argv),
                         "focus_hf": focus_hf.__version__,
                     }
                 )
                 row = rows[-1]
                 log(f"  {names[kind]}: step {row['step_ms']:.2f} ms, bookkeeping {row['bookkeeping_ms']:.3f} ms")
-            write_rows(args.json, rows)
+            write_json(args.json, rows)
     return 0
 
 

@@ -12,7 +12,7 @@ ceiling of the sparse path on torch operations: a causal square beside the unmas
 the two cost the same, the kernel computed the hidden half too), and unmasked calls of few and of many query rows
 (each kv head's query heads folded into the rows, as `partials.folded_attention` calls it).
 
-    python benchmarks/arithmetic_ceiling.py --json benchmarks/results/arithmetic_ceiling.json
+    python benchmarks/cpu/arithmetic_ceiling.py --json benchmarks/results/arithmetic_ceiling.json
 
 Rows: call, shape, ms (median of --repeats), useful GFLOP/s, fraction of the GEMM rate, ns per useful pair and head,
 processor, threads, load average.
@@ -34,11 +34,7 @@ import focus_hf
 from focus_hf.attention.backends import cpu_kernel
 from focus_hf.attention.cpu.native import torch_path
 from focus_hf.attention.cpu.partials import LOCAL_BLOCK
-from focus_hf.commands.bench import machine_fields
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from model_prefill import command_line, log, write_rows  # noqa: E402
+from focus_hf.benchmarking.records import log, machine_fields, script_command, write_json
 
 HEADS, KV_HEADS, DIM = 9, 3, 64  # the attention bench's shape (SmolLM2's)
 
@@ -172,10 +168,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for row in rows:
         row.update(
             machine_fields(torch.device("cpu")),
-            command=command_line("arithmetic_ceiling.py", argv),
+            command=script_command(__file__, argv),
             focus_hf=focus_hf.__version__,
         )
-    write_rows(args.json, rows)
+    write_json(args.json, rows)
     return 0
 
 

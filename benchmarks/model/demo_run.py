@@ -1,7 +1,7 @@
 """How long `focus-hf demo` takes and how much memory it needs, as a new user runs it: from a fresh focus_hf cache
 (the GGUF conversion and the kernel build included), with the default options.
 
-    python benchmarks/demo_run.py            # appends a row to benchmarks/results/demo_run.json
+    python benchmarks/model/demo_run.py           # appends a row to benchmarks/results/demo_run.json
 
 The demo runs as a child process (`focus-hf demo --out <scratch folder>`); this script records its wall time, its
 peak resident memory (the largest of the process's, from the kernel's rusage), the CPU time it used, and the machine:
@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "demo_run.json"
 LOAD_SAMPLE_SECONDS = 10
 

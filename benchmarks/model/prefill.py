@@ -12,7 +12,7 @@ reports perplexity on exactly the same tokens - the quality of the setting whose
 The default adapter is the committed long-context adapter (`benchmarks/long_context/adapter`), the setting that
 keeps the model's answers (`benchmarks/long_context/results/report.md`).
 
-    python benchmarks/model_prefill.py --seq-lens 8192 16384 --json benchmarks/results/model_prefill.json
+    python benchmarks/model/prefill.py --seq-lens 8192 16384 --json benchmarks/results/model_prefill.json
 
 Rows: seq_len, variant, top_k, seconds (best of the rounds: --repeats, more at a length whose prefill is short with
 --min-seconds), ppl, speedup (full seconds / this variant's seconds), backend, threads, load average. Wall-clock on
@@ -22,15 +22,12 @@ a shared CPU varies; the load average is recorded for that reason.
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import math
-import os
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import ContextManager, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,29 +36,18 @@ from peft import PeftModel
 import focus_hf
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
-from focus_hf.commands.bench import machine_fields
-from focus_hf.data import load_texts, split_texts, token_blocks
-from focus_hf.evaluation import routing_mode
+from focus_hf.benchmarking.model import (
+    COMMITTED_ADAPTER,
+    attention_variant,
+    held_out_sequence,
+    saved_setting,
+    setting_fields,
+)
+from focus_hf.benchmarking.records import log, machine_fields, repository_of, script_command, write_json
+from focus_hf.benchmarking.timing import rounds_to_reach
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_ADAPTER = HERE / "long_context" / "adapter"
+REPOSITORY = repository_of(__file__)
 SCORE_CHUNK = 2048  # positions per language-model-head call
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-@functools.lru_cache(maxsize=1)
-def held_out_texts() -> tuple[str, ...]:
-    """The held-out split of the standard-library source (read once: it is the whole stdlib)."""
-    _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
-    return tuple(heldout)
-
-
-def held_out_sequence(tokenizer, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` tokens of the held-out standard-library source, [1, seq_len]."""
-    return token_blocks(tokenizer, held_out_texts(), seq_len, max_blocks=1)
 
 
 @torch.no_grad()
@@ -85,12 +71,6 @@ def perplexity_of(model: PeftModel, hidden: torch.Tensor, input_ids: torch.Tenso
     return math.exp(nll / targets.numel())
 
 
-def attention_variant(model: PeftModel, top_k: Union[str, int, None], backend: str) -> ContextManager:
-    """Run `model` with top_k "full": the adapter disabled (full attention); else Focus hard mode with that top_k
-    (None: the adapter as saved)."""
-    return model.disable_adapter() if top_k == "full" else routing_mode(model, "hard", top_k, backend)
-
-
 def measure(
     model: PeftModel, input_ids: torch.Tensor, top_k: Union[str, int, None], backend: str, score: bool = True
 ) -> dict:
@@ -100,52 +80,13 @@ def measure(
     return {"seconds": seconds, "ppl": perplexity_of(model, hidden, input_ids) if score else None}
 
 
-def saved_setting(model: PeftModel) -> str:
-    """The adapter's own hard-mode setting, in words."""
-    config = model.peft_config["default"]
-    parts = [f"top-{config.top_k}", f"w={config.window}", f"{len(config.dense_heads or [])} dense heads"]
-    if config.dense_below:
-        parts.append(f"dense below {config.dense_below}")
-    return ", ".join(parts)
-
-
-def setting_fields(args: argparse.Namespace, model: PeftModel, full_attention: bool) -> dict:
-    """Row fields that name what was run: backend, repeats, adapter, text and the model's trained positions."""
-    return {
-        "backend": "sdpa (transformers)" if full_attention else args.backend,
-        "repeats": args.repeats,
-        "adapter": os.path.relpath(args.adapter, HERE.parent),
-        "text": "python-source held-out split (seed 0), first tokens",
-        "model_max_positions": model.config.max_position_embeddings,
-    }
-
-
-def command_line(script: str, argv: Optional[list[str]]) -> str:
-    """The command that produced a row, as recorded in it."""
-    return f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
-
-
-def write_rows(path: Optional[Path], rows: list[dict]) -> None:
-    """Write the rows measured so far (after every measurement, so that an interrupted run keeps them)."""
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-
-
-def rounds_to_reach(repeats: int, min_seconds: float, seconds: float) -> int:
-    """How many rounds a length gets: `repeats`, or more where full attention's best timing so far (`seconds`) is
-    short - as many as it takes that timing to add up to `min_seconds` (a short timing on a shared CPU moves by a
-    tenth from one run to the next; the best of many is steadier)."""
-    return max(repeats, math.ceil(min_seconds / seconds))
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument(
         "--top-k", type=int, nargs="*", default=[], help="top_k overrides timed besides the adapter as saved"
     )
-    parser.add_argument("--adapter", type=Path, default=DEFAULT_ADAPTER, help="Focus adapter folder")
+    parser.add_argument("--adapter", type=Path, default=REPOSITORY / COMMITTED_ADAPTER, help="Focus adapter folder")
     parser.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flash"])
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds of one timed prefill per variant (alternating), best kept"
@@ -199,16 +140,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "ppl": round(result["ppl"], 4),
                 "speedup": round(full["seconds"] / result["seconds"], 3),
                 "ppl_vs_full": round(result["ppl"] / full["ppl"], 4),
-                **setting_fields(args, model, top_k == "full"),
+                **setting_fields(args, model, top_k == "full", REPOSITORY),
                 "repeats": rounds,
                 "peak_rss_mib_so_far": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                 **machine_fields(torch.device("cpu")),  # processor, instruction sets, the kernels' build target
-                "command": command_line("model_prefill.py", argv),
+                "command": script_command(__file__, argv),
                 "focus_hf": focus_hf.__version__,
             }
             rows.append(row)
             log(f"{seq_len:,} tokens, {variant}: best {row['seconds']:.1f} s, speedup {row['speedup']:.2f}x")
-        write_rows(args.json, rows)
+        write_json(args.json, rows)
     return 0
 
 

@@ -2,7 +2,7 @@
 (`FOCUS_HF_CPU_TARGET`) and the instruction sets of torch's own kernels, of the BLAS library it calls and of glibc's
 libm capped at it, so that dense SDPA, every CPU row's baseline, runs no instruction the build may not use.
 
-    python benchmarks/capped.py x86-64-v2 -- python benchmarks/attention_parts.py --seq-lens 16384
+    python benchmarks/cpu/capped.py x86-64-v2 -- python benchmarks/cpu/prefill_parts.py --seq-lens 16384
 
 Each variable is read by one library, and each was checked with `perf annotate` on an AMD EPYC (Zen 5) with
 AVX-512, by the instructions of dense SDPA's hottest code:
@@ -65,7 +65,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     options = parser.parse_args(argv)
     command = options.command[1:] if options.command[:1] == ["--"] else options.command
     if not command:
-        parser.error("name the command to run after --, e.g. `-- python benchmarks/attention_parts.py`")
+        parser.error("name the command to run after --, e.g. `-- python benchmarks/cpu/prefill_parts.py`")
     caps = caps_for(options.target, processor_vendor())
     print(" ".join(f"{name}={value}" for name, value in caps.items()), file=sys.stderr)
     os.execvpe(command[0], command, {**os.environ, **caps})

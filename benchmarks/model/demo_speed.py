@@ -6,7 +6,7 @@ that last step alone - same text, same function, same printed line - for the bui
 without distilling again:
 
     focus-hf demo --out focus-demo
-    FOCUS_HF_CPU_TARGET=x86-64-v3 python benchmarks/demo_speed.py focus-demo \\
+    FOCUS_HF_CPU_TARGET=x86-64-v3 python benchmarks/model/demo_speed.py focus-demo \\
         --json benchmarks/results/cpu_targets/demo_speed_x86-64-v3.json
 
 Before the timed prefills, one untimed Focus prefill of the same length lets "auto" measure its crossover, as the
@@ -27,7 +27,7 @@ from peft import PeftModel
 
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
-from focus_hf.commands.bench import machine_fields
+from focus_hf.benchmarking.records import machine_fields, script_command
 from focus_hf.commands.common import DEFAULT_DATA, split_documents
 from focus_hf.commands.demo import DEMO_SEQ_LEN, measure_speed, speed_line
 from focus_hf.data import token_blocks
@@ -54,7 +54,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     speed = measure_speed(model, tokenizer, texts, args.seq_len, args.repeats, top_k)
     print(speed_line(speed))
     if args.json:
-        command = " ".join(["python benchmarks/demo_speed.py", *(sys.argv[1:] if argv is None else argv)])
+        command = script_command(__file__, argv)
         row = {**speed, "adapter": str(args.adapter), **machine_fields(torch.device("cpu")), "command": command}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([row], indent=1) + "\n")

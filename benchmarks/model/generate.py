@@ -1,7 +1,7 @@
-"""Model-level decoding benchmark: tokens/s of `generate()` on SmolLM2-135M-Instruct after a long prompt (issue 14).
+"""Model-level decoding benchmark: tokens/s of `generate()` on SmolLM2-135M-Instruct after a long prompt.
 
 For each prompt length, the first tokens of held-out Python standard-library source (`python-source`, held-out
-split, as in `model_prefill.py`) are given to `model.generate` (greedy, `max_new_tokens`) once with the adapter
+split, as in `prefill.py`) are given to `model.generate` (greedy, `max_new_tokens`) once with the adapter
 disabled (full attention, transformers' SDPA) and once with the Focus adapter in hard mode as saved, alternately,
 `--repeats` times each. A streamer stamps the time of every new token: the first comes after the prefill, so
 decoding speed is (new tokens - 1) / (time of the last - time of the first), which the prompt's prefill does not
@@ -11,8 +11,8 @@ variants decode the same text; a free-running comparison would part for good at 
 is compared with full attention's at the same position: whether the argmax agrees, and the KL divergence
 KL(full || Focus) of the next-token distributions.
 
-    python benchmarks/model_decode.py --prompt-lens 16384 --json benchmarks/results/model_decode.json
-    python benchmarks/model_decode.py --prompt-lens 16384 --cache static \\
+    python benchmarks/model/generate.py --prompt-lens 16384 --json benchmarks/results/model_decode.json
+    python benchmarks/model/generate.py --prompt-lens 16384 --cache static \\
         --json benchmarks/results/model_decode_static.json
 
 With transformers' default DynamicCache every step concatenates each layer's keys and values with the new token's,
@@ -28,94 +28,28 @@ processor, threads, load average.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 from peft import PeftModel
-from transformers import LogitsProcessor, LogitsProcessorList
-from transformers.generation.streamers import BaseStreamer
 
 import focus_hf
 from focus_hf import load_model_and_tokenizer
 from focus_hf.aliases import DEFAULT_MODEL
-from focus_hf.commands.bench import machine_fields
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from model_prefill import (  # noqa: E402
-    DEFAULT_ADAPTER,
+from focus_hf.benchmarking.model import (
+    COMMITTED_ADAPTER,
     attention_variant,
-    command_line,
     held_out_sequence,
-    log,
-    rounds_to_reach,
     saved_setting,
     setting_fields,
-    write_rows,
+    timed_generate,
 )
+from focus_hf.benchmarking.records import log, machine_fields, repository_of, script_command, write_json
+from focus_hf.benchmarking.timing import rounds_to_reach
 
-
-class TokenClock(BaseStreamer):
-    """Stamps `time.perf_counter()` at every `put` after the prompt's (one per generated token, batch 1)."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-        self.prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.prompt_seen:
-            self.stamps.append(time.perf_counter())
-        self.prompt_seen = True
-
-    def end(self) -> None:
-        pass
-
-
-class FollowReference(LogitsProcessor):
-    """Notes each step's next-token log-probabilities (batch 1); given `reference` tokens, forces them in turn."""
-
-    def __init__(self, reference: Optional[list[int]] = None) -> None:
-        self.reference = reference
-        self.log_probs: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.log_probs.append(scores[0].float().log_softmax(-1))
-        if self.reference is None:
-            return scores
-        forced = torch.full_like(scores, -math.inf)
-        forced[:, self.reference[len(self.log_probs) - 1]] = 0.0
-        return forced
-
-
-@torch.no_grad()
-def timed_generate(
-    model: PeftModel, input_ids: torch.Tensor, new_tokens: int, cache: str, reference: Optional[list[int]] = None
-) -> dict:
-    """One greedy generation (teacher-forced on `reference` if given): prefill seconds, decoding tokens/s after the
-    first new token, the new tokens and each step's next-token log-probabilities [new_tokens, vocab]."""
-    clock, follow = TokenClock(), FollowReference(reference)
-    started = time.perf_counter()
-    output = model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        streamer=clock,
-        logits_processor=LogitsProcessorList([follow]),
-        cache_implementation=None if cache == "dynamic" else cache,
-    )
-    stamps = clock.stamps
-    return {
-        "prefill_s": stamps[0] - started,
-        "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
-        "tokens": output[0, input_ids.shape[1] :].tolist(),
-        "log_probs": torch.stack(follow.log_probs),
-    }
+REPOSITORY = repository_of(__file__)
 
 
 def generate_variant(
@@ -150,7 +84,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--new-tokens", type=int, default=32, help="tokens generated per run (the first is timed apart)"
     )
-    parser.add_argument("--adapter", type=Path, default=DEFAULT_ADAPTER, help="Focus adapter folder")
+    parser.add_argument("--adapter", type=Path, default=REPOSITORY / COMMITTED_ADAPTER, help="Focus adapter folder")
     parser.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flash"])
     parser.add_argument(
         "--cache", default="dynamic", choices=["dynamic", "static"], help="KV cache of both variants (see above)"
@@ -209,10 +143,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "decode_step_ms": round(1e3 / result["tokens_per_s"], 2),
                     "speedup": round(result["tokens_per_s"] / full["tokens_per_s"], 3),
                     **step_agreement(result["log_probs"], full["log_probs"]),
-                    **setting_fields(args, model, variant == "full"),
+                    **setting_fields(args, model, variant == "full", REPOSITORY),
                     "repeats": rounds,  # the rounds run, --repeats or more (--min-seconds)
                     **machine_fields(torch.device("cpu")),
-                    "command": command_line("model_decode.py", argv),
+                    "command": script_command(__file__, argv),
                     "focus_hf": focus_hf.__version__,
                 }
             )
@@ -220,7 +154,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"  decode speedup {rows[-1]['speedup']:.2f}x; Focus's greedy token agrees with full attention's at "
             f"{rows[-1]['argmax_agree']} of {args.new_tokens} steps, mean KL {rows[-1]['mean_kl']:.4f} nats"
         )
-        write_rows(args.json, rows)
+        write_json(args.json, rows)
     return 0
 
 

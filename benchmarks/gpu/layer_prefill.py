@@ -1,4 +1,4 @@
-"""GPU benchmark (issue 15, part 6; issue 37): one attention layer, dense SDPA against Focus hard mode, up to 1M tokens.
+"""GPU benchmark: one attention layer's prefill, dense SDPA against Focus hard mode, up to 1M tokens.
 
 A one-layer Llama-shaped model (hidden 2048, 32 query / 8 kv heads by default, head dim 64, a tiny MLP and
 vocabulary so that attention dominates) in bf16 runs a prefill of N tokens: dense with `attn_implementation`
@@ -10,7 +10,7 @@ after a warm-up (Focus at the full length, so that kernels compiled per shape ar
 on). The peak GPU memory torch allocates during each call is recorded (torch.cuda.max_memory_allocated after a
 reset).
 
-    python benchmarks/gpu_attention.py --lengths 4096 16384 65536 262144 1048576 \\
+    python benchmarks/gpu/layer_prefill.py --lengths 4096 16384 65536 262144 1048576 \\
         --out benchmarks/results/attention_gpu.json
 
 The JSON (rewritten after every row, so that a run stopped part-way keeps its rows) records the device, package
@@ -29,6 +29,8 @@ import shlex
 import sys
 import time
 from pathlib import Path
+
+from focus_hf.benchmarking.records import error_text, write_json
 
 # Lengths from which the repeats drop to 2 (dense at 1M tokens takes ~11 s a call on an H100).
 LONG = 131072
@@ -50,11 +52,6 @@ def timing_row(tokens: int, dense: list[tuple[float, int]], focus: list[tuple[fl
         "peak_ratio": focus_peak / dense_peak if dense_peak and focus_peak else None,
         "repeats": len(focus),
     }
-
-
-def error_text(error: BaseException) -> str:
-    """An exception as one short line for a result row."""
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
 
 
 def flash_context(device, probe):
@@ -98,11 +95,6 @@ def layer_model(heads: int, kv_heads: int, groups: int, window: int, max_tokens:
     return model.eval(), config, focus_config
 
 
-def write(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536, 262144, 1048576])
@@ -123,10 +115,10 @@ def main() -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/gpu_attention.py needs a CUDA GPU; none is available here, nothing was measured.")
+        print("benchmarks/gpu/layer_prefill.py needs a CUDA GPU; none is available here, nothing was measured.")
         return 2
     import focus_hf
-    from focus_hf.commands.bench import provenance
+    from focus_hf.benchmarking.records import provenance
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -214,7 +206,7 @@ def main() -> int:
             for top_k in args.top_k:
                 result["rows"].append({"tokens": n, "top_k": top_k, "error": error_text(error)})
             print(json.dumps(result["rows"][-1]), flush=True)
-            write(out, result)
+            write_json(out, result)
             if cuda:
                 torch.cuda.empty_cache()
             continue
@@ -223,8 +215,8 @@ def main() -> int:
                 {**timing_row(n, times[None], times[top_k]), "top_k": top_k, "gpu_path": path_record()}
             )
             print(json.dumps(result["rows"][-1]), flush=True)
-        write(out, result)
-    write(out, result)
+        write_json(out, result)
+    write_json(out, result)
     print(f"wrote {out}")
     return 0
 
