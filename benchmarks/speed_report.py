@@ -8,10 +8,10 @@ Reads (whichever exist) under benchmarks/results/:
   attention_cpu_peak_memory.json  `focus-hf bench --peak-memory --json` rows (dense SDPA and Focus)
   attention_cpu_auto_K*.json      `focus-hf bench --groups K --top-k 1 2 3 4 --json` rows (backend auto, per K)
   attention_cpu_decode.json       `focus-hf bench --decode --json` rows (one new token against a KV cache)
-  model_prefill*.json             `python benchmarks/model_prefill.py --json` rows (SmolLM2 end to end)
-  model_decode*.json              `python benchmarks/model_decode.py --json` rows (SmolLM2 generate() after a prompt)
-  model_steps*.json               `python benchmarks/model_decode_steps.py --json` rows (decoding steps, in turn)
-  arithmetic_ceiling.json         `python benchmarks/arithmetic_ceiling.py --json` rows (GEMM rate, attention calls)
+  model_prefill*.json             `python benchmarks/model/prefill.py --json` rows (SmolLM2 end to end)
+  model_decode*.json              `python benchmarks/model/generate.py --json` rows (SmolLM2 generate() after a prompt)
+  model_steps*.json               `python benchmarks/model/decode_steps.py --json` rows (decoding steps, in turn)
+  arithmetic_ceiling.json         `python benchmarks/cpu/arithmetic_ceiling.py --json` rows (GEMM rate, attention calls)
 and writes speed.md (tables + the commands recorded in the rows) and attention_speedup.png (needs matplotlib:
 `pip install 'focus-hf[bench]'`). Nothing here is measured or typed in by hand: every figure comes from the JSON.
 """

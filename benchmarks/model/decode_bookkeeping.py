@@ -10,7 +10,9 @@ Each step is timed whole and, in every Focus layer, around `FocusLayer.forward` 
 difference of the two sums is the bookkeeping (the timers' own cost is in every variant's).
 
     python benchmarks/model/decode_bookkeeping.py --prompt-lens 1024 2048 --steps 100 \\
-        --json benchmarks/results/cpu_targets_zen5/decode_bookkeeping_native.json
+        --json bookkeeping.json
+    python benchmarks/machine_results.py benchmarks/results/machines/zen5-epyc.json \\
+        decode_bookkeeping_native=bookkeeping.json
 
 Rows: prompt_len, variant, step_ms and bookkeeping_ms (medians), bookkeeping_us_per_layer, layers, steps, processor,
 threads, load average.

@@ -7,7 +7,8 @@ without distilling again:
 
     focus-hf demo --out focus-demo
     FOCUS_HF_CPU_TARGET=x86-64-v3 python benchmarks/model/demo_speed.py focus-demo \\
-        --json benchmarks/results/cpu_targets/demo_speed_x86-64-v3.json
+        --json demo_speed.json
+    python benchmarks/machine_results.py benchmarks/results/machines/<machine>.json demo_speed_x86-64-v3=demo_speed.json
 
 Before the timed prefills, one untimed Focus prefill of the same length lets "auto" measure its crossover, as the
 demo's perplexity evaluation does before its speed step: a one-time measurement is not what the line reports.
