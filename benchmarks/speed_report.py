@@ -130,9 +130,9 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
         "dense SDPA's that computes only the allowed pairs). Routing: queries probe their own key group first (own "
         "group: each entry reaches one key more than the one before) or the groups a separate query projection picks "
         "(query router, as in adapters trained with `query_projection=True`: entries skip keys of their segment). On "
-        "CPU in float32 and bfloat16 set A is one call of the C prefill kernel per block of 16K queries either way, "
-        "each entry reading its segment's keys up to its reach; elsewhere it goes in chunks, causal squares or masked "
-        "staircases.",
+        "CPU in float32 and bfloat16 the own-group pass is one call of the C prefill kernel per block of 16K queries "
+        "either way, each entry reading its segment's keys up to its reach; elsewhere it goes in chunks, causal "
+        "squares or masked staircases.",
     ]
     if memory:
         lines += [

@@ -1,4 +1,4 @@
-"""How close dense attention runs to this machine's arithmetic ceiling, and what that leaves Focus (issue 14).
+"""How close dense attention runs to this machine's arithmetic ceiling, and what that leaves Focus.
 
 The efficiency targets of the fast path compare Focus with a kernel "as fast per pair as dense SDPA's that computes
 only the allowed pairs". How far that is from reach depends on where dense SDPA itself runs: this script measures

@@ -1,10 +1,10 @@
-"""Where a Focus prefill's time goes on the CPU, per visible pair, against dense SDPA's kernel (issue 43).
+"""Where a Focus prefill's time goes on the CPU, per visible pair, against dense SDPA's kernel.
 
 One attention layer with `focus-hf bench`'s inputs and routing (9 / 3 heads, head dim 64, K=8, window 128, 4 sinks),
 the sparse path (`backend="sdpa"`) on one thread, each C call of the path timed in process CPU time:
 
-- set A (`native.prefill_segments`): the same-group pairs, whose count is exact here (per query, the keys of its
-  probed groups up to it);
+- the own-group pass (`native.prefill_segments`, `set_a` in the rows): the same-group pairs, whose count is exact
+  here (per query, the keys of its probed groups up to it);
 - the local part (`native.prefill_attention` from `partials.local_part`): the window's pairs of other groups;
 - the sink pairs (`native.sink_pairs`), and the rest (the group sort, Python, the output's conversion);
 
@@ -91,7 +91,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 pair_heads = seq_len * (seq_len + 1) // 2 * args.heads
                 for top_k in (1, 2):
                     routing = case.routing[top_k]
-                    # keys of each query's probed groups up to it (its set A, the riding sinks aside)
+                    # keys of each query's probed groups up to it (its own-group pass, the riding sinks aside)
                     per_group = F.one_hot(routing.key_groups[0], args.groups).cumsum(0)
                     set_a_pairs = int(per_group.gather(1, routing.top_groups[0]).sum())
                     allowed = allowed_pair_count(routing, args.window, args.groups)
@@ -159,7 +159,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     write_json(options.json, rows)
                     log(
                         f"{dtype_name} {seq_len} top-{top_k}: ns per pair and head - dense "
-                        f"{row['dense_ns_per_pair_head']:.2f}, set A {row['set_a_ns_per_pair_head']:.2f}, local "
+                        f"{row['dense_ns_per_pair_head']:.2f}, own-group pass {row['set_a_ns_per_pair_head']:.2f}, "
+                        f"local "
                         f"{row['local_ns_per_pair_head']:.2f}; speedup {row['speedup']:.2f} (torch path "
                         f"{row['torch_path_speedup']:.2f}), ideal {row['ideal_speedup']:.2f}"
                     )

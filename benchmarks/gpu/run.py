@@ -24,7 +24,7 @@ target it is held against: `TARGETS`).
 `--quick` runs attention (64K-1M, one repeat), decode (256K and 1M caches, eager), model_prefill (128K) and tests
 under shorter limits within 330 s; the full set ends within 450 s (`--deadline` changes either). On a GPU machine
 held for 15 minutes in all (start-up included), run `--quick` first and the full set second, with `--skip tests` if
-the first run took them. `profile` runs when named (`--only profile`).
+the quick set took them. `profile` runs when named (`--only profile`).
 
 The full set writes 8 files with summary.json. Every Focus row of the stage files records
 what ran it (`gpu_path`: verify's verdicts, the calls that fell back to the reference path, FlexAttention's
@@ -474,8 +474,8 @@ def main() -> int:
         "--quick",
         action="store_true",
         help="the short set (a profile of the layer, prefill at 64K-1M, decode at 256K / 1M, the CUDA tests, "
-        "model prefill at 128K) under its own stage limits and a 330 s deadline: the first run on a GPU machine held "
-        "for 15 minutes",
+        "model prefill at 128K) under its own stage limits and a 330 s deadline: the first of two runs on a GPU "
+        "machine held for 15 minutes",
     )
     parser.add_argument("--skip", nargs="+", choices=STAGE_NAMES, default=[], help="leave these stages out")
     parser.add_argument(

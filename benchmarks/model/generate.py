@@ -117,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         while repeat < rounds:
             for variant in ("full", "focus"):
                 log(f"{prompt_len:,}-token prompt, round {repeat + 1} of {rounds}: {names[variant]} ...")
-                # Focus follows full attention's greedy tokens (the first run's: greedy decoding is deterministic).
+                # Focus follows full attention's greedy tokens (the first round's: greedy decoding is deterministic).
                 reference = None if variant == "full" else best["full"]["tokens"]
                 result = generate_variant(
                     model, input_ids, variant, args.new_tokens, args.backend, args.cache, reference

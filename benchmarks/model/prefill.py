@@ -1,4 +1,4 @@
-"""Model-level prefill benchmark: SmolLM2-135M-Instruct, full attention vs Focus hard mode, same text (issue 3).
+"""Model-level prefill benchmark: SmolLM2-135M-Instruct, full attention vs Focus hard mode, same text.
 
 For each length, one sequence of held-out Python standard-library source (`python-source`, held-out split) is run
 through the decoder with the adapter disabled (full causal attention, transformers' SDPA), with the Focus adapter in

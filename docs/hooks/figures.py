@@ -601,7 +601,7 @@ def long_context_table() -> str:
     prefill: dict[str, float] = {}
     for row in rows(LC_SPEED):
         if row["seq_len"] == 8192:
-            prefill.setdefault(row["variant"], row["speedup"])  # the first run of each setting
+            prefill.setdefault(row["variant"], row["speedup"])  # the first measured row of each setting
     body = []
     for row, label in chosen:
         key = passkeys.get(row["variant"])
