@@ -192,3 +192,22 @@ def test_benchmark_scripts_import_the_library_without_path_tricks():
     assert records.repository_of(str(script)) == benchmarks.parent
     command = records.script_command(str(script), ["--seq-lens", "1024"])
     assert command == "python benchmarks/model/prefill.py --seq-lens 1024"
+
+
+def test_a_machines_file_gathers_its_runs_by_name(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "machine_results.py"
+    spec = importlib.util.spec_from_file_location("machine_results", script)
+    machine_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(machine_results)
+    rows, printed = tmp_path / "rows.json", tmp_path / "printed.txt"
+    rows.write_text(json.dumps([{"seq_len": 1024, "speedup": 2.0}]))
+    printed.write_text("Speed: ...\n")
+    machine = tmp_path / "machines" / "box.json"
+    with pytest.raises(SystemExit, match="--machine"):
+        machine_results.add_runs(machine, {"attention_parts_native": rows})
+    machine_results.add_runs(machine, {"attention_parts_native": rows, "demo/printed.txt": printed}, "a test box")
+    rows.write_text(json.dumps([{"seq_len": 4096, "speedup": 3.0}]))
+    data = machine_results.add_runs(machine, {"attention_parts_native": rows})  # a run of the same name is replaced
+    assert data == json.loads(machine.read_text())
+    assert data["machine"] == "a test box" and data["runs"]["demo/printed.txt"] == "Speed: ...\n"
+    assert data["runs"]["attention_parts_native"] == [{"seq_len": 4096, "speedup": 3.0}]

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-ADAPTER = Path(__file__).resolve().parent / "long_context" / "adapter"
+ADAPTER = Path(__file__).resolve().parents[1] / "long_context" / "adapter"
 
 # SmolLM2-135M(-Instruct)'s architecture (its config.json; docs: focus-method.md, section 10).
 SMOLLM2_135M = dict(
