@@ -8,10 +8,10 @@ Reads (whichever exist) under benchmarks/results/:
   attention_cpu_peak_memory.json  `focus-hf bench --peak-memory --json` rows (dense SDPA and Focus)
   attention_cpu_auto_K*.json      `focus-hf bench --groups K --top-k 1 2 3 4 --json` rows (backend auto, per K)
   attention_cpu_decode.json       `focus-hf bench --decode --json` rows (one new token against a KV cache)
-  model_prefill*.json             `python benchmarks/model_prefill.py --json` rows (SmolLM2 end to end)
-  model_decode*.json              `python benchmarks/model_decode.py --json` rows (SmolLM2 generate() after a prompt)
-  model_steps*.json               `python benchmarks/model_decode_steps.py --json` rows (decoding steps, in turn)
-  arithmetic_ceiling.json         `python benchmarks/arithmetic_ceiling.py --json` rows (GEMM rate, attention calls)
+  model_prefill*.json             `python benchmarks/model/prefill.py --json` rows (SmolLM2 end to end)
+  model_decode*.json              `python benchmarks/model/generate.py --json` rows (SmolLM2 generate() after a prompt)
+  model_steps*.json               `python benchmarks/model/decode_steps.py --json` rows (decoding steps, in turn)
+  arithmetic_ceiling.json         `python benchmarks/cpu/arithmetic_ceiling.py --json` rows (GEMM rate, attention calls)
 and writes speed.md (tables + the commands recorded in the rows) and attention_speedup.png (needs matplotlib:
 `pip install 'focus-hf[bench]'`). Nothing here is measured or typed in by hand: every figure comes from the JSON.
 """
@@ -130,9 +130,9 @@ def attention_section(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) 
         "dense SDPA's that computes only the allowed pairs). Routing: queries probe their own key group first (own "
         "group: each entry reaches one key more than the one before) or the groups a separate query projection picks "
         "(query router, as in adapters trained with `query_projection=True`: entries skip keys of their segment). On "
-        "CPU in float32 and bfloat16 set A is one call of the C prefill kernel per block of 16K queries either way, "
-        "each entry reading its segment's keys up to its reach; elsewhere it goes in chunks, causal squares or masked "
-        "staircases.",
+        "CPU in float32 and bfloat16 the own-group pass is one call of the C prefill kernel per block of 16K queries "
+        "either way, each entry reading its segment's keys up to its reach; elsewhere it goes in chunks, causal "
+        "squares or masked staircases.",
     ]
     if memory:
         lines += [

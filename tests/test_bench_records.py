@@ -1,5 +1,6 @@
-"""What `focus-hf bench` records, on the CPU and (marked `cuda`) on a GPU: provenance in every row, rows written as
-they come, a failing length reported without losing the others, and the GPU's timing and memory measurements."""
+"""What `focus-hf bench` and the benchmark scripts record (`focus_hf.benchmarking`), on the CPU and (marked `cuda`) on a
+GPU: provenance in every row, rows written as they come, a failing length reported without losing the others, and the
+GPU's timing and memory measurements."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from focus_hf.attention.cpu import native
 from focus_hf.attention.gpu.paged_keys import FILE_EVERY
+from focus_hf.benchmarking import records, timing
 from focus_hf.cli import main as cli_main
 from focus_hf.commands import bench
 
@@ -21,17 +23,17 @@ SMALL = ["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--window", "16"
 
 
 def test_the_commit_given_by_the_runner_wins_over_a_copied_git_folder(monkeypatch):
-    # A lent GPU machine's copy of the tree carried an older .git: rows of commit 432b95d said 3056b1b-dirty.
-    bench.git_commit.cache_clear()
+    # A copy of the working tree may carry an older .git than the tree it holds: the variable names the tree's commit.
+    records.git_commit.cache_clear()
     monkeypatch.setenv("FOCUS_HF_GIT_COMMIT", "0123abc")
     try:
-        assert bench.git_commit() == "0123abc"
+        assert records.git_commit() == "0123abc"
         monkeypatch.delenv("FOCUS_HF_GIT_COMMIT")
-        bench.git_commit.cache_clear()
-        found = bench.git_commit()
+        records.git_commit.cache_clear()
+        found = records.git_commit()
         assert found is None or len(found.removesuffix("-dirty")) == 40  # this checkout's own, where it has a .git
     finally:
-        bench.git_commit.cache_clear()
+        records.git_commit.cache_clear()
 
 
 def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
@@ -95,7 +97,7 @@ def test_a_failing_length_is_reported_and_the_others_measured(tmp_path, monkeypa
 
 
 def test_row_log_writes_after_every_row(tmp_path):
-    log = bench.RowLog(str(tmp_path / "sub" / "rows.json"))
+    log = records.RowLog(str(tmp_path / "sub" / "rows.json"))
     log.add({"seq_len": 1})
     assert json.loads((tmp_path / "sub" / "rows.json").read_text()) == [{"seq_len": 1, "command": None}]
     log.add({"seq_len": 2})
@@ -104,7 +106,7 @@ def test_row_log_writes_after_every_row(tmp_path):
 
 def test_time_call_returns_the_mean_of_its_steps():
     calls = []
-    wall, cpu = bench.time_call(lambda: calls.append(1), steps=5)
+    wall, cpu = timing.time_call(lambda: calls.append(1), steps=5)
     assert len(calls) == 5 and wall >= 0 and cpu >= 0
 
 
@@ -155,7 +157,7 @@ def test_cuda_peak_memory_is_the_allocators_peak(tmp_path):
 
 
 def test_capped_runs_name_every_cap_of_their_level_and_rows_record_them():
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "capped.py"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cpu" / "capped.py"
     spec = importlib.util.spec_from_file_location("capped", script)
     capped = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(capped)
@@ -178,3 +180,34 @@ def test_capped_runs_name_every_cap_of_their_level_and_rows_record_them():
     expected = capped.caps_for("x86-64-v2", capped.processor_vendor())
     expected.pop("FOCUS_HF_CPU_TARGET")
     assert record["limits"] == expected
+
+
+def test_benchmark_scripts_import_the_library_without_path_tricks():
+    # The scripts import focus_hf.benchmarking as installed; none edits sys.path to reach a neighbour.
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    scripts = sorted(benchmarks.rglob("*.py"))
+    assert scripts
+    assert [path.relative_to(benchmarks) for path in scripts if "sys.path" in path.read_text(encoding="utf-8")] == []
+    script = benchmarks / "model" / "prefill.py"
+    assert records.repository_of(str(script)) == benchmarks.parent
+    command = records.script_command(str(script), ["--seq-lens", "1024"])
+    assert command == "python benchmarks/model/prefill.py --seq-lens 1024"
+
+
+def test_a_machines_file_gathers_its_runs_by_name(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "machine_results.py"
+    spec = importlib.util.spec_from_file_location("machine_results", script)
+    machine_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(machine_results)
+    rows, printed = tmp_path / "rows.json", tmp_path / "printed.txt"
+    rows.write_text(json.dumps([{"seq_len": 1024, "speedup": 2.0}]))
+    printed.write_text("Speed: ...\n")
+    machine = tmp_path / "machines" / "box.json"
+    with pytest.raises(SystemExit, match="--machine"):
+        machine_results.add_runs(machine, {"attention_parts_native": rows})
+    machine_results.add_runs(machine, {"attention_parts_native": rows, "demo/printed.txt": printed}, "a test box")
+    rows.write_text(json.dumps([{"seq_len": 4096, "speedup": 3.0}]))
+    data = machine_results.add_runs(machine, {"attention_parts_native": rows})  # a run of the same name is replaced
+    assert data == json.loads(machine.read_text())
+    assert data["machine"] == "a test box" and data["runs"]["demo/printed.txt"] == "Speed: ...\n"
+    assert data["runs"]["attention_parts_native"] == [{"seq_len": 4096, "speedup": 3.0}]

@@ -139,8 +139,9 @@ def test_demo_end_to_end_prints_no_python_warning(tmp_path):
     assert all(path.stat().st_mode & 0o044 for path in out.iterdir() if path.is_file())  # none is owner-only
     assert results["speed"]["seq_len"] == 384 and results["speed"]["speedup"] > 0
     assert "Speed: one 384-token prefill takes" in printed
-    # benchmarks/demo_speed.py: the same speed line on the adapter the demo wrote, the build recorded.
-    command = [sys.executable, "benchmarks/demo_speed.py", str(out), "--seq-len", "384", "--json", str(tmp_path / "s")]
+    # benchmarks/model/demo_speed.py: the same speed line on the adapter the demo wrote, the build recorded.
+    script = "benchmarks/model/demo_speed.py"
+    command = [sys.executable, script, str(out), "--seq-len", "384", "--json", str(tmp_path / "s")]
     again = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-5000:]
     assert "Speed: one 384-token prefill takes" in again.stdout

@@ -20,6 +20,7 @@ import plots  # noqa: E402
 import reference  # noqa: E402
 
 PAGES = sorted(path for path in DOCS.rglob("*.md") if DOCS_HOOKS not in path.parents)
+CHANGELOG = REPO_ROOT / "CHANGELOG.md"
 MKDOCS_YML = (REPO_ROOT / "mkdocs.yml").read_text()
 
 
@@ -33,13 +34,13 @@ def test_every_page_is_in_the_navigation():
         assert f": {page_id(path)}" in MKDOCS_YML, f"{page_id(path)} is not in mkdocs.yml's nav"
 
 
-@pytest.mark.parametrize("path", PAGES, ids=page_id)
+@pytest.mark.parametrize("path", [*PAGES, CHANGELOG], ids=lambda path: path.name)
 def test_pages_write_figures_only_in_generated_parts(path):
     """A measured figure in a page must sit in a generated part, written from the committed JSON."""
     assert figure_tokens(path.read_text(encoding="utf-8")) == set()
 
 
-@pytest.mark.parametrize("path", [*PAGES, REPO_ROOT / "README.md"], ids=lambda path: path.name)
+@pytest.mark.parametrize("path", [*PAGES, REPO_ROOT / "README.md", CHANGELOG], ids=lambda path: path.name)
 def test_pages_read_the_same_raw_as_built(path):
     """No template syntax left for a build to fill, and every generated part as the JSON and the code say now."""
     text = path.read_text(encoding="utf-8")
@@ -140,7 +141,7 @@ def test_committed_plots_are_drawn_from_the_committed_json(name):
     assert png and generated.recorded_digest(path) == digest, f"stale: run python docs/hooks/generated.py ({name})"
 
 
-@pytest.mark.parametrize("path", [*PAGES, REPO_ROOT / "README.md"], ids=lambda path: path.name)
+@pytest.mark.parametrize("path", [*PAGES, REPO_ROOT / "README.md", CHANGELOG], ids=lambda path: path.name)
 def test_links_and_images_point_at_files_of_the_repository(path):
     """Read raw on a code host, every relative link and image of a page resolves to a file of the repository."""
     text = path.read_text(encoding="utf-8")
@@ -164,3 +165,14 @@ def test_gpu_speed_is_read_from_the_committed_gpu_run():
         text = page.read_text()
         assert "<!--fig:gpu." in text, f"{page.name} shows no figure of the GPU run"
         assert "not measured yet" not in text.lower(), page.name
+
+
+def test_the_performance_page_is_a_reference():
+    # What Focus costs and saves, with its commands: the per-machine tables live on their own page, and how the speed
+    # was won in the changelog, which the site shows beside the pages.
+    text = (DOCS / "performance.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 400
+    assert "<!--fig:command." in text and "(performance-machines.md)" in text
+    assert "CHANGELOG.md" in MKDOCS_YML
+    for page in PAGES:  # the two parts of the sparse attention go by their names
+        assert not re.search(r"\bset [AB]\b", page.read_text(encoding="utf-8")), page.name

@@ -1,5 +1,5 @@
-"""The GPU device script (benchmarks/gpu/run.sh) runs end to end on the CPU at small sizes, so that it cannot rot
-between the sessions that have a GPU; and its summary holds figures against the issue's targets correctly."""
+"""The GPU script (benchmarks/gpu/run.sh) runs end to end on the CPU at small sizes, so that it cannot rot where no
+GPU is at hand; and its summary holds figures against the GPU targets correctly."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""The benchmarks' measuring parts on tiny inputs: model_decode.py's token clock, teacher forcing and comparison,
-arithmetic_ceiling.py's pair counts, attention_parts.py's repeated timings."""
+"""The benchmarks' measuring parts on tiny inputs: model/generate.py's token clock, teacher forcing and comparison,
+cpu/arithmetic_ceiling.py's pair counts, cpu/prefill_parts.py's repeated timings."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,21 +17,17 @@ import focus_hf
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def load_benchmark(name: str):
-    """benchmarks/<name>.py as a module (the script puts benchmarks/ on the path for model_prefill; taken off again)."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+def load_benchmark(path: str):
+    """benchmarks/<path>.py as a module (the scripts import focus_hf.benchmarking, nothing from beside them)."""
+    spec = importlib.util.spec_from_file_location(Path(path).name, BENCHMARKS / f"{path}.py")
     module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if str(BENCHMARKS) in sys.path:
-            sys.path.remove(str(BENCHMARKS))
+    spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture(scope="module")
 def model_decode():
-    return load_benchmark("model_decode")
+    return load_benchmark("model/generate")
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -68,7 +63,7 @@ def test_step_agreement_counts_argmaxes_and_ignores_banned_tokens(model_decode):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_decoding_steps_in_turn_keep_each_variant_on_its_own_cache(cache):
-    module = load_benchmark("model_decode_steps")
+    module = load_benchmark("model/decode_steps")
     model = get_peft_model(tiny_model("llama"), focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8)).eval()
     prompt = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     times = module.alternate_steps(model, prompt, cache, steps=4)
@@ -80,7 +75,7 @@ def test_decoding_steps_in_turn_keep_each_variant_on_its_own_cache(cache):
 
 
 def test_arithmetic_ceiling_counts_the_pairs_its_calls_attend():
-    ceiling = load_benchmark("arithmetic_ceiling")
+    ceiling = load_benchmark("cpu/arithmetic_ceiling")
     generator = torch.Generator().manual_seed(0)
     _, causal_pairs = ceiling.causal_call(64, generator)
     assert causal_pairs == ceiling.HEADS * 64 * 65 / 2
@@ -93,10 +88,11 @@ def test_arithmetic_ceiling_counts_the_pairs_its_calls_attend():
 
 def test_attention_parts_times_short_calls_repeatedly_and_its_parts_add_up(tmp_path):
     # One timed call of a few milliseconds moved by a tenth between runs: below REPEAT_MAX_LEN every figure is a
-    # median of --repeats calls, and the parts of the C kernels' path (set A, local, sinks, the rest) sum to it.
+    # median of --repeats calls, and the parts of the C kernels' path (the own-group pass, local, sinks, the rest) sum
+    # to it.
     import json
 
-    attention_parts = load_benchmark("attention_parts")
+    attention_parts = load_benchmark("cpu/prefill_parts")
     path = tmp_path / "parts.json"
     argv = ["--seq-lens", "320", "--dtypes", "float32", "--repeats", "3", "--json", str(path)]
     assert attention_parts.main(argv) == 0
@@ -120,7 +116,7 @@ def test_a_short_timing_gets_rounds_enough_to_reach_the_minimum(model_decode):
 def test_decode_bookkeeping_times_the_layers_outside_their_attention_and_restores_them():
     from focus_hf.tuner.layer import DecodingRun, FocusLayer
 
-    module = load_benchmark("decode_bookkeeping")
+    module = load_benchmark("model/decode_bookkeeping")
     config = focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8, dense_below=64)
     model = get_peft_model(tiny_model("llama"), config).eval()
     prompt = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))

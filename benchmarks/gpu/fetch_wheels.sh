@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Download, here, the wheels benchmarks/gpu/run.sh installs on the lent GPU machine (no internet there; it has
+# Download, here, the wheels benchmarks/gpu/run.sh installs on a GPU machine without internet access (one with
 # Python 3.12, torch 2.11+cu130 and transformers 5.17): transformers 5.23, peft 0.21.2, gguf and regex, ~15 MB, into
-# .whl/ at the repository root (git-ignored; the device call names it in `carry`). Then checks that the working tree
-# plus .whl/ stay under the 64 MiB a device call may carry.
+# .whl/ at the repository root (git-ignored; copy it with the working tree). Then checks that the working tree plus
+# .whl/ stay under 64 MiB, the most such a copy may hold.
 #
 #     bash benchmarks/gpu/fetch_wheels.sh
 set -euo pipefail
@@ -22,6 +22,6 @@ limit=$((64 * 1024 * 1024))
 awk -v t="$tree_bytes" -v w="$wheel_bytes" \
     'BEGIN {printf "working tree %.1f MiB + .whl %.1f MiB = %.1f MiB (limit 64 MiB)\n", t / 2^20, w / 2^20, (t + w) / 2^20}'
 if [ "$total" -ge "$limit" ]; then
-    echo "too large for one device call: carry less, or ignore large untracked files" >&2
+    echo "too large to copy in one piece: leave .whl/ smaller, or ignore large untracked files" >&2
     exit 1
 fi

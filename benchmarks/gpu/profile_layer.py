@@ -1,6 +1,6 @@
-"""Where a Focus prefill's time goes: torch's profiler over `gpu_attention.py`'s layer, summarised by focus_hf line.
+"""Where a Focus prefill's time goes: torch's profiler over `layer_prefill.py`'s layer, summarised by focus_hf line.
 
-One prefill per (length, top-k) of the one-layer Llama-shaped model of `benchmarks/gpu_attention.py` (random weights
+One prefill per (length, top-k) of the one-layer Llama-shaped model of `benchmarks/gpu/layer_prefill.py` (random weights
 and routers) with Focus hard mode, after a warm-up call of the same length (so that compilation is not profiled), is
 timed bare, then recorded by `torch.profiler` with Python stacks. The JSON keeps, per call:
 
@@ -15,10 +15,10 @@ The Python stacks torch records are empty on some CUDA builds (torch 2.11 on the
 "(outside focus_hf)"), so during the profiled call every focus_hf function is also wrapped in a `record_function`
 range named after it (`labelled_functions`), and an operator belongs to the innermost range around it.
 
-On CUDA, `--mask-costs` then times set A's FlexAttention call of a top-2 prefill (`stock.fold_probed_groups`) with
-the same block lists under other `mask_mod`s (`MASK_VARIANTS`): how much of the kernel's time its mask takes. (At
-commit 432b95d it timed set B's call, which reading the pattern in its mask made 50 times slower than a mask of the
-indices alone: set B now runs in plain torch, `focus_hf/attention/gpu/bands.py`.)
+On CUDA, `--mask-costs` then times the own-group pass's FlexAttention call of a top-2 prefill
+(`stock.fold_probed_groups`) with the same block lists under other `mask_mod`s (`MASK_VARIANTS`): how much of the
+kernel's time its mask takes. (At commit 432b95d it timed the window band's call, which reading the pattern in its
+mask made 50 times slower than a mask of the indices alone: the window band no longer runs in FlexAttention.)
 
     python benchmarks/gpu/profile_layer.py --device cuda --lengths 65536 262144 --top-k 1 2 --out profile.json
 
@@ -37,8 +37,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: gpu_attention's layer
 
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
@@ -183,7 +181,8 @@ def summarise(profiler, rows: int) -> dict:
 
 
 def diagonal_mask(captured):
-    """A mask from the indices alone (loads nothing): not set A's answer, a floor on the same block lists."""
+    """A mask from the indices alone (loads nothing): not the own-group pass's answer, a floor on the same block
+    lists."""
 
     def mask_mod(b, h, q_index, kv_index):
         return kv_index <= q_index
@@ -201,7 +200,8 @@ def no_mask(captured):
 
 
 def rule_mask_of(captured):
-    """Set A's pairs read by `pair_rule.rule_mask` (seven loads per pair), as the path ran them up to commit 432b95d."""
+    """The own-group pass's pairs read by `pair_rule.rule_mask` (seven loads per pair), as the path ran them up to
+    commit 432b95d."""
     from focus_hf.attention.gpu.pair_rule import rule_mask
 
     return rule_mask(captured["rule"])
@@ -211,14 +211,15 @@ def rule_mask_of(captured):
 MASK_VARIANTS = {
     "path": ("the path's own: each entry's range of sorted keys, `pair_rule.range_mask` (2 loads per row)", None),
     "rule": ("the same pairs by `pair_rule.rule_mask` (7 loads per pair, int64, the model's-mask term)", rule_mask_of),
-    "diagonal": ("kv <= q from the indices alone (loads nothing; a floor, not set A)", diagonal_mask),
+    "diagonal": ("kv <= q from the indices alone (loads nothing; a floor, not the own-group pass)", diagonal_mask),
     "none": ("every pair of the listed blocks (the kernel's floor on these lists)", no_mask),
 }
 
 
 def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, device, dtype, kernels) -> dict:
-    """One top-2 prefill of `stock.stock_sparse_attention` on random routing, recording set A's FlexAttention call
-    (`fold_probed_groups`): its inputs and block lists, and the `pair_rule` rule of the same pairs."""
+    """One top-2 prefill of `stock.stock_sparse_attention` on random routing, recording the own-group pass's
+    FlexAttention call (`fold_probed_groups`): its inputs and block lists, and the `pair_rule` rule of the same
+    pairs."""
     import dataclasses
 
     import torch
@@ -242,7 +243,8 @@ def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, d
     arguments = (query, key, value, None, query_groups, key_groups, key_sink, groups, window, 64**-0.5, recorder, False)
     stock.stock_sparse_attention(*arguments)
     call = captured["call"]
-    # The same call with a model's mask (all True, broadcast from one element) builds set A by `rule_mask`: its rule.
+    # The same call with a model's mask (all True, broadcast from one element) builds the own-group pass by
+    # `rule_mask`: its rule.
     real_rule = stock.make_rule
 
     def record_rule(*args):
@@ -262,17 +264,18 @@ def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, d
 def mask_costs(
     lengths, heads: int, kv_heads: int, groups: int, window: int, device, dtype, repeats: int = 3, backend="inductor"
 ) -> list:
-    """Set A's FlexAttention call of a top-2 prefill (`stock.fold_probed_groups`) at each length, its block lists
-    fixed, under each `MASK_VARIANTS` mask_mod: seconds per call (best of `repeats`, after a compiling call). `backend`:
-    torch.compile's ("eager" rehearses it on the CPU, on FlexAttention's reference and the twin's kernels)."""
+    """The own-group pass's FlexAttention call of a top-2 prefill (`stock.fold_probed_groups`) at each length, its
+    block lists fixed, under each `MASK_VARIANTS` mask_mod: seconds per call (best of `repeats`, after a compiling
+    call). `backend`: torch.compile's ("eager" rehearses it on the CPU, on FlexAttention's reference and the twin's
+    kernels)."""
     import dataclasses
 
     import torch
-    from gpu_attention import error_text
 
     from focus_hf.attention.gpu.flex import run_compiled
     from focus_hf.attention.gpu.kernels import cpu_twin_kernels
     from focus_hf.attention.gpu.verify import stock_kernels
+    from focus_hf.benchmarking.records import error_text
 
     kernels = stock_kernels(device) if device.type == "cuda" else cpu_twin_kernels()
     # Each variant is a new mask code, compiled apart: more compilations than the path's own bound allows.
@@ -333,22 +336,23 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument(
-        "--backend", default="sdpa", help="Focus backend (default sdpa, as gpu_attention.py without flash-attn)"
+        "--backend", default="sdpa", help="Focus backend (default sdpa, as layer_prefill.py without flash-attn)"
     )
     parser.add_argument("--rows", type=int, default=25, help="rows kept in each table")
     parser.add_argument(
         "--mask-costs", type=int, nargs="*", default=[], metavar="TOKENS",
-        help="CUDA: also time set A's FlexAttention call (top-2) under each MASK_VARIANTS mask_mod at these lengths",
+        help="CUDA: also time the own-group pass's FlexAttention call (top-2) under each MASK_VARIANTS mask_mod at "
+        "these lengths",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     import torch
-    from gpu_attention import error_text, layer_model, write
+    from layer_prefill import layer_model  # this script's folder
 
     import focus_hf
     from focus_hf.attention.hard import path_record
-    from focus_hf.commands.bench import provenance
+    from focus_hf.benchmarking.records import error_text, provenance, write_json
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -362,7 +366,7 @@ def main() -> int:
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     result = {
         **provenance(device, shlex.join(sys.orig_argv)),
-        "benchmark": "torch.profiler over one Focus prefill of gpu_attention.py's layer, by focus_hf line",
+        "benchmark": "torch.profiler over one Focus prefill of layer_prefill.py's layer, by focus_hf line",
         "layer": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": 64, "groups": args.groups,
                   "window": args.window, "backend": args.backend, "dtype": str(dtype).removeprefix("torch.")},
         "rows": [],
@@ -391,7 +395,7 @@ def main() -> int:
             except Exception as error:  # noqa: BLE001 - one call failing must not lose the others
                 row["error"] = error_text(error)
             result["rows"].append(row)
-            write(args.out, result)
+            write_json(args.out, result)
             brief = {k: row.get(k) for k in ("tokens", "top_k", "wall_s", "device_ms_total", "syncs", "error")}
             print(json.dumps(brief), flush=True)
             for line in row.get("by_focus_line", [])[:12]:
@@ -402,7 +406,7 @@ def main() -> int:
         result["mask_costs"] = mask_costs(
             args.mask_costs, args.heads, args.kv_heads, args.groups, args.window, device, dtype
         )
-        write(args.out, result)
+        write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

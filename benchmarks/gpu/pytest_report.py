@@ -45,7 +45,7 @@ def _message(report: pytest.TestReport) -> str | None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     import torch
 
-    from focus_hf.commands.bench import provenance
+    from focus_hf.benchmarking.records import provenance
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _RESULT.update(provenance(device, shlex.join(sys.orig_argv)))

@@ -1,31 +1,32 @@
-"""Every GPU check of issue 37 in one run: the driver behind benchmarks/gpu/run.sh (its header says how to call it).
+"""Every GPU check in one run: the driver behind benchmarks/gpu/run.sh (its header says how to call it).
 
 Each stage is one process under its own time limit, writing its JSON into one folder as it measures, so that a stage
 that hangs or fails costs its own figures only; after each stage `summary.json` is rewritten, and at the end a table
-of every figure is printed, with its ratio to the dense baseline measured in the same run (and, on CUDA, the target
-of issue 37 it is held against).
+of every figure is printed, with its ratio to the dense baseline measured in the same run (and, on CUDA, the GPU
+target it is held against: `TARGETS`).
 
 | stage         | file               | what                                                                         |
 |---------------|--------------------|------------------------------------------------------------------------------|
 | tests         | tests.json         | pytest -m cuda on the test files that mention CUDA: the tests marked `cuda`  |
 |               |                    | (they skip without CUDA; each fails if a call fell back to the reference)    |
-| attention     | attention.json     | benchmarks/gpu_attention.py: one Llama-shaped layer, 32/8 heads, d 64, K=8,  |
-|               |                    | w=128, top-1 and top-2, 4K-1M tokens, dense timed in the same run            |
+| attention     | attention.json     | benchmarks/gpu/layer_prefill.py: one Llama-shaped layer, 32/8 heads, d 64,   |
+|               |                    | K=8, w=128, top-1 and top-2, 4K-1M tokens, dense timed in the same run       |
 | auto          | auto.json          | focus-hf bench --backend auto, same shape, 1K-256K: auto against dense       |
 | decode        | decode.json        | focus-hf bench --decode: one step against a 16K-1M cache, vs dense SDPA      |
 | peak_memory   | peak_memory.json   | focus-hf bench --peak-memory at 1M: torch's peak allocated memory            |
-| model_prefill | model_prefill.json | benchmarks/gpu_model_prefill.py --weights random: SmolLM2-135M's             |
+| model_prefill | model_prefill.json | benchmarks/gpu/model_prefill.py --weights random: SmolLM2-135M's             |
 |               |                    | architecture, random weights, the committed adapter's settings, 8K-128K      |
 | train         | train.json         | benchmarks/gpu/train_check.py: focus-hf train --objective distill, bf16      |
 | profile       | profile.json       | benchmarks/gpu/profile_layer.py: torch.profiler over the attention stage's   |
 |               |                    | layer at 4K, 64K and 256K, top-1 and top-2: time by focus_hf function, syncs;|
-|               |                    | set A's FlexAttention call under other masks (mask_costs)                    |
+|               |                    | the own-group pass's FlexAttention call under other masks (mask_costs)       |
 
 `--quick` runs attention (64K-1M, one repeat), decode (256K and 1M caches, eager), model_prefill (128K) and tests
-under shorter limits within 330 s: a session with 15 device minutes runs it first and the full set second, with
-`--skip tests` if the first call ran them. `profile` runs when named (`--only profile`).
+under shorter limits within 330 s; the full set ends within 450 s (`--deadline` changes either). On a GPU machine
+held for 15 minutes in all (start-up included), run `--quick` first and the full set second, with `--skip tests` if
+the quick set took them. `profile` runs when named (`--only profile`).
 
-That is 8 files with summary.json, the most the device tool brings back. Every Focus row of the stage files records
+The full set writes 8 files with summary.json. Every Focus row of the stage files records
 what ran it (`gpu_path`: verify's verdicts, the calls that fell back to the reference path, FlexAttention's
 compilations); summary.json gathers them under `gpu_path`, and a figure whose calls fell back meets no target: it is
 not a Focus figure. `--device cpu` runs every stage at small
@@ -35,7 +36,7 @@ figures say nothing about GPUs).
     python benchmarks/gpu/run.py [--device cuda|cpu] [--quick] [--out DIR] [--only STAGE ...] [--skip STAGE ...]
                                  [--deadline SECONDS] [--timeout STAGE=SECONDS ...]
 
-`FOCUS_HF_GPU_TESTS_K=EXPR` passes `-k EXPR` to the tests stage's pytest (a second call runs the tests the first did
+`FOCUS_HF_GPU_TESTS_K=EXPR` passes `-k EXPR` to the tests stage's pytest (a second run takes the tests the first did
 not reach).
 """
 
@@ -58,7 +59,7 @@ from typing import Any, Callable, Optional
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
-# The gpu_attention.py layer (issue 37): 32 query / 8 kv heads, head dim 64, K=8, window 128; a quarter of the heads
+# The layer of layer_prefill.py: 32 query / 8 kv heads, head dim 64, K=8, window 128; a quarter of the heads
 # for the CPU check.
 HEADS = {"cuda": ["--heads", "32", "--kv-heads", "8"], "cpu": ["--heads", "8", "--kv-heads", "2"]}
 LAYER = ["--head-dim", "64", "--groups", "8", "--window", "128"]
@@ -110,7 +111,15 @@ def attention_command(device: str, path: Path, quick: bool = False) -> list[str]
     if quick:
         sizes = ["65536", "262144", "1048576"] if device == "cuda" else ["1024"]
         extra = ["--repeats", "1"]
-    command = [sys.executable, "benchmarks/gpu_attention.py", "--device", device, *HEADS[device], "--lengths", *sizes]
+    command = [
+        sys.executable,
+        "benchmarks/gpu/layer_prefill.py",
+        "--device",
+        device,
+        *HEADS[device],
+        "--lengths",
+        *sizes,
+    ]
     return [*command, "--top-k", "1", "2", *extra, "--out", str(path)]
 
 
@@ -144,7 +153,7 @@ def peak_memory_command(device: str, path: Path, quick: bool = False) -> list[st
 
 
 def model_prefill_command(device: str, path: Path, quick: bool = False) -> list[str]:
-    command = [sys.executable, "benchmarks/gpu_model_prefill.py", "--device", device, "--weights", "random"]
+    command = [sys.executable, "benchmarks/gpu/model_prefill.py", "--device", device, "--weights", "random"]
     if device == "cuda":
         lengths = ["131072"] if quick else ["8192", "16384", "32768", "65536", "131072"]
         return [*command, "--lengths", *lengths, "--out", str(path)]
@@ -165,7 +174,7 @@ def train_command(device: str, path: Path, quick: bool = False) -> list[str]:
     return [sys.executable, "benchmarks/gpu/train_check.py", "--device", device, *steps, "--out", str(path)]
 
 
-# The full set is 7 stage files and summary.json: the 8 files the device tool brings back. `profile` runs only when
+# The full set is 7 stage files and summary.json, 8 files in all. `profile` runs only when
 # named with --only (on an H200 it took 105 s of the quick set's 330, commit 456c31e).
 STAGES = [
     Stage("profile", "profile.json", profile_command, {"cuda": 150, "cpu": 120}, quick=False, full=False),
@@ -193,7 +202,7 @@ def selected_stages(only: Optional[list[str]], skip: list[str], quick: bool) -> 
 
 
 def default_out() -> Path:
-    """$OUT/gpu where $OUT is set (the device tool brings that folder back), else benchmarks/results/gpu."""
+    """$OUT/gpu where $OUT is set (a runner's folder of results to bring back), else benchmarks/results/gpu."""
     return Path(os.environ["OUT"]) / "gpu" if os.environ.get("OUT") else ROOT / "benchmarks" / "results" / "gpu"
 
 
@@ -255,7 +264,7 @@ def fallbacks(row: dict) -> int:
 def figure(
     stage: str, name: str, dense: Any, focus: Any, ratio: Optional[float], unit: str, target=None, source=None
 ) -> dict:
-    """One summary row; `target` is (comparison, value) from issue 37, e.g. (">=", 2.5); `source`: the stage's row
+    """One summary row; `target` is (comparison, value), a GPU target, e.g. (">=", 2.5); `source`: the stage's row
     it comes from, whose fallback calls it records (a figure measured on a fallback is not a Focus figure)."""
     return {
         "stage": stage,
@@ -300,7 +309,7 @@ def gpu_path_summary(out: Path) -> dict:
     }
 
 
-# Issue 37's targets, on CUDA: (stage, top_k, tokens) -> (comparison, value).
+# The GPU targets, on CUDA: (stage, top_k, tokens) -> (comparison, value).
 TARGETS = {
     ("attention", 1, 65536): (">=", 2.5),
     ("attention", 1, 262144): (">=", 5.0),
@@ -400,7 +409,7 @@ def figures(out: Path, cuda: bool) -> list[dict]:
 
 
 def meets(row: dict, cuda: bool) -> Optional[bool]:
-    """Whether a figure meets its issue-37 target; None where it has none, or off CUDA (the targets are GPU ones).
+    """Whether a figure meets its GPU target; None where it has none, or off CUDA (the targets are GPU ones).
     A figure whose Focus calls fell back to the reference path meets none: it is not a Focus figure."""
     target = row["target"]
     if target is None or not cuda:
@@ -450,7 +459,7 @@ def write_summary(out: Path, base: dict, stages: dict, cuda: bool) -> list[dict]
     rows = figures(out, cuda)
     summary = {**base, "stages": stages, "gpu_path": gpu_path_summary(out), "figures": rows}
     summary["targets"] = (
-        "issue 37's targets, checked on this run's figures" if cuda else "not checked: the targets are for CUDA"
+        "the GPU targets, checked on this run's figures" if cuda else "not checked: the targets are for CUDA"
     )
     (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return rows
@@ -465,8 +474,8 @@ def main() -> int:
         "--quick",
         action="store_true",
         help="the short set (a profile of the layer, prefill at 64K-1M, decode at 256K / 1M, the CUDA tests, "
-        "model prefill at 128K) under its own stage limits and a 330 s deadline: the first call of a session with 15 "
-        "device minutes",
+        "model prefill at 128K) under its own stage limits and a 330 s deadline: the first of two runs on a GPU "
+        "machine held for 15 minutes",
     )
     parser.add_argument("--skip", nargs="+", choices=STAGE_NAMES, default=[], help="leave these stages out")
     parser.add_argument(
@@ -479,7 +488,7 @@ def main() -> int:
 
     import torch
 
-    from focus_hf.commands.bench import provenance
+    from focus_hf.benchmarking.records import provenance
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks/gpu/run.py: no CUDA GPU here; run it on the GPU machine, or with --device cpu to check it.")

@@ -1,31 +1,28 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 37 in one call: CUDA tests, the attention benchmark (4K-1M tokens, top-1 and top-2, dense
-# in the same run), `auto` from 1K, decode against a 16K-1M cache, peak memory at 1M, model-level bf16 prefill with
-# SmolLM2-135M's architecture (random weights, the committed adapter's settings) at 8K-128K, and a short `focus-hf
-# train` distillation on CUDA. Stages, files and figures: benchmarks/gpu/run.py's docstring and README.md.
+# Every GPU check in one run: CUDA tests, the attention benchmark (4K-1M tokens, top-1 and top-2, dense in the same
+# run), `auto` from 1K, decode against a 16K-1M cache, peak memory at 1M, model-level bf16 prefill with SmolLM2-135M's
+# architecture (random weights, the committed adapter's settings) at 8K-128K, and a short `focus-hf train`
+# distillation on CUDA. Stages, files and figures: benchmarks/gpu/run.py's docstring and README.md.
 #
-# ON THE LENT GPU MACHINE (two calls within 15 device minutes: --quick, then the full set; each call starts in ~30-60 s):
+# ON A GPU MACHINE WITHOUT INTERNET ACCESS, held for 15 minutes in all and at most 10 minutes per command (start-up
+# included): two runs, --quick (within 330 s), then the full set with the time left.
 #   1. here, once (downloads ~15 MB of wheels into the git-ignored .whl/: transformers 5.23, peft 0.21.2, gguf,
 #      regex for the machine's Python 3.12; the machine has no internet and older packages):
 #          bash benchmarks/gpu/fetch_wheels.sh
-#   2. the device tool's `run`, from the repository root, with
-#          carry:     [".whl"]
-#          timeout_s: 420
-#          command:   FOCUS_HF_GIT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu/run.sh --quick
-#      (the copy of the working tree there has no .git: the variable records the commit measured): prefill at
-#      64K-1M, eager decoding, the model at 128K and the CUDA tests within 330 s. Then, with what the 15 device
-#      minutes leave, the full set: `... bash benchmarks/gpu/run.sh --skip tests --deadline <seconds left - 60>`.
-#      The results come back under files_at/gpu/ (the tool brings back 8 files at most: the full set is 7 stage
-#      files and summary.json).
-#   3. `give_back` when done.
+#   2. copy the working tree and .whl/ to the machine and run, from the repository root, with a limit of 420 s:
+#          FOCUS_HF_GIT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu/run.sh --quick
+#      (a copy of the working tree has no .git: the variable records the commit measured): prefill at 64K-1M, eager
+#      decoding, the model at 128K and the CUDA tests within 330 s. Then, with the minutes left, the full set:
+#      `... bash benchmarks/gpu/run.sh --skip tests --deadline <seconds left - 60>`. The results are written to
+#      $OUT/gpu/ where $OUT is set (the full set is 7 stage files and summary.json).
 #
 # HERE, TO CHECK THE SCRIPT (no GPU; small sizes, float32, every stage; tests/test_gpu_script.py runs this):
 #          bash benchmarks/gpu/run.sh --device cpu --out /tmp/gpu-check
 #
 # Options (all but --bootstrap / --no-bootstrap go to run.py): --device cuda|cpu, --quick, --out DIR (default $OUT/gpu when
 # $OUT is set, else benchmarks/results/gpu), --only STAGE..., --skip STAGE..., --deadline SECONDS,
-# --timeout STAGE=SECONDS. The wheels in .whl/ are installed into a temporary folder first (the recipe of
-# gpu-device.md) when the device is cuda and .whl/ holds wheels; --bootstrap / --no-bootstrap force either way.
+# --timeout STAGE=SECONDS. The wheels in .whl/ are installed into a temporary folder first when the device is cuda
+# and .whl/ holds wheels; --bootstrap / --no-bootstrap force either way.
 # Exit code: 0 when every stage ran and exited 0 (the figures' targets are in the summary, not in the exit code).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1

@@ -85,8 +85,8 @@ def main() -> int:
 
     import torch
 
+    from focus_hf.benchmarking.records import provenance
     from focus_hf.cli import main as cli_main
-    from focus_hf.commands.bench import provenance
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks/gpu/train_check.py --device cuda needs a CUDA GPU; none is available here.")

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from run import ADAPTER, command_line, load_focus, machine  # this script's folder
+
+import focus_hf
+from focus_hf.data import load_texts, split_texts
+from focus_hf.fitting.dense_heads import calibrate_full_attention
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from run import ADAPTER, command_line, load_focus, machine  # noqa: E402
-
-import focus_hf  # noqa: E402
-from focus_hf.data import load_texts, split_texts  # noqa: E402
-from focus_hf.fitting.dense_heads import calibrate_full_attention  # noqa: E402
 
 
 def main() -> None:

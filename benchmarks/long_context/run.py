@@ -30,24 +30,20 @@ import sys
 import time
 from pathlib import Path
 
+import baselines
 import torch
 import torch.nn.functional as F
+from peft import PeftModel
+
+import focus_hf
+from focus_hf import load_model_and_tokenizer
+from focus_hf.aliases import DEFAULT_MODEL
+from focus_hf.attention.pattern import probed_distant_keys
+from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks
+from focus_hf.evaluation import passkey_answer
+from focus_hf.interpret.groups import record_routing
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent))  # benchmarks/: model_decode's timed generate()
-
-import baselines  # noqa: E402
-from peft import PeftModel  # noqa: E402
-
-import focus_hf  # noqa: E402
-from focus_hf import load_model_and_tokenizer  # noqa: E402
-from focus_hf.aliases import DEFAULT_MODEL  # noqa: E402
-from focus_hf.attention.pattern import probed_distant_keys  # noqa: E402
-from focus_hf.data import load_texts, passkey_prompt, split_texts, token_blocks  # noqa: E402
-from focus_hf.evaluation import passkey_answer  # noqa: E402
-from focus_hf.interpret.groups import record_routing  # noqa: E402
-
 ADAPTER = HERE / "adapter"
 RESULTS = HERE / "results"
 SCORE_CHUNK = 2048
@@ -375,10 +371,10 @@ def stage_speed(args) -> None:
 def stage_generate(args) -> None:
     """Model-level decoding after a long prompt, dense vs Focus: prefill seconds and greedy decode tokens/s.
 
-    `generate()` itself, timed by `model_decode.timed_generate` (a streamer stamps every new token): the prefill up
-    to the first new token, then --new-tokens greedy steps, each model in turn on the same prompt.
+    `generate()` itself, timed by `benchmarking.model.timed_generate` (a streamer stamps every new token): the
+    prefill up to the first new token, then --new-tokens greedy steps, each model in turn on the same prompt.
     """
-    from model_decode import timed_generate
+    from focus_hf.benchmarking.model import timed_generate
 
     _, heldout = split_texts(load_texts("python-source"), heldout_fraction=0.1, seed=0)
     dense, tokenizer = load_dense()

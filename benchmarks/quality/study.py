@@ -1,4 +1,4 @@
-"""Quality study of Focus on SmolLM2-135M-Instruct and held-out Python reference text (issue 4).
+"""Quality study of Focus on SmolLM2-135M-Instruct and held-out Python reference text.
 
 Stages (each writes JSON under --results, default benchmarks/results/quality/; `report` turns them into markdown):
 

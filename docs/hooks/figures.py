@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import statistics
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -28,33 +27,36 @@ ATTENTION_DECODE = "benchmarks/results/attention_cpu_decode.json"
 ATTENTION_MEMORY = "benchmarks/results/attention_cpu_peak_memory.json"
 ATTENTION_AUTO = {k: f"benchmarks/results/attention_cpu_auto_K{k}.json" for k in (4, 8, 16)}
 ATTENTION_BF16 = "benchmarks/results/attention_cpu_bf16.json"
-# Each machine's per-build runs: its folder, <stem>_<build>.json, and the builds measured there.
-AVX2_MACHINE = "benchmarks/results/cpu_targets"  # AMD EPYC Zen 3: AVX2 + FMA, no AVX-512
+# Each machine's runs, in one file per machine (benchmarks/machine_results.py adds them): a run is read as
+# "<machine file>#<run>", the runs of a build named <stem>_<build>.
+MACHINES = "benchmarks/results/machines"
+AVX2_MACHINE = f"{MACHINES}/avx2-epyc.json"  # AMD EPYC Zen 3: AVX2 + FMA, no AVX-512
 CPU_TARGETS = ("native", "x86-64-v3", "x86-64-v2")
-AVX512_MACHINE = "benchmarks/results/cpu_targets_avx512"  # AMD EPYC with AVX-512 and avx512_bf16
+AVX512_MACHINE = f"{MACHINES}/avx512-epyc.json"  # AMD EPYC with AVX-512 and avx512_bf16
 AVX512_TARGETS = ("native", "x86-64-v4", "x86-64-v3", "x86-64-v2")
 # Builds run there with torch's own kernels capped to the build's instruction sets (a processor of that level).
 AVX512_EMULATED = ("x86-64-v3_torch-avx2", "x86-64-v2_torch-default")
-XEON_MACHINE = "benchmarks/results/cpu_targets_xeon"  # Intel Xeon (Emerald Rapids): AVX-512, avx512_bf16, AMX
+XEON_MACHINE = f"{MACHINES}/xeon-amx.json"  # Intel Xeon (Emerald Rapids): AVX-512, avx512_bf16, AMX
 XEON_TARGETS = ("native", "x86-64-v4", *AVX512_EMULATED)
 XEON_BF16_RUNS = ("native", "native_before-amx-tiles")  # the bfloat16 products in tiles, and in vectors before
 XEON_MODEL_RUNS = ("native", "native_one-thread", *AVX512_EMULATED)  # two threads; generate() after 1K, 2K on one
-ZEN5_MACHINE = "benchmarks/results/cpu_targets_zen5"  # AMD EPYC Zen 5 (family 26): AVX-512, avx512_bf16, no AMX
-# x86-64-v2 again with MKL and libm capped too (benchmarks/capped.py): MKL ignores MKL_ENABLE_INSTRUCTIONS on AMD
+ZEN5_MACHINE = f"{MACHINES}/zen5-epyc.json"  # AMD EPYC Zen 5 (family 26): AVX-512, avx512_bf16, no AMX
+# x86-64-v2 again with MKL and libm capped too (benchmarks/cpu/capped.py): MKL ignores MKL_ENABLE_INSTRUCTIONS on AMD
 ZEN5_V2_CAPPED = "x86-64-v2_capped"
-ZEN5_FIRST_RUNS = ("native", *AVX512_EMULATED)  # on 003eb6e
+ZEN5_FIRST_RUNS = ("native", *AVX512_EMULATED)
 ZEN5_TARGETS = (*ZEN5_FIRST_RUNS, ZEN5_V2_CAPPED)
-# and each build again, decoding after 41557c4 (native from 1K, the others after 16K)
+# and each build again, decoding with the waiting steps' inputs copied into buffers (native from 1K, the others
+# after 16K)
 ZEN5_MODEL_RUNS = (
     *ZEN5_FIRST_RUNS,
     *(f"{target}_noted-steps-copied" for target in ZEN5_FIRST_RUNS),
     ZEN5_V2_CAPPED,
-    "native_grouped-fill",  # after 16K again with f7401db's one-pass fill of the group-sorted copies
+    "native_grouped-fill",  # after 16K again with the group-sorted copies filled in one pass
 )
 # generate() after 1K and 2K with rounds enough for 20 s of decoding (--min-seconds) and the stepped medians, every
-# build (the x86-64 levels under benchmarks/capped.py), steps decided once a run (DecodingRun)
+# build (the x86-64 levels under benchmarks/cpu/capped.py), steps decided once a run (DecodingRun)
 ZEN5_SHORT_RUNS = ("native_dense-steps", "x86-64-v3_capped_dense-steps", f"{ZEN5_V2_CAPPED}_dense-steps")
-ZEN5_BOOKKEEPING = f"{ZEN5_MACHINE}/decode_bookkeeping_native.json"
+ZEN5_BOOKKEEPING = f"{ZEN5_MACHINE}#decode_bookkeeping_native"
 BF16_EXACTNESS = "benchmarks/results/attention_cpu_bf16_exactness.json"
 ATTENTION_PARTS = "benchmarks/results/attention_cpu_parts.json"
 CROSSOVER = "benchmarks/results/crossover_cpu.json"
@@ -79,16 +81,15 @@ LC_ADAPTER_CONFIG = "benchmarks/long_context/adapter/adapter_config.json"
 VLLM_SERVING = "benchmarks/results/vllm_serving.json"
 LC_CALIBRATION = "benchmarks/long_context/calibration.json"
 GPU_SUMMARY = "benchmarks/results/gpu/summary.json"  # benchmarks/gpu/run.sh: every GPU stage's figures, one run
-# The session after it: the profile of commit 3056b1b, then the chunked scans measured (commit 432b95d).
-GPU_BEFORE = "benchmarks/results/gpu/profile-3056b1b/summary.json"
+# The profile of commit 3056b1b, then the chunked scans measured (commit 432b95d).
 GPU_PROFILE_BEFORE = "benchmarks/results/gpu/profile-3056b1b/profile.json"
 GPU_AFTER = "benchmarks/results/gpu/chunked-scan/summary.json"
 GPU_PROFILE_AFTER = "benchmarks/results/gpu/chunked-scan/profile.json"
-# A third session: the quick set of 456c31e (set B in torch bands, profiled), then set B as one windowed flash call.
+# The quick set of 456c31e (the window band in torch bands, profiled), then the window band as one windowed flash call.
 GPU_QUICK = "benchmarks/results/gpu/quick-456c31e/summary.json"
 GPU_PROFILE_QUICK = "benchmarks/results/gpu/quick-456c31e/profile.json"
 GPU_WINDOW = "benchmarks/results/gpu/window-e9ee7e1/summary.json"
-DEMO_RUN = "benchmarks/results/demo_run.json"  # benchmarks/demo_run.py: `focus-hf demo` timed from a fresh cache
+DEMO_RUN = "benchmarks/results/demo_run.json"  # benchmarks/model/demo_run.py: `focus-hf demo` timed from a fresh cache
 
 AS_SAVED = "focus as saved top-1, w=512, 18 dense heads, dense below 2048"  # the committed adapter's rows
 FOCUS_SAVED = "Focus hard as saved (top-1, w=512, 18 dense heads, dense below 2048)"  # the same, model benchmarks
@@ -110,10 +111,18 @@ def recording() -> Iterator[set[str]]:
 
 
 def load(path: str) -> Any:
-    """The parsed JSON file at `path` (relative to the repository root)."""
+    """The parsed JSON file at `path` (relative to the repository root), or with `#RUN` one run of a machine's file."""
+    file, _, run = path.partition("#")
     for read in _recording:
-        read.add(path)
-    return _parse(path)
+        read.add(file)
+    data = _parse(file)
+    return data["runs"][run] if run else data
+
+
+def exists(path: str) -> bool:
+    """Whether `path` (a file, or `<machine file>#<run>`) is committed."""
+    file, _, run = path.partition("#")
+    return (ROOT / file).is_file() and (not run or run in _parse(file)["runs"])
 
 
 @functools.cache
@@ -323,10 +332,15 @@ def _module_ms(path: str, tokens: int, top_k: int, module: str) -> str:
 
 
 def _range_mask_over_floor(path: str, tokens: int) -> float:
-    """Set A's FlexAttention call (top-2) under the path's mask over the same call with no mask on the same block
-    lists (`mask_costs`: the mask's cost over the kernel's floor)."""
+    """The own-group pass's FlexAttention call (top-2) under the path's mask over the same call with no mask on the
+    same block lists (`mask_costs`: the mask's cost over the kernel's floor)."""
     variants = next(row for row in load(path)["mask_costs"] if row["tokens"] == tokens)["variants"]
     return variants["path"] / variants["none"]
+
+
+def _history(path: str) -> str:
+    """One attention layer's bfloat16 speedup at 16K tokens, top-1, one thread, in the run at `path`."""
+    return times(pick(path, seq_len=16384, top_k=1, dtype="bfloat16")["speedup"])
 
 
 def _gpu_targets() -> str:
@@ -335,47 +349,58 @@ def _gpu_targets() -> str:
 
 
 FIGURES: dict[str, Callable[[], str]] = {
+    # each machine's file says what the machine is
+    **{
+        f"machine.{name}": lambda path=path: load(path)["machine"]
+        for name, path in (
+            ("avx2", AVX2_MACHINE),
+            ("avx512", AVX512_MACHINE),
+            ("xeon", XEON_MACHINE),
+            ("zen5", ZEN5_MACHINE),
+        )
+    },
     "gpu.device": lambda: load(GPU_SUMMARY)["device"],
-    "gpu.torch": lambda: load(GPU_SUMMARY)["versions"]["torch"],
     "gpu.commit": lambda: load(GPU_SUMMARY)["git_commit"][:7],
     "gpu.targets_met": _gpu_targets,
-    "gpu.top1_64k": _gpu_ratio("attention", "top-1 prefill 64K"),
     "gpu.top1_256k": _gpu_ratio("attention", "top-1 prefill 256K"),
-    "gpu.top2_256k": _gpu_ratio("attention", "top-2 prefill 256K"),
     "gpu.auto_top1_256k": _gpu_ratio("auto", "top-1 256K"),
     "gpu.auto_top1_1k": _gpu_ratio("auto", "top-1 1K"),
-    "gpu.after.commit": lambda: load(GPU_AFTER)["git_commit"][:7],
-    "gpu.after.top1_64k": _gpu_ratio("attention", "top-1 prefill 64K", GPU_AFTER),
     "gpu.after.top1_256k": _gpu_ratio("attention", "top-1 prefill 256K", GPU_AFTER),
-    "gpu.after.top2_256k": _gpu_ratio("attention", "top-2 prefill 256K", GPU_AFTER),
-    "gpu.after.tests_passed": lambda: _gpu("tests", "pytest -m cuda", GPU_AFTER)["focus"],
-    "gpu.before.tests_passed": lambda: _gpu("tests", "pytest -m cuda", GPU_BEFORE)["focus"],
     "gpu.scan_before_256k": lambda: f"{_scan_ms(GPU_PROFILE_BEFORE, 262144):.0f} ms",
     "gpu.scan_after_256k": lambda: f"{_scan_ms(GPU_PROFILE_AFTER, 262144):.1f} ms",
     "gpu.wall_before_256k": lambda: f"{1e3 * _profile_row(GPU_PROFILE_BEFORE, 262144, 1)['wall_s']:.0f} ms",
     "gpu.wall_after_256k": lambda: f"{1e3 * _profile_row(GPU_PROFILE_AFTER, 262144, 1)['wall_s']:.0f} ms",
-    "gpu.peak_1m": _gpu_ratio("peak_memory", "top-1 peak 1M"),
-    "gpu.quick.commit": lambda: load(GPU_QUICK)["git_commit"][:7],
-    "gpu.quick.top1_64k": _gpu_ratio("attention", "top-1 prefill 64K", GPU_QUICK),
     "gpu.quick.top1_256k": _gpu_ratio("attention", "top-1 prefill 256K", GPU_QUICK),
     "gpu.quick.wall_256k": lambda: f"{_profile_row(GPU_PROFILE_QUICK, 262144, 1)['device_ms_total']:.0f} ms",
     "gpu.quick.bands_256k": lambda: _module_ms(GPU_PROFILE_QUICK, 262144, 1, "focus_hf/attention/gpu/bands.py"),
-    "gpu.quick.wall_64k": lambda: f"{_profile_row(GPU_PROFILE_QUICK, 65536, 1)['device_ms_total']:.0f} ms",
-    "gpu.quick.bands_64k": lambda: _module_ms(GPU_PROFILE_QUICK, 65536, 1, "focus_hf/attention/gpu/bands.py"),
     "gpu.window.commit": lambda: load(GPU_WINDOW)["git_commit"][:7],
     "gpu.window.top1_64k": _gpu_ratio("attention", "top-1 prefill 64K", GPU_WINDOW),
     "gpu.window.top1_256k": _gpu_ratio("attention", "top-1 prefill 256K", GPU_WINDOW),
     "gpu.window.top1_1m": _gpu_ratio("attention", "top-1 prefill 1M", GPU_WINDOW),
     "gpu.window.top2_1m": _gpu_ratio("attention", "top-2 prefill 1M", GPU_WINDOW),
-    "gpu.window.top2_256k": _gpu_ratio("attention", "top-2 prefill 256K", GPU_WINDOW),
     "gpu.window.top2_64k": _gpu_ratio("attention", "top-2 prefill 64K", GPU_WINDOW),
-    "gpu.window.peak_top1_1m": _gpu_ratio("attention", "top-1 prefill 1M peak", GPU_WINDOW),
     "gpu.window.peak_top2_1m": _gpu_ratio("attention", "top-2 prefill 1M peak", GPU_WINDOW),
-    "gpu.window.peak_top1_64k": _gpu_ratio("attention", "top-1 prefill 64K peak", GPU_WINDOW),
-    "gpu.window.tests_passed": lambda: _gpu("tests", "pytest -m cuda", GPU_WINDOW)["focus"],
     "gpu.quick.range_mask_256k": lambda: times(_range_mask_over_floor(GPU_PROFILE_QUICK, 262144)),
-    "gpu.quick.tests_passed": lambda: _gpu("tests", "pytest -m cuda", GPU_QUICK)["focus"],
-    # vLLM's CPU engine, Focus (the committed adapter) over vLLM's dense attention (benchmarks/vllm_serving.py)
+    # what changed the speed, for the changelog: the same figure before and after a change, each from its own run
+    "history.xeon_bf16_vectors_16k": lambda: _history(f"{XEON_MACHINE}#attention_parts_native_before-amx-tiles"),
+    "history.xeon_bf16_tiles_16k": lambda: _history(f"{XEON_MACHINE}#attention_parts_native"),
+    "history.zen5_generate_16k_kept": lambda: times(
+        pick(f"{ZEN5_MACHINE}#model_decode_16k_native", prompt_len=16384, variant=FOCUS_SAVED)["speedup"]
+    ),
+    "history.zen5_generate_16k_copied": lambda: times(
+        pick(f"{ZEN5_MACHINE}#model_decode_16k_native_noted-steps-copied", prompt_len=16384, variant=FOCUS_SAVED)[
+            "speedup"
+        ]
+    ),
+    "history.zen5_steps_16k_kept": lambda: times(
+        pick(f"{ZEN5_MACHINE}#model_decode_steps_16k_native", prompt_len=16384, variant=FOCUS_SAVED)["speedup"]
+    ),
+    "history.zen5_steps_16k_copied": lambda: times(
+        pick(f"{ZEN5_MACHINE}#model_decode_steps_16k_native_noted-steps-copied", prompt_len=16384, variant=FOCUS_SAVED)[
+            "speedup"
+        ]
+    ),
+    # vLLM's CPU engine, Focus (the committed adapter) over vLLM's dense attention (benchmarks/model/vllm_serving.py)
     **{
         f"vllm.{kind}_{length // 1024}k": _vllm(length, f"{kind}_speedup")
         for length in (4096, 8192, 16384, 32768)
@@ -460,11 +485,11 @@ FIGURES: dict[str, Callable[[], str]] = {
     "attn.bf16_top1_64k": _attention(ATTENTION_BF16, 65536, 1),
     # The same layer on the current kernels: the AVX-512 machine's `focus-hf bench` again, and the AVX2 machine's
     # `auto` at 64K on one thread (the path it chose).
-    "avx512.top1_64k": _attention(f"{AVX512_MACHINE}/attention_bench_native.json", 65536, 1),
-    "avx512.bf16_top1_64k": _attention(f"{AVX512_MACHINE}/attention_bench_bf16_native.json", 65536, 1),
-    "avx2.auto_top1_64k": _attention(f"{AVX2_MACHINE}/attention_auto_native.json", 65536, 1),
+    "avx512.top1_64k": _attention(f"{AVX512_MACHINE}#attention_bench_native", 65536, 1),
+    "avx512.bf16_top1_64k": _attention(f"{AVX512_MACHINE}#attention_bench_bf16_native", 65536, 1),
+    "avx2.auto_top1_64k": _attention(f"{AVX2_MACHINE}#attention_auto_native", 65536, 1),
     "xeon.bf16_top1_64k": lambda: times(
-        pick(f"{XEON_MACHINE}/attention_parts_native.json", seq_len=65536, top_k=1, dtype="bfloat16")["speedup"]
+        pick(f"{XEON_MACHINE}#attention_parts_native", seq_len=65536, top_k=1, dtype="bfloat16")["speedup"]
     ),
     "attn.bf16_top2_4k": _attention(ATTENTION_BF16, 4096, 2),
     "attn.bf16_top2_16k": _attention(ATTENTION_BF16, 16384, 2),
@@ -576,7 +601,7 @@ def long_context_table() -> str:
     prefill: dict[str, float] = {}
     for row in rows(LC_SPEED):
         if row["seq_len"] == 8192:
-            prefill.setdefault(row["variant"], row["speedup"])  # the first run of each setting
+            prefill.setdefault(row["variant"], row["speedup"])  # the first measured row of each setting
     body = []
     for row, label in chosen:
         key = passkeys.get(row["variant"])
@@ -671,8 +696,64 @@ def parts_table() -> str:
                 times(row["speedup"]) + " / " + times(row["ideal_speedup"]),
             ]
         )
-    header = ["dtype", "top-k", "tokens", "dense ns", "set A ns", "local ns", "set A time", "local time"]
+    header = [
+        "dtype",
+        "top-k",
+        "tokens",
+        "dense ns",
+        "own-group pass ns",
+        "local ns",
+        "own-group pass time",
+        "local time",
+    ]
     return _table(header + ["speedup / ideal"], body)
+
+
+# Each CPU measured, its native build: (name, machine file, runs read per figure - the newest run holding it).
+PLATFORMS = (
+    ("AMD EPYC, AVX2 (Zen 3)", AVX2_MACHINE, {"generate": "model_decode_native", "steps": "model_decode_steps_native"}),
+    ("AMD EPYC, AVX-512", AVX512_MACHINE, {"generate": "model_decode_native", "steps": "model_decode_steps_native"}),
+    (
+        "Intel Xeon, AVX-512 + AMX",
+        XEON_MACHINE,
+        {"generate": "model_decode_native", "steps": "model_decode_steps_native"},
+    ),
+    (
+        "AMD EPYC, AVX-512 (Zen 5)",
+        ZEN5_MACHINE,
+        {"generate": "model_decode_native_noted-steps-copied", "steps": "model_decode_steps_native_dense-steps"},
+    ),
+)
+
+
+def _platform_cell(path: str, length_field: str, length: int, **match: Any) -> str:
+    """A speedup of the run at `path` (a Focus row at `length`), linked to the run; "-" where not measured."""
+    found = [
+        row for row in rows(path) if row.get(length_field) == length and all(row.get(k) == v for k, v in match.items())
+    ]
+    return f"[{times(found[0]['speedup'])}]({path})" if found else "-"
+
+
+def platforms_table() -> str:
+    """Per CPU measured, the native build: one attention layer (one thread, CPU time) at 16K tokens, top-1, float32
+    and bfloat16; one decoding step against a 64K cache; the whole model's prefill of 8K tokens, generate() after an
+    8K prompt and decoding steps after 2K, each against the base model in the same run."""
+    body = []
+    for name, machine, runs in PLATFORMS:
+        parts = f"{machine}#attention_parts_native"
+        body.append(
+            [
+                name,
+                _platform_cell(parts, "seq_len", 16384, top_k=1, dtype="float32"),
+                _platform_cell(parts, "seq_len", 16384, top_k=1, dtype="bfloat16"),
+                _platform_cell(f"{machine}#attention_decode_native", "cache_len", 65536, top_k=1),
+                _platform_cell(f"{machine}#model_prefill_native", "seq_len", 8192, variant=FOCUS_SAVED),
+                _platform_cell(f"{machine}#{runs['generate']}", "prompt_len", 8192, variant=FOCUS_SAVED),
+                _platform_cell(f"{machine}#{runs['steps']}", "prompt_len", 2048, variant=FOCUS_SAVED),
+            ]
+        )
+    header = ["processor (2 cores)", "layer 16K float32", "layer 16K bfloat16", "decoding step, 64K cache"]
+    return _table(header + ["model prefill 8K", "generate() after 8K", "decoding steps after 2K"], body)
 
 
 def target_rows(
@@ -680,7 +761,7 @@ def target_rows(
 ) -> Iterator[tuple[str, str, dict]]:
     """(build, results file, row) of each build's <machine>/<stem>_<build>.json."""
     for target in targets:
-        path = f"{machine}/{stem}_{target}.json"
+        path = f"{machine}#{stem}_{target}"
         for row in rows(path):
             yield target, path, row
 
@@ -689,8 +770,9 @@ def cpu_targets_table(
     machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS, dtype: Optional[str] = None
 ) -> str:
     """One attention layer per build of the C kernels (`FOCUS_HF_CPU_TARGET`), all measured on one machine by
-    benchmarks/attention_parts.py (one thread, CPU time): speedup over dense SDPA of the C kernels and of the torch
-    path, the pair-count ideal, and set A's cost per pair against dense SDPA's (rows of `dtype` only, if given)."""
+    benchmarks/cpu/prefill_parts.py (one thread, CPU time): speedup over dense SDPA of the C kernels and of the torch
+    path, the pair-count ideal, and the own-group pass's cost per pair against dense SDPA's (rows of `dtype` only,
+    if given)."""
     body = []
     for target, path, row in target_rows("attention_parts", machine, targets):
         if dtype is not None and row["dtype"] != dtype:
@@ -710,92 +792,36 @@ def cpu_targets_table(
             ]
         )
     header = ["build", "floats per vector", "tokens", "top-k", "C kernels", "torch path", "ideal", "efficiency"]
-    return _table(header + ["set A / dense ns per pair"], body)
+    return _table(header + ["own-group pass / dense ns per pair"], body)
 
 
-def avx512_recheck_table() -> str:
-    """The AVX-512 machine's `focus-hf bench` figures measured again on the current kernels (the builds sized per
-    target since), beside the committed ones of the same command: same processor family, threads and layer."""
+def bench_table(paths: tuple[str, ...]) -> str:
+    """`focus-hf bench` rows (prefill, backend auto) of the files or runs at `paths`: dense SDPA and Focus in turn in
+    one process, wall clock of the threads each row records."""
     body = []
-    for before_path, now_path in ((ATTENTION, f"{AVX512_MACHINE}/attention_bench_native.json"),
-                                  (ATTENTION_BF16, f"{AVX512_MACHINE}/attention_bench_bf16_native.json")):  # fmt: skip
-        before = {(row["seq_len"], row["top_k"]): row for row in rows(before_path)}
-        for row in rows(now_path):
-            earlier = before.get((row["seq_len"], row["top_k"]))
-            if earlier is None:
-                continue
+    for path in paths:
+        for row in rows(path):
             body.append(
                 [
-                    row["dtype"],
+                    f"[{row['dtype']}]({path})",
                     f"{row['seq_len']:,}",
                     str(row["top_k"]),
-                    f"[{times(earlier['speedup'])}]({before_path}) ({earlier['git_commit'][:7]})",
-                    f"[{times(row['speedup'])}]({now_path}) ({row['git_commit'][:7]})",
+                    f"{row['dense_s'] * 1e3:.1f} / {row['focus_s'] * 1e3:.1f} ms",
+                    times(row["speedup"]),
                     times(row["ideal_speedup"]),
                     f"{row['speedup'] / row['ideal_speedup']:.2f}",
+                    str(row["threads"]),
                 ]
             )
-    header = ["dtype", "tokens", "top-k", "committed before", "measured now", "ideal", "efficiency now"]
+    header = ["dtype", "tokens", "top-k", "dense / Focus", "speedup", "ideal", "efficiency", "threads"]
     return _table(header, body)
-
-
-KERNELS_AB = f"{AVX512_MACHINE}/kernels_ab"  # {old,current}-<round>.json: focus-hf bench of two commits in turn
-
-
-def kernels_ab_table() -> str:
-    """The kernels of the commit that took the committed AVX-512 figures against the current ones, on the AVX-512
-    machine: `focus-hf bench --backend sdpa` of each commit's tree in turn, three rounds (2 threads, 10 repetitions
-    each); per length and top-k, the median over the rounds of each commit's Focus seconds (dense SDPA's in the same
-    runs, whose spread shows the machine's)."""
-    runs: dict[str, list[list[dict]]] = {"old": [], "current": []}
-    for name in runs:
-        for round_number in (1, 2, 3):
-            runs[name].append(rows(f"{KERNELS_AB}/{name}-{round_number}.json"))
-    commits = {name: runs[name][0][0]["git_commit"][:7] for name in runs}
-    body = []
-    for index, row in enumerate(runs["old"][0]):
-        seconds = {name: [run[index]["focus_s"] for run in runs[name]] for name in runs}
-        dense = [run[index]["dense_s"] for name in runs for run in runs[name]]
-        old, current = (statistics.median(seconds[name]) for name in ("old", "current"))
-        body.append(
-            [
-                f"{row['seq_len']:,}",
-                str(row["top_k"]),
-                f"{old * 1e3:.1f} ms",
-                f"{current * 1e3:.1f} ms",
-                times(old / current),
-                f"{min(dense) * 1e3:.0f}-{max(dense) * 1e3:.0f} ms",
-            ]
-        )
-    header = ["tokens", "top-k", f"Focus, kernels of {commits['old']}", f"Focus, kernels of {commits['current']}"]
-    return _table(header + ["old / current", "dense SDPA in the same runs"], body)
-
-
-def kernels_ab_64k_table() -> str:
-    """The same two commits' kernels at 64K, top-1, one thread, Focus alone (`focus-hf bench --backend sdpa
-    --dense-max-seq-len 0 --threads 1`), each commit's process in turn, three rounds per dtype: every round's
-    seconds and the medians."""
-    names, body, commits = ("old", "current"), [], {}
-    for dtype in ("float32", "bfloat16"):
-        runs = {
-            name: [rows(f"{KERNELS_AB}/64k-{name}-{dtype}-{number}.json")[0] for number in (1, 2, 3)] for name in names
-        }
-        commits = {name: runs[name][0]["git_commit"][:7] for name in names}
-        seconds = {name: [run["focus_s"] for run in runs[name]] for name in names}
-        old, current = (statistics.median(seconds[name]) for name in names)
-        body.append(
-            [dtype]
-            + [" / ".join(f"{value:.2f}" for value in seconds[name]) + " s" for name in names]
-            + [times(old / current)]
-        )
-    header = ["dtype", f"kernels of {commits['old']}, rounds", f"kernels of {commits['current']}, rounds"]
-    return _table(header + ["old / current (medians)"], body)
 
 
 def build_label(target: str, path: str, row: dict) -> str:
     """A per-build row's first cell: the build linked to its results file, with what `native` resolved to, and the
-    level torch's own kernels were capped to where the file's name says so (`<build>_torch-<level>`; `<build>_capped`:
-    with MKL and libm too, benchmarks/capped.py), or the variant it names (`<build>_<variant>`: `before-amx-tiles`)."""
+    level torch's own kernels were capped to where the run's name says so (`<build>_torch-<level>`; `<build>_capped`:
+    with MKL and libm too, benchmarks/cpu/capped.py), or the variant it names (`<build>_<variant>`:
+    `before-amx-tiles`)."""
     build, _, variant = target.partition("_")
     label = f"[{build}]({path})"
     if build == "native":
@@ -863,13 +889,13 @@ def cpu_targets_auto_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...]
 
 def cpu_targets_demo_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
     """`focus-hf demo`'s speed line per build of the C kernels, on one machine: the demo's own (<machine>/demo: its
-    eval_results.json and printed lines), then benchmarks/demo_speed.py's repeat of that step on the adapter it
+    eval_results.json and printed lines), then benchmarks/model/demo_speed.py's repeat of that step on the adapter it
     wrote, once per build."""
-    demo = load(f"{machine}/demo/eval_results.json")
-    runs = [("native, `focus-hf demo` itself", f"{machine}/demo/printed.txt", demo["speed"])]
+    demo = load(f"{machine}#demo/eval_results")
+    runs = [("native, `focus-hf demo` itself", f"{machine}#demo/printed.txt", demo["speed"])]
     for target in targets:
-        path = f"{machine}/demo_speed_{target}.json"
-        runs.append((f"{target}, `benchmarks/demo_speed.py`", path, rows(path)[0]))
+        path = f"{machine}#demo_speed_{target}"
+        runs.append((f"{target}, `benchmarks/model/demo_speed.py`", path, rows(path)[0]))
     body = [
         [
             f"[{name}]({path})",
@@ -885,8 +911,8 @@ def cpu_targets_demo_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...]
 
 def cpu_targets_model_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
     """The whole model (SmolLM2-135M with the committed adapter) per build of the C kernels, all measured on one
-    machine: one prefill (benchmarks/model_prefill.py) and generate()'s decoding speed after a prompt
-    (benchmarks/model_decode.py), each against the base model in the same run, with the quality of the setting."""
+    machine: one prefill (benchmarks/model/prefill.py) and generate()'s decoding speed after a prompt
+    (benchmarks/model/generate.py), each against the base model in the same run, with the quality of the setting."""
     body = []
     for target in targets:
         # (path, row) by length of each build's files: model_<kind>_<build>.json, and model_<kind>_16k_<build>.json
@@ -914,15 +940,15 @@ def lengths_of(stem: str, machine: str, target: str, length_field: str) -> dict[
     """(file, Focus row) by length of a build's <machine>/<stem>_<build>.json and, where it exists,
     <machine>/<stem>_16k_<build>.json (the longest prompts, run apart)."""
     found = {}
-    for path in (f"{machine}/{stem}_{target}.json", f"{machine}/{stem}_16k_{target}.json"):
-        if (ROOT / path).exists():
+    for path in (f"{machine}#{stem}_{target}", f"{machine}#{stem}_16k_{target}"):
+        if exists(path):
             found.update({row[length_field]: (path, row) for row in rows(path) if row["variant"] == FOCUS_SAVED})
     return found
 
 
 def cpu_targets_steps_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...] = CPU_TARGETS) -> str:
     """Decoding steps of the whole model per build of the C kernels, the base model's and Focus's taken in turn in one
-    process (benchmarks/model_decode_steps.py), medians, all measured on one machine (with the longest prompts'
+    process (benchmarks/model/decode_steps.py), medians, all measured on one machine (with the longest prompts'
     file, model_decode_steps_16k_<build>.json, where they ran apart)."""
     body = []
     for target in targets:
@@ -942,7 +968,7 @@ def cpu_targets_steps_table(machine: str = AVX2_MACHINE, targets: tuple[str, ...
 
 def decode_bookkeeping_table(path: str) -> str:
     """What Focus's layers cost a decoding step outside the attention modules they wrap
-    (benchmarks/decode_bookkeeping.py): the adapter disabled, Focus as saved, and Focus deciding every dense step
+    (benchmarks/model/decode_bookkeeping.py): the adapter disabled, Focus as saved, and Focus deciding every dense step
     afresh, stepped in turn, medians."""
     body = [
         [
@@ -1027,6 +1053,43 @@ REPORTS = {  # results folders whose generated report lists the commands of its 
 }
 
 
+# Scripts that moved since a committed row recorded its command: the table shows where each is now.
+MOVED_SCRIPTS = {
+    "benchmarks/attention_parts.py": "benchmarks/cpu/prefill_parts.py",
+    "benchmarks/arithmetic_ceiling.py": "benchmarks/cpu/arithmetic_ceiling.py",
+    "benchmarks/bf16_exactness.py": "benchmarks/cpu/bf16_exactness.py",
+    "benchmarks/capped.py": "benchmarks/cpu/capped.py",
+    "benchmarks/model_prefill.py": "benchmarks/model/prefill.py",
+    "benchmarks/model_decode_steps.py": "benchmarks/model/decode_steps.py",
+    "benchmarks/model_decode.py": "benchmarks/model/generate.py",
+    "benchmarks/decode_bookkeeping.py": "benchmarks/model/decode_bookkeeping.py",
+    "benchmarks/demo_run.py": "benchmarks/model/demo_run.py",
+    "benchmarks/model/demo_speed.py": "benchmarks/model/demo_speed.py",
+    "benchmarks/vllm_serving.py": "benchmarks/model/vllm_serving.py",
+    "benchmarks/gpu_attention.py": "benchmarks/gpu/layer_prefill.py",
+    "benchmarks/gpu_model_prefill.py": "benchmarks/gpu/model_prefill.py",
+}
+
+
+def current_command(command: str) -> str:
+    """A recorded command with the scripts that moved since named where they are now."""
+    for old, new in MOVED_SCRIPTS.items():
+        command = command.replace(old, new)
+    return command
+
+
+def recorded_commands(data: Any) -> list[str]:
+    """The distinct commands the rows of a results file record (of every run, for a machine's file)."""
+    if isinstance(data, dict) and isinstance(data.get("runs"), dict):
+        return list(dict.fromkeys(c for run in data["runs"].values() for c in recorded_commands(run)))
+    found = [data] if isinstance(data, dict) else data if isinstance(data, list) else []  # text: no command
+    if isinstance(data, dict) and isinstance(data.get("rows"), list):
+        found += data["rows"]
+    return list(
+        dict.fromkeys(current_command(row["command"]) for row in found if isinstance(row, dict) and row.get("command"))
+    )
+
+
 def commands_table() -> str:
     """Every committed results file, linked, with the commands its rows record."""
     paths = sorted(
@@ -1037,10 +1100,7 @@ def commands_table() -> str:
     )
     body = []
     for path in paths:
-        data = load(path)
-        found = [data] if isinstance(data, dict) else []
-        found += data if isinstance(data, list) else data.get("rows", []) if isinstance(data.get("rows"), list) else []
-        commands = list(dict.fromkeys(row["command"] for row in found if isinstance(row, dict) and row.get("command")))
+        commands = recorded_commands(load(path))
         if commands:
             text = "<br>".join(f"`{command}`" for command in commands)
         elif path in UNRECORDED:
@@ -1070,42 +1130,32 @@ def gpu_table(summary: str = GPU_SUMMARY) -> str:
     return _table(["stage", "figure", "dense", "Focus", "dense / Focus", "target", "met"], body)
 
 
-def gpu_profile_table(path: str = GPU_PROFILE_AFTER) -> str:
-    """Where one prefill of the GPU run's layer spends its device time, by focus_hf function (torch's profiler;
-    `benchmarks/gpu/profile_layer.py`), in the profile at `path`."""
+GPU_RUNS = (GPU_WINDOW, GPU_QUICK, GPU_AFTER, GPU_SUMMARY)  # the committed runs with prefill figures, newest first
+
+
+def gpu_runs_table() -> str:
+    """One layer's prefill in each committed GPU run (`benchmarks/gpu/run.sh`), newest first, against flash SDPA in
+    the same run: the commit, and the ratios of top-1 and top-2 by length ("-": not run by that set)."""
+    columns = [(top_k, tokens) for top_k in (1, 2) for tokens in ("64K", "256K", "1M")]
     body = []
-    for row in load(path)["rows"]:
-        lines = [line for line in row["by_focus_line"] if line["device_ms"] >= 0.05 * row["device_ms_total"]]
-        where = "; ".join(f"{line['where'].split(': ')[-1]} {line['device_ms']:.1f}" for line in lines)
-        tokens = f"{row['tokens'] // 1024}K"
-        body.append([tokens, str(row["top_k"]), f"{1e3 * row['wall_s']:.1f}", f"{row['device_ms_total']:.1f}", where])
-    return _table(["tokens", "top-k", "wall ms", "device ms", "device ms by function (5% and up)"], body)
-
-
-def gpu_mask_costs_table() -> str:
-    """Set B's FlexAttention call (commit 432b95d) with its block lists fixed, under each mask_mod measured."""
-    data = load(GPU_PROFILE_AFTER)
-    names = list(data["mask_variants"])
-    body = [
-        [f"{row['tokens'] // 1024}K", *(f"{1e3 * row['variants'][name]:.1f}" for name in names)]
-        for row in data["mask_costs"]
-    ]
-    return (
-        _table(["tokens", *(f"{name} (ms)" for name in names)], body)
-        + "\n\n"
-        + "\n".join(f"- `{name}`: {what}" for name, what in data["mask_variants"].items())
-    )
+    for summary in GPU_RUNS:
+        data = load(summary)
+        figures = {row["figure"]: row for row in data["figures"] if row["stage"] == "attention"}
+        cells = []
+        for top_k, tokens in columns:
+            row = figures.get(f"top-{top_k} prefill {tokens}")
+            cells.append("-" if row is None or row["ratio"] is None else times(row["ratio"]))
+        body.append([f"[{data['git_commit'][:7]}]({summary})", data["date"][:10], *cells])
+    header = ["commit", "date", *(f"top-{top_k} {tokens}" for top_k, tokens in columns)]
+    return _table(header, body)
 
 
 TABLES: dict[str, Callable[[], str]] = {
     "table.gpu": gpu_table,
-    "table.gpu_profile": gpu_profile_table,
-    "table.gpu_after": lambda: gpu_table(GPU_AFTER),
-    "table.gpu_mask_costs": gpu_mask_costs_table,
-    "table.gpu_quick": lambda: gpu_table(GPU_QUICK),
-    "table.gpu_quick_profile": lambda: gpu_profile_table(GPU_PROFILE_QUICK),
+    "table.gpu_runs": gpu_runs_table,
     "table.gpu_window": lambda: gpu_table(GPU_WINDOW),
     "table.commands": commands_table,
+    "table.platforms": platforms_table,
     "table.model_targets": model_targets_table,
     "table.sinks": sinks_table,
     "table.quality": quality_table,
@@ -1120,9 +1170,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "table.cpu_targets_avx512": lambda: cpu_targets_table(AVX512_MACHINE, AVX512_TARGETS + AVX512_EMULATED, "float32"),
     "table.cpu_targets_avx512_bf16": lambda: cpu_targets_table(AVX512_MACHINE, ("native",), "bfloat16"),
     "table.cpu_targets_avx512_decode": lambda: cpu_targets_decode_table(AVX512_MACHINE, AVX512_TARGETS),
-    "table.avx512_recheck": avx512_recheck_table,
-    "table.kernels_ab": kernels_ab_table,
-    "table.kernels_ab_64k": kernels_ab_64k_table,
+    "table.avx512_bench": lambda: bench_table(
+        (f"{AVX512_MACHINE}#attention_bench_native", f"{AVX512_MACHINE}#attention_bench_bf16_native")
+    ),
     "table.cpu_targets_avx512_auto": lambda: cpu_targets_auto_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_avx512_model": lambda: cpu_targets_model_table(AVX512_MACHINE, AVX512_TARGETS),
     "table.cpu_targets_avx512_steps": lambda: cpu_targets_steps_table(AVX512_MACHINE, AVX512_TARGETS),
@@ -1150,8 +1200,34 @@ TABLES: dict[str, Callable[[], str]] = {
 }
 
 
+# The results files whose recorded command a page shows beside its figures (`command.NAME`).
+COMMAND_FILES = {
+    "attention": ATTENTION,
+    "query_router": ATTENTION_QUERY_ROUTER,
+    "auto": ATTENTION_AUTO[8],
+    "decode": ATTENTION_DECODE,
+    "bf16": ATTENTION_BF16,
+    "bf16_exactness": BF16_EXACTNESS,
+    "memory": ATTENTION_MEMORY,
+    "parts": ATTENTION_PARTS,
+    "ceiling": CEILING,
+    "crossover": CROSSOVER,
+    "model_prefill": MODEL_PREFILL,
+    "model_decode": MODEL_DECODE,
+    "model_steps": MODEL_STEPS,
+    "lc_speed": LC_SPEED,
+}
+
+
+def command(name: str) -> str:
+    """The first command the file `COMMAND_FILES[name]` records, as inline code, with moved scripts where they are."""
+    return f"`{recorded_commands(load(COMMAND_FILES[name]))[0]}`"
+
+
 def value(name: str) -> str:
     """The text that replaces `{{ name }}`: a figure or a table, from the committed JSON."""
+    if name.startswith("command.") and name.removeprefix("command.") in COMMAND_FILES:
+        return command(name.removeprefix("command."))
     source = FIGURES.get(name) or TABLES.get(name)
     if source is None:
         raise KeyError(f"no figure or table named {name!r} in {Path(__file__).name}")
@@ -1159,4 +1235,4 @@ def value(name: str) -> str:
 
 
 def names() -> list[str]:
-    return [*FIGURES, *TABLES]
+    return [*FIGURES, *TABLES, *(f"command.{name}" for name in COMMAND_FILES)]

@@ -3,9 +3,9 @@
 * The generated parts of a page (figures, tables, the CLI reference, the package tree, between `<!--fig:NAME-->`
   markers) are written into the committed Markdown by `generated.py`; a page whose generated parts are stale fails
   the build (run `python docs/hooks/generated.py`). The plots are committed PNG files of docs/img/.
-* The committed measurements (JSON, the generated reports and their PNGs, under benchmarks/) join the site at
-  their repository paths. A page links them relative to its own place in the repository (`../benchmarks/...`, as a
-  code host resolves it); the hook points those links at the copies in the site.
+* The changelog and the committed measurements (JSON, the generated reports and their PNGs, under benchmarks/) join
+  the site at their repository paths. A page links them relative to its own place in the repository
+  (`../benchmarks/...`, as a code host resolves it); the hook points those links at the copies in the site.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ import generated  # noqa: E402
 from mkdocs.exceptions import PluginError  # noqa: E402
 from mkdocs.structure.files import File, Files  # noqa: E402
 
-# The measurement files that join the site, at their repository paths (globs relative to the repository root).
+# The files outside docs/ that join the site, at their repository paths (globs relative to the repository root): the
+# changelog, and the measurements.
 ARTIFACTS = (
+    "CHANGELOG.md",
     "benchmarks/results/**/*.json",
     "benchmarks/results/**/*.png",
     "benchmarks/results/**/*.md",

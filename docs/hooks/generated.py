@@ -39,7 +39,7 @@ PYTHON_MARKER = re.compile(
 )
 DIGEST_KEY = "Source-Digest"
 # Files whose generated parts this module writes, besides the pages of docs/ (paths relative to the repository root).
-OTHER_FILES = ("README.md", "focus_hf/commands/demo.py")
+OTHER_FILES = ("README.md", "CHANGELOG.md", "focus_hf/commands/demo.py")
 
 
 def expand(name: str) -> str:

@@ -17,199 +17,37 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import datetime
 import functools
 import itertools
 import json
-import math
 import multiprocessing
-import os
-import platform
 import resource
-import shlex
-import statistics
-import subprocess
-import sys
-import time
-import traceback
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+from focus_hf.benchmarking.layer import (
+    Case,
+    allowed_pair_count,
+    dense_call,
+    dense_kernel,
+    focus_call,
+    layer_fields,
+    make_case,
+)
+from focus_hf.benchmarking.records import (
+    RowLog,
+    gpu_path_fields,
+    machine_fields,
+    other_cores,
+    rows_or_error,
+)
+from focus_hf.benchmarking.timing import medians, time_call
 
 if TYPE_CHECKING:
     import torch
 
-    from focus_hf.attention.routing import TokenRouting
-
 # Dense attention beyond this many bytes of q/k/v/output is reported as skipped rather than run.
 DENSE_MEMORY_FRACTION = 0.5
-
-
-@dataclass
-class Case:
-    """One attention layer's inputs: q [1, heads, n, dim], k/v [1, kv_heads, n, dim], and routing per top_k."""
-
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    routing: dict[int, TokenRouting]
-
-
-def make_case(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> Case:
-    """Random q/k/v laid out as a model projects them ([1, n, heads, dim] transposed) and real routing."""
-    import torch
-    import torch.nn.functional as F
-
-    from focus_hf.attention.routing import RoutingState, TokenRouting, route_tokens, routing_scores
-    from focus_hf.tuner.config import FocusConfig
-
-    # On a GPU the inputs and the routing are drawn there: drawing 1M tokens' hidden states on the CPU takes longer
-    # than the calls being timed. Same seeds, other random streams than on the CPU.
-    setup = device if device.type == "cuda" else torch.device("cpu")
-    generator = torch.Generator(device=setup).manual_seed(args.seed + seq_len)
-
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, device=setup)
-
-    defaults = FocusConfig()
-    hidden_size = args.heads * args.head_dim
-    hidden = draw(1, seq_len, hidden_size)
-    projection = draw(hidden_size, defaults.group_dim) / math.sqrt(hidden_size)
-    centroids = F.normalize(draw(args.groups, defaults.group_dim), dim=-1)
-    scores = routing_scores(hidden, projection, centroids, defaults.temperature)
-    query_scores = None
-    if args.query_router:  # a separate query-side projection: queries probe groups other than their own
-        query_projection = draw(hidden_size, defaults.group_dim) / math.sqrt(hidden_size)
-        query_scores = routing_scores(hidden, query_projection, centroids, defaults.temperature)
-    del hidden
-    valid = torch.ones(1, seq_len, dtype=torch.bool, device=setup)
-    routing = {}
-    for top_k in args.top_k:
-        state = RoutingState.empty(1, defaults.sinkhorn_iterations, args.groups, setup)
-        tokens, _ = route_tokens(
-            scores,
-            valid,
-            state,
-            iterations=defaults.sinkhorn_iterations,
-            top_k=top_k,
-            sink_tokens=args.sinks,
-            query_scores=query_scores,
-        )
-        routing[top_k] = TokenRouting(
-            tokens.log_probs,
-            tokens.top_groups.to(device),
-            tokens.sink.to(device),
-            own_groups=None if tokens.own_groups is None else tokens.own_groups.to(device),
-        )
-
-    def states(heads: int) -> torch.Tensor:
-        return draw(1, seq_len, heads, args.head_dim).to(device, dtype).transpose(1, 2)
-
-    return Case(states(args.heads), states(args.kv_heads), states(args.kv_heads), routing)
-
-
-def allowed_pair_count(routing: TokenRouting, window: int, num_groups: int) -> int:
-    """Allowed (query, key) pairs of one sample, counted in O(n K) memory instead of materialising n x n."""
-    import torch
-
-    from focus_hf.attention.pattern import probed_distant_keys
-
-    groups, key_groups, sink = routing.top_groups[0].cpu(), routing.key_groups[0].cpu(), routing.sink[0].cpu()
-    positions = torch.arange(groups.shape[0])
-    local = torch.clamp(positions, max=window) + 1
-    farthest = positions - window - 1  # last distant key of each query (negative: none)
-    distant_sinks = torch.cumsum(sink.long(), 0)[farthest.clamp(min=0)] * (farthest >= 0)
-    probed = probed_distant_keys(groups, key_groups, sink, window, num_groups)
-    return int((local + distant_sinks + probed).sum())
-
-
-def time_call(
-    function: Callable[[], torch.Tensor],
-    steps: int = 1,
-    context: Callable[[], ContextManager] = contextlib.nullcontext,
-) -> tuple[float, float]:
-    """Wall-clock and process CPU seconds of one call (the mean of `steps` calls made back to back, inside one
-    `context`). On a shared machine, CPU time is the steadier measure of single-threaded runs (other processes take
-    turns on the cores, which inflates wall time unevenly). On CUDA the device is synchronised before and after, so
-    that the time is that of the calls' kernels, not of their launches; a call too short for that synchronisation to
-    be negligible (a decoding step) is timed over several `steps`."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter(), time.process_time()
-    with context():
-        for _ in range(steps):
-            function()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
-
-
-def dense_call(case: Case) -> Callable[[], torch.Tensor]:
-    """The baseline: dense causal SDPA (GQA) on the case's q/k/v."""
-    import torch.nn.functional as F
-
-    return lambda: F.scaled_dot_product_attention(case.query, case.key, case.value, is_causal=True, enable_gqa=True)
-
-
-def dense_kernel(query: torch.Tensor, key: torch.Tensor, causal: bool) -> tuple[Callable[[], ContextManager], str]:
-    """(context to run the dense baseline in, the kernel's name): on CUDA torch's flash kernel when it takes inputs
-    like these (tried once on a short slice), else torch's own choice, and the row says which, so that a ratio is
-    never taken against a slower fallback unknowingly; on the CPU torch's choice."""
-    import torch
-    import torch.nn.functional as F
-
-    if query.device.type != "cuda":
-        return contextlib.nullcontext, "sdpa (torch's choice)"
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    keys = min(key.shape[2], 256)
-    sample = query[:, :, : min(query.shape[2], keys)], key[:, :, :keys], key[:, :, :keys]
-    try:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            F.scaled_dot_product_attention(*sample, is_causal=causal, enable_gqa=True)
-        torch.cuda.synchronize()
-    except RuntimeError as error:
-        reason = " ".join(str(error).split())[:160]
-        return contextlib.nullcontext, f"sdpa (torch's choice; the flash kernel refused these inputs: {reason})"
-    return functools.partial(sdpa_kernel, SDPBackend.FLASH_ATTENTION), "flash (torch SDPA)"
-
-
-def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[], torch.Tensor]:
-    import torch
-
-    from focus_hf.attention.hard import hard_attention
-    from focus_hf.attention.pattern import allowed_pairs
-    from focus_hf.attention.reference import dense_attention
-
-    routing = case.routing[top_k]
-    scaling = args.head_dim**-0.5
-    key_groups = routing.key_groups
-    if args.backend == "reference":
-        positions = torch.arange(case.query.shape[2], device=case.query.device)
-        return lambda: dense_attention(
-            case.query,
-            case.key,
-            case.value,
-            allowed_pairs(routing.top_groups, key_groups, routing.sink, positions, positions, args.window)[:, None],
-            scaling=scaling,
-        )
-    return lambda: hard_attention(
-        case.query,
-        case.key,
-        case.value,
-        None,
-        query_groups=routing.top_groups,
-        key_groups=key_groups,
-        key_sink=routing.sink,
-        num_groups=args.groups,
-        window=args.window,
-        scaling=scaling,
-        backend=args.backend,
-        own_group=routing.own_groups is None,  # as a model's routing says it
-    )
 
 
 def dense_skip_reason(
@@ -231,13 +69,6 @@ def dense_skip_reason(
     if needed > DENSE_MEMORY_FRACTION * available:
         return f"skipped: needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
     return None
-
-
-def medians(times: list[tuple[float, float]]) -> tuple[Optional[float], Optional[float]]:
-    """Median wall and CPU seconds, or (None, None) when nothing was timed."""
-    if not times:
-        return None, None
-    return statistics.median(wall for wall, _ in times), statistics.median(cpu for _, cpu in times)
 
 
 def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
@@ -321,177 +152,6 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
             }
         )
     return rows
-
-
-def layer_fields(args: argparse.Namespace) -> dict:
-    """The attention layer a row measures: K, window, sinks and head shape."""
-    names = ("groups", "window", "sinks", "heads", "kv_heads", "head_dim")
-    return {name: getattr(args, name) for name in names}
-
-
-def other_cores(device: torch.device) -> Callable[[], Optional[float]]:
-    """Start watching the machine while a length is timed; the returned function gives the cores other processes
-    kept busy meanwhile, on average (`crossover.other_cores_meter`; None on a GPU or where /proc/stat is missing). The
-    rows' 1-minute load average counts the benchmark's own threads; this does not."""
-    from focus_hf.attention.crossover import other_cores_meter
-
-    if device.type != "cpu":
-        return lambda: None
-    stop = other_cores_meter()
-
-    def busy() -> Optional[float]:
-        cores = stop()
-        return None if cores is None else round(cores, 2)
-
-    return busy
-
-
-def device_name(device: torch.device) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def machine_fields(device: torch.device) -> dict:
-    """Where and when a row was measured: device, processor name (on the CPU with its instruction sets and how the C
-    kernels were built: compiler, target, what the build uses), threads, load, package versions, the source's git
-    commit and the date."""
-    import torch
-
-    from focus_hf.attention.cpu.native import build_record, instruction_sets, torch_kernels
-    from focus_hf.attention.crossover import processor_name
-
-    cpu = {}
-    if device.type == "cpu":
-        cpu = {"instruction_sets": instruction_sets(), "cpu_kernels": build_record(), "torch_kernels": torch_kernels()}
-    return {
-        "device": device_name(device),
-        "processor": processor_name(device),
-        **cpu,
-        "threads": torch.get_num_threads(),
-        "load_avg_1m": os.getloadavg()[0],  # other processes on the machine skew CPU timings
-        **{name: version for name, version in package_versions().items() if name != "python"},
-        "git_commit": git_commit(),
-        "date": now(),
-    }
-
-
-def gpu_path_fields(args: argparse.Namespace, device: torch.device) -> dict:
-    """On the GPU path (CUDA, or `--backend stock`), what ran the row's Focus calls (`hard.path_record`): verify's
-    verdicts, the calls since the row's length began that fell back to the reference path - a row with any is not a
-    Focus figure - and FlexAttention's compilations. Nothing elsewhere."""
-    if device.type != "cuda" and args.backend != "stock":
-        return {}
-    from focus_hf.attention.hard import path_record
-
-    return {"gpu_path": path_record()}
-
-
-def provenance(device: torch.device, command: Optional[str]) -> dict:
-    """What a benchmark's JSON records about its run: device, package versions, git commit, command and date."""
-    return {
-        "device": device_name(device),
-        "versions": package_versions(),
-        "git_commit": git_commit(),
-        "command": command,
-        "date": now(),
-    }
-
-
-def package_versions() -> dict[str, Optional[str]]:
-    """Versions of Python and of the packages a result depends on (None: not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    import focus_hf
-
-    versions: dict[str, Optional[str]] = {"python": platform.python_version(), "torch": torch.__version__}
-    for package in ("transformers", "peft"):
-        try:
-            versions[package] = version(package)
-        except PackageNotFoundError:
-            versions[package] = None
-    versions["focus_hf"] = focus_hf.__version__
-    return versions
-
-
-@functools.lru_cache(maxsize=1)
-def git_commit() -> Optional[str]:
-    """$FOCUS_HF_GIT_COMMIT where set (a copy of a working tree, as on a lent GPU machine, whose .git - if it has one -
-    may be older than the tree: one recorded 3056b1b-dirty for a run of 432b95d), else the commit of the focus_hf
-    checkout that runs ("-dirty" with uncommitted changes to tracked files), else None."""
-    if os.environ.get("FOCUS_HF_GIT_COMMIT"):
-        return os.environ["FOCUS_HF_GIT_COMMIT"]
-    root = Path(__file__).resolve().parents[2]
-    if (root / ".git").exists():
-        git = ["git", "-C", str(root)]
-        try:
-            head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
-            status = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
-        except OSError:  # no git executable
-            head = None
-        if head is not None and head.returncode == 0:
-            return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
-    return None
-
-
-def now() -> str:
-    """The current date and time, ISO 8601 with the UTC offset."""
-    return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
-
-
-def command_line() -> Optional[str]:
-    """The command that runs `focus-hf`, as typed (`focus-hf ...` or `python -m focus_hf.cli ...`); None when the
-    command line is not focus-hf's own (called in-process, e.g. by a test)."""
-    if not sys.argv:
-        return None
-    if Path(sys.argv[0]).name == "focus-hf":
-        return shlex.join(["focus-hf", *sys.argv[1:]])
-    if Path(sys.argv[0]).parts[-2:] == ("focus_hf", "cli.py"):
-        return shlex.join(["python", "-m", "focus_hf.cli", *sys.argv[1:]])
-    return None
-
-
-class RowLog:
-    """The rows of one run, each stamped with the command, written to `path` (when given) as a JSON list after every
-    row, so that a run stopped part-way (a time limit) keeps what it measured."""
-
-    def __init__(self, path: Optional[str]) -> None:
-        self.path = Path(path) if path else None
-        self.rows: list[dict] = []
-        self.failed = False  # a length failed (`rows_or_error`): the command exits with 1
-        self.command = command_line()
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def add(self, row: dict) -> dict:
-        row["command"] = self.command  # so committed results say how they were produced
-        self.rows.append(row)
-        if self.path is not None:
-            self.path.write_text(json.dumps(self.rows, indent=2) + "\n")
-        return row
-
-
-def rows_or_error(
-    measure: Callable[[], list[dict]], log: RowLog, length_key: str, length: int, device: torch.device
-) -> list[dict]:
-    """The rows `measure()` returns; when it fails (out of memory, a path that breaks), one error row in their place
-    and the traceback on stderr, so that the lengths after it are still measured (the command then exits with 1)."""
-    import torch
-
-    try:
-        return measure()
-    except Exception as error:  # noqa: BLE001 - reported in the row, on stderr and in the exit code
-        traceback.print_exc()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        log.failed = True
-        summary = f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
-        log.add({length_key: length, "error": summary, **machine_fields(device)})
-        return []
 
 
 def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, decode: bool = False) -> Optional[int]:

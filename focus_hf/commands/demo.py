@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 EVAL_RESULTS_NAME = "eval_results.json"
 
 # What a run with the defaults took, from a fresh cache (model conversion and kernel build included), as measured
-# by benchmarks/demo_run.py into benchmarks/results/demo_run.json and written here by docs/hooks/generated.py.
+# by benchmarks/model/demo_run.py into benchmarks/results/demo_run.json and written here by docs/hooks/generated.py.
 DEMO_MEASURED = "36 minutes and 7.1 GB of memory on a 2-core AMD EPYC, shared with other work, using 27 minutes of CPU time"  # fig:demo.measured  # noqa: E501
 DEMO_STEPS = 30
 DEMO_SEQ_LEN = 8192
@@ -358,7 +358,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
         help=f"distil and measure a Focus adapter for SmolLM2-135M-Instruct (took {DEMO_MEASURED})",
-        description=f"{__doc__}\nWith the defaults it took {DEMO_MEASURED} (measured by benchmarks/demo_run.py).",
+        description=f"{__doc__}\nWith the defaults it took {DEMO_MEASURED} (measured by benchmarks/model/demo_run.py).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="focus-demo", help="adapter folder to write (default: ./focus-demo)")

@@ -26,8 +26,8 @@ from focus_hf.attention.crossover import CROSSOVER_ENV
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import TokenRouting
+from focus_hf.benchmarking.layer import allowed_pair_count
 from focus_hf.cli import main as cli_main
-from focus_hf.commands.bench import allowed_pair_count
 
 ATOL = 1e-4
 SCALING = 0.3
