@@ -244,6 +244,43 @@ class FocusConfig(PeftConfig):
             )
 
 
+# PEFT task type -> the transformers auto-class mapping whose classes have that task. The Hub's "Use this model"
+# snippet for a PEFT adapter picks `AutoModelFor<Task>` from `task_type` (CAUSAL_LM, SEQ_2_SEQ_LM, TOKEN_CLS, SEQ_CLS).
+_TASK_MAPPINGS = {
+    "CAUSAL_LM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "SEQ_CLS": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "TOKEN_CLS": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "QUESTION_ANS": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "FEATURE_EXTRACTION": "MODEL_MAPPING_NAMES",
+}
+_COMMIT_SHA_LENGTH = 40
+
+
+def wrapped_model_task(model: object) -> Optional[str]:
+    """The PEFT task type of a transformers model, read from its class as transformers' auto classes map it
+    (`LlamaForCausalLM` and `GPT2LMHeadModel` -> `"CAUSAL_LM"`, `LlamaModel` -> `"FEATURE_EXTRACTION"`); None for a
+    class no auto class names."""
+    from transformers.models.auto import modeling_auto
+
+    name = type(model).__name__
+    for task, mapping_name in _TASK_MAPPINGS.items():
+        for classes in getattr(modeling_auto, mapping_name, {}).values():
+            if name in ((classes,) if isinstance(classes, str) else tuple(classes)):
+                return task
+    return None
+
+
+def record_wrapped_model(config: FocusConfig, model: object) -> None:
+    """Record in `config` what the Hub needs to load the adapter from its page: the wrapped model's task (`task_type`,
+    unless set) and the commit of its Hub checkpoint (`revision`, unless set; transformers notes it when it loads a
+    model from the Hub). Adapters saved without them (task_type null) load as before."""
+    if config.task_type is None:
+        config.task_type = wrapped_model_task(model)
+    commit = getattr(getattr(model, "config", None), "_commit_hash", None)
+    if config.revision is None and isinstance(commit, str) and len(commit) == _COMMIT_SHA_LENGTH:
+        config.revision = commit
+
+
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(FocusConfig))
 _dataclass_init = FocusConfig.__init__
 
