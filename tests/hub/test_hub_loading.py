@@ -154,6 +154,27 @@ def test_corrupt_remote_weights_are_refused_before_injection(pushed, hub_server,
     assert torch.equal(logits_of(model), logits)
 
 
+@pytest.mark.parametrize("path", ["peft", "transformers"])
+def test_tampered_config_is_refused_before_injection(pushed, hub_server, path):
+    folder, logits, _ = pushed
+    real = (folder / "adapter_config.json").read_bytes()
+    tampered = real.replace(b"\"window\": 8", b"\"window\": 9")  # valid JSON of the same length: a checksum tells
+    assert tampered != real and len(tampered) == len(real)
+    hub_server.corrupt_file(REPO, "adapter_config.json", "replace", tampered)
+    model = tiny_model("llama")
+    before = snapshot(model)
+    with pytest.raises(AdapterFileError, match="adapter_config.json of the Hub adapter .* tampered"):
+        if path == "peft":
+            PeftModel.from_pretrained(model, REPO)
+        else:
+            model.load_adapter(REPO)
+    assert_unmodified(model, before)
+    hub_server.clear_faults()
+    model = tiny_model("llama")
+    model.load_adapter(REPO)
+    assert torch.equal(logits_of(model), logits)
+
+
 def test_corrupt_cached_weights_are_refused_offline(pushed, hub_server):
     tiny_model("llama").load_adapter(REPO)
     cached = next(hub_server.cache_dir.rglob("adapter_model.safetensors")).resolve()
