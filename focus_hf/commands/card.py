@@ -40,6 +40,27 @@ def measure(args: argparse.Namespace) -> dict:
     return results
 
 
+def base_license(folder: Path) -> dict | None:
+    """The license of the adapter's base model, read from its card on the Hub (None, with a note on stderr, when
+    the base is no Hub model or its card cannot be read)."""
+    from huggingface_hub import constants
+
+    from focus_hf.card import hub_base_model
+    from focus_hf.files import model_for_adapter
+    from focus_hf.hub.eval_results import base_model_license
+    from focus_hf.hub.integrity import transport_errors
+
+    base = hub_base_model(model_for_adapter(folder))
+    if base is None or constants.is_offline_mode():
+        return None
+    try:
+        return base_model_license(base)
+    except transport_errors() as error:
+        print(f"focus-hf card: the license of {base} could not be read ({type(error).__name__}); "
+              "pass --license to set one.", file=sys.stderr)  # fmt: skip
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     from focus_hf.card import write_model_card
     from focus_hf.files import AdapterFileError
@@ -47,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.eval_data:
             measure(args)
-        path = write_model_card(args.adapter, repo_id=args.repo_id, license=args.license)
+        license_metadata = None if args.license else base_license(Path(args.adapter))
+        path = write_model_card(args.adapter, repo_id=args.repo_id, license=args.license, base_license=license_metadata)
     except (AdapterFileError, ValueError) as error:
         print(f"focus-hf card: error: {error}", file=sys.stderr)
         return 1

@@ -40,8 +40,10 @@ against the safetensors format, so a truncated or tampered download is refused w
 
 Modules: `focus_hf.hub.push` and `focus_hf.hub.pull` (the two operations), `focus_hf.hub.loading` (the check
 run by the loaders), `focus_hf.hub.integrity` (checksums and cache eviction), `focus_hf.hub.cards` (generated and
-hand-written parts of a model card) and `focus_hf.hub.repo_ids` (repo id / revision validation). What an adapter folder may hold lives in `focus_hf.files`, the errors in `focus_hf.errors`.
-Import the public names from `focus_hf.hub` itself.
+hand-written parts of a model card), `focus_hf.hub.eval_results` (the card's Hub metadata: evaluation results,
+datasets, license), `focus_hf.hub.datasets` (corpora in Hub dataset repos), `focus_hf.hub.discovery` (finding
+shared adapters) and `focus_hf.hub.repo_ids` (repo id / revision validation). What an adapter folder may hold
+lives in `focus_hf.files`, the errors in `focus_hf.errors`. Import the public names from `focus_hf.hub` itself.
 """
 
 from __future__ import annotations

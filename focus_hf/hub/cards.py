@@ -1,10 +1,13 @@
 """A model card (README.md) as two kinds of content: what focus_hf generates and what a person wrote.
 
-The card focus_hf renders marks each generated section with HTML comments (invisible on the Hub)::
+The card focus_hf renders marks each generated section with two Markdown link reference definitions, which no
+renderer shows (and which are no raw HTML)::
 
-    <!-- focus-hf:begin usage -->
+    [//]: # (focus-hf:begin usage)
+
     ...
-    <!-- focus-hf:end usage -->
+
+    [//]: # (focus-hf:end usage)
 
 and owns the metadata keys of `GENERATED_METADATA` (the tags and datasets it adds are merged with a person's own).
 Everything else - text outside the markers, other metadata keys - is hand-written and is kept: `update_card` applies a
@@ -26,14 +29,17 @@ GENERATED_METADATA = (
 MERGED_METADATA = ("tags", "datasets")
 _FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?\r?\n)?---[ \t]*(?:\r?\n|\Z)", re.S)
 _SECTION = re.compile(
-    r"^<!-- focus-hf:begin (?P<name>[\w-]+) -->[ \t]*\n(?P<body>.*?)^<!-- focus-hf:end (?P=name) -->[ \t]*\n?",
+    r"^\[//\]: # \(focus-hf:begin (?P<name>[\w-]+)\)[ \t]*\n"
+    r"(?P<body>.*?)"
+    r"^\[//\]: # \(focus-hf:end (?P=name)\)[ \t]*\n?",
     re.S | re.M,
 )
 
 
 def section(name: str, text: str) -> str:
-    """`text` wrapped in the markers of the generated section `name`."""
-    return f"<!-- focus-hf:begin {name} -->\n{text.strip(chr(10))}\n<!-- focus-hf:end {name} -->\n"
+    """`text` wrapped in the markers of the generated section `name` (blank lines around it, so that a marker never
+    joins a paragraph)."""
+    return f"[//]: # (focus-hf:begin {name})\n\n{text.strip(chr(10))}\n\n[//]: # (focus-hf:end {name})\n"
 
 
 def split_card(text: str) -> tuple[dict[str, Any], str]:
@@ -102,13 +108,31 @@ def _listed(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value] if value else []
 
 
+def is_unedited_template(text: str) -> bool:
+    """Whether a card is the blank template nobody filled in: huggingface_hub's default model card, as PEFT's
+    `save_pretrained` writes it into every adapter folder (with its "Framework versions" lines)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    try:
+        _, body = split_card(text)
+    except ValueError:
+        return False
+    template = {line.strip() for line in ModelCard.from_template(ModelCardData()).text.splitlines()}
+    lines = [line.strip() for line in body.splitlines() if line.strip()]
+    peft_lines = re.compile(r"### Framework versions|## Training procedure|- PEFT \S+")
+    return bool(lines) and all(line in template or peft_lines.fullmatch(line) for line in lines)
+
+
 def update_card(existing: str, rendered: str) -> str:
     """`existing` with the metadata and generated sections of `rendered`; what a person wrote is kept.
 
     Generated sections are replaced in place; a section `rendered` no longer has is removed; a new one goes after the
     section that precedes it in `rendered` (at the start of the body when none does). A card without any generated
-    section (written by hand) gets them all at the start of its body, its own text after them.
+    section (written by hand) gets them all at the start of its body, its own text after them. A blank template
+    (`is_unedited_template`) holds nothing anybody wrote: `rendered` replaces it.
     """
+    if is_unedited_template(existing):
+        return rendered
     old_metadata, old_body = split_card(existing)
     new_metadata, new_body = split_card(rendered)
     new_sections = generated_sections(new_body)
@@ -131,6 +155,8 @@ def hand_written_parts(text: str) -> tuple[dict[str, Any], str]:
     """What a person may have written in a card: the metadata focus_hf does not generate (with the tags and datasets),
     and the body outside the generated sections with blank lines normalised (two cards with equal parts differ only
     in what focus_hf writes)."""
+    if is_unedited_template(text):
+        return {}, ""
     metadata, body = split_card(text)
     own = {key: value for key, value in metadata.items() if key not in GENERATED_METADATA + MERGED_METADATA}
     own.update({key: sorted(map(str, _listed(metadata[key]))) for key in MERGED_METADATA if metadata.get(key)})
