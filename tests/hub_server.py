@@ -159,6 +159,7 @@ class HubRequest:
 class _Drop:
     after_bytes: int
     after_apply: bool
+    path: str | None = None
 
 
 class _ConnectionDropped(Exception):
@@ -276,8 +277,11 @@ class LocalHub:
             self._corruptions[(repo_id, path)] = mode
             self._replacements[(repo_id, path)] = content
 
-    def drop_connection(self, route: str, *, after_bytes: int = 0, after_apply: bool = False, count: int = 1) -> None:
-        """Cut the connection of the next ``count`` requests to ``route`` mid-transfer, as a network that drops does.
+    def drop_connection(
+        self, route: str, *, after_bytes: int = 0, after_apply: bool = False, count: int = 1, path: str | None = None
+    ) -> None:
+        """Cut the connection of the next ``count`` requests to ``route`` mid-transfer, as a network that drops does
+        (for ``resolve``: GET requests only, of the file ``path`` when given).
 
         - an upload (``commit``, ``preupload``): the server reads ``after_bytes`` bytes of the request body and closes
           the connection without answering; nothing is applied. With ``after_apply=True`` it applies the request in
@@ -288,7 +292,7 @@ class LocalHub:
         if route not in _ROUTES:
             raise ValueError(f"Unknown route {route!r}, expected one of {_ROUTES}")
         with self._lock:
-            self._drops.setdefault(route, []).extend([_Drop(after_bytes, after_apply)] * count)
+            self._drops.setdefault(route, []).extend([_Drop(after_bytes, after_apply, path)] * count)
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -349,10 +353,15 @@ class LocalHub:
             queue = self._failures.get(route)
             return queue.pop(0) if queue else None
 
-    def _take_drop(self, route: str) -> _Drop | None:
+    def _take_drop(self, route: str, method: str, path: str) -> _Drop | None:
+        """The next drop planned for this request, if any (a download's drop waits for a GET of its file)."""
         with self._lock:
             queue = self._drops.get(route)
-            return queue.pop(0) if queue else None
+            if not queue:
+                return None
+            if route == "resolve" and (method != "GET" or queue[0].path not in (None, path)):
+                return None
+            return queue.pop(0)
 
     def _card_metadata(self, repo: _Repo, oid: str) -> dict[str, Any]:
         blob_id = repo.commits[oid].files.get("README.md")
@@ -464,15 +473,23 @@ class _HubHandler(BaseHTTPRequestHandler):
         return token
 
     def _send(
-        self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *, length: int | None = None
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        *,
+        length: int | None = None,
+        logged: bool = True,
     ) -> None:
         # Logged before the response leaves: a client that checks `requests_to(...)` right after its call returns
-        # must find it (logging after the write raced with the client's next line).
-        self.hub.requests.append(
-            HubRequest(
-                self.command, urlsplit(self.path).path, self._route, status, authorized=self._token() is not None
+        # must find it (logging after the write raced with the client's next line). A response cut short is logged
+        # by `_drop`, with the status 0.
+        if logged:
+            self.hub.requests.append(
+                HubRequest(
+                    self.command, urlsplit(self.path).path, self._route, status, authorized=self._token() is not None
+                )
             )
-        )
         self.send_response(status)
         headers = dict(headers or {})
         headers.setdefault("Content-Type", "application/json")
@@ -538,7 +555,8 @@ class _HubHandler(BaseHTTPRequestHandler):
             status, message = failure
             self._read_body()  # drain the request so the connection stays usable
             raise _HttpError(status, message)
-        self._pending_drop = self.hub._take_drop(route)
+        file_path = urlsplit(self.path).path.split("/resolve/", 1)[-1].split("/", 1)[-1]
+        self._pending_drop = self.hub._take_drop(route, self.command, unquote(file_path))
         if self._pending_drop is not None and not self._pending_drop.after_apply and self.command != "GET":
             # An upload cut mid-body: part of the request arrives, then the connection is gone.
             self.rfile.read(min(self._pending_drop.after_bytes, int(self.headers.get("Content-Length") or 0)))
@@ -546,7 +564,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         fn()
 
     def _drop(self) -> None:
-        """Close the connection at once, answering nothing more."""
+        """Close the connection at once, answering nothing more (logged with the status 0)."""
         self.hub.requests.append(
             HubRequest(self.command, urlsplit(self.path).path, self._route, 0, authorized=self._token() is not None)
         )
@@ -844,7 +862,7 @@ class _HubHandler(BaseHTTPRequestHandler):
             status = 206
         if self._pending_drop is not None and self.command == "GET":
             # A download cut mid-body: the full length was announced, part of the bytes arrive.
-            self._send(status, data[: self._pending_drop.after_bytes], headers, length=advertised)
+            self._send(status, data[: self._pending_drop.after_bytes], headers, length=advertised, logged=False)
             raise _ConnectionDropped
         self._send(status, data, headers, length=advertised)
 

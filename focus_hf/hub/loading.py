@@ -40,11 +40,15 @@ def _download(repo_id: str, filename: str, label: str, kwargs: dict[str, Any]) -
             f"The Hub adapter {label} has no {WEIGHTS_NAME}. Focus loads safetensors only and refuses "
             "pickle files (adapter_model.bin), which can run arbitrary code."
         ) from None
-    except OSError as error:
-        if isinstance(error, HfHubHTTPError) or error.errno is not None:
+    except transport_errors() as error:
+        if isinstance(error, HfHubHTTPError) or (isinstance(error, OSError) and error.errno is not None):
             raise
-        # huggingface_hub raises a bare OSError("Consistency check failed ...") on a short download.
-        raise AdapterFileError(f"Download of {filename} from {label} is incomplete or corrupt: {error}") from error
+        # A connection cut mid-download (after huggingface_hub's own retries), or the bare OSError("Consistency check
+        # failed ...") huggingface_hub raises on a short download: nothing was kept where a load would read it.
+        raise AdapterFileError(
+            f"Download of {filename} from {label} is incomplete or corrupt ({type(error).__name__}: {error}). The "
+            "model was not modified; retry to complete the download."
+        ) from error
 
 
 def resolve_adapter_weights(repo_id: str, **download_kwargs: Any) -> Path:
