@@ -246,6 +246,18 @@ def test_private_repo_needs_a_token(hub_server, adapter, tmp_path):
     assert_same_files(pull_adapter(REPO, token="hf_local", cache_dir=tmp_path / "c2"), adapter)
 
 
+def test_a_new_repo_gets_the_namespaces_default_visibility(hub_server, adapter):
+    """`private` is never sent as False: a repo pushed without --private / --public gets the Hub's default for its
+    namespace, private for an organisation that asks for it."""
+    hub_server.hub.private_namespaces.add("private-org")
+    push_adapter(adapter, "private-org/adapter", token="hf_local")
+    push_adapter(adapter, REPO, token="hf_local")
+    assert hub_server.is_private("private-org/adapter") and not hub_server.is_private(REPO)
+    assert all("visibility" not in payload and "private" not in payload for payload in hub_server.create_repo_payloads)
+    push_adapter(adapter, "private-org/public", private=False, token="hf_local")
+    assert not hub_server.is_private("private-org/public")
+
+
 # --- offline ------------------------------------------------------------------------------------
 
 _OFFLINE_CHILD = textwrap.dedent(
