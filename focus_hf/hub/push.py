@@ -190,12 +190,11 @@ def plan_push(
     token: str | bool | None = None,
 ) -> PushPlan:
     """Work out what `push_adapter` would do, without changing anything: the folder is checked (as by
-    `push_adapter`) and the branch read, if the repo exists.
-
-    Args: as `push_adapter`.
+    `push_adapter`) and the branch read, if the repo exists. The arguments are those of `push_adapter`.
 
     Raises:
-        As `push_adapter`; a Hub error while reading the branch is raised as huggingface_hub raises it.
+        AdapterFolderError: the folder is refused, as by `push_adapter`; a Hub error while reading the branch is
+            raised as huggingface_hub raises it.
     """
     repo_id = validate_repo_id(repo_id)
     branch = _branch(revision)

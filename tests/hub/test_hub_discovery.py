@@ -100,3 +100,18 @@ def test_group_overlap_measures_read_groupings_not_group_numbers():
     assert adjusted_rand_index(first, torch.tensor([5, 5, 3, 3, 0, 0])) == 1.0  # renamed groups: the same grouping
     assert adjusted_rand_index(torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1])) == pytest.approx(-0.5)
     assert matched_share(torch.tensor([0, 0, 0, 1]), torch.tensor([2, 2, 1, 1])) == 0.75
+
+
+def test_a_hub_adapter_is_read_on_the_base_it_records(hub_server, tmp_path, tiny_dir, text_file, capsys):
+    """eval / inspect / audit on a Hub id without --model load the base the adapter records, not the default one."""
+    shared_adapter(tmp_path / "a", "focus-test/recorded", num_groups=4, base=str(tiny_dir))
+    common = ["--data", str(text_file), "--seq-len", "64", "--max-blocks", "1", "--no-progress"]
+    assert cli_main(["eval", "focus-test/recorded", *common, "--json", str(tmp_path / "e.json")]) == 0
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["model"] == str(tiny_dir) and result["adapter"] == "focus-test/recorded" and result["ppl"] > 1
+    assert cli_main(["audit", "focus-test/recorded", *common, "--queries-per-sequence", "8"]) == 0
+    assert cli_main(["inspect", "focus-test/recorded", "--data", str(text_file), "--seq-len", "64",
+                     "--max-blocks", "1", "--json", str(tmp_path / "i.json")]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "i.json").read_text())["layers"]
+    with pytest.raises(SystemExit, match="applies to an adapter on the Hub"):
+        cli_main(["eval", str(tmp_path / "a"), "--revision", "main", *common])
