@@ -1,13 +1,18 @@
 """A tiny in-memory Hugging Face Hub for tests (loopback only).
 
 It implements exactly the part of the Hub HTTP protocol that ``huggingface_hub`` (2.x) uses for
-``create_repo``, ``repo_info``/``model_info``, ``list_repo_files``/``list_repo_tree``, ``list_repo_refs``,
-``create_branch``, ``create_commit`` (validate-yaml, preupload, ndjson commit with base64 "regular" files)
-and ``hf_hub_download``/``snapshot_download`` (HEAD/GET ``/{repo}/resolve/{revision}/{path}``).
+``create_repo``, ``repo_info``/``model_info``/``dataset_info`` (with the card's metadata as ``cardData`` and the tags
+the Hub derives from it), ``list_models`` (``GET /api/models``: tag ``filter``s, ``search``, ``author``,
+``cardData``), ``list_repo_files``/``list_repo_tree`` (hence ``verify_repo_checksums``), ``list_repo_refs``,
+``create_branch``, ``create_commit`` (validate-yaml, preupload, ndjson commit with base64 "regular" files, refused
+with 412 when ``parentCommit`` is not the branch head) and ``hf_hub_download``/``snapshot_download`` (HEAD/GET
+``/{repo}/resolve/{revision}/{path}``, ``/datasets/{repo}/resolve/...`` for datasets).
 
-Model repos only, ids must be ``namespace/name``. Every commit gets a fresh 40-hex sha and keeps its own file
+Model and dataset repos, ids ``namespace/name``. Every commit gets a fresh 40-hex sha and keeps its own file
 table, so old revisions stay downloadable by sha and by branch name. Preupload always answers
-``"uploadMode": "regular"`` (no LFS / Xet), so file contents travel base64-encoded inside the commit payload.
+``"uploadMode": "regular"`` (no LFS / Xet), so file contents travel base64-encoded inside the commit payload. A
+create-repo request without a visibility gets the organisation's default (``LocalHub(private_namespaces=...)``), as
+on the Hub; ``server.create_repo_payloads`` keeps what each one sent.
 
 Fault injection (for tests):
 
