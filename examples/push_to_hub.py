@@ -48,7 +48,8 @@ def main() -> None:
     parser.add_argument("--demo", action="store_true", help="push an untrained adapter made on --model")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="base model of --demo")
     parser.add_argument("--revision", help="branch to commit to (default: main)")
-    parser.add_argument("--private", action="store_true", help="create the repo as private")
+    parser.add_argument("--private", action="store_true", default=None,
+                        help="create the repo as private (default: the Hub's default for the namespace)")  # fmt: skip
     parser.add_argument("--no-card", action="store_true", help="keep the folder's README.md as it is")
     parser.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or https://huggingface.co)")
     args = parser.parse_args()

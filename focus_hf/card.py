@@ -1,13 +1,19 @@
 """Model cards (README.md) for Focus adapters, rendered from `hub_templates/model_card.md.j2`.
 
-The card's YAML front matter is what the Hub indexes: `library_name: peft`, the base model and the adapter
-relation, tags, `pipeline_tag`, the license and, when the folder holds an `eval_results.json`, a `model-index`
-with the measured perplexities (base model with full attention vs. the adapter's soft and hard routing).
+The card opens with how to use the adapter: the package to install (its name and the version that wrote the card)
+and the lines the Hub's "Use this model" button shows for a PEFT adapter, built from `adapter_config.json` as the Hub
+builds them. Its YAML front matter is what the Hub indexes: `library_name: peft`, the base model and the adapter
+relation, tags, `pipeline_tag`, the license (the base model's, `focus_hf.hub.eval_results.base_model_license`, unless
+given), the Hub datasets it was trained or evaluated on, and the adapter's own evaluation results
+(`focus_hf.hub.eval_results`): `model-index` on a Hub dataset, `.eval_results/` on a Hub benchmark.
 The body is built from files in the adapter folder: `adapter_config.json` and the safetensors header (via
 `focus_hf.files.adapter_summary`), `training_log.json` (written by `focus_hf.fitting.trainer`), `eval_results.json`
 and an interpretability summary; every part is optional except the adapter config. With interpretability data and
 matplotlib installed, `write_model_card` also draws `group_balance.png` (see `focus_hf.interpret.chart`) into the
 folder and the card embeds it with a relative link, so the Hub shows it once the folder is pushed.
+
+Each generated part of the body is a marked section (`focus_hf.hub.cards`): `write_model_card` on a folder that holds
+a README.md already replaces those sections and the metadata it generates, and keeps whatever else was written.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from focus_hf.files import CONFIG_NAME
+from focus_hf.hub.eval_results import ppl
 from focus_hf.interpret.chart import BALANCE_CHART_NAME, MATPLOTLIB_HINT, matplotlib_available, write_balance_chart
 
 logger = logging.getLogger(__name__)
@@ -31,12 +38,12 @@ TEMPLATE_NAME = "model_card.md.j2"
 
 def _template_path() -> Path:
     """The card template. The repository's hub_templates/ folder ships inside the package as `focus_hf.hub_templates`
-    (see pyproject); a checkout imported without installing it (PYTHONPATH, as on the lent GPU machine) has no such
-    module, and reads the folder beside the package instead."""
-    try:
-        return Path(str(resources.files("focus_hf.hub_templates") / TEMPLATE_NAME))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[1] / "hub_templates" / TEMPLATE_NAME
+    (see pyproject); a checkout (imported from its folder, installed in editable mode or not) reads the folder beside
+    the package, so that the template and the code that fills it always come from the same tree."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "hub_templates" / TEMPLATE_NAME).is_file():
+        return checkout / "hub_templates" / TEMPLATE_NAME
+    return Path(str(resources.files("focus_hf.hub_templates") / TEMPLATE_NAME))
 
 
 TEMPLATE_PATH = _template_path()
@@ -46,11 +53,13 @@ TRAINING_LOG_NAME = "training_log.json"
 INTERPRETABILITY_NAME = "interpretability.json"
 MAX_INTERPRETABILITY_ROWS = 12  # the purest groups shown in the card
 TAGS = ["focus", "sparse-attention", "peft", "focus-hf"]
-DEFAULT_LICENSE = "apache-2.0"
+PACKAGE_NAME = "focus-hf"
 # eval_results.json keys -> row label, in table order
-_MODES = {"full": "full attention (base model)", "soft": "Focus, soft routing", "hard": "Focus, hard routing (sparse)"}
-_METRIC_NAMES = {"full": "Perplexity, full attention", "soft": "Perplexity, Focus soft routing",
-                 "hard": "Perplexity, Focus hard routing"}  # fmt: skip
+_MODES = {"full": "base model, full attention (comparison)", "soft": "Focus, soft routing",
+          "hard": "Focus, hard routing (sparse)"}  # fmt: skip
+# PEFT task types the Hub's PEFT snippet knows -> the transformers auto class it names (AutoModelFor<...>).
+HUB_SNIPPET_TASKS = {"CAUSAL_LM": "CausalLM", "SEQ_2_SEQ_LM": "Seq2SeqLM", "TOKEN_CLS": "TokenClassification",
+                     "SEQ_CLS": "SequenceClassification"}  # fmt: skip
 
 
 def _read_json(path: Path) -> Optional[Any]:
@@ -108,25 +117,19 @@ def hub_base_model(base: Optional[str]) -> Optional[str]:
     return base
 
 
-def _ppl(entry: Any) -> Optional[float]:
-    if isinstance(entry, dict) and isinstance(entry.get("ppl"), (int, float)) and not isinstance(entry["ppl"], bool):
-        return float(entry["ppl"])
-    return None
-
-
 def _evaluation_rows(eval_results: dict) -> list[dict[str, str]]:
-    full = _ppl(eval_results.get("full"))
+    full = ppl(eval_results.get("full"))
     rows = []
     for mode, label in _MODES.items():
-        ppl = _ppl(eval_results.get(mode))
-        if ppl is None:
+        value = ppl(eval_results.get(mode))
+        if value is None:
             continue
         entry = eval_results[mode]
         if mode != "full" and entry.get("top_k"):
             label += f", top-{entry['top_k']}"
-        ratio = "1.00x" if mode == "full" else (f"{ppl / full:.3f}x" if full else "n/a")
+        ratio = "1.00x" if mode == "full" else (f"{value / full:.3f}x" if full else "n/a")
         rows.append(
-            {"label": label, "ppl": f"{ppl:.3f}", "ratio": ratio, "tokens": _number(entry.get("tokens", "n/a"))}
+            {"label": label, "ppl": f"{value:.3f}", "ratio": ratio, "tokens": _number(entry.get("tokens", "n/a"))}
         )
     return rows
 
@@ -145,79 +148,18 @@ def _evaluated_text(modes: list[str]) -> str:
     return ", ".join(texts[:-1]) + (" and " if len(texts) > 1 else "") + texts[-1] if texts else ""
 
 
-# A dataset split as the card's model-index may name it (train, test, heldout, held-out, validation...).
-_SPLIT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def model_index_dataset(value: Any) -> str:
-    """`value` when the card's `model-index` may name it as the evaluation dataset, else a `ValueError`.
-
-    Accepted: a Hub dataset id, `name` or `namespace/name`, each part 1-96 ASCII letters, digits, `-`, `_` or `.`,
-    starting and ending with a letter or digit, without `--` or `..`; or a built-in corpus of `focus_hf.data`
-    (`python-docs`, `python-source`). The value reaches the card's YAML, which the Hub renders: nothing else passes.
-    """
-    from focus_hf.hub.repo_ids import REPO_PART_RE
-
-    if isinstance(value, str):
-        parts = value.split("/")
-        if len(parts) <= 2 and all(REPO_PART_RE.fullmatch(p) and "--" not in p and ".." not in p for p in parts):
-            return value
-    from focus_hf.data import BUILTIN_CORPORA  # imports torch: only reached for a value that is not a Hub id
-
-    if isinstance(value, str) and value in BUILTIN_CORPORA:
-        return value
-    raise ValueError(
-        f"{EVAL_RESULTS_NAME} names the evaluation dataset {value!r}, which the model card cannot show: use a Hub "
-        "dataset id ('name' or 'namespace/name': ASCII letters, digits, '-', '_', '.') or a built-in corpus "
-        f"({', '.join(BUILTIN_CORPORA)}), or remove the 'data' field."
-    )
-
-
-def model_index_split(value: Any) -> str:
-    """`value` when the card's `model-index` may name it as the dataset split (`heldout`, `test`...), else a
-    `ValueError`."""
-    if isinstance(value, str) and _SPLIT_RE.fullmatch(value):
-        return value
-    raise ValueError(
-        f"{EVAL_RESULTS_NAME} names the split {value!r}, which the model card cannot show: use 1-64 ASCII letters, "
-        "digits, '-', '_' or '.' (e.g. 'heldout'), or remove the 'split' field."
-    )
-
-
-def _eval_dataset(eval_results: dict) -> Optional[str]:
-    for mode in _MODES:
-        entry = eval_results.get(mode)
-        if isinstance(entry, dict) and entry.get("data"):
-            return model_index_dataset(entry["data"])
-    data = eval_results.get("data")
-    return model_index_dataset(data) if data else None
-
-
-def _eval_results_metadata(eval_results: dict, dataset: Optional[str]) -> list:
-    """huggingface_hub `EvalResult`s (-> `model-index`) for the measured perplexities."""
-    from huggingface_hub import EvalResult
-
-    modes = [mode for mode in _MODES if _ppl(eval_results.get(mode)) is not None]
-    split = next((eval_results[m]["split"] for m in modes if eval_results[m].get("split")), None)
-    return [
-        EvalResult(
-            task_type="text-generation",
-            task_name="Language modeling",
-            dataset_type=dataset or "custom",
-            dataset_name=dataset or "held-out text",
-            dataset_split=model_index_split(split) if split else None,
-            metric_type="perplexity",
-            metric_name=_METRIC_NAMES[mode],
-            metric_value=round(_ppl(eval_results[mode]), 4),
-        )
-        for mode in modes
-    ]
+def training_corpus(log: Any) -> Optional[str]:
+    """The corpus a training log records (`focus-hf train` and the distillation write it in its metadata)."""
+    if not isinstance(log, dict):
+        return None
+    metadata = log.get("metadata") if isinstance(log.get("metadata"), dict) else {}
+    data = metadata.get("data") or metadata.get("dataset") or log.get("data")
+    return str(data) if data else None
 
 
 def _training_rows(log: dict) -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = []
-    metadata = log.get("metadata") if isinstance(log.get("metadata"), dict) else {}
-    data = metadata.get("data") or metadata.get("dataset") or log.get("data")
+    data = training_corpus(log)
     if data:
         rows.append(("training data", markdown_code(data, in_table=True)))
     fields = [
@@ -393,6 +335,74 @@ def shell_word(value: Any):
     return markupsafe.Markup(shlex.quote(text))
 
 
+def package_info() -> dict[str, Optional[str]]:
+    """The package that writes the card: its name, the installed version, the pip requirement pinning it, and a web
+    page only when the package's own metadata names one (`Project-URL` or `Home-page`), never a guessed address."""
+    import importlib.metadata
+
+    import focus_hf
+
+    try:
+        metadata = importlib.metadata.metadata(PACKAGE_NAME)
+        version = metadata["Version"]
+        urls = [value.partition(",")[2].strip() for value in metadata.get_all("Project-URL") or []]
+        url = next((u for u in urls + [metadata.get("Home-page") or ""] if u.startswith("https://")), None)
+    except importlib.metadata.PackageNotFoundError:  # imported from a checkout that was not installed
+        version, url = focus_hf.__version__, None
+    return {"name": PACKAGE_NAME, "version": version, "requirement": f"{PACKAGE_NAME}=={version}", "url": url}
+
+
+def hub_peft_snippet(repo_id: str, config: dict[str, Any]):
+    """The code the Hub's "Use this model" button shows for a PEFT adapter, built from its `adapter_config.json` as
+    the Hub builds it (huggingface.js, `model-libraries-snippets.ts`, `peft`): None where the Hub shows none (an
+    unknown `task_type`, or no base model)."""
+    import markupsafe
+
+    task = HUB_SNIPPET_TASKS.get(config.get("task_type") or "")
+    base = config.get("base_model_name_or_path")
+    if task is None or not base:
+        return None
+    return markupsafe.Markup(
+        f"from peft import PeftModel\nfrom transformers import AutoModelFor{task}\n\n"
+        f"base_model = AutoModelFor{task}.from_pretrained({python_string_literal(base)})\n"
+        f"model = PeftModel.from_pretrained(base_model, {python_string_literal(repo_id)})"
+    )
+
+
+def _snippet_note(config: dict[str, Any], base_model: Optional[str]):
+    """Why the Hub's button shows no loading code for this adapter (Markdown)."""
+    import markupsafe
+
+    code = markdown_code
+    if (config.get("task_type") or "") not in HUB_SNIPPET_TASKS:
+        return markupsafe.Markup(
+            f"The Hub shows no loading code for this adapter: its {code(CONFIG_NAME)} names no {code('task_type')} "
+            f"(the adapters focus_hf saves now record {code('CAUSAL_LM')} there); the lines above load it all the "
+            "same."
+        )
+    if not base_model:
+        return markupsafe.Markup(
+            "The base model is not on the Hub: load the one the adapter was fitted on in place of "
+            f"{code('BASE_MODEL')}."
+        )
+    return markupsafe.Markup(
+        f"The Hub shows no loading code for this adapter: its {code(CONFIG_NAME)} records the base model as "
+        f"{code(config.get('base_model_name_or_path'))}, not as its Hub id."
+    )
+
+
+def _card_license(license: Optional[str], base_license: Optional[dict]) -> tuple[dict[str, str], Optional[str]]:  # noqa: A002
+    """(license metadata, a note for the card) from an explicit license, else the base model's."""
+    if license:
+        return {"license": license}, None
+    if base_license:
+        return dict(base_license), None
+    return {}, (
+        "No license is set: the base model's card names none that could be read. Set one with `focus-hf card "
+        "--license`; an adapter of a base model under its own license (Llama, Gemma...) follows that license."
+    )
+
+
 def render_model_card(
     adapter_dir: str | os.PathLike,
     *,
@@ -400,6 +410,7 @@ def render_model_card(
     interpretability: Optional[dict] = None,
     repo_id: Optional[str] = None,
     license: Optional[str] = None,  # noqa: A002
+    base_license: Optional[dict] = None,
     balance_chart: Optional[str] = None,
 ):
     """The model card of an adapter folder as a `huggingface_hub.ModelCard` (not written anywhere).
@@ -413,9 +424,12 @@ def render_model_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     from focus_hf.files import adapter_summary
+    from focus_hf.hub.datasets import parse_hub_dataset
+    from focus_hf.hub.eval_results import evaluated_corpus, headline, model_index_results
 
     folder = Path(adapter_dir)
     summary = adapter_summary(folder)
+    config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
     if eval_results is None:
         eval_results = _read_json(folder / EVAL_RESULTS_NAME)
     if interpretability is None:
@@ -424,40 +438,58 @@ def render_model_card(
     eval_results = eval_results if isinstance(eval_results, dict) else {}
     base_model = hub_base_model(summary["base_model"])
     name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
-    dataset = _eval_dataset(eval_results)
-    results = _eval_results_metadata(eval_results, dataset)
+    repo_id = repo_id or f"your-namespace/{name}"
+    corpus = evaluated_corpus(eval_results)
+    results = model_index_results(eval_results, corpus)
+    trained_on = parse_hub_dataset(training_corpus(training_log) or "")
+    datasets = list(dict.fromkeys(d.repo_id for d in (trained_on, corpus.hub if corpus else None) if d is not None))
+    license_metadata, license_note = _card_license(license, base_license)
+    package = package_info()
 
     card_data = ModelCardData(
         base_model=base_model,
         library_name="peft",
-        license=license or DEFAULT_LICENSE,
+        **license_metadata,
         pipeline_tag="text-generation",
         tags=list(TAGS),
+        datasets=datasets or None,
         model_name=name if results else None,
         eval_results=results or None,
         base_model_relation="adapter" if base_model else None,
+        focus_hf=headline(eval_results, config, package["version"]),
     )
     speed = eval_results.get("speed")
     evaluation = _evaluation_rows(eval_results)
+    # The Hub's lines, shown only where they run as shown: the config must name the base by its Hub id.
+    recorded_base = config.get("base_model_name_or_path")
+    snippet = hub_peft_snippet(repo_id, config) if base_model and recorded_base == base_model else None
     context = {
         "card_data": card_data.to_yaml(),
         "title": f"{name}: Focus sparse-attention adapter" + (f" for {base_model}" if base_model else ""),
+        "package": package,
+        "snippet": snippet,
+        "snippet_note": None if snippet else _snippet_note(config, base_model),
+        "base_revision": config.get("revision"),
         "base_model": base_model,
         "base_model_label": base_model or summary["base_model"],
-        "repo_id": repo_id or f"your-namespace/{name}",
+        "repo_id": repo_id,
         "summary": summary,
         "size_text": _size(summary["weights_bytes"]),
         "training": _training_rows(training_log) if isinstance(training_log, dict) else [],
         "config_rows": [(markdown_code(key, in_table=True), _cell(value)) for key, value in summary["config"].items()],
         "evaluation": evaluation,
-        "evaluated": _evaluated_text([mode for mode in _MODES if _ppl(eval_results.get(mode)) is not None]),
-        "eval_data": dataset,
+        "has_base_row": ppl(eval_results.get("full")) is not None,
+        "evaluated": _evaluated_text([mode for mode in _MODES if ppl(eval_results.get(mode)) is not None]),
+        "eval_data": corpus.name if corpus else None,
+        "eval_data_link": f"https://huggingface.co/datasets/{corpus.hub.repo_id}" if corpus and corpus.hub else None,
+        "eval_documents": corpus.split if corpus else None,
         "speed": _speed_rows(speed) if isinstance(speed, dict) else [],
         "passkey": _passkey_summary(eval_results.get("passkey")),
         "interpretability": _interpretability_context(interpretability),
         "balance_chart": balance_chart,
         "balance_chart_note": None,
         "base_weights": training_log.get("base_weights") if isinstance(training_log, dict) else None,
+        "license_note": license_note,
     }
     if context["interpretability"] and balance_chart is None and not matplotlib_available():
         context["balance_chart_note"] = markupsafe.Markup(
@@ -489,26 +521,39 @@ def write_model_card(
     interpretability: Optional[dict] = None,
     repo_id: Optional[str] = None,
     license: Optional[str] = None,  # noqa: A002
+    base_license: Optional[dict] = None,
 ) -> Path:
-    """Write `README.md`, the Hub model card, into a Focus adapter folder (overwriting it) and return its path.
+    """Write `README.md`, the Hub model card, into a Focus adapter folder and return its path.
 
-    With interpretability data, also draws the group-balance chart into the folder as `group_balance.png`
-    (overwriting it) and embeds it; without matplotlib the card leaves the chart out with a one-line note.
+    A README.md already in the folder is updated, not overwritten: its metadata and the sections focus_hf generates
+    are replaced, and everything else written in it is kept (`focus_hf.hub.cards.update_card`). With interpretability
+    data, also draws the group-balance chart into the folder as `group_balance.png` (overwriting it) and embeds it;
+    without matplotlib the card leaves the chart out with a one-line note. Evaluation results on a Hub benchmark are
+    also written as `.eval_results/focus-hf-perplexity.yaml` (the Hub's format; `push_adapter` uploads it).
+
+    Nothing is read from the network: the base model's license is passed in (`base_license`, as
+    `focus_hf.hub.eval_results.base_model_license` reads it; `focus-hf card` does).
 
     Args:
         adapter_dir: a saved Focus adapter folder (`adapter_config.json` + `adapter_model.safetensors`).
         eval_results: {"full": {"ppl", "tokens", ...}, "soft": {...}, "hard": {...}, "speed": {...}} as
             `focus_hf.evaluation.perplexity` returns per mode; defaults to the folder's `eval_results.json`.
-            Any part may be missing; the perplexities go into the card's `model-index`.
+            Any part may be missing; the adapter's own perplexities on a Hub dataset go into the card's
+            `model-index`, the base model's ("full") is a comparison in its text.
         interpretability: a summary of what the groups learned (see `_interpretability_context`; a
             `focus-hf inspect` report); defaults to the folder's `interpretability.json`.
         repo_id: the Hub id shown in the loading snippet; defaults to a placeholder.
-        license: the card's license (default apache-2.0; the base model's license may restrict it).
+        license: the card's license (a Hub license id); overrides `base_license`.
+        base_license: the base model's license metadata (`license`, and `license_name` / `license_link` for
+            `license: other`); without either, the card sets no license and says so.
 
     Raises:
         focus_hf.files.AdapterFileError: not a Focus adapter folder.
-        ValueError: a JSON file of the folder is invalid.
+        ValueError: a JSON file of the folder is invalid, or its README.md has metadata that is not YAML.
     """
+    from focus_hf.hub.cards import update_card
+    from focus_hf.hub.eval_results import eval_result_entries, evaluated_corpus, write_eval_results_file
+
     folder = Path(adapter_dir)
     if interpretability is None:
         interpretability = _read_json(folder / INTERPRETABILITY_NAME)
@@ -522,8 +567,16 @@ def write_model_card(
             stale.unlink()
     card = render_model_card(
         folder, eval_results=eval_results, interpretability=interpretability, repo_id=repo_id, license=license,
-        balance_chart=chart.name if chart is not None else None,
+        base_license=base_license, balance_chart=chart.name if chart is not None else None,
     )  # fmt: skip
+    if eval_results is None:
+        eval_results = _read_json(folder / EVAL_RESULTS_NAME)
+    eval_results = eval_results if isinstance(eval_results, dict) else {}
+    entries = eval_result_entries(eval_results, evaluated_corpus(eval_results), package_info()["version"])
+    write_eval_results_file(folder, entries)
     path = folder / CARD_NAME
-    path.write_text(str(card), encoding="utf-8")
+    text = str(card)
+    if path.is_file():
+        text = update_card(path.read_text(encoding="utf-8"), text)
+    path.write_text(text, encoding="utf-8")
     return path

@@ -20,14 +20,17 @@ COMMAND_MODULES = {
     "audit": "focus_hf.commands.audit",
     "demo": "focus_hf.commands.demo",
     "bench": "focus_hf.commands.bench",
+    "search": "focus_hf.commands.search",
+    "compare": "focus_hf.commands.compare",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="focus-hf",
-        description="Focus learned sparse attention for Hugging Face models: train, evaluate, inspect and share "
-        "centroid-only adapters.",
+        description="Focus learned sparse attention as a PEFT adapter type for Hugging Face transformers: distil or "
+        "train the routers of an adapter, evaluate and audit it, see what its groups learned, and share it on the Hub "
+        "(push, pull, card, search, compare). An ADAPTER is a folder or a Hub id, read at --revision.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES.values():

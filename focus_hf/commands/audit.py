@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 from focus_hf.commands.common import (
+    adapter_folder,
+    add_adapter_arguments,
     add_data_options,
     add_model_option,
     base_model_name,
     load_with_adapter,
     split_corpus,
 )
+from focus_hf.commands.options import add_json_option, add_option, write_json
 
 
 def audit(args: argparse.Namespace, model, tokenizer):
@@ -23,22 +26,19 @@ def audit(args: argparse.Namespace, model, tokenizer):
     _, heldout_texts = split_corpus(args)
     blocks = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.max_blocks)
     return audit_recall(
-        model, blocks, top_k=args.top_k, queries_per_sequence=args.queries, progress=not args.no_progress
+        model, blocks, top_k=args.top_k, queries_per_sequence=args.queries_per_sequence, progress=not args.no_progress
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """`focus-hf audit`: audit, print the table, write JSON / PNG when asked."""
-    model, tokenizer = load_with_adapter(base_model_name(args.model, args.adapter), args.adapter)
+    folder = adapter_folder(args.adapter, args.revision)
+    model, tokenizer = load_with_adapter(base_model_name(args.model, folder), folder)
     model.eval()
     result = audit(args, model, tokenizer)
     print(result.table())
-    if args.json:
-        if args.json == "-":
-            print(json.dumps(result.to_dict(), indent=1))
-        else:
-            result.save_json(args.json)
-            print(f"JSON written to {args.json}")
+    if args.json is not None:
+        write_json(result.to_dict(), args.json)
     if args.png:
         result.save_png(args.png)
         print(f"heatmap written to {args.png}")
@@ -75,26 +75,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "attention mass (queries beyond the window) that the adapter's hard pattern keeps: window + sinks alone, "
         "the adapter's top-k groups, and an oracle choosing the best k groups given the same key groups.",
     )
+    add_adapter_arguments(parser)
     add_model_option(parser, default=None)
-    parser.add_argument("--adapter", required=True, help="adapter folder or Hub id")
     add_data_options(parser)
-    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per audited block (default: 4096)")
-    parser.add_argument("--max-blocks", type=int, default=1, help="held-out blocks to audit (default: 1)")
-    parser.add_argument("--top-k", type=int, default=None, help="groups probed (default: the adapter's)")
-    parser.add_argument(
-        "--queries", type=int, default=1024, help="random queries beyond the window per block (default: 1024)"
-    )
-    parser.add_argument("--json", nargs="?", const="-", default=None, help="write JSON to a file (or - for stdout)")
-    parser.add_argument("--png", type=Path, default=None, help="write a layer x kv-head heatmap PNG")
-    parser.add_argument(
-        "--dense-heads", type=int, default=0, help="also print the N kv heads that lose the most mass (default: 0)"
-    )
-    parser.add_argument(
+    add_option(parser, "--seq-len", type=int, default=4096, help="tokens per audited block (default: 4096)")
+    add_option(parser, "--max-blocks", type=int, default=1, help="held-out blocks to audit (default: 1)")
+    add_option(parser, "--top-k", type=int, default=None, help="groups probed (default: the adapter's)")
+    add_option(parser, "--queries-per-sequence", type=int, default=1024, old=("--queries",),
+               help="random queries beyond the window per block (default: 1024)")  # fmt: skip
+    add_json_option(parser, "the audit")
+    add_option(parser, "--png", type=Path, default=None, help="write a layer x kv-head heatmap PNG")
+    add_option(parser, "--dense-heads", type=int, default=0,
+               help="also print the N kv heads that lose the most mass (default: 0)")  # fmt: skip
+    add_option(
+        parser,
         "--retrieval-heads",
         type=int,
         default=0,
         help="also run the retrieval audit and print the N kv heads dropping the most attention on distant copied "
         "tokens (default: 0)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_option(parser, "--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)

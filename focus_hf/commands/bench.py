@@ -640,69 +640,76 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from focus_hf.commands.options import add_option
+
     parser = subparsers.add_parser("bench", help="time hard-mode Focus attention against dense causal attention")
-    parser.add_argument(
-        "--seq-lens",
+    add_option(
+        parser, "--seq-len",
+        dest="seq_lens",
+        old=("--seq-lens",),
         type=int,
         nargs="+",
         default=[1024, 4096, 16384],
-        help="sequence lengths (with --decode: KV cache lengths)",
+        help="sequence lengths, each timed (with --decode: KV cache lengths)",
     )
-    parser.add_argument("--groups", type=int, default=8, help="number of groups K")
-    parser.add_argument(
-        "--top-k", type=int, nargs="+", default=[1], help="groups per query; several are timed in one loop"
+    add_option(parser, "--num-groups", dest="groups", type=int, default=8, old=("--groups",), help="number of groups K")
+    add_option(
+        parser, "--top-k", type=int, nargs="+", default=[1], help="groups per query; several are timed in one loop"
     )
-    parser.add_argument("--window", type=int, default=128, help="local window w")
-    parser.add_argument("--sinks", type=int, default=4, help="sink tokens")
-    parser.add_argument("--heads", type=int, default=9, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dimension")
-    parser.add_argument(
-        "--backend", default="auto", choices=["auto", "sdpa", "flash", "stock", "reference"], help="Focus backend"
+    add_option(parser, "--window", type=int, default=128, help="local window w")
+    add_option(parser, "--sink-tokens", dest="sinks", type=int, default=4, old=("--sinks",), help="sink tokens")
+    add_option(parser, "--heads", type=int, default=9, help="query heads")
+    add_option(parser, "--kv-heads", type=int, default=3, help="key/value heads")
+    add_option(parser, "--head-dim", type=int, default=64, help="head dimension")
+    add_option(
+        parser, "--backend", default="auto", choices=["auto", "sdpa", "flash", "stock", "reference"],
+        help="Focus backend",
+    )  # fmt: skip
+    add_option(parser, "--repeats", type=int, default=5, help="timed repetitions (fewer above 16,384 tokens)")
+    add_option(
+        parser, "--dense-max-seq-len", type=int, default=None, help="do not time dense attention above this length"
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (fewer above 16,384 tokens)")
-    parser.add_argument(
-        "--dense-max-seq-len", type=int, default=None, help="do not time dense attention above this length"
-    )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="q/k/v dtype")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    parser.add_argument(
-        "--peak-memory",
+    add_option(parser, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="q/k/v dtype")
+    add_option(parser, "--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    add_option(parser, "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    add_option(
+        parser, "--peak-memory",
         action="store_true",
         help="measure the peak memory of one dense SDPA call and one Focus call per length and top_k instead (the "
         "process's peak RSS on the CPU, torch's peak allocated GPU memory on CUDA)",
     )
-    parser.add_argument(
-        "--decode",
+    add_option(
+        parser, "--decode",
         action="store_true",
-        help="time one new query against a KV cache of each --seq-lens length instead (dense SDPA vs Focus decode)",
+        help="time one new query against a KV cache of each --seq-len length instead (dense SDPA vs Focus decode)",
     )
-    parser.add_argument("--decode-repeats", type=int, default=30, help="timed repetitions per length with --decode")
-    parser.add_argument(
-        "--compile",
+    add_option(parser, "--decode-repeats", type=int, default=30, help="timed repetitions per length with --decode")
+    add_option(
+        parser, "--compile",
         action="store_true",
         help="with --decode on the GPU path: also time both steps under torch.compile (rows with compiled: true)",
     )
-    parser.add_argument(
-        "--decode-steps",
+    add_option(
+        parser, "--decode-steps",
         type=int,
         default=None,
         help="with --decode: steps made back to back per timing, the time being their mean (default: 1 on the CPU, "
         "10 on a GPU)",
     )
-    parser.add_argument(
-        "--calibrate",
+    add_option(
+        parser, "--calibrate",
         action="store_true",
         help="measure where 'auto' switches from dense to sparse attention on this machine (per --top-k), store it "
         "in the crossover cache and print it",
     )
-    parser.add_argument(
-        "--query-router",
+    add_option(
+        parser, "--query-projection",
+        dest="query_router",
+        old=("--query-router",),
         action="store_true",
         help="route queries with a separate query-side projection (as adapters with query_projection=True do) "
         "instead of by their own key group",
     )
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    add_option(parser, "--json", metavar="PATH", help="write the rows as JSON to PATH")
+    add_option(parser, "--seed", type=int, default=0, help="random seed")
     parser.set_defaults(func=run)

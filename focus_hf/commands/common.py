@@ -1,4 +1,4 @@
-"""Options and helpers shared by the train / eval / demo commands."""
+"""Options and helpers shared by the commands: the adapter argument, the base model, the corpus, the adapter's shape."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from focus_hf.defaults import FOCUS_DEFAULTS
 
 if TYPE_CHECKING:
     from focus_hf.tuner.config import FocusConfig
+from pathlib import Path
+
 from focus_hf.aliases import DEFAULT_MODEL, MODEL_ALIASES
+from focus_hf.commands.options import DeprecatedAlias, add_option
 from focus_hf.files import model_for_adapter
 
 DEFAULT_DATA = "python-docs"
@@ -30,6 +33,7 @@ class FocusOption:
     field: str
     type: type
     help: str
+    old: tuple[str, ...] = ()  # former names, still accepted
 
     @property
     def dest(self) -> str:
@@ -46,7 +50,7 @@ _FOCUS_CONFIG_DEFAULTS = FOCUS_DEFAULTS
 
 # In the order the options are listed in --help.
 FOCUS_OPTIONS = (
-    FocusOption("--groups", "num_groups", int, "groups K per layer"),
+    FocusOption("--num-groups", "num_groups", int, "groups K per layer", old=("--groups",)),
     FocusOption("--group-dim", "group_dim", int, "routing dimension d_g"),
     FocusOption("--window", "window", int, "local window w of full attention"),
     FocusOption("--top-k", "top_k", int, "groups each query probes in hard mode"),
@@ -80,7 +84,9 @@ def add_focus_options(
             continue
         text = help_texts.get(option.field, option.help)
         default = defaults.get(option.field, option.default)
-        parser.add_argument(option.flag, type=option.type, default=default, help=f"{text} (default: {default})")
+        add_option(
+            parser, option.flag, type=option.type, default=default, help=f"{text} (default: {default})", old=option.old
+        )
 
 
 def focus_config_from_args(args: argparse.Namespace) -> FocusConfig:
@@ -95,33 +101,81 @@ def focus_config_from_args(args: argparse.Namespace) -> FocusConfig:
 def add_model_option(parser: argparse.ArgumentParser, default: Optional[str] = DEFAULT_MODEL) -> None:
     """Add `--model`; `default=None` means "the base model the adapter records"."""
     aliases = ", ".join(sorted(MODEL_ALIASES))
-    parser.add_argument(
+    add_option(
+        parser,
         "--model",
         default=default,
-        help=f"base model: a Hub id, a local folder, or an alias ({aliases}); default: {default or 'the adapter base'}",
+        help=f"base model: a Hub id, a local folder, or an alias ({aliases}); default: "
+        f"{default or 'the base model the adapter records'}",
     )
 
 
-def add_data_options(parser: argparse.ArgumentParser) -> None:
+CORPUS_HELP = (
+    "corpus: a built-in name (python-docs, python-source), a text file, a .jsonl file with a 'text' field, a folder "
+    "of .txt/.md/.py/.rst files, or a Hub dataset, hf://datasets/ORG/NAME[@REVISION][/PATH]"
+)
+
+
+def add_data_options(
+    parser: argparse.ArgumentParser, default: Optional[str] = DEFAULT_DATA, old: Sequence[str] = ()
+) -> None:
     """Add `--data` and the options of its train/held-out split (read back by `split_corpus`)."""
-    parser.add_argument(
-        "--data",
-        default=DEFAULT_DATA,
-        help="corpus: a built-in name (python-docs, python-source), a text file, a .jsonl file with a 'text' "
-        f"field, or a folder of .txt/.md/.py/.rst files (default: {DEFAULT_DATA})",
-    )
-    parser.add_argument(
+    add_option(parser, "--data", default=default, help=f"{CORPUS_HELP} (default: {default or 'none'})", old=old)
+    add_option(
+        parser,
         "--heldout-fraction",
         type=float,
         default=DEFAULT_HELDOUT_FRACTION,
         help=f"share of documents held out for evaluation (default: {DEFAULT_HELDOUT_FRACTION})",
     )
-    parser.add_argument(
+    add_option(
+        parser,
         "--split-seed",
         type=int,
         default=DEFAULT_SPLIT_SEED,
         help=f"seed of the train/held-out split (default: {DEFAULT_SPLIT_SEED})",
     )
+
+
+def add_adapter_arguments(parser: argparse.ArgumentParser, *, what: str = "") -> None:
+    """Add the adapter a command reads, as every command takes it: ADAPTER, a folder or a Hub id (its files are
+    downloaded and checked against the Hub's checksums), and `--revision` (the former `--adapter` still works)."""
+    # Optional for argparse even where the command needs it (`adapter_folder` says so): the former `--adapter`
+    # gives it too, and a required positional would refuse a command line that names it that way. The positional has
+    # no default of its own, which would overwrite what `--adapter` gave; the alias holds the default, None.
+    positional = parser.add_argument(
+        "adapter", metavar="ADAPTER", nargs="?", default=argparse.SUPPRESS,
+        help=f"Focus adapter: a folder or a Hub id (namespace/name){what}",
+    )  # fmt: skip
+    alias = parser.add_argument(
+        "--adapter", dest="adapter", action=DeprecatedAlias, target=positional, name="ADAPTER", nargs=None
+    )
+    alias.default = None
+    add_option(parser, "--revision", help="branch, tag or commit of a Hub adapter (default: main)")
+
+
+def adapter_folder(adapter: Optional[str | os.PathLike], revision: Optional[str] = None) -> Path:
+    """The folder of the adapter a command reads: a local folder as it is, or a Hub id's files downloaded through
+    the huggingface_hub cache and checked against the Hub's checksums (`focus_hf.hub.pull_adapter`).
+
+    Raises:
+        SystemExit: no adapter given, neither a folder nor a Hub id, or `revision` given for a local folder.
+    """
+    if adapter is None:
+        raise SystemExit("focus-hf: give the ADAPTER, a folder or a Hub id (namespace/name).")
+    if os.path.isdir(adapter):
+        if revision is not None:
+            raise SystemExit(f"focus-hf: --revision applies to an adapter on the Hub; {adapter} is a local folder.")
+        return Path(adapter)
+    from focus_hf.hub import InvalidRepoIdError, pull_adapter, validate_repo_id
+
+    try:
+        validate_repo_id(str(adapter))
+    except InvalidRepoIdError:
+        raise SystemExit(
+            f"focus-hf: ADAPTER {str(adapter)!r} is neither a folder nor a Hub id (namespace/name)."
+        ) from None
+    return pull_adapter(str(adapter), revision=revision)
 
 
 def split_documents(
@@ -144,7 +198,8 @@ def split_metadata(data: str | os.PathLike, heldout_fraction: float, seed: int) 
 
 
 def base_model_name(model: Optional[str], adapter: Optional[str | os.PathLike]) -> str:
-    """The base model to load: `model` when given, else the one `adapter` records, else the default model."""
+    """The base model to load: `model` when given, else the one the adapter folder `adapter` records (a Hub adapter's
+    verified folder from `adapter_folder` records its base too), else the default model."""
     return model or (model_for_adapter(adapter) if adapter else None) or DEFAULT_MODEL
 
 

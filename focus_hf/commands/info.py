@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from focus_hf.defaults import FOCUS_DEFAULTS
-from focus_hf.files import adapter_summary
+from focus_hf.commands.common import adapter_folder, add_adapter_arguments, add_focus_options
+from focus_hf.commands.options import add_json_option, add_option, write_json
 
 
 def _run_sizing(args: argparse.Namespace) -> int:
@@ -18,8 +16,8 @@ def _run_sizing(args: argparse.Namespace) -> int:
     if args.query_projection:
         options["query_projection"] = True
     size = adapter_size(args.config, **options)
-    if args.json:
-        print(json.dumps(size, indent=2))
+    if args.json is not None:
+        write_json(size, args.json)
         return 0
     print(f"Focus adapter for {args.config} (K={args.num_groups}, d_g={args.group_dim})")
     print(f"  base model:           {size['model_type']}, {size['base_parameters']:,} parameters (not allocated)")
@@ -30,17 +28,19 @@ def _run_sizing(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from focus_hf.files import adapter_summary
+
     if args.config is not None:
         if args.adapter is not None:
-            raise SystemExit("focus-hf info: give an ADAPTER folder or --config CONFIG, not both.")
+            raise SystemExit("focus-hf info: give an ADAPTER or --config CONFIG, not both.")
         return _run_sizing(args)
     if args.adapter is None:
-        raise SystemExit("focus-hf info: give an ADAPTER folder, or --config CONFIG.json to size a new adapter.")
-    summary = adapter_summary(Path(args.adapter))
-    if args.json:
-        print(json.dumps(summary, indent=2))
+        raise SystemExit("focus-hf info: give an ADAPTER (folder or Hub id), or --config CONFIG to size a new adapter.")
+    summary = adapter_summary(adapter_folder(args.adapter, args.revision))
+    if args.json is not None:
+        write_json(summary, args.json)
         return 0
-    print(f"Focus adapter {args.adapter}")
+    print(f"Focus adapter {args.adapter}" + (f" (revision {args.revision})" if args.revision else ""))
     print(f"  base model:           {summary['base_model']} ({summary['base_model_type']})")
     print(f"  parameters:           {summary['parameters']:,} in {summary['routed_layers']} routed attention layers")
     print(
@@ -57,15 +57,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "info",
         help="print an adapter's config, parameter count and base model, or (--config) size an adapter for a base",
+        description="Print a Focus adapter's configuration, its router parameters and the base model it records, "
+        "without loading any model. With --config, size an adapter for a base model instead (built on the meta "
+        "device: no weights are allocated).",
     )
-    parser.add_argument("adapter", nargs="?", help="adapter folder")
-    parser.add_argument(
+    add_adapter_arguments(parser)
+    add_option(
+        parser,
         "--config",
-        help="size an adapter for this base model instead (config.json, model folder or Hub id); the model is "
-        "built on the meta device, no weights are allocated",
+        help="size an adapter for this base model instead (config.json, model folder or Hub id)",
     )
-    parser.add_argument("--num-groups", type=int, default=FOCUS_DEFAULTS["num_groups"], help="K (with --config)")
-    parser.add_argument("--group-dim", type=int, default=FOCUS_DEFAULTS["group_dim"], help="d_g (with --config)")
-    parser.add_argument("--query-projection", action="store_true", help="size a separate query router too")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    sizing = parser.add_argument_group("sizing (--config)")
+    add_focus_options(sizing, fields=("num_groups", "group_dim"))
+    add_option(
+        sizing,
+        "--query-projection",
+        action="store_true",
+        old=("--query-router",),
+        help="size a query-side router too (FocusConfig.query_projection)",
+    )
+    add_json_option(parser, "the configuration or the sizing")
     parser.set_defaults(func=run)

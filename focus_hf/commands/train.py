@@ -17,6 +17,7 @@ from focus_hf.commands.common import (
     split_corpus,
     split_metadata,
 )
+from focus_hf.commands.options import add_option
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ def resume_config(out: Path, config: FocusConfig) -> FocusConfig:
 
 
 OBJECTIVE_DEFAULTS = {
-    "distill": {"steps": 100, "seq_len": 4096, "lr": 0.01},
-    "lm": {"steps": 200, "seq_len": 512, "lr": 5e-3},
+    "distill": {"steps": 100, "seq_len": 4096, "lr": 0.01, "sequences": 4, "query_projection": True},
+    "lm": {"steps": 200, "seq_len": 512, "lr": 5e-3, "sequences": None, "query_projection": False},
 }
 
 
@@ -66,6 +67,8 @@ def train(args: argparse.Namespace) -> dict:
             "--device and --dtype apply to --objective distill; the lm objective runs where transformers' Trainer "
             "places the model (the GPU when there is one)."
         )
+    import dataclasses
+
     import torch
     from peft import get_peft_model
 
@@ -75,12 +78,12 @@ def train(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     torch.manual_seed(args.seed)
     model, tokenizer = load_base(args.model)
-    config = focus_config_from_args(args)
+    config = dataclasses.replace(focus_config_from_args(args), query_projection=args.query_projection)
     if args.resume:
         config = resume_config(out, config)
     model = get_peft_model(model, config)
     train_texts, heldout_texts = split_corpus(args)
-    blocks = token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.max_train_blocks)
+    blocks = token_blocks(tokenizer, train_texts, args.seq_len, max_blocks=args.sequences)
     balance = token_blocks(tokenizer, heldout_texts, args.seq_len, max_blocks=1) if args.balance_check else None
     log = train_adapter(
         model,
@@ -130,7 +133,7 @@ def distill(args: argparse.Namespace) -> dict:
     device, dtype = getattr(args, "device", None), getattr(args, "dtype", None)
     if device or dtype:  # before the adapter: the routers are created where the base runs, in float32
         model.to(**({"device": device} if device else {}), **({"dtype": getattr(torch, dtype)} if dtype else {}))
-    config = dataclasses.replace(focus_config_from_args(args), query_projection=args.query_router)
+    config = dataclasses.replace(focus_config_from_args(args), query_projection=args.query_projection)
     model = get_peft_model(model, config)
     model.eval()
     train_texts, heldout_texts = split_corpus(args)
@@ -223,13 +226,14 @@ def add_training_options(parser: argparse.ArgumentParser, *, steps: int, seq_len
     """Add the "adapter" (every `FocusConfig` option) and "training" option groups with these defaults."""
     add_focus_options(parser.add_argument_group("adapter"))
     group = parser.add_argument_group("training")
-    group.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per training block (default: {seq_len})")
-    group.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default: {steps})")
-    group.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default: {lr})")
-    group.add_argument("--batch-size", type=int, default=1, help="blocks per step (default: 1)")
-    group.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    group.add_argument("--logging-steps", type=int, default=1, help="loss logging interval (default: 1)")
-    group.add_argument(
+    add_option(group, "--seq-len", type=int, default=seq_len, help=f"tokens per training block (default: {seq_len})")
+    add_option(group, "--steps", type=int, default=steps, help=f"optimizer steps (default: {steps})")
+    add_option(group, "--lr", type=float, default=lr, help=f"peak learning rate (default: {lr})")
+    add_option(group, "--batch-size", type=int, default=1, help="blocks per step (default: 1)")
+    add_option(group, "--seed", type=int, default=0, help="random seed (default: 0)")
+    add_option(group, "--logging-steps", type=int, default=1, help="loss logging interval (default: 1)")
+    add_option(
+        group,
         "--dominance-threshold",
         type=float,
         default=0.5,
@@ -247,12 +251,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_option(parser)
     add_data_options(parser)
-    parser.add_argument("--out", required=True, help="adapter folder to write (checkpoints go to OUT/checkpoints)")
+    add_option(parser, "--out", required=True, help="adapter folder to write (checkpoints go to OUT/checkpoints)")
     add_training_options(parser, steps=200, seq_len=512, lr=5e-3)
     # The two objectives want different scales; None means "the chosen objective's default" (OBJECTIVE_DEFAULTS).
-    parser.set_defaults(steps=None, seq_len=None, lr=None)
+    parser.set_defaults(steps=None, seq_len=None, lr=None, sequences=None, query_projection=None)
     distillation = parser.add_argument_group("objective")
-    distillation.add_argument(
+    add_option(
+        distillation,
         "--objective",
         choices=("distill", "lm"),
         default="distill",
@@ -261,76 +266,96 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "whole model with transformers' Trainer. Defaults: "
         + "; ".join(f"{name}: {values}" for name, values in OBJECTIVE_DEFAULTS.items()),
     )
-    distillation.add_argument(
-        "--no-query-router",
-        dest="query_router",
-        action="store_false",
-        help="distill: queries probe their own group instead of learning a query-side router",
+    add_option(
+        distillation,
+        "--query-projection",
+        action=argparse.BooleanOptionalAction,
+        old=("--no-query-router=--no-query-projection",),
+        help="give queries a router of their own (FocusConfig.query_projection; default: on for distill, off for lm)",
     )
-    distillation.add_argument(
-        "--sequences", type=int, default=4, help="distill: corpus blocks to calibrate on (default: 4)"
+    add_option(
+        distillation,
+        "--sequences",
+        type=int,
+        old=("--max-train-blocks",),
+        help="corpus blocks to train or calibrate on (default: 4 for distill, all for lm)",
     )
-    distillation.add_argument(
+    add_option(
+        distillation,
         "--retrieval-documents",
         type=int,
         default=2,
         help="distill: synthetic long-range retrieval documents mixed in (default: 2)",
     )
-    distillation.add_argument(
+    add_option(
+        distillation,
         "--dense-heads",
         type=int,
         default=0,
         help="distill: after fitting, keep full attention in this many kv heads, those losing the most mass on a "
         "training block (default: 0)",
     )
-    distillation.add_argument(
+    add_option(
+        distillation,
         "--retrieval-heads",
         type=int,
         default=0,
         help="distill: keep full attention in this many more kv heads, those dropping the most attention on "
         "distant copied tokens in synthetic retrieval text (the heads that answer 'what was X?'; default: 0)",
     )
-    distillation.add_argument(
+    add_option(
+        distillation,
         "--dense-below",
         type=int,
         default=0,
         help="record FocusConfig.dense_below: the first tokens of a text, up to this many, attend densely, exactly as "
         "the base model (set it to the length below which Focus is not faster; default: 0, always route)",
     )
-    distillation.add_argument(
+    add_option(
+        distillation,
         "--device",
         default=None,
         help="distill: torch device the base model runs on, e.g. cuda (default: where it loads, the CPU)",
     )
-    distillation.add_argument(
+    add_option(
+        distillation,
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
         default=None,
         help="distill: dtype of the base model's weights, e.g. bfloat16 on a GPU, so that the attention captured "
         "comes from the model as it is served (default: float32); the routers are trained in float32 either way",
     )
-    distillation.add_argument(
+    add_option(
+        distillation,
         "--layerwise",
         action="store_true",
         help="distill: walk the decoder one layer at a time (one layer's calibration data in memory; for bases "
         "dispatched with offload); same routers as the default whole-model pass",
     )
-    distillation.add_argument("--top-m", type=int, default=64, help="distill: distant keys per query kept as target")
-    distillation.add_argument(
-        "--queries-per-sequence", type=int, default=1024, help="distill: sampled queries per sequence (default: 1024)"
+    add_option(distillation, "--top-m", type=int, default=64, help="distill: distant keys per query kept as target")
+    add_option(
+        distillation,
+        "--queries-per-sequence",
+        type=int,
+        default=1024,
+        help="distill: sampled queries per sequence (default: 1024)",
     )
-    distillation.add_argument(
-        "--balance-weight", type=float, default=0.5, help="distill: weight of the group-balance penalty (default: 0.5)"
+    add_option(
+        distillation,
+        "--balance-weight",
+        type=float,
+        default=0.5,
+        help="distill: weight of the group-balance penalty (default: 0.5)",
     )
-    parser.add_argument("--save-steps", type=int, default=None, help="checkpoint interval (default: steps / 4)")
-    parser.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
-    parser.add_argument("--clean-checkpoints", action="store_true", help="delete OUT/checkpoints after training")
-    parser.add_argument(
+    add_option(parser, "--save-steps", type=int, default=None, help="checkpoint interval (default: steps / 4)")
+    add_option(parser, "--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
+    add_option(parser, "--clean-checkpoints", action="store_true", help="delete OUT/checkpoints after training")
+    add_option(
+        parser,
         "--no-balance-check",
         dest="balance_check",
         action="store_false",
         help="skip the final group-dominance check on one held-out block",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_option(parser, "--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)

@@ -1,20 +1,24 @@
-"""Checksums of downloaded adapter files against what the Hub announced, and eviction of corrupt cache entries.
+"""Checks that downloaded files are the bytes the Hub lists for their commit, through huggingface_hub's public API.
 
-``huggingface_hub`` only checks that a download has the announced size. The Hub lists, per file of a commit, the
-git blob sha1 (regular files) or the sha256 of the content (LFS files); the cache also names each blob after the
-ETag it was served with, which is one of those two checksums. These helpers compare the bytes on disk with either.
+Online, `HfApi.verify_repo_checksums` compares the files of a cached snapshot with the checksums of the Hub's listing
+of that commit (the git blob sha1 of a regular file, the sha256 of an LFS file). Offline that listing cannot be
+fetched; the cache still files each download under the checksum the Hub announced for it (the cache layout that
+huggingface_hub documents: ``snapshots/<commit>/<path>`` links to ``blobs/<etag>``), and a file is compared with that
+name. A cache without symbolic links (copies instead) keeps no such name: then the check cannot run, and the result
+says so (`SnapshotVerification.unverified`) for the caller to warn or refuse.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
-from huggingface_hub import HfApi, RepoFile
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError
 
 logger = logging.getLogger(__name__)
 
@@ -23,105 +27,117 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
-class RemoteFile:
-    """One file of the Hub's listing of a commit."""
+class SnapshotVerification:
+    """What `verify_snapshot` found for the files asked about.
 
-    size: int
-    blob_id: str  # git blob sha1 (of the LFS pointer for LFS files)
-    sha256: str | None = None  # LFS files only: sha256 of the content
+    Attributes:
+        commit: the commit of the snapshot.
+        problems: path -> why it is not the file the Hub lists (a checksum mismatch, missing, not in the listing).
+        unverified: paths whose checksum could not be compared (offline, in a cache without symbolic links).
+        remote_files: every file of the commit on the Hub (online), or None (offline: the listing is not known).
+    """
+
+    commit: str
+    problems: dict[str, str]
+    unverified: list[str]
+    remote_files: list[str] | None
 
 
-def file_digest(path: Path, algo: str) -> str:
-    """Hex digest of a file's content as the Hub states it: ``"sha256"`` (LFS files) or ``"git-sha1"`` (the git
-    blob id: sha1 of ``b"blob <size>\\0"`` followed by the content)."""
-    if algo == "sha256":
-        digest = hashlib.sha256()
-    elif algo == "git-sha1":
-        digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    else:
-        raise ValueError(f"Unknown checksum {algo!r}: expected 'sha256' or 'git-sha1'.")
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """The errors a Hub request can raise: `OSError` (huggingface_hub's `HfHubHTTPError` is one) and the base error of
+    the HTTP client this huggingface_hub version uses (a connection cut mid-transfer), read off `HfHubHTTPError`'s own
+    bases so that focus_hf imports no HTTP client and no private module of huggingface_hub."""
+    client_errors = [
+        base
+        for base in HfHubHTTPError.__mro__[1:]
+        if base.__name__ == "HTTPError" and not base.__module__.startswith("huggingface_hub")
+    ]
+    return (OSError, HfHubHTTPError, *client_errors)
+
+
+def snapshot_commit(path: Path) -> tuple[Path, str]:
+    """(the snapshot folder, its commit) of a file that `hf_hub_download` returned (``.../snapshots/<commit>/...``)."""
+    for parent in path.parents:
+        if parent.parent.name == "snapshots":
+            return parent, parent.name
+    raise ValueError(f"{path} is not a file of a huggingface_hub cache snapshot.")
+
+
+def _digest(path: Path, algorithm: str) -> str:
+    digest = hashlib.sha256() if algorithm == "sha256" else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def load_remote_tree(
-    storage_folder: Path, commit_hash: str, api: HfApi | None, repo_id: str
-) -> dict[str, RemoteFile] | None:
-    """The Hub's listing (size + checksums) of the repo at ``commit_hash``.
-
-    ``snapshot_download`` stores it in ``<repo cache>/trees/<commit>.json`` (``format_version`` 1, documented in
-    ``huggingface_hub._tree_cache``); read it from there so verification also works offline. Online, fall back to
-    ``HfApi.list_repo_tree``. Returns None if neither is available.
-    """
-    try:
-        data = json.loads((storage_folder / "trees" / f"{commit_hash}.json").read_text(encoding="utf-8"))
-        if data.get("format_version") == 1:
-            return {
-                path: RemoteFile(
-                    size=int(info.get("lfs_size") or info["size"]),
-                    blob_id=str(info["blob_id"]),
-                    sha256=info.get("lfs_sha256"),
-                )
-                for path, info in data["files"].items()
-            }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    if api is None:
-        return None
-    try:
-        return {
-            entry.path: RemoteFile(
-                size=int(entry.lfs.size if entry.lfs else entry.size),
-                blob_id=entry.blob_id,
-                sha256=entry.lfs.sha256 if entry.lfs else None,
-            )
-            for entry in api.list_repo_tree(repo_id, revision=commit_hash, recursive=True, repo_type="model")
-            if isinstance(entry, RepoFile)
-        }
-    except transport_errors():
-        return None
-
-
-def file_mismatch(path: Path, expected: RemoteFile) -> str | None:
-    """Why ``path`` does not match the Hub's listing, or None if it does."""
-    size = path.stat().st_size
-    if size != expected.size:
-        return f"size {size} bytes, the Hub lists {expected.size}"
-    algo, want = ("sha256", expected.sha256) if expected.sha256 is not None else ("git-sha1", expected.blob_id)
-    got = file_digest(path, algo)
-    if got != want:
-        return f"{algo} {got}, the Hub lists {want}"
-    return None
-
-
-def cached_blob_mismatch(path: Path) -> str | None:
-    """Why a file returned by ``hf_hub_download`` does not match the checksum it was cached under, or None.
-
-    The cache stores each download as ``blobs/<etag>``, and the Hub's ETag of a file is its git blob sha1
-    (regular files) or its sha256 (LFS files), so the blob name is the checksum the Hub announced for that
-    revision. Caches without symlinks (or other ETag forms) cannot be checked this way: None.
-    """
+def _cached_blob_problem(path: Path) -> str | None:
+    """Why a cached file does not match the checksum its blob is named after; "" when the name is no checksum (the
+    check cannot run); None when it matches."""
     if not path.is_symlink():
-        return None
+        return ""
     blob = path.resolve()
-    want = blob.name
-    if _SHA256_RE.fullmatch(want):
-        algo = "sha256"
-    elif _SHA1_RE.fullmatch(want):
-        algo = "git-sha1"
-    else:
-        return None
-    got = file_digest(blob, algo)
-    if got != want:
-        return f"its {algo} is {got}, the Hub announced {want}"
-    return None
+    algorithm = "sha256" if _SHA256_RE.fullmatch(blob.name) else "git-sha1" if _SHA1_RE.fullmatch(blob.name) else None
+    if algorithm is None:
+        return ""
+    actual = _digest(blob, algorithm)
+    return None if actual == blob.name else f"its {algorithm} is {actual}, the Hub announced {blob.name}"
+
+
+def verify_snapshot(
+    repo_id: str,
+    snapshot: Path,
+    paths: Sequence[str],
+    *,
+    repo_type: str = "model",
+    token: str | bool | None = None,
+    offline: bool = False,
+    endpoint: str | None = None,
+) -> SnapshotVerification:
+    """Compare `paths` (relative to the cached `snapshot` folder of `repo_id`) with the checksums the Hub lists.
+
+    Online the Hub's listing of the snapshot's commit is fetched (`HfApi.verify_repo_checksums`); offline each file is
+    compared with the checksum its cached blob is named after.
+
+    Raises:
+        The transport errors of `transport_errors` when the Hub's listing cannot be fetched online.
+    """
+    commit = snapshot.name
+    local = {p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()}
+    problems = {path: "missing from the download" for path in paths if path not in local}
+    if offline:
+        unverified = []
+        for path in paths:
+            if path in problems:
+                continue
+            problem = _cached_blob_problem(snapshot / path)
+            if problem == "":
+                unverified.append(path)
+            elif problem is not None:
+                problems[path] = problem
+        return SnapshotVerification(commit, problems, unverified, None)
+    api = HfApi(endpoint=endpoint, token=token)
+    if not snapshot.is_dir():  # nothing of the commit was downloaded (no file matched): only the listing matters
+        remote = api.list_repo_files(repo_id, repo_type=repo_type, revision=commit)
+        return SnapshotVerification(commit, problems, [], sorted(remote))
+    result = api.verify_repo_checksums(
+        repo_id, repo_type=repo_type, revision=commit, cache_dir=snapshot.parents[2], token=token
+    )
+    for mismatch in result.mismatches:
+        if mismatch["path"] in paths:
+            problems[mismatch["path"]] = (
+                f"{mismatch['algorithm']} {mismatch['actual']}, the Hub lists {mismatch['expected']}"
+            )
+    for path in result.extra_paths:
+        if path in paths:
+            problems[path] = f"not a file of commit {commit} on the Hub"
+    remote = sorted((local - set(result.extra_paths)) | set(result.missing_paths))
+    return SnapshotVerification(commit, problems, [], remote)
 
 
 def evict_cached_file(entry: Path) -> None:
-    """Remove a corrupt cached file so that the next online download fetches it again: the snapshot entry and,
-    when it links into the same repo cache's ``blobs/``, the blob (best effort: failures are logged)."""
+    """Remove a corrupt cached file so that the next online download fetches it again: the snapshot entry and, when
+    it links into the same repo cache's ``blobs/``, the blob (best effort: failures are logged)."""
     try:
         if entry.is_symlink():
             blob = entry.resolve()
@@ -133,20 +149,3 @@ def evict_cached_file(entry: Path) -> None:
             entry.unlink()
     except OSError as error:  # pragma: no cover - best effort
         logger.warning("Could not evict corrupt cached file %s: %s", entry, error)
-
-
-def transport_errors() -> tuple[type[BaseException], ...]:
-    """The errors a Hub request can raise: `OSError` (huggingface_hub's `HfHubHTTPError` is one) and the base
-    error of the HTTP client this huggingface_hub version uses (httpx in 1.x, httpx2 later), read from
-    huggingface_hub itself so that focus_hf imports no client of its own."""
-    from huggingface_hub.errors import HfHubHTTPError
-    from huggingface_hub.utils import _http
-
-    errors: list[type[BaseException]] = [OSError, HfHubHTTPError]
-    for client_name in ("httpx2", "httpx", "requests"):
-        client = getattr(_http, client_name, None)
-        for error_name in ("HTTPError", "RequestException", "TransportError"):
-            error = getattr(client, error_name, None)
-            if isinstance(error, type) and issubclass(error, BaseException):
-                errors.append(error)
-    return tuple(errors)

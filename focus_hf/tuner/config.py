@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Union
 
 from peft.config import PeftConfig
@@ -242,6 +244,73 @@ class FocusConfig(PeftConfig):
                 f"FocusConfig.init_weights must be true or false (Focus has no named initialisations), "
                 f"got {self.init_weights!r}."
             )
+
+
+# PEFT task type -> the transformers auto-class mapping whose classes have that task. The Hub's "Use this model"
+# snippet for a PEFT adapter picks `AutoModelFor<Task>` from `task_type` (CAUSAL_LM, SEQ_2_SEQ_LM, TOKEN_CLS, SEQ_CLS).
+_TASK_MAPPINGS = {
+    "CAUSAL_LM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "SEQ_CLS": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "TOKEN_CLS": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "QUESTION_ANS": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "FEATURE_EXTRACTION": "MODEL_MAPPING_NAMES",
+}
+_COMMIT_SHA_LENGTH = 40
+# config.json keys that transformers writes but does not keep as they were (versions, dtype spelling, load-time state).
+_UNSAVED_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "_name_or_path", "architectures"})
+
+
+def wrapped_model_task(model: object) -> Optional[str]:
+    """The PEFT task type of a transformers model, read from its class as transformers' auto classes map it
+    (`LlamaForCausalLM` and `GPT2LMHeadModel` -> `"CAUSAL_LM"`, `LlamaModel` -> `"FEATURE_EXTRACTION"`); None for a
+    class no auto class names."""
+    from transformers.models.auto import modeling_auto
+
+    name = type(model).__name__
+    for task, mapping_name in _TASK_MAPPINGS.items():
+        for classes in getattr(modeling_auto, mapping_name, {}).values():
+            if name in ((classes,) if isinstance(classes, str) else tuple(classes)):
+                return task
+    return None
+
+
+def base_model_commit(model: object) -> Optional[str]:
+    """The Hub commit a model loaded by its Hub id was read from, as the huggingface_hub cache records it: the commit
+    the default branch pointed to when the model was loaded, provided that commit's cached config.json is the model's
+    configuration. None for a model from a local folder, one not in the cache, or one loaded at another revision
+    whose configuration differs."""
+    import json
+
+    from huggingface_hub import try_to_load_from_cache
+
+    model_config = getattr(model, "config", None)
+    name = getattr(model_config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if not isinstance(name, str) or not name or os.path.exists(name) or name.count("/") != 1:
+        return None
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid repo id
+        return None
+    if not isinstance(cached, str):
+        return None
+    commit = Path(cached).parent.name
+    try:
+        saved = json.loads(Path(cached).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    current = model_config.to_dict()
+    same = all(current.get(key) == value for key, value in saved.items() if key not in _UNSAVED_CONFIG_KEYS)
+    return commit if same and len(commit) == _COMMIT_SHA_LENGTH else None
+
+
+def record_wrapped_model(config: FocusConfig, model: object) -> None:
+    """Record in `config` what the Hub needs to load the adapter from its page: the wrapped model's task (`task_type`,
+    unless set) and the commit of its Hub checkpoint (`revision`, unless set: `base_model_commit`). Adapters saved
+    without them (task_type null) load as before."""
+    if config.task_type is None:
+        config.task_type = wrapped_model_task(model)
+    if config.revision is None:
+        config.revision = base_model_commit(model)
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(FocusConfig))

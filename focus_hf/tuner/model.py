@@ -25,7 +25,7 @@ from focus_hf.files import (
 )
 from focus_hf.quiet import quiet_peft_wrapping
 from focus_hf.tuner.checked_weights import hand_over
-from focus_hf.tuner.config import FocusConfig, FocusConfigError
+from focus_hf.tuner.config import FocusConfig, FocusConfigError, record_wrapped_model
 from focus_hf.tuner.dispatch import pin_routers, unpin_routers
 from focus_hf.tuner.layer import FocusLayer
 from focus_hf.tuner.loader_source import calling_adapter_folder, calling_adapter_state_dict, calling_loader
@@ -59,6 +59,7 @@ def check_base_model(config: FocusConfig, model: nn.Module, targets: dict[str, n
         )
     for name, value in found.items():
         setattr(config, name, value)
+    record_wrapped_model(config, model)
 
 
 def check_adapter_dtype(targets: dict[str, nn.Module], autocast_adapter_dtype: bool) -> None:

@@ -78,7 +78,8 @@ def folder_state(folder: Path) -> dict[str, tuple[str, int]]:
 
 
 def assert_same_files(pulled: Path, source: Path, names=ADAPTER_FILES) -> None:
-    assert sorted(p.name for p in pulled.iterdir() if p.is_file()) == sorted(names)
+    """`pulled` holds exactly the files `names` of `source` (and, pulled into a folder, the pull's hidden record)."""
+    assert sorted(p.name for p in pulled.iterdir() if p.is_file() and not p.name.startswith(".")) == sorted(names)
     for name in names:
         assert (pulled / name).read_bytes() == (source / name).read_bytes(), name
 
@@ -184,15 +185,16 @@ def test_push_then_pull_round_trip(hub_server, adapter, tmp_path):
     assert hub_server.list_files(REPO) == sorted([".gitattributes", *ADAPTER_FILES])  # notes.txt skipped
     assert all(r.authorized for r in hub_server.requests)  # the token was sent with every request
 
-    trees_listed_by_push = len(hub_server.requests_to("tree"))  # the push lists the branch to mirror it
+    trees_listed = len(hub_server.requests_to("tree"))
     pulled = pull_adapter(REPO, cache_dir=tmp_path / "fresh-cache")
     assert pulled.parent.name == "snapshots" and pulled.name == commit.oid
     assert_same_files(pulled, adapter)
-    # Checksums came from the tree listing snapshot_download cached (trees/<commit>.json), not a second listing.
-    assert len(hub_server.requests_to("tree")) == trees_listed_by_push + 1
+    # The checksums come from the Hub's listing of the commit (HfApi.verify_repo_checksums), fetched once more after
+    # the download's own listing: no private cache file of huggingface_hub is read.
+    assert len(hub_server.requests_to("tree")) == trees_listed + 2
     assert all(r.route is not None and r.status < 400 for r in hub_server.requests)  # no unknown/failed calls
 
-    out = pull_adapter(REPO, cache_dir=tmp_path / "fresh-cache", out_dir=tmp_path / "out")
+    out = pull_adapter(REPO, cache_dir=tmp_path / "fresh-cache", local_dir=tmp_path / "out")
     assert out == tmp_path / "out"
     assert_same_files(out, adapter)
     assert not any(p.is_symlink() for p in out.iterdir())
@@ -242,6 +244,18 @@ def test_private_repo_needs_a_token(hub_server, adapter, tmp_path):
     with pytest.raises(RepositoryNotFoundError):
         pull_adapter(REPO, cache_dir=tmp_path / "c1")
     assert_same_files(pull_adapter(REPO, token="hf_local", cache_dir=tmp_path / "c2"), adapter)
+
+
+def test_a_new_repo_gets_the_namespaces_default_visibility(hub_server, adapter):
+    """`private` is never sent as False: a repo pushed without --private / --public gets the Hub's default for its
+    namespace, private for an organisation that asks for it."""
+    hub_server.hub.private_namespaces.add("private-org")
+    push_adapter(adapter, "private-org/adapter", token="hf_local")
+    push_adapter(adapter, REPO, token="hf_local")
+    assert hub_server.is_private("private-org/adapter") and not hub_server.is_private(REPO)
+    assert all("visibility" not in payload and "private" not in payload for payload in hub_server.create_repo_payloads)
+    push_adapter(adapter, "private-org/public", private=False, token="hf_local")
+    assert not hub_server.is_private("private-org/public")
 
 
 # --- offline ------------------------------------------------------------------------------------
@@ -313,7 +327,7 @@ def test_server_error_mid_push_is_clear_and_leaves_folder_untouched(hub_server, 
     before = folder_state(adapter)
 
     hub_server.fail_next_commit(status=500)
-    expected = r"failed while committing: the Hub answered HTTP 500\. The local folder was not modified"
+    expected = r"failed while committing: the Hub answered HTTP 500\. Nothing was committed.* The local folder was not"
     with pytest.raises(HubPushError, match=expected) as info:
         push_adapter(adapter, REPO)
     assert info.value.__cause__ is not None  # the huggingface_hub error is chained

@@ -154,6 +154,27 @@ def test_corrupt_remote_weights_are_refused_before_injection(pushed, hub_server,
     assert torch.equal(logits_of(model), logits)
 
 
+@pytest.mark.parametrize("path", ["peft", "transformers"])
+def test_tampered_config_is_refused_before_injection(pushed, hub_server, path):
+    folder, logits, _ = pushed
+    real = (folder / "adapter_config.json").read_bytes()
+    tampered = real.replace(b"\"window\": 8", b"\"window\": 9")  # valid JSON of the same length: a checksum tells
+    assert tampered != real and len(tampered) == len(real)
+    hub_server.corrupt_file(REPO, "adapter_config.json", "replace", tampered)
+    model = tiny_model("llama")
+    before = snapshot(model)
+    with pytest.raises(AdapterFileError, match="adapter_config.json of the Hub adapter .* tampered"):
+        if path == "peft":
+            PeftModel.from_pretrained(model, REPO)
+        else:
+            model.load_adapter(REPO)
+    assert_unmodified(model, before)
+    hub_server.clear_faults()
+    model = tiny_model("llama")
+    model.load_adapter(REPO)
+    assert torch.equal(logits_of(model), logits)
+
+
 def test_corrupt_cached_weights_are_refused_offline(pushed, hub_server):
     tiny_model("llama").load_adapter(REPO)
     cached = next(hub_server.cache_dir.rglob("adapter_model.safetensors")).resolve()
@@ -261,8 +282,8 @@ def test_cli_push_and_pull(hub_server, tmp_path, capsys, monkeypatch):
     make_adapter(tmp_path / "adapter")
     assert cli_main(["push", str(tmp_path / "adapter"), REPO, "--revision", "exp", "--commit-message", "First"]) == 0
     head = hub_server.branches(REPO)["exp"]
-    assert f'model.load_adapter("{REPO}", adapter_kwargs={{"revision": "{head}"}})' in capsys.readouterr().out
-    assert cli_main(["pull", REPO, "--revision", "exp", "--out", str(tmp_path / "pulled")]) == 0
+    assert f'PeftModel.from_pretrained(base_model, "{REPO}", revision="{head}")' in capsys.readouterr().out
+    assert cli_main(["pull", REPO, "--revision", "exp", "--local-dir", str(tmp_path / "pulled")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "pulled")
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (tmp_path / "pulled" / name).read_bytes() == (tmp_path / "adapter" / name).read_bytes()
@@ -270,6 +291,10 @@ def test_cli_push_and_pull(hub_server, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_local")  # the commands use huggingface_hub's token (env or saved login)
     assert cli_main(["push", str(tmp_path / "adapter"), "focus-test/private", "--private"]) == 0
     assert hub_server.is_private("focus-test/private")
+    assert cli_main(["push", str(tmp_path / "adapter"), "focus-test/public", "--public"]) == 0
+    assert not hub_server.is_private("focus-test/public")
+    payloads = {p["name"]: p.get("visibility") for p in hub_server.create_repo_payloads}
+    assert payloads["private"] == "private" and payloads["public"] == "public"
     assert cli_main(["pull", REPO]) == 1  # main has no adapter
     assert "no adapter_config.json" in capsys.readouterr().err
     assert cli_main(["push", str(tmp_path / "missing"), REPO]) == 1

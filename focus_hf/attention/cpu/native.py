@@ -326,7 +326,7 @@ def instruction_sets() -> list[str]:
 
 # Variables that cap the instruction sets of torch's own CPU kernels, of the BLAS libraries it calls and of libm's
 # variants: set on a processor that has more, they make dense SDPA run as it would on a processor that has only those
-# (benchmarks/capped.py sets them per build target; MKL follows MKL_CBWR alone on AMD processors).
+# (benchmarks/cpu/capped.py sets them per build target; MKL follows MKL_CBWR alone on AMD processors).
 TORCH_ISA_LIMITS = (
     "ATEN_CPU_CAPABILITY",
     "MKL_ENABLE_INSTRUCTIONS",
