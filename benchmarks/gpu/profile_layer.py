@@ -15,10 +15,11 @@ The Python stacks torch records are empty on some CUDA builds (torch 2.11 on the
 "(outside focus_hf)"), so during the profiled call every focus_hf function is also wrapped in a `record_function`
 range named after it (`labelled_functions`), and an operator belongs to the innermost range around it.
 
-On CUDA, `--mask-costs` then times set A's FlexAttention call of a top-2 prefill (`stock.fold_probed_groups`) with
-the same block lists under other `mask_mod`s (`MASK_VARIANTS`): how much of the kernel's time its mask takes. (At
-commit 432b95d it timed set B's call, which reading the pattern in its mask made 50 times slower than a mask of the
-indices alone: set B now runs in plain torch, `focus_hf/attention/gpu/bands.py`.)
+On CUDA, `--mask-costs` then times the own-group pass's FlexAttention call of a top-2 prefill
+(`gpu_path.fold_probed_groups`) with the same block lists under other `mask_mod`s (`MASK_VARIANTS`): how much of the
+kernel's time its mask takes. (At commit 432b95d it timed the window band's call, which reading the pattern in its mask
+made 50 times slower than a mask of the indices alone: the window band now runs in plain torch,
+`focus_hf/attention/gpu/bands.py`.)
 
     python benchmarks/gpu/profile_layer.py --device cuda --lengths 65536 262144 --top-k 1 2 --out profile.json
 
@@ -183,7 +184,8 @@ def summarise(profiler, rows: int) -> dict:
 
 
 def diagonal_mask(captured):
-    """A mask from the indices alone (loads nothing): not set A's answer, a floor on the same block lists."""
+    """A mask from the indices alone (loads nothing): not the own-group pass's answer, a floor on the same block
+    lists."""
 
     def mask_mod(b, h, q_index, kv_index):
         return kv_index <= q_index
@@ -201,7 +203,8 @@ def no_mask(captured):
 
 
 def rule_mask_of(captured):
-    """Set A's pairs read by `pair_rule.rule_mask` (seven loads per pair), as the path ran them up to commit 432b95d."""
+    """The own-group pass's pairs read by `pair_rule.rule_mask` (seven loads per pair), as the path ran them up to
+    commit 432b95d."""
     from focus_hf.attention.gpu.pair_rule import rule_mask
 
     return rule_mask(captured["rule"])
@@ -211,19 +214,20 @@ def rule_mask_of(captured):
 MASK_VARIANTS = {
     "path": ("the path's own: each entry's range of sorted keys, `pair_rule.range_mask` (2 loads per row)", None),
     "rule": ("the same pairs by `pair_rule.rule_mask` (7 loads per pair, int64, the model's-mask term)", rule_mask_of),
-    "diagonal": ("kv <= q from the indices alone (loads nothing; a floor, not set A)", diagonal_mask),
+    "diagonal": ("kv <= q from the indices alone (loads nothing; a floor, not the own-group pass)", diagonal_mask),
     "none": ("every pair of the listed blocks (the kernel's floor on these lists)", no_mask),
 }
 
 
-def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, device, dtype, kernels) -> dict:
-    """One top-2 prefill of `stock.stock_sparse_attention` on random routing, recording set A's FlexAttention call
-    (`fold_probed_groups`): its inputs and block lists, and the `pair_rule` rule of the same pairs."""
+def capture_own_group_pass(n: int, heads: int, kv_heads: int, groups: int, window: int, device, dtype, kernels) -> dict:
+    """One top-2 prefill of `gpu_path.gpu_sparse_attention` on random routing, recording the own-group pass's
+    FlexAttention call (`fold_probed_groups`): its inputs and block lists, and the `pair_rule` rule of the same
+    pairs."""
     import dataclasses
 
     import torch
 
-    import focus_hf.attention.gpu.stock as stock
+    import focus_hf.attention.gpu.gpu_path as gpu_path
 
     captured: dict = {}
     generator = torch.Generator(device=device).manual_seed(n)
@@ -240,21 +244,22 @@ def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, d
 
     recorder = dataclasses.replace(kernels, raw_flex=record_flex)
     arguments = (query, key, value, None, query_groups, key_groups, key_sink, groups, window, 64**-0.5, recorder, False)
-    stock.stock_sparse_attention(*arguments)
+    gpu_path.gpu_sparse_attention(*arguments)
     call = captured["call"]
-    # The same call with a model's mask (all True, broadcast from one element) builds set A by `rule_mask`: its rule.
-    real_rule = stock.make_rule
+    # The same call with a model's mask (all True, broadcast from one element) builds the own-group pass by `rule_mask`:
+    # its rule.
+    real_rule = gpu_path.make_rule
 
     def record_rule(*args):
         captured["rule"] = real_rule(*args)
         return captured["rule"]
 
-    stock.make_rule = record_rule
+    gpu_path.make_rule = record_rule
     try:
         everywhere = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
-        stock.stock_sparse_attention(*arguments[:-1], False, everywhere)
+        gpu_path.gpu_sparse_attention(*arguments[:-1], False, everywhere)
     finally:
-        stock.make_rule = real_rule
+        gpu_path.make_rule = real_rule
     captured["call"] = call
     return captured
 
@@ -262,19 +267,20 @@ def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, d
 def mask_costs(
     lengths, heads: int, kv_heads: int, groups: int, window: int, device, dtype, repeats: int = 3, backend="inductor"
 ) -> list:
-    """Set A's FlexAttention call of a top-2 prefill (`stock.fold_probed_groups`) at each length, its block lists
-    fixed, under each `MASK_VARIANTS` mask_mod: seconds per call (best of `repeats`, after a compiling call). `backend`:
-    torch.compile's ("eager" rehearses it on the CPU, on FlexAttention's reference and the twin's kernels)."""
+    """The own-group pass's FlexAttention call of a top-2 prefill (`gpu_path.fold_probed_groups`) at each length, its
+    block lists fixed, under each `MASK_VARIANTS` mask_mod: seconds per call (best of `repeats`, after a compiling
+    call). `backend`: torch.compile's ("eager" rehearses it on the CPU, on FlexAttention's reference and the twin's
+    kernels)."""
     import dataclasses
 
     import torch
     from gpu_attention import error_text
 
     from focus_hf.attention.gpu.flex import run_compiled
-    from focus_hf.attention.gpu.kernels import cpu_twin_kernels
-    from focus_hf.attention.gpu.verify import stock_kernels
+    from focus_hf.attention.gpu.kernels import standin_kernels
+    from focus_hf.attention.gpu.verify import gpu_kernels
 
-    kernels = stock_kernels(device) if device.type == "cuda" else cpu_twin_kernels()
+    kernels = gpu_kernels(device) if device.type == "cuda" else standin_kernels()
     # Each variant is a new mask code, compiled apart: more compilations than the path's own bound allows.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 256)
@@ -297,7 +303,7 @@ def mask_costs(
     for n in lengths:
         row: dict = {"tokens": n, "top_k": 2, "variants": {}}
         try:
-            captured = capture_set_a(n, heads, kv_heads, groups, window, device, dtype, kernels)
+            captured = capture_own_group_pass(n, heads, kv_heads, groups, window, device, dtype, kernels)
         except Exception as error:  # noqa: BLE001 - reported in the row
             row["error"] = error_text(error)
             rows.append(row)
@@ -338,7 +344,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=25, help="rows kept in each table")
     parser.add_argument(
         "--mask-costs", type=int, nargs="*", default=[], metavar="TOKENS",
-        help="CUDA: also time set A's FlexAttention call (top-2) under each MASK_VARIANTS mask_mod at these lengths",
+        help="CUDA: also time the own-group pass's FlexAttention call (top-2) under each MASK_VARIANTS mask_mod at "
+        "these lengths",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

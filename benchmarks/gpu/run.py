@@ -19,7 +19,8 @@ of issue 37 it is held against).
 | train         | train.json         | benchmarks/gpu/train_check.py: focus-hf train --objective distill, bf16      |
 | profile       | profile.json       | benchmarks/gpu/profile_layer.py: torch.profiler over the attention stage's   |
 |               |                    | layer at 4K, 64K and 256K, top-1 and top-2: time by focus_hf function, syncs;|
-|               |                    | set A's FlexAttention call under other masks (mask_costs)                    |
+|               |                    | the own-group pass's FlexAttention call under other masks (mask_costs)
+        |
 
 `--quick` runs attention (64K-1M, one repeat), decode (256K and 1M caches, eager), model_prefill (128K) and tests
 under shorter limits within 330 s: a session with 15 device minutes runs it first and the full set second, with

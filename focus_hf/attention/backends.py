@@ -6,7 +6,7 @@ transformers), `bias` None or a float tensor of the query's dtype broadcastable 
 visible keys, finfo.min for hidden ones), output [batch, heads, L, dim] and lse float32 [batch, heads, L] (natural
 log). A row without any visible key has lse at finfo(float32).min (up to a log of the key count), so that a
 log-sum-exp merge gives it weight 0 and never a NaN, and a finite output; a kernel whose own convention differs is
-converted in its wrapper (tested on the CPU against its double in `doubles`). `causal` is top-left aligned (query
+converted in its wrapper (tested on the CPU against its stand-in in `cpu_standins`). `causal` is top-left aligned (query
 slot r sees key slots <= r); the fast path only asks for it with L == S.
 
 Backends (`focus_hf.set_routing(model, "hard", backend=...)`):
@@ -104,8 +104,8 @@ def cuda_sdpa_kernel(
     log-sum-exp 0.0 - a real weight in a log-sum-exp merge - and its log-sum-exp comes padded to 32 queries; it
     refused ("no kernel found") inputs it could not align. So the inputs go contiguous with the head dim padded to a
     multiple of 8 (zeros change no score), and rows without a visible key get the convention of `Kernel`: output 0,
-    log-sum-exp finfo(float32).min. `efficient`: the kernel to call (tests pass its CPU double,
-    `doubles.efficient_attention_double`)."""
+    log-sum-exp finfo(float32).min. `efficient`: the kernel to call (tests pass its CPU stand-in,
+    `cpu_standins.efficient_attention_standin`)."""
     efficient = efficient or torch.ops.aten._scaled_dot_product_efficient_attention
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:  # this kernel has no GQA; causal calls rule out folding query heads into the sequence

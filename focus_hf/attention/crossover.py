@@ -3,9 +3,9 @@
 The crossover (key count below which the dense masked call is faster) depends on the processor, the build of the C
 kernels and the level of torch's own (`Shape`), the thread count, the dtype, the head shape, top_k, K, the window
 and which sparse path runs (`kind`): "shared" (queries probe their own key group first), "probe" (a separate query
-router with top_k = 1), "separate" (a separate query router with top_k > 1) - all three run set A through
+router with top_k = 1), "separate" (a separate query router with top_k > 1) - all three run the own-group pass through
 `partials.probe_part`, but their group balance differs - or "decode" (a few queries against a longer cache,
-`fast.decode_attention`). On first use of a shape, `dense_below` times both paths at lengths
+`cpu_path.decode_attention`). On first use of a shape, `dense_below` times both paths at lengths
 256, 512, ... through the very function that dispatches the call (`hard.hard_attention`, told which path to take), on
 random inputs laid out as a model hands them over and with the per-step work of a decoding step (the update of the
 layer's copy of the distant keys) - so that what is measured is what then runs - until the sparse path wins twice in a
@@ -56,9 +56,9 @@ CACHE_FILE = "crossover.json"
 # CPU decoding step runs in the C kernel of `native`; 15: its long calls run on torch's OpenMP threads; 16: at top_k
 # = 1 every segment's chunks read the sinks, no separate sink pass; 17: float32 CPU calls run the C prefill kernel
 # - the dense masked call with the pattern read from group bits, causal squares, staircases and the local part;
-# 18: set A runs in one call of the C kernel, blocks of 128 keys; 19: its group sort is a counting sort in C, the
-# sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen; 21: both
-# sides are timed through `hard.hard_attention`, the function that dispatches them, CUDA decoding steps in runs of
+# 18: the own-group pass runs in one call of the C kernel, blocks of 128 keys; 19: its group sort is a counting sort in
+# C, the sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen; 21:
+# both sides are timed through `hard.hard_attention`, the function that dispatches them, CUDA decoding steps in runs of
 # FILE_EVERY); 22: on CPU the sparse path is also timed on torch operations (`native.torch_path`), and the faster of
 # the two runs at each length; 24: rows keep each sparse path's time apart from the faster one's, "sparse_s"; 25: the
 # shape names the level of torch's own CPU kernels, which run the dense side).

@@ -64,8 +64,8 @@ class LayerRouting:
     dense_below: int = 0  # hard mode: queries with fewer keys (themselves included) attend densely
     sink_tokens: Optional[int] = None  # the most sinks a sample has (None: not known, read from the flags)
     # Group-sorted copies of the distant keys of the layer's KV cache by run of kv heads (start, end), for one-query
-    # decoding steps: one per sample (`fast.grouped_decode`, CPU) or, under ("paged", start, end), one paged copy of
-    # the batch (`stock.paged_decode`, the GPU path); None where there is no cache to keep them with.
+    # decoding steps: one per sample (`cpu_path.grouped_decode`, CPU) or, under ("paged", start, end), one paged copy of
+    # the batch (`gpu_path.decode_from_paged_keys`, the GPU path); None where there is no cache to keep them with.
     grouped_keys: Optional[dict[tuple, Union[list[GroupedKeys], PagedKeys]]] = None
 
     def restricts(self, kv_len: int) -> bool:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import select_kernel
-from focus_hf.attention.cpu.fast import (
+from focus_hf.attention.cpu.cpu_path import (
     DECODE_MAX_QUERIES,
     decode_attention,
     masked_attention,
@@ -34,8 +34,8 @@ from focus_hf.attention.cpu.grouped_keys import GroupedKeys
 from focus_hf.attention.cpu.native import torch_path
 from focus_hf.attention.crossover import RACE, auto_path, race_sparse_paths
 from focus_hf.attention.gpu.flex import FlexRecompileLimit, flex_compilations
+from focus_hf.attention.gpu.gpu_path import decode_from_paged_keys, gpu_sparse_attention, pattern_attention
 from focus_hf.attention.gpu.paged_keys import PagedKeys
-from focus_hf.attention.gpu.stock import paged_decode, pattern_attention, stock_sparse_attention
 from focus_hf.attention.gpu.verify import verdicts, verified_kernels
 from focus_hf.attention.pattern import probes_every_group
 from focus_hf.attention.reference import chunked_attention, hard_bias
@@ -224,13 +224,13 @@ def _gpu_path(
     key_valid = None if general else padding_keys(model_mask, query.shape[0])
     lookup = model_mask if general else None  # read by the kernels' masks, pair by pair
     if decode and q_len == 1 and paged is not None and not general and not short:
-        return paged_decode(query, key, value, key_valid, *routing, paged, stock)
+        return decode_from_paged_keys(query, key, value, key_valid, *routing, paged, stock)
     if paged is not None:
         paged.invalidate()  # it misses this step's key: rebuilt when a step reads it again
     if short or decode:  # few queries without a paged copy: one call over every causal block
         return pattern_attention(query, key, value, key_valid, *routing, stock, lookup)
     sparse = (query_groups, key_groups, key_sink, num_groups, window, scaling, stock, own_group, lookup)
-    return stock_sparse_attention(query, key, value, key_valid, *sparse, sink_slots=sink_tokens)
+    return gpu_sparse_attention(query, key, value, key_valid, *sparse, sink_slots=sink_tokens)
 
 
 def reference_hard_attention(

@@ -57,8 +57,8 @@ def local_bits(
     sinks_done: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bits for the local part (`native.prefill_attention(local=True)`): query i and key j share a bit iff j's group
-    is among i's probed groups, or j is a sink and `sinks_done[i]` (its sink pairs were taken by set A) - exactly
-    the window pairs the local part leaves out. For at most LOCAL_BITS_MAX_GROUPS groups."""
+    is among i's probed groups, or j is a sink and `sinks_done[i]` (its sink pairs were taken by the own-group pass) -
+    exactly the window pairs the local part leaves out. For at most LOCAL_BITS_MAX_GROUPS groups."""
     query_bits, key_bits = probed_bits(query_groups), group_bits(key_groups)
     if key_sink is not None and sinks_done is not None:
         query_bits = query_bits | torch.where(sinks_done, SINK_BIT, 0)

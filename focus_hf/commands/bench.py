@@ -509,11 +509,11 @@ def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, 
 def paged_decode_times(
     args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype, compiled: bool = False
 ) -> tuple[list[tuple[float, float]], dict[int, list[tuple[float, float]]], str]:
-    """The GPU path's decoding steps (`stock.paged_decode`): per repetition, FILE_EVERY consecutive steps from a cache
-    of `cache_len` keys on, as generate() makes them - each step's ring write, and the one filing of positions that
-    left the window among them - through a paged copy built (untimed) before the first; dense SDPA over the same
-    growing caches. `compiled`: both steps under torch.compile (dynamic shapes; compiled in the untimed warm-up).
-    Returns (dense times, Focus times by top_k, the dense kernel's name), seconds per step."""
+    """The GPU path's decoding steps (`gpu_path.decode_from_paged_keys`): per repetition, FILE_EVERY consecutive steps
+    from a cache of `cache_len` keys on, as generate() makes them - each step's ring write, and the one filing of
+    positions that left the window among them - through a paged copy built (untimed) before the first; dense SDPA over
+    the same growing caches. `compiled`: both steps under torch.compile (dynamic shapes; compiled in the untimed
+    warm-up). Returns (dense times, Focus times by top_k, the dense kernel's name), seconds per step."""
     import torch
     import torch.nn.functional as F
 
@@ -589,8 +589,8 @@ def paged_decode_times(
 def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Per-token latency of one new query against a KV cache of `cache_len` tokens (itself included, as in
     transformers): dense SDPA and Focus (`hard.hard_attention`, which takes `decode_attention` - on the GPU path
-    `stock.paged_decode`, `paged_decode_times` - unless "auto" finds the dense masked call faster at this length),
-    timed alternately."""
+    `gpu_path.decode_from_paged_keys`, `paged_decode_times` - unless "auto" finds the dense masked call faster at this
+    length), timed alternately."""
     import torch
     import torch.nn.functional as F
 

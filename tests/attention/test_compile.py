@@ -103,7 +103,7 @@ def test_padded_decoding_step_under_compile_reads_the_paged_copy(monkeypatch):
     mask[0, :20] = 0
     step = recorded_calls(model, ids, mask, new_tokens=2)[-1]
     taken = []
-    monkeypatch.setattr(hard, "paged_decode", lambda *a, **k: taken.append(1) or torch.zeros(2, 1, 4, 12))
+    monkeypatch.setattr(hard, "decode_from_paged_keys", lambda *a, **k: taken.append(1) or torch.zeros(2, 1, 4, 12))
     monkeypatch.setattr(hard, "pattern_attention", lambda *a, **k: pytest.fail("a padded step read every block"))
     assert graph_breaks(step) == 0
     assert taken

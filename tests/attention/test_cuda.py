@@ -17,9 +17,9 @@ import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
 from focus_hf.attention.backends import flash_attn_function
 from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists
-from focus_hf.attention.gpu.doubles import efficient_attention_double, varlen_attention_double
+from focus_hf.attention.gpu.cpu_standins import efficient_attention_standin, varlen_attention_standin
 from focus_hf.attention.gpu.flex import cuda_flex, flex_compilations
-from focus_hf.attention.gpu.kernels import cpu_flex, cuda_kernels
+from focus_hf.attention.gpu.kernels import cuda_kernels, standin_flex
 
 pytestmark = [
     pytest.mark.cuda,
@@ -72,7 +72,7 @@ def test_efficient_kernel_double_answers_as_the_kernel(dtype):
     output, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, bias, True, 0.0, False, scale=0.125
     )
-    expected, expected_lse, _, _ = efficient_attention_double(query, key, value, bias, True, 0.0, False, scale=0.125)
+    expected, expected_lse, _, _ = efficient_attention_standin(query, key, value, bias, True, 0.0, False, scale=0.125)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
     torch.testing.assert_close(lse[..., :40], expected_lse[..., :40], atol=TOLERANCE[dtype], rtol=0)
 
@@ -96,7 +96,7 @@ def test_flex_double_answers_as_the_compiled_kernel(dtype):
         kv_len=3 * BLOCK - 9,
     )
     output, lse = cuda_flex(query, key, value, blocks, 0.125)
-    expected, expected_lse = cpu_flex(query, key, value, blocks, 0.125)  # FlexAttention's double
+    expected, expected_lse = standin_flex(query, key, value, blocks, 0.125)  # FlexAttention's double
     empty = expected_lse == float("-inf")
     assert bool(empty.any()) and bool((lse[empty] == float("-inf")).all()) and bool((output[empty] == 0).all())
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
@@ -115,7 +115,7 @@ def test_varlen_double_answers_as_the_kernel(dtype, window):
     query = torch.randn(181, 4, 64, generator=generator).to("cuda", dtype)
     key, value = (torch.randn(357, 4, 64, generator=generator).to("cuda", dtype) for _ in range(2))
     output, lse = kernels.raw_varlen(query, key, value, cu_q, cu_k, 130, 300, 0.125, window)
-    expected, expected_lse = varlen_attention_double(
+    expected, expected_lse = varlen_attention_standin(
         query, key, value, cu_q, cu_k, 130, 300, scale=0.125, window=window
     )
     assert lse.shape == expected_lse.shape  # [heads, tokens]
@@ -200,8 +200,8 @@ def test_the_reported_case_is_exact(top_k, length):
 @pytest.mark.parametrize("routing", ["shared top-1", "adaptive top-3 + dense heads"])
 def test_generate_greedy_and_beam_equal_the_reference(routing, monkeypatch):
     steps = []
-    original = hard.paged_decode
-    monkeypatch.setattr(hard, "paged_decode", lambda *a, **k: steps.append(1) or original(*a, **k))
+    original = hard.decode_from_paged_keys
+    monkeypatch.setattr(hard, "decode_from_paged_keys", lambda *a, **k: steps.append(1) or original(*a, **k))
     top_k, options = ROUTINGS[routing]
     model = focus_model(torch.float32, top_k, **options)
     ids = torch.randint(3, VOCAB, (2, 260), generator=torch.Generator().manual_seed(6)).cuda()

@@ -36,8 +36,8 @@ from focus_hf.attention.gpu.block_masks import (
     mask_outside_lists,
 )
 from focus_hf.attention.gpu.flex import flex_compilations
-from focus_hf.attention.gpu.kernels import cpu_twin_kernels
-from focus_hf.attention.gpu.stock import stock_sparse_attention
+from focus_hf.attention.gpu.gpu_path import gpu_sparse_attention
+from focus_hf.attention.gpu.kernels import standin_kernels
 from focus_hf.attention.reference import dense_attention
 
 
@@ -121,7 +121,7 @@ def test_a_full_block_the_mask_hides_and_a_pair_outside_the_lists_are_named():
 
 
 def test_a_broken_mask_is_refused_before_any_kernel_runs():
-    twin = cpu_twin_kernels()
+    twin = standin_kernels()
     ran = []
     kernels = type(twin)("spy", lambda *a: ran.append(1), None, False, (), twin.head_dims)
     query, key = torch.zeros(2, 2, 200, 8), torch.zeros(2, 2, 300, 8)
@@ -192,7 +192,8 @@ def test_the_compiled_cpu_kernel_runs_every_prefill_mask(changes, compiler):
     with gpu_path_kernels(compiled_cpu_kernels(record)):
         output, reference, rows = run_case(case, backend="stock")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
-    if changes is COMPILED_CASES["shared top-1"]:  # set A on varlen, set B in torch (`bands`): no FlexAttention
+    # The own-group pass on varlen, the window band in torch (`bands`): no FlexAttention.
+    if changes is COMPILED_CASES["shared top-1"]:
         assert record.calls == 0
     else:
         assert record.calls >= 1
@@ -211,7 +212,7 @@ def test_the_compiled_cpu_kernel_reads_a_model_mask_pair_by_pair(compiler):
             extra_mask=sliding,
         )
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
-    assert record.calls == 1  # set A, reading the mask (set B reads it in torch: `bands`)
+    assert record.calls == 1  # the own-group pass, reading the mask (the window band reads it in torch: `bands`)
     assert hard.fallback_calls() == {}
 
 
@@ -281,7 +282,7 @@ def bfloat16_case(length: int, top_k: int, separate: bool):
     arguments, _, rows = sparse_case(length=length, q_len=length, top_k=top_k, separate=separate)
     query, key, value, *rest = arguments
     states = tuple(state.to(torch.bfloat16) for state in (query, key, value))
-    output = stock_sparse_attention(*states, *rest, dynamo_kernels(), own_group=not separate)
+    output = gpu_sparse_attention(*states, *rest, dynamo_kernels(), own_group=not separate)
     expected = dense_attention(*(state.float() for state in states), allowed_of(arguments), scaling=SCALING)
     torch.testing.assert_close(output.float()[rows], expected[rows], atol=2e-2, rtol=0)
 
@@ -331,10 +332,11 @@ def test_inside_a_compiled_model_each_call_runs_its_own_compiled_function(compil
     query, key, value, *rest = arguments
 
     def attention(query, key, value):
-        return stock_sparse_attention(query, key, value, *rest, dynamo_kernels(), own_group=False)
+        return gpu_sparse_attention(query, key, value, *rest, dynamo_kernels(), own_group=False)
 
     explained = torch._dynamo.explain(attention)(query, key, value)
-    assert explained.graph_break_count >= 1, explained  # set A's call (set B runs in torch: `bands`)
+    # The own-group pass's call (the window band runs in torch: `bands`).
+    assert explained.graph_break_count >= 1, explained
     for graph in explained.graphs:
         assert "flex_attention" not in str(graph.code), "FlexAttention was traced into the model's graph"
     torch._dynamo.reset()
