@@ -158,7 +158,7 @@ def profile_command(device: str, path: Path, quick: bool = False) -> list[str]:
     if device == "cuda":
         lengths = ["--lengths", "4096", "65536", "262144", "--top-k", "1", "2"]
         return [*command, *lengths, "--mask-costs", "65536", "262144"]
-    return [*command, "--heads", "8", "--kv-heads", "2", "--lengths", "1024", "--top-k", "1", "--backend", "stock"]
+    return [*command, "--heads", "8", "--kv-heads", "2", "--lengths", "1024", "--top-k", "1", "--backend", "gpu-path"]
 
 
 def train_command(device: str, path: Path, quick: bool = False) -> list[str]:

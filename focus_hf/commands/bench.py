@@ -181,7 +181,7 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
     import torch
 
     from focus_hf.attention.hard import hard_attention
-    from focus_hf.attention.pattern import allowed_pairs
+    from focus_hf.attention.pattern import FocusPattern, allowed_pairs
     from focus_hf.attention.reference import dense_attention
 
     routing = case.routing[top_k]
@@ -196,20 +196,9 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
             allowed_pairs(routing.top_groups, key_groups, routing.sink, positions, positions, args.window)[:, None],
             scaling=scaling,
         )
-    return lambda: hard_attention(
-        case.query,
-        case.key,
-        case.value,
-        None,
-        query_groups=routing.top_groups,
-        key_groups=key_groups,
-        key_sink=routing.sink,
-        num_groups=args.groups,
-        window=args.window,
-        scaling=scaling,
-        backend=args.backend,
-        own_group=routing.own_groups is None,  # as a model's routing says it
-    )
+    groups = (routing.top_groups, key_groups, routing.sink, args.groups, args.window)
+    pattern = FocusPattern(*groups, own_group=routing.own_groups is None)  # own_group as a model's routing says it
+    return lambda: hard_attention(case.query, case.key, case.value, pattern, scaling=scaling, backend=args.backend)
 
 
 def dense_skip_reason(
@@ -246,8 +235,8 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    from focus_hf.attention.crossover import auto_path, crossover_entry, race_pending
-    from focus_hf.attention.hard import forget_fallbacks, hard_attention, path_kind
+    from focus_hf.attention.crossover import auto_path, crossover_entry, on_gpu_path, race_pending
+    from focus_hf.attention.hard import forget_fallbacks, hard_attention, path_kind, paths_run
 
     forget_fallbacks()  # the row counts its own length's fallbacks (`gpu_path_fields`)
     case = make_case(args, seq_len, device, dtype)
@@ -274,18 +263,23 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
         if seq_len <= 16384 or cuda or racing[top_k]:
             time_call(call)
     meter = other_cores(device)
+    ran: dict[int, dict[str, int]] = {}  # the entries of the table of paths that a timed call ran, by top_k
     for _ in range(repeats_at(args, seq_len)):
         if skip is None:
             dense_times.append(time_call(dense, context=dense_context))
         for top_k, call in calls.items():
+            before = paths_run()
             focus_times[top_k].append(time_call(call))
+            ran[top_k] = {name: count - before.get(name, 0) for name, count in paths_run().items()}
+            ran[top_k] = {name: count for name, count in ran[top_k].items() if count}
     others = meter()
     dense_s, dense_cpu_s = medians(dense_times)
     paths, races = {}, {}
     for top_k in args.top_k if args.backend == "auto" else ():
         layer = (case.query, case.key, top_k, args.groups, args.window, kinds[top_k], hard_attention)
-        # what "auto" ran: "dense" (the masked call), "sparse" (the C kernels on the CPU) or "sparse-torch"
-        paths[top_k] = auto_path(*layer)
+        # what "auto" ran: on the CPU "dense" (the masked call), "sparse" (the C kernels) or "sparse-torch"; on the
+        # GPU path the entries that ran ("base", "gpu-sparse", or both, split by query)
+        paths[top_k] = " + ".join(ran.get(top_k, {})) if on_gpu_path(device) else auto_path(*layer)
         if racing[top_k]:  # the race's row: each sparse path's time on the warm-up call
             races[top_k] = crossover_entry(*layer)["timings"][-1]
     rows = []
@@ -314,6 +308,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "query_router": args.query_router,
                 "dense_below": crossovers[top_k],
                 "focus_path": paths.get(top_k),
+                "focus_paths": ran.get(top_k),
                 "race": races.get(top_k),
                 "other_cores_busy": others,
                 **gpu_path_fields(args, device),
@@ -378,11 +373,19 @@ def machine_fields(device: torch.device) -> dict:
     }
 
 
+def gpu_path_backend(args: argparse.Namespace, device: torch.device) -> bool:
+    """Whether the row's Focus calls run the GPU path: on CUDA, or `--backend gpu-path`."""
+    from focus_hf.attention.backends import canonical_backend
+    from focus_hf.attention.paths import path_platform
+
+    return path_platform(device, canonical_backend(args.backend, warn=False)) == "gpu"
+
+
 def gpu_path_fields(args: argparse.Namespace, device: torch.device) -> dict:
-    """On the GPU path (CUDA, or `--backend stock`), what ran the row's Focus calls (`hard.path_record`): verify's
+    """On the GPU path (CUDA, or `--backend gpu-path`), what ran the row's Focus calls (`hard.path_record`): verify's
     verdicts, the calls since the row's length began that fell back to the reference path - a row with any is not a
     Focus figure - and FlexAttention's compilations. Nothing elsewhere."""
-    if device.type != "cuda" and args.backend != "stock":
+    if not gpu_path_backend(args, device):
         return {}
     from focus_hf.attention.hard import path_record
 
@@ -519,6 +522,7 @@ def paged_decode_times(
 
     from focus_hf.attention.gpu.paged_keys import FILE_EVERY, PagedKeys
     from focus_hf.attention.hard import hard_attention
+    from focus_hf.attention.pattern import FocusPattern
 
     case = make_case(args, cache_len + FILE_EVERY, device, dtype)
     key, value = case.key.contiguous(), case.value.contiguous()  # a KV cache is head-major
@@ -542,19 +546,11 @@ def paged_decode_times(
         store = PagedKeys(args.groups, args.window)
 
         def step(n: int) -> torch.Tensor:
+            groups = (routing.top_groups[:, n - 1 : n], routing.key_groups[:, :n], routing.sink[:, :n])
+            pattern = FocusPattern(*groups, args.groups, args.window)
+            query = case.query[:, :, n - 1 : n]
             return hard_attention(
-                case.query[:, :, n - 1 : n],
-                key[:, :, :n],
-                value[:, :, :n],
-                None,
-                query_groups=routing.top_groups[:, n - 1 : n],
-                key_groups=routing.key_groups[:, :n],
-                key_sink=routing.sink[:, :n],
-                num_groups=args.groups,
-                window=args.window,
-                scaling=scaling,
-                backend=args.backend,
-                paged=store,
+                query, key[:, :, :n], value[:, :, :n], pattern, scaling=scaling, backend=args.backend, key_copy=store
             )
 
         call = torch.compile(step, dynamic=True) if compiled else step
@@ -597,7 +593,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     from focus_hf.attention.cpu.grouped_keys import one_step_behind
     from focus_hf.attention.cpu.native import serves
     from focus_hf.attention.hard import forget_fallbacks, hard_attention
-    from focus_hf.attention.pattern import probes
+    from focus_hf.attention.pattern import FocusPattern, probes
 
     forget_fallbacks()  # the rows count their own cache length's fallbacks (`gpu_path_fields`)
     case = make_case(args, cache_len, device, dtype)
@@ -616,29 +612,20 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
             case.key, case.value, routing.key_groups, routing.sink, args.groups, args.window
         )
 
+        groups = (routing.top_groups[:, -1:], routing.key_groups, routing.sink, args.groups, args.window)
+        pattern = FocusPattern(*groups, own_group=routing.own_groups is None)
+
         def step() -> torch.Tensor:
             rewind()
             return hard_attention(
-                case.query,
-                case.key,
-                case.value,
-                None,
-                query_groups=routing.top_groups[:, -1:],
-                key_groups=routing.key_groups,
-                key_sink=routing.sink,
-                num_groups=args.groups,
-                window=args.window,
-                scaling=scaling,
-                backend=args.backend,
-                grouped=[grouped],
-                own_group=routing.own_groups is None,
+                case.query, case.key, case.value, pattern, scaling=scaling, backend=args.backend, key_copy=[grouped]
             )
 
         return step
 
     crossovers = {top_k: crossover_used(args, case, top_k, "decode", decode=True) for top_k in args.top_k}
     repeats = args.decode_repeats
-    gpu_path = device.type == "cuda" or args.backend == "stock"
+    gpu_path = gpu_path_backend(args, device)
     timings = []  # (compiled, dense times, Focus times by top_k)
     others = None  # cores other processes kept busy while the CPU steps were timed
     if gpu_path:
@@ -998,7 +985,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
     parser.add_argument("--head-dim", type=int, default=64, help="head dimension")
     parser.add_argument(
-        "--backend", default="auto", choices=["auto", "sdpa", "flash", "stock", "reference"], help="Focus backend"
+        "--backend",
+        default="auto",
+        choices=["auto", "sdpa", "flash", "gpu-path", "reference", "stock"],
+        help="Focus backend ('stock': the former name of 'gpu-path')",
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (fewer above 16,384 tokens)")
     parser.add_argument(

@@ -23,7 +23,7 @@ import focus_hf.attention.pattern as pattern
 from focus_hf.attention.backends import BackendUnavailableError, cpu_kernel, flash_attn_function
 from focus_hf.attention.cpu.segments import SegmentKeys
 from focus_hf.attention.crossover import CROSSOVER_ENV
-from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.pattern import FocusPattern, allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import TokenRouting
 from focus_hf.cli import main as cli_main
@@ -151,20 +151,9 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
     allowed = allowed[:, None] if model_mask is None else allowed[:, None] & model_mask
     # float64 on the same values: a bfloat16 result is then off by its own rounding only
     reference = dense_attention(query.double(), key.double(), value.double(), allowed, scaling=SCALING)
-    output = hard.hard_attention(
-        query,
-        key,
-        value,
-        model_mask,
-        query_groups=query_groups[:, seq - q_len :],
-        key_groups=key_groups,
-        key_sink=sink,
-        num_groups=case["num_groups"],
-        window=case["window"],
-        scaling=SCALING,
-        backend=backend,
-        mask_is_padding=mask_is_padding,
-    )
+    groups = (query_groups[:, seq - q_len :], key_groups, sink, case["num_groups"], case["window"])
+    pattern = FocusPattern(*groups, model_mask=model_mask, mask_is_padding=mask_is_padding)
+    output = hard.hard_attention(query, key, value, pattern, scaling=SCALING, backend=backend)
     # Padding queries may output anything finite.
     return output, reference if dtype != torch.float32 else reference.float(), valid[:, seq - q_len :]
 

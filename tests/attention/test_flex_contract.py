@@ -52,7 +52,8 @@ def _fresh_state():
 
 @contextlib.contextmanager
 def gpu_path_kernels(kernels):
-    """The GPU path (`backend="stock"`) on `kernels`, which the tests hold to their own checks instead of `verify`."""
+    """The GPU path (`backend="gpu-path"`) on `kernels`, which the tests hold to their own checks instead of
+    `verify`."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hard, "verified_kernels", lambda query, key, backend="auto": kernels)
         yield
@@ -137,7 +138,7 @@ def test_a_broken_mask_is_refused_before_any_kernel_runs():
 @given(cases())
 def test_every_prefill_mask_keeps_the_contract(case):
     with gpu_path_kernels(strict_twin()):
-        output, reference, rows = run_case(case, backend="stock")
+        output, reference, rows = run_case(case, backend="gpu-path")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
@@ -146,7 +147,7 @@ def test_every_prefill_mask_keeps_the_contract(case):
 def test_eager_flex_attention_gives_the_reference(case):
     # Eager FlexAttention reads every pair through mask_mod: no meaning may hide in the block lists.
     with gpu_path_kernels(eager_kernels()):
-        output, reference, rows = run_case(case, backend="stock")
+        output, reference, rows = run_case(case, backend="gpu-path")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
@@ -190,7 +191,7 @@ def test_the_compiled_cpu_kernel_runs_every_prefill_mask(changes, compiler):
     record = CompiledCalls()
     case = {**BASE_CASE, "seq": 200, "q_len": 200, "pad": 17, **changes}
     with gpu_path_kernels(compiled_cpu_kernels(record)):
-        output, reference, rows = run_case(case, backend="stock")
+        output, reference, rows = run_case(case, backend="gpu-path")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
     # The own-group pass on varlen, the window band in torch (`bands`): no FlexAttention.
     if changes is COMPILED_CASES["shared top-1"]:
@@ -207,7 +208,7 @@ def test_the_compiled_cpu_kernel_reads_a_model_mask_pair_by_pair(compiler):
     with gpu_path_kernels(compiled_cpu_kernels(record)):
         output, reference, rows = run_case(
             {**BASE_CASE, "seq": 200, "q_len": 200, "pad": 17},
-            backend="stock",
+            backend="gpu-path",
             mask_is_padding=False,
             extra_mask=sliding,
         )
@@ -236,7 +237,7 @@ def test_a_model_on_the_compiled_cpu_kernel_equals_the_reference(compiler):
     mask[1, :23] = 0
     record = CompiledCalls()
     outputs = {}
-    for backend in ("reference", "stock"):
+    for backend in ("reference", "gpu-path"):
         focus_hf.set_routing(model, "hard", backend=backend)
         with gpu_path_kernels(compiled_cpu_kernels(record)), pytest.MonkeyPatch.context() as patch:
             patch.setattr(paged_keys, "FILE_EVERY", 4)
@@ -247,8 +248,8 @@ def test_a_model_on_the_compiled_cpu_kernel_equals_the_reference(compiler):
             )
         outputs[backend] = (logits, greedy)
     real = mask.bool()
-    torch.testing.assert_close(outputs["stock"][0][real], outputs["reference"][0][real], atol=ATOL, rtol=0)
-    assert torch.equal(outputs["stock"][1], outputs["reference"][1])
+    torch.testing.assert_close(outputs["gpu-path"][0][real], outputs["reference"][0][real], atol=ATOL, rtol=0)
+    assert torch.equal(outputs["gpu-path"][1], outputs["reference"][1])
     assert record.calls > 0
     assert hard.fallback_calls() == {}
 
@@ -295,7 +296,7 @@ def test_twenty_configurations_compile_a_bounded_number_of_times(compiler):
         for index, (length, batch) in enumerate(PREFILL_SHAPES):
             routing = ROUTINGS[index % len(ROUTINGS)]
             case = {**BASE_CASE, "seq": length, "q_len": length, "batch": batch, "seed": index, "window": 5 + index}
-            output, reference, rows = run_case({**case, **routing}, backend="stock")
+            output, reference, rows = run_case({**case, **routing}, backend="gpu-path")
             torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
             configurations += 1
         for length, top_k, separate in ((300, 1, False), (450, 2, True), (520, 1, True), (260, 2, False)):
@@ -318,7 +319,7 @@ def test_past_the_recompile_limit_a_call_takes_the_exact_path_with_one_warning(c
     with gpu_path_kernels(dynamo_kernels()), torch._dynamo.config.patch(recompile_limit=1):
         for top_k in (2, 3, 5):
             case = {**BASE_CASE, "seq": 260, "q_len": 5, "num_groups": 6, "top_k": top_k}
-            output, reference, rows = run_case(case, backend="stock")
+            output, reference, rows = run_case(case, backend="gpu-path")
             torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
     assert hard.fallback_calls() == {"recompile limit": 2}
     assert capsys.readouterr().err.count("reached its recompile limit") == 1

@@ -1,5 +1,5 @@
 """One-query decoding steps of the GPU path over a paged, group-sorted copy of the keys (`attention.gpu.paged_keys`,
-`stock.decode_from_paged_keys`), run on the CPU through FlexAttention's double, against the dense oracle."""
+`gpu_path.decode_from_paged_keys`), run on the CPU through FlexAttention's CPU stand-in, against the dense oracle."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from focus_hf.attention.gpu.block_masks import BlockLists
 from focus_hf.attention.gpu.gpu_path import decode_from_paged_keys
 from focus_hf.attention.gpu.kernels import GpuKernels, standin_kernels
 from focus_hf.attention.gpu.paged_keys import PAGE, PagedKeys
-from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.pattern import FocusPattern, allowed_pairs
 from focus_hf.attention.reference import dense_attention
 
 
@@ -119,24 +119,22 @@ def test_a_step_reads_the_ring_the_sinks_and_its_probed_groups_pages_only(monkey
     assert expected_blocks * PAGE < length / 2  # about a quarter of the keys, not all of them
 
 
-def test_generate_with_the_stock_backend_steps_through_the_paged_copy(monkeypatch):
+def test_generate_with_the_gpu_path_backend_steps_through_the_paged_copy(monkeypatch):
     monkeypatch.setattr(paged_keys, "FILE_EVERY", 4)  # filing during the steps, not only when the copy is built
-    steps = []
-    original = hard.decode_from_paged_keys
-    monkeypatch.setattr(hard, "decode_from_paged_keys", lambda *a, **k: steps.append(1) or original(*a, **k))
+    hard.forget_fallbacks()
     verify.forget_verdicts()
     model = focus_llama(2)
     ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
     mask[0, :31] = 0
     generated = {}
-    for backend in ("reference", "stock"):
+    for backend in ("reference", "gpu-path"):
         focus_hf.set_routing(model, "hard", backend=backend)
         generated[backend] = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
         )
-    assert torch.equal(generated["stock"], generated["reference"])
-    assert len(steps) == 11 * 2  # every step after the prefill, in both layers
+    assert torch.equal(generated["gpu-path"], generated["reference"])
+    assert hard.paths_run()["gpu-paged-decode"] == 11 * 2  # every step after the prefill, in both layers
 
 
 def test_a_step_that_does_not_read_the_copy_has_it_rebuilt(monkeypatch):
@@ -152,19 +150,9 @@ def test_a_step_that_does_not_read_the_copy_has_it_rebuilt(monkeypatch):
     verify.forget_verdicts()
     for n in range(95, 110):
         q = query[:, :, n - 1 : n]
+        pattern = FocusPattern(query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], groups, window)
         output = hard.hard_attention(
-            q,
-            key[:, :, :n],
-            value[:, :, :n],
-            None,
-            query_groups=query_groups[:, n - 1 : n],
-            key_groups=key_groups[:, :n],
-            key_sink=sink[:, :n],
-            num_groups=groups,
-            window=window,
-            scaling=SCALING,
-            backend="stock",
-            paged=store,
+            q, key[:, :, :n], value[:, :, :n], pattern, scaling=SCALING, backend="gpu-path", key_copy=store
         )
         allowed = allowed_pairs(
             query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], positions[n - 1 : n], positions[:n], window

@@ -47,12 +47,12 @@ def _fresh_verdicts():
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(), st.booleans())
-def test_stock_path_equals_dense_oracle(case, varlen_gqa):
+def test_gpu_path_equals_dense_oracle(case, varlen_gqa):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(merge, "MERGE_ROWS", case["stream_rows"])
         patch.setattr(gpu_path, "VARLEN_BYTES", case["own_group_rows"])  # kv heads in runs of one, or all at once
         patch.setattr(verify, "gpu_kernels", lambda device, backend="auto": standin_kernels(varlen_gqa))
-        output, reference, rows = run_case(case, backend="stock")
+        output, reference, rows = run_case(case, backend="gpu-path")
     assert output.shape == reference.shape
     assert torch.isfinite(output).all()
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
@@ -466,9 +466,9 @@ def tokens_major_lse_varlen(query, key, value, *rest):
     return output, lse.transpose(0, 1).contiguous().view(lse.shape)
 
 
-def stock_model_equals_the_reference(monkeypatch, capsys, kernels) -> str:
-    """A model on the stock backend with `kernels` (checked afresh) gives the reference backend's logits, called twice;
-    returns what it printed to stderr."""
+def gpu_path_model_equals_the_reference(monkeypatch, capsys, kernels) -> str:
+    """A model on the gpu-path backend with `kernels` (checked afresh) gives the reference backend's logits, called
+    twice; returns what it printed to stderr."""
     verify.forget_verdicts()
     capsys.readouterr()
     monkeypatch.setattr(verify, "gpu_kernels", lambda device, backend="auto": kernels)
@@ -477,7 +477,7 @@ def stock_model_equals_the_reference(monkeypatch, capsys, kernels) -> str:
     with torch.no_grad():
         focus_hf.set_routing(model, "hard", backend="reference")
         expected = model(input_ids=ids).logits
-        focus_hf.set_routing(model, "hard", backend="stock")
+        focus_hf.set_routing(model, "hard", backend="gpu-path")
         actual = model(input_ids=ids).logits
         model(input_ids=ids)
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
@@ -496,7 +496,7 @@ def test_a_windowed_call_that_is_not_exact_leaves_the_window_band_to_the_bands(m
     (verdict,) = verify.verdicts().values()
     assert verdict.startswith("exact, window band in torch (varlen within a window of")
     assert not verify.verified_kernels(query, key, broken).varlen_window
-    err = stock_model_equals_the_reference(monkeypatch, capsys, broken)
+    err = gpu_path_model_equals_the_reference(monkeypatch, capsys, broken)
     assert err.count("was not exact") == 1 and "did not reproduce" not in err
 
 
@@ -518,7 +518,7 @@ def test_verify_passes_the_twin():
 def test_verify_catches_a_kernel_convention_and_the_model_falls_back_exactly(monkeypatch, capsys, broken, message):
     query, key = torch.zeros(1, 4, 1, 12), torch.zeros(1, 2, 1, 12)
     assert message in verify.verify(query, key, broken)
-    err = stock_model_equals_the_reference(monkeypatch, capsys, broken)
+    err = gpu_path_model_equals_the_reference(monkeypatch, capsys, broken)
     assert err.count("did not reproduce exact results") == 1 and message in err
 
 
@@ -532,7 +532,7 @@ def test_model_with_the_stock_backend_equals_the_reference(top_k):
     mask = torch.ones_like(ids)
     mask[1, :23] = 0
     outputs = {}
-    for backend in ("reference", "stock"):
+    for backend in ("reference", "gpu-path"):
         focus_hf.set_routing(model, "hard", backend=backend)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask).logits
@@ -544,24 +544,32 @@ def test_model_with_the_stock_backend_equals_the_reference(top_k):
         )
         outputs[backend] = (logits, greedy, beams)
     real = mask.bool()
-    torch.testing.assert_close(outputs["stock"][0][real], outputs["reference"][0][real], atol=ATOL, rtol=0)
-    assert torch.equal(outputs["stock"][1], outputs["reference"][1])
-    assert torch.equal(outputs["stock"][2], outputs["reference"][2])
+    torch.testing.assert_close(outputs["gpu-path"][0][real], outputs["reference"][0][real], atol=ATOL, rtol=0)
+    assert torch.equal(outputs["gpu-path"][1], outputs["reference"][1])
+    assert torch.equal(outputs["gpu-path"][2], outputs["reference"][2])
 
 
-def test_prefill_in_chunks_after_a_cache_with_the_stock_backend():
+def test_prefill_in_chunks_after_a_cache_with_the_gpu_path_backend():
     case = dict(BASE_CASE, q_len=40)
-    output, reference, rows = run_case(case, backend="stock")
+    output, reference, rows = run_case(case, backend="gpu-path")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
-def test_hard_attention_takes_the_stock_path_for_the_stock_backend(monkeypatch):
-    calls = []
-    original = hard.gpu_sparse_attention
-    monkeypatch.setattr(hard, "gpu_sparse_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
-    monkeypatch.setattr(hard, "sparse_attention", lambda *a, **k: pytest.fail("the CPU path ran"))
-    run_case(dict(BASE_CASE), backend="stock")
-    assert calls == [1]
+def test_hard_attention_takes_the_gpu_path_for_the_gpu_path_backend():
+    hard.forget_fallbacks()
+    run_case(dict(BASE_CASE), backend="gpu-path")
+    assert hard.paths_run() == {"gpu-sparse": 1}
+
+
+def test_the_former_backend_name_is_still_accepted_with_a_warning():
+    model = focus_llama(1)
+    with pytest.warns(DeprecationWarning, match="'gpu-path'"):
+        focus_hf.set_routing(model, "hard", backend="stock")
+    assert {layer.backend for layer in focus_hf.focus_layers(model)} == {"gpu-path"}
+    hard.forget_fallbacks()
+    with pytest.warns(DeprecationWarning, match="'gpu-path'"):
+        run_case(dict(BASE_CASE), backend="stock")
+    assert hard.paths_run() == {"gpu-sparse": 1}
 
 
 # --- the whole pattern in one FlexAttention call ("auto" below its crossover on CUDA) ---
@@ -600,20 +608,20 @@ def test_pattern_attention_equals_dense_oracle(window, q_len, top_k, separate, m
 @pytest.mark.parametrize("mask_is_padding", [False, None], ids=["general", "unknown"])
 @pytest.mark.parametrize("q_len", [97, 40, 5, 1])
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_stock_path_reads_a_general_mask(mask_is_padding, q_len, top_k):
+def test_gpu_path_reads_a_general_mask(mask_is_padding, q_len, top_k):
     positions = torch.arange(BASE_CASE["seq"])
     sliding = (positions[:, None] - positions[None, :] < 20)[None, None]
     documents = (positions // 30)[:, None] == (positions // 30)[None, :]  # packed documents of 30 tokens
     for extra in (sliding, documents[None, None]):
         case = dict(BASE_CASE, q_len=q_len, top_k=top_k)
         extra = extra[:, :, BASE_CASE["seq"] - q_len :]
-        output, reference, rows = run_case(case, backend="stock", mask_is_padding=mask_is_padding, extra_mask=extra)
+        output, reference, rows = run_case(case, backend="gpu-path", mask_is_padding=mask_is_padding, extra_mask=extra)
         torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
 def test_unknown_padding_mask_is_read_not_assumed():
     # Left padding only, but not known to be: the same results through the mask lookup.
-    output, reference, rows = run_case(dict(BASE_CASE, side="left"), backend="stock", mask_is_padding=None)
+    output, reference, rows = run_case(dict(BASE_CASE, side="left"), backend="gpu-path", mask_is_padding=None)
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
