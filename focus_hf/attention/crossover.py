@@ -316,7 +316,7 @@ def calibrate(shape: Shape, device: torch.device, call: Callable[..., torch.Tens
     """Measure `shape` now with `call` (`measure`), store the result in the cache file (unless other processes loaded
     the CPU meanwhile) and in this process; returns the cache entry."""
     meter = None
-    if device.type == "cpu":
+    if not on_gpu_path(device):
         from focus_hf.attention.cpu.native import native_kernels
 
         native_kernels()  # built first: a first build's compiler processes would read as other processes' load

@@ -13,6 +13,7 @@ from tiny_models import VOCAB, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import focus_hf
+import focus_hf.attention.crossover as crossover
 import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
 from focus_hf.attention.backends import flash_attn_function
@@ -29,8 +30,9 @@ pytestmark = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Logits of the tiny models are O(1); half precision rounds every layer's inputs.
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
-# "stock" runs what "sdpa" runs on CUDA; "auto" takes the whole-pattern call below its crossover (300 tokens).
-FAST_BACKENDS = ["sdpa", "auto"] + (["flash"] if flash_attn_function() is not None else [])
+# The backends that run the GPU path on CUDA ("gpu-path" runs what "sdpa" runs); "auto" is the base model below its
+# measured crossover (`test_auto_is_the_base_model_below_its_crossover_and_the_gpu_path_above`).
+FAST_BACKENDS = ["sdpa"] + (["flash"] if flash_attn_function() is not None else [])
 
 
 @pytest.fixture(autouse=True)
@@ -166,6 +168,27 @@ def test_backends_equal_the_reference(dtype, routing):
     real = mask.bool()
     for backend in FAST_BACKENDS:
         torch.testing.assert_close(logits[backend][real], logits["reference"][real], atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_auto_is_the_base_model_below_its_crossover_and_the_gpu_path_above(monkeypatch):
+    model = focus_model(torch.float32, 1)
+    ids = torch.randint(3, VOCAB, (2, 300), generator=torch.Generator().manual_seed(5)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        focus_hf.set_routing(model, "hard", backend="reference")
+        pattern = model(input_ids=ids, attention_mask=mask).logits.float()
+        with model.disable_adapter():
+            base = model(input_ids=ids, attention_mask=mask).logits.float()
+        focus_hf.set_routing(model, "hard", backend="auto")
+        monkeypatch.setenv(crossover.NO_CALIBRATION_ENV, "1")  # no measurement: the base model
+        below = model(input_ids=ids, attention_mask=mask).logits.float()
+        monkeypatch.setenv(crossover.CROSSOVER_ENV, "0")  # a crossover below every call: the GPU path
+        above = model(input_ids=ids, attention_mask=mask).logits.float()
+    torch.testing.assert_close(below[real], base[real], atol=TOLERANCE[torch.float32], rtol=0)
+    torch.testing.assert_close(above[real], pattern[real], atol=TOLERANCE[torch.float32], rtol=0)
+    assert {"base", "gpu-sparse"} <= set(hard.paths_run())
 
 
 @pytest.mark.parametrize("top_k, length", [(1, 96), (1, 1024), (2, 1024), (1, 4096), (2, 4096)])
