@@ -10,22 +10,22 @@ call of each length, which compiles FlexAttention, is not counted); where the GP
 or the measurement cannot run, "auto" keeps the base attention at every length (NEVER): never a slower path.
 
 The crossover (key count below which the dense masked call is faster) depends on the processor, the build of the C
-kernels and the level of torch's own (`Shape`), the thread count, the dtype, the head shape, top_k, K, the window
-and which sparse path runs (`kind`): "shared" (queries probe their own key group first), "probe" (a separate query
-router with top_k = 1), "separate" (a separate query router with top_k > 1) - all three run the own-group pass through
+kernels and the level of torch's own (`Shape`), the thread count, the dtype, the head shape, top_k, K, the window and
+which sparse path runs (`kind`): "shared" (queries probe their own key group first), "probe" (a separate query router
+with top_k = 1), "separate" (a separate query router with top_k > 1) - all three run the own-group pass through
 `partials.probe_part`, but their group balance differs - or "decode" (a few queries against a longer cache,
-`cpu_path.decode_attention`). On first use of a shape, `dense_below` times both paths at lengths
-256, 512, ... through the very function that dispatches the call (`hard.hard_attention`, told which path to take), on
-random inputs laid out as a model hands them over and with the per-step work of a decoding step (the update of the
-layer's copy of the distant keys) - so that what is measured is what then runs - until the sparse path wins twice in a
-row by at least WIN_MARGIN (a few seconds at most; never beyond MAX_LENGTH) and stores the first of those two lengths
-in `<cache>/crossover.json` (`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`), where every
-later process finds it. On the CPU the sparse path is timed both in the C kernels and in torch operations, and the
-faster runs at each length; a prefill far longer than any length timed so (a calibration call there would take
-seconds) runs once on both, timed as it runs (`race_sparse_paths`), and its row joins the entry. A CPU measurement
-taken while other processes kept more than OTHER_CORES_MAX cores busy (from /proc/stat) is used by this process only
-and not stored: under load the many small calls of the sparse path slow down more than the one dense call (a decode
-crossover measured so came out at 16K keys instead of 2K), and a stored value would stay wrong.
+`cpu_path.decode_attention`). On first use of a shape, `dense_below` times both sides at lengths 256, 512, ...
+(`crossover_measurement`) through the very function that dispatches the call (`hard.hard_attention`, told which entry of
+the table of paths to run), on random inputs laid out as a model hands them over and with the per-step work of a
+decoding step (the update of the layer's copy of the distant keys) - so that what is measured is what then runs - until
+the sparse path wins twice in a row by at least WIN_MARGIN (a few seconds at most; never beyond MAX_LENGTH) and stores
+the first of those two lengths in `<cache>/crossover.json` (`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else
+`~/.cache/focus_hf`), where every later process finds it. On the CPU the sparse path is timed both in the C kernels and
+in torch operations, and the faster runs at each length; a prefill far longer than any length timed so (a calibration
+call there would take seconds) runs once on both, timed as it runs (`race_sparse_paths`), and its row joins the entry. A
+CPU measurement taken while other processes kept more than OTHER_CORES_MAX cores busy (from /proc/stat) is used by this
+process only and not stored: under load the many small calls of the sparse path slow down more than the one dense call
+(a decode crossover measured so came out at 16K keys instead of 2K), and a stored value would stay wrong.
 
 Environment:
   FOCUS_HF_CROSSOVER=<tokens>   use this crossover for every shape (no measurement);

@@ -141,17 +141,15 @@ def hard_attention(
         path = "reference"
     if on == "gpu" and (path is None or PATHS[path].verified):
         kernels = verified_kernels(query, key, backend=backend)
-        if kernels is None:
+        if kernels is None:  # not shown exact on this device: the exact reference path, under "auto" the base model
             _fall_back("unverified")
-            return _run(PATHS["base" if auto else "reference"], call)
-        call = replace(call, kernels=kernels)
-    if path is not None:
-        return _run(PATHS[path], call)
-    causal = PATHS["causal"]
-    if causal.takes(call):
-        return _run(causal, call)
-    if not auto:
-        return _run(default_path(call, on), call)
+            path = "base" if auto else "reference"
+        else:
+            call = replace(call, kernels=kernels)
+    if path is None and PATHS["causal"].takes(call):
+        path = "causal"
+    if path is not None or not auto:
+        return _run(PATHS[path] if path is not None else default_path(call, on), call)
     kind = path_kind(pattern.query_groups, pattern.key_groups, call.decode, pattern.own_group)
     if on == "gpu":
         return _gpu_auto(call, kind)

@@ -80,6 +80,10 @@ class PathCall:
         return self.q_len <= DECODE_MAX_QUERIES and self.q_len < self.kv_len
 
 
+def _always(call: PathCall) -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class AttentionPath:
     """One implementation in the table of paths.
@@ -89,33 +93,29 @@ class AttentionPath:
         summary: what it runs, in a line.
         platform: "cpu", "gpu" or "any" (`path_platform`).
         calls: "prefill" and / or "decode" (a few queries after a longer cache, `PathCall.decode`).
+        run: the call's output [batch, q, heads, dim].
+        applies: whether it can run a call exactly (shape limits, masks, copies).
         needs: what it needs beyond torch, as words for readers (the C kernels, a CUDA device...).
         verified: whether it runs only on kernels `gpu.verify` has shown exact on the call's device, dtype and heads.
         exact: whether it computes the Focus pattern; False for the base model's attention.
         measured_as: the side of a measured crossover it stands for ("dense": short calls, "sparse" / "sparse-torch":
             long ones; `crossover`), or None where no measurement chooses it.
-        applies: whether it can run a call exactly (shape limits, masks, copies).
-        run: the call's output [batch, q, heads, dim].
     """
 
     name: str
     summary: str
     platform: str
     calls: tuple[str, ...]
-    needs: tuple[str, ...]
-    verified: bool
-    exact: bool
-    measured_as: Optional[str]
-    applies: Callable[[PathCall], bool]
     run: Callable[[PathCall], torch.Tensor]
+    applies: Callable[[PathCall], bool] = _always
+    needs: tuple[str, ...] = ()
+    verified: bool = False
+    exact: bool = True
+    measured_as: Optional[str] = None
 
     def takes(self, call: PathCall) -> bool:
         """Whether this entry runs `call`: its kind of call, and its own conditions."""
         return ("decode" if call.decode else "prefill") in self.calls and self.applies(call)
-
-
-def _always(call: PathCall) -> bool:
-    return True
 
 
 def _padding_mask(call: PathCall) -> bool:
@@ -297,131 +297,99 @@ _ENTRIES = (
         summary="every query probes every group: the pattern is causal attention, one causal call",
         platform="any",
         calls=BOTH,
-        needs=(),
-        verified=False,
-        exact=True,
-        measured_as=None,
-        applies=_causal_applies,
         run=_run_causal,
+        applies=_causal_applies,
     ),
     AttentionPath(
         name="cpu-decode",
         summary="few queries after a cache: the keys they reach gathered (or read from the group-sorted copy)",
         platform="cpu",
         calls=("decode",),
+        run=_cpu_decode(in_torch=False),
         needs=(C_KERNELS,),
-        verified=False,
-        exact=True,
         measured_as="sparse",
         applies=_padding_mask,
-        run=_cpu_decode(in_torch=False),
     ),
     AttentionPath(
         name="cpu-sparse",
         summary="the own-group pass and the window band merged by log-sum-exp, on the C kernels and torch's kernel",
         platform="cpu",
         calls=("prefill",),
+        run=_cpu_sparse(in_torch=False),
         needs=(C_KERNELS,),
-        verified=False,
-        exact=True,
         measured_as="sparse",
         applies=_padding_mask,
-        run=_cpu_sparse(in_torch=False),
     ),
     AttentionPath(
         name="cpu-masked",
         summary="the pattern as one dense masked call (the C kernel reads it from group bits; elsewhere a bias)",
         platform="cpu",
         calls=BOTH,
-        needs=(),
-        verified=False,
-        exact=True,
-        measured_as="dense",
-        applies=_always,
         run=_run_masked,
+        measured_as="dense",
     ),
     AttentionPath(
         name="cpu-decode-torch",
         summary="cpu-decode in torch operations alone (the torch path)",
         platform="cpu",
         calls=("decode",),
-        needs=(),
-        verified=False,
-        exact=True,
+        run=_cpu_decode(in_torch=True),
         measured_as="sparse-torch",
         applies=_padding_mask,
-        run=_cpu_decode(in_torch=True),
     ),
     AttentionPath(
         name="cpu-sparse-torch",
         summary="cpu-sparse in torch operations alone (the torch path)",
         platform="cpu",
         calls=("prefill",),
-        needs=(),
-        verified=False,
-        exact=True,
+        run=_cpu_sparse(in_torch=True),
         measured_as="sparse-torch",
         applies=_padding_mask,
-        run=_cpu_sparse(in_torch=True),
     ),
     AttentionPath(
         name="gpu-paged-decode",
         summary="a one-query step: one FlexAttention call over the layer's paged copy of the distant keys",
         platform="gpu",
         calls=("decode",),
+        run=_run_paged,
         needs=(GPU_KERNELS,),
         verified=True,
-        exact=True,
         measured_as="sparse",
         applies=_paged_applies,
-        run=_run_paged,
     ),
     AttentionPath(
         name="gpu-sparse",
         summary="the own-group pass (varlen flash or FlexAttention) and the window band (one sliding-window call)",
         platform="gpu",
         calls=("prefill",),
+        run=_run_gpu_sparse,
         needs=(GPU_KERNELS,),
         verified=True,
-        exact=True,
         measured_as="sparse",
-        applies=_always,
-        run=_run_gpu_sparse,
     ),
     AttentionPath(
         name="gpu-pattern",
         summary="the whole pattern in one FlexAttention call over every causal key block (steps without a paged copy)",
         platform="gpu",
         calls=BOTH,
+        run=_run_gpu_pattern,
         needs=(GPU_KERNELS,),
         verified=True,
-        exact=True,
-        measured_as=None,
-        applies=_always,
-        run=_run_gpu_pattern,
     ),
     AttentionPath(
         name="base",
         summary="the base model's attention (torch's SDPA, flash on CUDA), not the pattern: 'auto' below its crossover",
         platform="gpu",
         calls=BOTH,
-        needs=(),
-        verified=False,
+        run=run_base,
         exact=False,
         measured_as="dense",
-        applies=_always,
-        run=run_base,
     ),
     AttentionPath(
         name="reference",
         summary="the dense masked oracle in chunks of queries: exact and slow; where the GPU path is not shown exact",
         platform="any",
         calls=BOTH,
-        needs=(),
-        verified=False,
-        exact=True,
-        measured_as=None,
-        applies=_always,
         run=run_reference,
     ),
 )

@@ -667,7 +667,8 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
         fraction = float(reachable.float().mean())
         crossover = crossovers[top_k]
         copy = "paged copy" if gpu_path else "group-sorted copy"
-        path = "dense-masked" if crossover is not None and cache_len < crossover else copy
+        short = "base attention" if gpu_path else "dense-masked"  # "auto"'s side below its crossover
+        path = short if crossover is not None and cache_len < crossover else copy
         rows.append(
             {
                 "mode": "decode",

@@ -10,7 +10,7 @@ conversion is here, once, and `verify` checks it on every CUDA device and dtype 
 
 On CUDA: FlexAttention compiled (`flex`) and torch's `varlen_attn` (flash-attn's `flash_attn_varlen_func` when
 installed). On CPU: their CPU stand-ins (`cpu_standins`) - the same decomposition, exact and slow, for tests and
-`backend="stock"`. Every block mask is checked against FlexAttention's contract (`block_masks`) before a kernel
+`backend="gpu-path"`. Every block mask is checked against FlexAttention's contract (`block_masks`) before a kernel
 sees it.
 """
 
