@@ -145,7 +145,7 @@ def test_quick_profile_and_decode_on_the_cpu(tmp_path):
     assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
     assert [row["cache_len"] for row in read(tmp_path, "decode.json")] == [2048, 2048]  # the quick set's cache
     profile = read(tmp_path, "profile.json")
-    assert profile["git_commit"] and profile["layer"]["backend"] == "stock"
+    assert profile["git_commit"] and profile["layer"]["backend"] == "gpu-path"
     (row,) = profile["rows"]
     assert row["tokens"] == 1024 and row["wall_s"] > 0 and "error" not in row
     # The time is found in the GPU path's own functions (the CPU twin's kernels here), not left unattributed.

@@ -24,7 +24,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.hard import hard_attention, reference_hard_attention
+from focus_hf.attention.hard import hard_attention
+from focus_hf.attention.pattern import FocusPattern
+from focus_hf.attention.reference import reference_hard_attention
 from focus_hf.benchmarking.layer import Case, layer_fields, make_case
 from focus_hf.benchmarking.records import log, machine_fields, script_command, write_json
 
@@ -41,19 +43,15 @@ def errors(output: torch.Tensor, reference: torch.Tensor) -> dict:
 
 def focus(case: Case, args: argparse.Namespace, top_k: int, backend: str, path: Optional[str]) -> torch.Tensor:
     routing = case.routing[top_k]
+    groups = (routing.top_groups, routing.key_groups, routing.sink)
+    pattern = FocusPattern(*groups, args.groups, args.window, own_group=True)
     return hard_attention(
         case.query,
         case.key,
         case.value,
-        None,
-        query_groups=routing.top_groups,
-        key_groups=routing.key_groups,
-        key_sink=routing.sink,
-        num_groups=args.groups,
-        window=args.window,
+        pattern,
         scaling=args.head_dim**-0.5,
         backend=backend,
-        own_group=True,
         path=path,
     )
 
@@ -92,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "seq_len": seq_len,
                     "top_k": top_k,
                     "focus_sparse_bf16": errors(focus(case, args, top_k, "sdpa", None), reference),
-                    "focus_dense_masked_bf16": errors(focus(case, args, top_k, "auto", "dense"), reference),
+                    "focus_dense_masked_bf16": errors(focus(case, args, top_k, "auto", "cpu-masked"), reference),
                     "focus_sparse_float32": errors(focus(widened, args, top_k, "sdpa", None), reference),
                     "reference_rounded_to_bf16": errors(reference.bfloat16(), reference),
                     "dense_sdpa_bf16_causal": dense_errors,

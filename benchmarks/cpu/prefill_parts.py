@@ -36,6 +36,7 @@ import focus_hf.attention.cpu.partials as partials
 import focus_hf.attention.cpu.segments as segments
 from focus_hf.attention.cpu.native import torch_path
 from focus_hf.attention.hard import hard_attention
+from focus_hf.attention.pattern import FocusPattern
 from focus_hf.benchmarking.layer import allowed_pair_count, layer_fields, make_case
 from focus_hf.benchmarking.records import log, machine_fields, script_command, write_json
 
@@ -75,11 +76,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             for seq_len in options.seq_lens:
                 case = make_case(args, seq_len, device, getattr(torch, dtype_name))
                 query, key, value = case.query, case.key, case.value
+                first = case.routing[1]
                 hard_attention(  # warm-up: the kernels are built and paged in before anything is timed
-                    query[:, :, :1024], key[:, :, :1024], value[:, :, :1024], None,
-                    query_groups=case.routing[1].top_groups[:, :1024], key_groups=case.routing[1].key_groups[:, :1024],
-                    key_sink=case.routing[1].sink[:, :1024], num_groups=args.groups, window=args.window,
-                    scaling=args.head_dim**-0.5, backend="sdpa", own_group=True,
+                    query[:, :, :1024], key[:, :, :1024], value[:, :, :1024],
+                    FocusPattern(first.top_groups[:, :1024], first.key_groups[:, :1024], first.sink[:, :1024],
+                                 args.groups, args.window, own_group=True),
+                    scaling=args.head_dim**-0.5, backend="sdpa",
                 )  # fmt: skip
                 rounds = rounds_for(seq_len, options.repeats)
                 dense_s = statistics.median(
@@ -107,11 +109,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                         return call
 
                     def sparse_path(routing=routing) -> torch.Tensor:
-                        return hard_attention(
-                            query, key, value, None, query_groups=routing.top_groups, key_groups=routing.key_groups,
-                            key_sink=routing.sink, num_groups=args.groups, window=args.window,
-                            scaling=args.head_dim**-0.5, backend="sdpa", own_group=True,
-                        )  # fmt: skip
+                        pattern = FocusPattern(
+                            routing.top_groups,
+                            routing.key_groups,
+                            routing.sink,
+                            args.groups,
+                            args.window,
+                            own_group=True,
+                        )
+                        return hard_attention(query, key, value, pattern, scaling=args.head_dim**-0.5, backend="sdpa")
 
                     set_a_call, local_call = segments.prefill_segments, partials.prefill_attention
                     sinks_call = partials.sink_pairs

@@ -16,9 +16,10 @@ The Python stacks torch records are empty on some CUDA builds (torch 2.11 on the
 range named after it (`labelled_functions`), and an operator belongs to the innermost range around it.
 
 On CUDA, `--mask-costs` then times the own-group pass's FlexAttention call of a top-2 prefill
-(`stock.fold_probed_groups`) with the same block lists under other `mask_mod`s (`MASK_VARIANTS`): how much of the
-kernel's time its mask takes. (At commit 432b95d it timed the window band's call, which reading the pattern in its
-mask made 50 times slower than a mask of the indices alone: the window band no longer runs in FlexAttention.)
+(`gpu_path.fold_probed_groups`) with the same block lists under other `mask_mod`s (`MASK_VARIANTS`): how much of the
+kernel's time its mask takes. (At commit 432b95d it timed the window band's call, which reading the pattern in its mask
+made 50 times slower than a mask of the indices alone: the window band now runs in plain torch,
+`focus_hf/attention/gpu/bands.py`.)
 
     python benchmarks/gpu/profile_layer.py --device cuda --lengths 65536 262144 --top-k 1 2 --out profile.json
 
@@ -216,15 +217,15 @@ MASK_VARIANTS = {
 }
 
 
-def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, device, dtype, kernels) -> dict:
-    """One top-2 prefill of `stock.stock_sparse_attention` on random routing, recording the own-group pass's
+def capture_own_group_pass(n: int, heads: int, kv_heads: int, groups: int, window: int, device, dtype, kernels) -> dict:
+    """One top-2 prefill of `gpu_path.gpu_sparse_attention` on random routing, recording the own-group pass's
     FlexAttention call (`fold_probed_groups`): its inputs and block lists, and the `pair_rule` rule of the same
     pairs."""
     import dataclasses
 
     import torch
 
-    import focus_hf.attention.gpu.stock as stock
+    import focus_hf.attention.gpu.gpu_path as gpu_path
 
     captured: dict = {}
     generator = torch.Generator(device=device).manual_seed(n)
@@ -241,22 +242,22 @@ def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, d
 
     recorder = dataclasses.replace(kernels, raw_flex=record_flex)
     arguments = (query, key, value, None, query_groups, key_groups, key_sink, groups, window, 64**-0.5, recorder, False)
-    stock.stock_sparse_attention(*arguments)
+    gpu_path.gpu_sparse_attention(*arguments)
     call = captured["call"]
-    # The same call with a model's mask (all True, broadcast from one element) builds the own-group pass by
-    # `rule_mask`: its rule.
-    real_rule = stock.make_rule
+    # The same call with a model's mask (all True, broadcast from one element) builds the own-group pass by `rule_mask`:
+    # its rule.
+    real_rule = gpu_path.make_rule
 
     def record_rule(*args):
         captured["rule"] = real_rule(*args)
         return captured["rule"]
 
-    stock.make_rule = record_rule
+    gpu_path.make_rule = record_rule
     try:
         everywhere = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
-        stock.stock_sparse_attention(*arguments[:-1], False, everywhere)
+        gpu_path.gpu_sparse_attention(*arguments[:-1], False, everywhere)
     finally:
-        stock.make_rule = real_rule
+        gpu_path.make_rule = real_rule
     captured["call"] = call
     return captured
 
@@ -264,7 +265,7 @@ def capture_set_a(n: int, heads: int, kv_heads: int, groups: int, window: int, d
 def mask_costs(
     lengths, heads: int, kv_heads: int, groups: int, window: int, device, dtype, repeats: int = 3, backend="inductor"
 ) -> list:
-    """The own-group pass's FlexAttention call of a top-2 prefill (`stock.fold_probed_groups`) at each length, its
+    """The own-group pass's FlexAttention call of a top-2 prefill (`gpu_path.fold_probed_groups`) at each length, its
     block lists fixed, under each `MASK_VARIANTS` mask_mod: seconds per call (best of `repeats`, after a compiling
     call). `backend`: torch.compile's ("eager" rehearses it on the CPU, on FlexAttention's reference and the twin's
     kernels)."""
@@ -273,11 +274,11 @@ def mask_costs(
     import torch
 
     from focus_hf.attention.gpu.flex import run_compiled
-    from focus_hf.attention.gpu.kernels import cpu_twin_kernels
-    from focus_hf.attention.gpu.verify import stock_kernels
+    from focus_hf.attention.gpu.kernels import standin_kernels
+    from focus_hf.attention.gpu.verify import gpu_kernels
     from focus_hf.benchmarking.records import error_text
 
-    kernels = stock_kernels(device) if device.type == "cuda" else cpu_twin_kernels()
+    kernels = gpu_kernels(device) if device.type == "cuda" else standin_kernels()
     # Each variant is a new mask code, compiled apart: more compilations than the path's own bound allows.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 256)
@@ -300,7 +301,7 @@ def mask_costs(
     for n in lengths:
         row: dict = {"tokens": n, "top_k": 2, "variants": {}}
         try:
-            captured = capture_set_a(n, heads, kv_heads, groups, window, device, dtype, kernels)
+            captured = capture_own_group_pass(n, heads, kv_heads, groups, window, device, dtype, kernels)
         except Exception as error:  # noqa: BLE001 - reported in the row
             row["error"] = error_text(error)
             rows.append(row)

@@ -11,7 +11,9 @@ target it is held against: `TARGETS`).
 |               |                    | (they skip without CUDA; each fails if a call fell back to the reference)    |
 | attention     | attention.json     | benchmarks/gpu/layer_prefill.py: one Llama-shaped layer, 32/8 heads, d 64,   |
 |               |                    | K=8, w=128, top-1 and top-2, 4K-1M tokens, dense timed in the same run       |
-| auto          | auto.json          | focus-hf bench --backend auto, same shape, 1K-256K: auto against dense       |
+| auto          | auto.json          | focus-hf bench --backend auto, same shape, 1K-256K: auto against dense, and  |
+|               |                    | what it chose (`focus_path`: the base attention, the GPU path, or both split |
+|               |                    | by query at the crossover it measured, `dense_below`)                        |
 | decode        | decode.json        | focus-hf bench --decode: one step against a 16K-1M cache, vs dense SDPA      |
 | peak_memory   | peak_memory.json   | focus-hf bench --peak-memory at 1M: torch's peak allocated memory            |
 | model_prefill | model_prefill.json | benchmarks/gpu/model_prefill.py --weights random: SmolLM2-135M's             |
@@ -166,7 +168,7 @@ def profile_command(device: str, path: Path, quick: bool = False) -> list[str]:
     if device == "cuda":
         lengths = ["--lengths", "4096", "65536", "262144", "--top-k", "1", "2"]
         return [*command, *lengths, "--mask-costs", "65536", "262144"]
-    return [*command, "--heads", "8", "--kv-heads", "2", "--lengths", "1024", "--top-k", "1", "--backend", "stock"]
+    return [*command, "--heads", "8", "--kv-heads", "2", "--lengths", "1024", "--top-k", "1", "--backend", "gpu-path"]
 
 
 def train_command(device: str, path: Path, quick: bool = False) -> list[str]:
@@ -182,7 +184,9 @@ STAGES = [
     Stage("decode", "decode.json", decode_command, {"cuda": 90, "cpu": 90}),
     Stage("model_prefill", "model_prefill.json", model_prefill_command, {"cuda": 100, "cpu": 150}),
     Stage("tests", "tests.json", tests_command, {"cuda": 150, "cpu": 180}),
-    Stage("auto", "auto.json", auto_command, {"cuda": 75, "cpu": 150}, quick=False),
+    # "auto" measures its crossover against flash SDPA first (1K-256K, top-1 and top-2: FlexAttention's compilation and
+    # up to GPU_BUDGET_S of timed calls each), then runs the lengths.
+    Stage("auto", "auto.json", auto_command, {"cuda": 150, "cpu": 150}, quick=False),
     Stage("peak_memory", "peak_memory.json", peak_memory_command, {"cuda": 60, "cpu": 90}, quick=False),
     Stage("train", "train.json", train_command, {"cuda": 60, "cpu": 120}, quick=False),
 ]
@@ -360,6 +364,8 @@ def figures(out: Path, cuda: bool) -> list[dict]:
             scale, unit = (1e3, "ms") if stage == "decode" else (1, "s")
             dense, focus = row["dense_s"] * scale, row["focus_s"] * scale
             rows.append(figure(stage, label, dense, focus, dense / focus, unit, target, row))
+            # What "auto" chose (the entries of the table of paths that ran, the crossover it measured).
+            rows[-1].update(chose=row.get("focus_path"), dense_below=row.get("dense_below"))
     memory = load(out / "peak_memory.json")
     memory = memory if isinstance(memory, list) else []
     for row in memory:
@@ -446,7 +452,8 @@ def print_table(rows: list[dict], stages: dict[str, dict]) -> None:
             "-" if target is None else target[0] if isinstance(target[1], bool) else f"{target[0]} {target[1]}x"
         )
         met = {None: "-", True: "yes", False: "NO"}[row["meets_target"]]
-        lines.append((row["stage"], row["figure"], number(row["dense"]), number(row["focus"]), ratio, row["unit"]))
+        name = row["figure"] + (f" [{row['chose']}]" if row.get("chose") else "")
+        lines.append((row["stage"], name, number(row["dense"]), number(row["focus"]), ratio, row["unit"]))
         lines[-1] += (target_text, met)
     widths = [max(len(str(line[i])) for line in [header, *lines]) for i in range(len(header))]
     widths[3] = min(widths[3], 70)

@@ -6,37 +6,42 @@ transformers), `bias` None or a float tensor of the query's dtype broadcastable 
 visible keys, finfo.min for hidden ones), output [batch, heads, L, dim] and lse float32 [batch, heads, L] (natural
 log). A row without any visible key has lse at finfo(float32).min (up to a log of the key count), so that a
 log-sum-exp merge gives it weight 0 and never a NaN, and a finite output; a kernel whose own convention differs is
-converted in its wrapper (tested on the CPU against its double in `doubles`). `causal` is top-left aligned (query
+converted in its wrapper (tested on the CPU against its stand-in in `cpu_standins`). `causal` is top-left aligned (query
 slot r sees key slots <= r); the fast path only asks for it with L == S.
 
-Backends (`focus_hf.set_routing(model, "hard", backend=...)`):
+Backends (`focus_hf.set_routing(model, "hard", backend=...)`; `paths` lists what each can run):
   - "reference": the dense masked oracle of `reference.py`, in chunks of queries (no kernel here);
-  - "sdpa": torch's own kernels - on CPU the flash kernel and the C kernels of `native`; on CUDA the stock-kernel
-    path of `stock` (varlen flash attention + FlexAttention) for prefills, the memory-efficient kernel for the
-    masked and decoding calls;
-  - "flash": as "sdpa", with flash-attn's kernels where it is installed (CUDA only);
-  - "stock": the CUDA path of `stock` wherever the model is - on CPU its twin (the kernels' doubles: exact, slow),
-    which shows on any machine what the GPU path computes;
-  - "auto": "flash" where it applies, else "sdpa", and below `crossover.dense_below(...)` keys (measured once
-    per machine and shape) the exact pattern is run as one dense masked call, which is faster than the sparse path on
-    short sequences (on CPU in float32 and bfloat16 the C kernel of `native` evaluates the pattern as it goes; elsewhere
-    the kernel reads the pattern as a bias, slower than unmasked dense attention).
-On CUDA no fast path runs before `verify` has shown it exact on that device and dtype.
+  - "sdpa": on CPU the CPU path (`cpu.cpu_path`: torch's flash kernel and the C kernels of `native`); on CUDA the
+    GPU path (`gpu.gpu_path`: variable-length flash attention and FlexAttention);
+  - "flash": as "sdpa", with flash-attn's variable-length kernel where it is installed (CUDA only);
+  - "gpu-path": the GPU path wherever the model is - on CPU through the CPU stand-ins of its CUDA kernels
+    (`gpu.cpu_standins`: exact, slow), which shows on any machine what the GPU path computes ("stock", its former
+    name, is still accepted, with a DeprecationWarning);
+  - "auto": the default. On CPU the pattern as one dense masked call below `crossover.dense_below(...)` keys
+    (measured once per machine and shape), the CPU path above it, in the C kernels or in torch operations, whichever
+    was measured faster; on CUDA the base model's attention (torch's flash SDPA) for queries with fewer keys than the
+    measured crossover, the GPU path (flash-attn's varlen where installed) for the others.
+On CUDA no path that needs verifying runs before `verify` has shown it exact on that device and dtype.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.cpu.native import prefill_attention
-from focus_hf.errors import BackendUnavailableError
+from focus_hf.errors import BackendUnavailableError, FocusConfigError
 
 FLASH_INSTALL_HINT = "pip install flash-attn"
+# Hard-mode backends, each described above; soft mode is always dense.
+BACKENDS = ("auto", "reference", "sdpa", "flash", "gpu-path")
+# Former names, still accepted with a DeprecationWarning.
+RENAMED_BACKENDS = {"stock": "gpu-path"}
 # The C kernel's causal calls against torch's, 9 x 64 heads on 3 kv heads (2-core AMD EPYC, alternating): 1.51x /
 # 1.50x / 1.31x / 1.30x / 1.06x / 0.97x at 256 / 1K / 2K / 4K / 8K / 16K keys - its key blocks stream from beyond
 # the core's cache on long calls, and it packs a copy of every key it is given.
@@ -104,8 +109,8 @@ def cuda_sdpa_kernel(
     log-sum-exp 0.0 - a real weight in a log-sum-exp merge - and its log-sum-exp comes padded to 32 queries; it
     refused ("no kernel found") inputs it could not align. So the inputs go contiguous with the head dim padded to a
     multiple of 8 (zeros change no score), and rows without a visible key get the convention of `Kernel`: output 0,
-    log-sum-exp finfo(float32).min. `efficient`: the kernel to call (tests pass its CPU double,
-    `doubles.efficient_attention_double`)."""
+    log-sum-exp finfo(float32).min. `efficient`: the kernel to call (tests pass its CPU stand-in,
+    `cpu_standins.efficient_attention_standin`)."""
     efficient = efficient or torch.ops.aten._scaled_dot_product_efficient_attention
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:  # this kernel has no GQA; causal calls rule out folding query heads into the sequence
@@ -144,33 +149,32 @@ def flash_attn_function() -> Optional[Callable]:
     return flash_attn_callable("flash_attn_func")
 
 
-def flash_kernel(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    causal: bool,
-    bias: Optional[torch.Tensor],
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash-attn for unmasked half-precision calls; it takes no bias, so masked calls go to `cuda_sdpa_kernel`."""
-    function = flash_attn_function()
-    if function is None or bias is not None or query.dtype not in (torch.float16, torch.bfloat16):
-        return cuda_sdpa_kernel(query, key, value, causal=causal, bias=bias, scale=scale)
-    result = function(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        softmax_scale=scale,
-        causal=causal,
-        return_attn_probs=True,
-    )
-    # flash-attn 2 returns (out, lse, probs), flash-attn 3 (out, lse); out is [batch, L, heads, dim].
-    return result[0].transpose(1, 2), result[1].float()
+def canonical_backend(backend: Optional[str], warn: bool = True, stacklevel: int = 2) -> str:
+    """The backend `backend` names (None: "auto"); "stock", the former name of "gpu-path", with a DeprecationWarning.
+
+    Raises:
+        FocusConfigError: an unknown backend.
+    """
+    if backend is None:
+        return "auto"
+    if backend in RENAMED_BACKENDS:
+        current = RENAMED_BACKENDS[backend]
+        if warn:
+            warnings.warn(
+                f"backend={backend!r} is now called {current!r}; the old name will be removed in a later release.",
+                DeprecationWarning,
+                stacklevel=stacklevel + 1,
+            )
+        return current
+    if backend not in BACKENDS:
+        raise FocusConfigError(f"Unknown attention backend {backend!r}; expected one of {BACKENDS}.")
+    return backend
 
 
 def check_backend(backend: str, device: torch.device) -> None:
-    """Raise `BackendUnavailableError` if `backend` cannot run on `device`."""
+    """Raise `BackendUnavailableError` if `backend` cannot run on `device` (and `FocusConfigError` for an unknown
+    backend)."""
+    backend = canonical_backend(backend, stacklevel=3)  # the warning names the caller's caller: set_routing's
     if backend != "flash":
         return
     missing = [
@@ -185,15 +189,9 @@ def check_backend(backend: str, device: torch.device) -> None:
         )
 
 
-def select_kernel(backend: str, device: torch.device) -> Kernel:
-    """The kernel of `backend` ("sdpa", "flash" or "auto") on `device`."""
-    check_backend(backend, device)
-    if device.type == "cpu":
-        return cpu_kernel
-    if device.type != "cuda":
+def check_device(device: torch.device) -> None:
+    """Raise `BackendUnavailableError` where the fast paths cannot run: on devices other than CPU and CUDA."""
+    if device.type not in ("cpu", "cuda"):
         raise BackendUnavailableError(
             f"Fast Focus attention runs on CPU and CUDA, not {device.type}; use backend='reference'."
         )
-    if backend == "flash" or (backend == "auto" and flash_attn_function() is not None):
-        return flash_kernel
-    return cuda_sdpa_kernel

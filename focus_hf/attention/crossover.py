@@ -1,39 +1,47 @@
-"""Where "auto" switches from one dense masked call to the sparse path: measured once per machine and shape.
+"""Where "auto" switches from the short-call side to the sparse path: measured once per machine and shape.
+
+The two sides are entries of the table of paths (`paths.measured_paths`). On the CPU the short-call side ("dense") is
+the pattern as one dense masked call, the long-call side the CPU path ("sparse"; "sparse-torch" in torch operations).
+On CUDA the short-call side is the base model's own attention (torch's flash SDPA, `paths.run_base`) - the GPU's one
+dense masked call, FlexAttention over every causal block, ran far slower than flash SDPA - and the long-call side the
+GPU path: there the crossover is a `dense_below` measured for the device, below which a query attends as the base
+model (`hard`). The GPU's measurement runs 1K to 256K keys (GPU_LENGTHS) within GPU_BUDGET_S of timed calls (the first
+call of each length, which compiles FlexAttention, is not counted); where the GPU path never wins twice in a row there,
+or the measurement cannot run, "auto" keeps the base attention at every length (NEVER): never a slower path.
 
 The crossover (key count below which the dense masked call is faster) depends on the processor, the build of the C
-kernels and the level of torch's own (`Shape`), the thread count, the dtype, the head shape, top_k, K, the window
-and which sparse path runs (`kind`): "shared" (queries probe their own key group first), "probe" (a separate query
-router with top_k = 1), "separate" (a separate query router with top_k > 1) - all three run set A through
+kernels and the level of torch's own (`Shape`), the thread count, the dtype, the head shape, top_k, K, the window and
+which sparse path runs (`kind`): "shared" (queries probe their own key group first), "probe" (a separate query router
+with top_k = 1), "separate" (a separate query router with top_k > 1) - all three run the own-group pass through
 `partials.probe_part`, but their group balance differs - or "decode" (a few queries against a longer cache,
-`fast.decode_attention`). On first use of a shape, `dense_below` times both paths at lengths
-256, 512, ... through the very function that dispatches the call (`hard.hard_attention`, told which path to take), on
-random inputs laid out as a model hands them over and with the per-step work of a decoding step (the update of the
-layer's copy of the distant keys) - so that what is measured is what then runs - until the sparse path wins twice in a
-row by at least WIN_MARGIN (a few seconds at most; never beyond MAX_LENGTH) and stores the first of those two lengths
-in `<cache>/crossover.json` (`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else `~/.cache/focus_hf`), where every
-later process finds it. On the CPU the sparse path is timed both in the C kernels and in torch operations, and the
-faster runs at each length; a prefill far longer than any length timed so (a calibration call there would take
-seconds) runs once on both, timed as it runs (`race_sparse_paths`), and its row joins the entry. A CPU measurement
-taken while other processes kept more than OTHER_CORES_MAX cores busy (from /proc/stat) is used by this process only
-and not stored: under load the many small calls of the sparse path slow down more than the one dense call (a decode
-crossover measured so came out at 16K keys instead of 2K), and a stored value would stay wrong.
+`cpu_path.decode_attention`). On first use of a shape, `dense_below` times both sides at lengths 256, 512, ...
+(`crossover_measurement`) through the very function that dispatches the call (`hard.hard_attention`, told which entry of
+the table of paths to run), on random inputs laid out as a model hands them over and with the per-step work of a
+decoding step (the update of the layer's copy of the distant keys) - so that what is measured is what then runs - until
+the sparse path wins twice in a row by at least WIN_MARGIN (a few seconds at most; never beyond MAX_LENGTH) and stores
+the first of those two lengths in `<cache>/crossover.json` (`aliases.default_cache_dir`: `$FOCUS_HF_CACHE`, else
+`~/.cache/focus_hf`), where every later process finds it. On the CPU the sparse path is timed both in the C kernels and
+in torch operations, and the faster runs at each length; a prefill far longer than any length timed so (a calibration
+call there would take seconds) runs once on both, timed as it runs (`race_sparse_paths`), and its row joins the entry. A
+CPU measurement taken while other processes kept more than OTHER_CORES_MAX cores busy (from /proc/stat) is used by this
+process only and not stored: under load the many small calls of the sparse path slow down more than the one dense call
+(a decode crossover measured so came out at 16K keys instead of 2K), and a stored value would stay wrong.
 
 Environment:
   FOCUS_HF_CROSSOVER=<tokens>   use this crossover for every shape (no measurement);
   FOCUS_HF_CROSSOVER=measure    (or unset) measure on first use, then read the cache;
   FOCUS_HF_NO_CALIBRATION=1     never measure and ignore the cache: the conservative DEFAULT_DENSE_BELOW table
-                                (the test suite sets this, so that no result depends on timings).
+                                (the test suite sets this, so that no result depends on timings); on CUDA, the
+                                base attention at every length.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import json
 import math
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +53,14 @@ import torch
 
 from focus_hf.aliases import default_cache_dir
 from focus_hf.attention.cpu.native import cpuinfo_field, kernels_identity, torch_kernels
+from focus_hf.attention.crossover_measurement import (
+    NEVER,
+    SIDE_TIMES,
+    SPARSE_SIDES,
+    measure,
+)
+from focus_hf.attention.gpu.kernels import gpu_kernels
+from focus_hf.attention.paths import path_platform
 
 CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
@@ -56,36 +72,27 @@ CACHE_FILE = "crossover.json"
 # CPU decoding step runs in the C kernel of `native`; 15: its long calls run on torch's OpenMP threads; 16: at top_k
 # = 1 every segment's chunks read the sinks, no separate sink pass; 17: float32 CPU calls run the C prefill kernel
 # - the dense masked call with the pattern read from group bits, causal squares, staircases and the local part;
-# 18: set A runs in one call of the C kernel, blocks of 128 keys; 19: its group sort is a counting sort in C, the
-# sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen; 21: both
-# sides are timed through `hard.hard_attention`, the function that dispatches them, CUDA decoding steps in runs of
+# 18: the own-group pass runs in one call of the C kernel, blocks of 128 keys; 19: its group sort is a counting sort in
+# C, the sink pairs run in the kernel; 20: on CUDA both sides run the stock-kernel path, FlexAttention and varlen; 21:
+# both sides are timed through `hard.hard_attention`, the function that dispatches them, CUDA decoding steps in runs of
 # FILE_EVERY); 22: on CPU the sparse path is also timed on torch operations (`native.torch_path`), and the faster of
 # the two runs at each length; 24: rows keep each sparse path's time apart from the faster one's, "sparse_s"; 25: the
 # shape names the level of torch's own CPU kernels, which run the dense side).
 CACHE_VERSION = 25
-LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
-# The dense masked call builds an n x n bias, so it is never chosen above this many keys, measured or not.
-MAX_LENGTH = LENGTHS[-1]
-# Stop measuring (and keep the dense call up to the last length measured) once a calibration has taken this long.
-BUDGET_S = 8.0
-SINKS = 4
-# The sparse path must be at least this much faster (dense / sparse time) to count as a win. Near the crossover the
-# two are within the timing noise of a busy machine, and a wrong call costs more on the sparse side: a decode
-# crossover measured at 1,024 keys with best-of timings (sparse 1.27x) ran 0.6-0.8x against dense in the benchmark.
-WIN_MARGIN = 1.1
 # Cores that other processes may keep busy, on average, while a CPU crossover is measured for it to be stored; the
 # load is averaged over at least WATCH_MIN_S (a short measurement waits out the rest, so that the reading is not
 # just the kernel's 10 ms accounting ticks).
 OTHER_CORES_MAX = 0.3
 WATCH_MIN_S = 0.5
 
-# Without a measurement: key counts below which "auto" runs the dense masked call, per device type and top_k (other
-# top_k: PER_PROBE * top_k). Conservative: on the 2-core CPUs measured so far the sparse path won at top_k = 1
-# somewhere between 512 and 1,024 keys, at top_k = 2 near 2,048, at 3 near 3,000, at 4 near 4,000. CUDA: a guess.
-DEFAULT_DENSE_BELOW = {"cpu": {1: 1024, 2: 2048}, "cuda": {}}
-PER_PROBE = {"cpu": 1024, "cuda": 4096}
-
+# Without a measurement: key counts below which "auto" runs the dense masked call on the CPU, per top_k (other top_k:
+# PER_PROBE * top_k). Conservative: on the 2-core CPUs measured so far the sparse path won at top_k = 1 somewhere
+# between 512 and 1,024 keys, at top_k = 2 near 2,048, at 3 near 3,000, at 4 near 4,000. On the GPU path: NEVER.
+DEFAULT_DENSE_BELOW = {1: 1024, 2: 2048}
+PER_PROBE = 1024
 KINDS = ("shared", "probe", "separate", "decode")
+# What `auto_path` answers for a call to run on every sparse side, timed (`race_sparse_paths`).
+RACE = "race"
 
 
 @dataclass(frozen=True)
@@ -93,8 +100,8 @@ class Shape:
     """What a crossover is measured for."""
 
     device: str  # device type: "cpu", "cuda"
-    processor: str
-    kernels: str  # on the CPU, the C kernels' build (`native.kernels_identity`); "" elsewhere
+    processor: str  # the CPU's model name, or the GPU's name on the GPU path
+    kernels: str  # the C kernels' build (`native.kernels_identity`), or the GPU path's kernels (`kernels.GpuKernels`)
     threads: int
     torch: str
     torch_kernels: str  # on the CPU, the level of torch's own kernels and its limits (`torch_kernels_level`)
@@ -124,15 +131,21 @@ def cpu_name() -> str:
     return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
+def on_gpu_path(device: torch.device) -> bool:
+    """Whether "auto" runs calls on `device` on the GPU path (`paths.path_platform`)."""
+    return path_platform(device, "auto") == "gpu"
+
+
 def make_shape(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> Shape:
     """The shape of a call with query [batch, heads, q, dim] and key [batch, kv_heads, kv, dim]."""
+    cpu = not on_gpu_path(query.device)
     return Shape(
         device=query.device.type,
         processor=processor_name(query.device),
-        kernels=kernels_identity() if query.device.type == "cpu" else "",
-        threads=torch.get_num_threads() if query.device.type == "cpu" else 0,
+        kernels=kernels_identity() if cpu else gpu_kernels(query.device).name,
+        threads=torch.get_num_threads() if cpu else 0,
         torch=torch.__version__,
-        torch_kernels=torch_kernels_level() if query.device.type == "cpu" else "",
+        torch_kernels=torch_kernels_level() if cpu else "",
         dtype=str(query.dtype).removeprefix("torch."),
         heads=query.shape[1],
         kv_heads=key.shape[1],
@@ -152,8 +165,9 @@ def torch_kernels_level() -> str:
     return " ".join([record["capability"], *(f"{name}={value}" for name, value in sorted(record["limits"].items()))])
 
 
-def default_dense_below(device_type: str, top_k: int) -> int:
-    return DEFAULT_DENSE_BELOW.get(device_type, {}).get(top_k, PER_PROBE.get(device_type, 0) * top_k)
+def default_dense_below(device: torch.device, top_k: int) -> int:
+    """The crossover "auto" uses without a measurement: a conservative table on the CPU, NEVER on the GPU path."""
+    return NEVER if on_gpu_path(device) else DEFAULT_DENSE_BELOW.get(top_k, PER_PROBE * top_k)
 
 
 def cache_path() -> Path:
@@ -186,203 +200,6 @@ def write_entry(shape: Shape, entry: dict, path: Optional[Path] = None) -> None:
         os.replace(temporary, path)
     except OSError as error:
         print(f"focus_hf: could not write the crossover cache {path}: {error}", file=sys.stderr)
-
-
-def find_crossover(
-    time_at: Callable[[int], tuple[float, float]],
-    lengths: tuple[int, ...] = LENGTHS,
-    budget_s: float = BUDGET_S,
-    clock: Callable[[], float] = time.perf_counter,
-) -> tuple[int, list[dict]]:
-    """The first of two consecutive lengths at which the sparse path beats the dense call by WIN_MARGIN, and the
-    timings.
-
-    `time_at(n)` returns (dense seconds, sparse seconds) at n keys. If the sparse path never wins twice in a row
-    within the lengths (or the budget runs out), the crossover is the length after the last one measured, capped at
-    MAX_LENGTH: the dense call stays where it was seen to win.
-    """
-    rows: list[dict] = []
-    start = clock()
-    for index, length in enumerate(lengths):
-        dense_s, sparse_s = time_at(length)
-        rows.append({"length": length, "dense_s": dense_s, "sparse_s": sparse_s})
-        if len(rows) >= 2 and all(row["sparse_s"] * WIN_MARGIN <= row["dense_s"] for row in rows[-2:]):
-            return rows[-2]["length"], rows
-        if clock() - start > budget_s:
-            following = lengths[index + 1] if index + 1 < len(lengths) else length
-            return min(following, MAX_LENGTH), rows
-    return min(lengths[-1], MAX_LENGTH), rows
-
-
-def random_inputs(shape: Shape, length: int, queries: int, device: torch.device, generator: torch.Generator) -> dict:
-    """Random q/k/v and routing of the shape's kind over `length` tokens, with queries for the last `queries` of them,
-    laid out as a model hands them to the attention function: a prefill's q/k/v token-major (projections viewed
-    [batch, heads, tokens, dim]), a decoding step's keys and values head-major (a KV cache), its query one token."""
-    dtype = getattr(torch, shape.dtype)
-    decode = shape.kind == "decode"
-
-    def states(heads: int, n: int) -> torch.Tensor:
-        tokens = torch.randn(1, n, heads, shape.head_dim, generator=generator).to(device, dtype)
-        return tokens.transpose(1, 2).contiguous() if decode else tokens.transpose(1, 2)
-
-    scores = torch.rand(1, length, shape.num_groups, generator=generator)
-    key_groups = scores.argmax(dim=-1)
-    if shape.kind in ("probe", "separate"):  # queries probe groups of their own, independent of the key's group
-        scores = torch.rand(1, length, shape.num_groups, generator=generator)
-    query_groups = scores.argsort(dim=-1, descending=True)[..., : shape.top_k]  # else: own group first
-    return {
-        "query": states(shape.heads, queries),
-        "key": states(shape.kv_heads, length),
-        "value": states(shape.kv_heads, length),
-        "query_groups": query_groups[:, length - queries :].to(device),
-        "key_groups": key_groups.to(device),
-        "key_sink": (torch.arange(length) < SINKS)[None].to(device),
-    }
-
-
-# The paths `call` takes when told (`hard.hard_attention`'s `path`): the pattern as one dense masked call, the sparse
-# path of the call's kind, and on the CPU that sparse path in torch operations alone (`native.torch_path`: a
-# processor the C kernels are slow on - an unknown one, a build for an older target - then costs nothing).
-PATHS = ("dense", "sparse", "sparse-torch")
-SPARSE_PATHS = ("sparse", "sparse-torch")
-# A row's own time of each sparse path, where both are timed (its "sparse_s" is the faster of them).
-PATH_TIMES = {"sparse": "kernels_s", "sparse-torch": "torch_s"}
-# What `auto_path` answers for a call to run on every sparse path, timed (`race_sparse_paths`).
-RACE = "race"
-# A timing: (untimed preparation, the timed calls, how many steps they make).
-Timing = tuple[Callable[[], object], Callable[[], object], int]
-
-
-def dispatched_calls(
-    shape: Shape, length: int, device: torch.device, generator: torch.Generator, call: Callable[..., torch.Tensor]
-) -> dict[str, Timing]:
-    """What `auto` runs at `length` keys for `shape`, on each path: `call` (the function that dispatches a model's
-    calls, `hard.hard_attention`) with the arguments a model gives it - own_group as the routing knows it; a
-    decoding step with the layer's copy of the distant keys, which each step brings up to date (on the CPU the
-    group-sorted copy, one key appended per step as in generate(); on CUDA the paged copy, timed over FILE_EVERY
-    consecutive steps, so that its ring writes and its one filing count)."""
-    from focus_hf.attention.cpu.grouped_keys import one_step_behind
-    from focus_hf.attention.cpu.native import native_kernels
-    from focus_hf.attention.gpu.paged_keys import FILE_EVERY, PagedKeys
-
-    decode = shape.kind == "decode"
-    steps = FILE_EVERY if decode and device.type == "cuda" else 1
-    inputs = random_inputs(shape, length + steps - 1, 1 if decode else length, device, generator)
-    query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    query_groups, key_groups, key_sink = inputs["query_groups"], inputs["key_groups"], inputs["key_sink"]
-    routing = {
-        "num_groups": shape.num_groups,
-        "window": shape.window,
-        "scaling": shape.head_dim**-0.5,
-        "backend": "auto",
-        "own_group": shape.kind in ("shared", "decode"),  # `random_inputs`: queries probe their own group first
-    }
-
-    def nothing() -> None:
-        return None
-
-    paths = PATHS if device.type == "cpu" and native_kernels() is not None else PATHS[:2]
-    if not decode:
-        routing.update(query_groups=query_groups, key_groups=key_groups, key_sink=key_sink)
-        return {
-            path: (nothing, functools.partial(call, query, key, value, None, **routing, path=path), 1) for path in paths
-        }
-    if device.type != "cuda":
-        grouped, rewind = one_step_behind(key, value, key_groups, key_sink, shape.num_groups, shape.window)
-        routing.update(query_groups=query_groups, key_groups=key_groups, key_sink=key_sink, grouped=[grouped])
-        return {
-            path: (rewind, functools.partial(call, query, key, value, None, **routing, path=path), 1) for path in paths
-        }
-    paged = PagedKeys(shape.num_groups, shape.window)
-
-    def step(n: int, path: str) -> torch.Tensor:
-        """The step whose newest key is n - 1 (the same query each step: the keys are what changes)."""
-        return call(
-            query,
-            key[:, :, :n],
-            value[:, :, :n],
-            None,
-            query_groups=query_groups,
-            key_groups=key_groups[:, :n],
-            key_sink=key_sink[:, :n],
-            paged=paged,
-            path=path,
-            **routing,
-        )
-
-    def rebuilt() -> None:  # the copy as generate() leaves it before the first timed step
-        paged.invalidate()
-        step(length - 1, "sparse")
-
-    def run(path: str) -> None:
-        for n in range(length, length + steps):
-            step(n, path)
-
-    return {
-        "dense": (nothing, functools.partial(run, "dense"), steps),
-        "sparse": (rebuilt, functools.partial(run, "sparse"), steps),
-    }
-
-
-def measure(
-    shape: Shape,
-    device: torch.device,
-    call: Callable[..., torch.Tensor],
-    lengths: Optional[tuple[int, ...]] = None,
-) -> tuple[int, list[dict]]:
-    """Time `call` - the function that dispatches "auto"'s calls, `hard.hard_attention` - on its dense masked path
-    against its sparse path (`dispatched_calls`) at each of `lengths` (default LENGTHS); see `find_crossover`. Where
-    the sparse path runs both in the C kernels and in torch operations (CPU), the faster of the two is the sparse time
-    at each length, and each row names it ("sparse_path", with both times)."""
-
-    def timed(function: Callable[[], object]) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        function()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    generator = torch.Generator().manual_seed(0)
-
-    def time_at(length: int, sparse_only: bool = False) -> tuple[Optional[float], float]:
-        calls = dispatched_calls(shape, length, device, generator, call)
-        if sparse_only:
-            calls = {path: timing for path, timing in calls.items() if path != "dense"}
-        # CPU decoding steps take a fraction of a millisecond: many repetitions; prefills (and runs of CUDA decoding
-        # steps): the median of three (one timing at 4K and beyond once put a crossover where the sparse path then
-        # ran 0.68x of dense), within BUDGET_S.
-        repeats = 31 if shape.kind == "decode" and device.type != "cuda" else 3
-        for prepare, run, _ in calls.values():  # warm-up
-            prepare()
-            run()
-        times: dict[str, list[float]] = {path: [] for path in calls}
-        for _ in range(repeats):  # alternating, so that all see the same machine
-            for path, (prepare, run, steps) in calls.items():
-                prepare()
-                times[path].append(timed(run) / steps)
-        # Medians: a best-of favours the path of many small calls, whose typical time varies the most.
-        medians = {path: statistics.median(values) for path, values in times.items()}
-        sparse = {path: medians[path] for path in SPARSE_PATHS if path in medians}
-        fastest = min(sparse, key=sparse.__getitem__)
-        sparse_rows[length] = {"sparse_path": fastest, **{PATH_TIMES[path]: value for path, value in sparse.items()}}
-        return medians.get("dense"), sparse[fastest]
-
-    sparse_rows: dict[int, dict] = {}
-    lengths = LENGTHS if lengths is None else lengths
-    started = time.perf_counter()
-    with torch.inference_mode():
-        crossover, rows = find_crossover(time_at, lengths)
-        # Which sparse path is the faster can change with the length (the C kernels' key blocks stream from beyond
-        # the core's cache on long calls): the two are timed on at the longer lengths, within the budget.
-        if any(PATH_TIMES["sparse-torch"] in row for row in sparse_rows.values()):
-            for length in lengths[len(rows) :]:
-                if time.perf_counter() - started > 2 * BUDGET_S:
-                    break
-                _, sparse_s = time_at(length, sparse_only=True)
-                rows.append({"length": length, "dense_s": None, "sparse_s": sparse_s})
-    return crossover, [dict(row, **sparse_rows.get(row["length"], {})) for row in rows]
 
 
 def sparse_path_at(entry: dict, length: int) -> str:
@@ -421,13 +238,13 @@ def race_due(entry: dict, length: int) -> bool:
     """Whether a prefill of `length` keys should time both sparse paths as it runs: the entry timed both somewhere
     (in practice up to MAX_LENGTH) but nowhere within RACE_FACTOR of `length`, and at the nearest of those lengths
     the two were within RACE_WITHIN of each other."""
-    raced = [row for row in entry.get("timings", []) if all(name in row for name in PATH_TIMES.values())]
+    raced = [row for row in entry.get("timings", []) if all(name in row for name in SIDE_TIMES.values())]
     if not raced:
         return False
     nearest = min(raced, key=lambda row: abs(math.log(row["length"] / length)))
     if nearest["length"] * RACE_FACTOR >= length and length * RACE_FACTOR >= nearest["length"]:
         return False
-    times = [nearest[name] for name in PATH_TIMES.values()]
+    times = [nearest[name] for name in SIDE_TIMES.values()]
     return max(times) < RACE_WITHIN * min(times)
 
 
@@ -442,7 +259,7 @@ _known: dict[tuple, dict] = {}
 
 def _call_key(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> tuple:
     """What decides a call's `Shape` within this process (the processor and versions are fixed in it)."""
-    cpu = query.device.type == "cpu"
+    cpu = not on_gpu_path(query.device)
     threads, kernels = (torch.get_num_threads(), kernels_identity()) if cpu else (0, "")
     heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
     return (query.device, query.dtype, kernels, threads, heads, kv_heads, head_dim, top_k, num_groups, window, kind)
@@ -499,7 +316,7 @@ def calibrate(shape: Shape, device: torch.device, call: Callable[..., torch.Tens
     """Measure `shape` now with `call` (`measure`), store the result in the cache file (unless other processes loaded
     the CPU meanwhile) and in this process; returns the cache entry."""
     meter = None
-    if device.type == "cpu":
+    if not on_gpu_path(device):
         from focus_hf.attention.cpu.native import native_kernels
 
         native_kernels()  # built first: a first build's compiler processes would read as other processes' load
@@ -527,11 +344,11 @@ def calibrate(shape: Shape, device: torch.device, call: Callable[..., torch.Tens
 def _signature(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> tuple:
     """The key of a call's entry in `_known`: its shape in this process (`_call_key`) and the settings in the
     environment, which a process may change between calls (tests do)."""
-    return (
-        os.environ.get(CROSSOVER_ENV),
-        os.environ.get(NO_CALIBRATION_ENV),
-        *_call_key(query, key, top_k, num_groups, window, kind),
-    )
+    return (*_environment(), *_call_key(query, key, top_k, num_groups, window, kind))
+
+
+def _environment() -> tuple[Optional[str], Optional[str]]:
+    return os.environ.get(CROSSOVER_ENV), os.environ.get(NO_CALIBRATION_ENV)
 
 
 def crossover_entry(
@@ -547,7 +364,11 @@ def crossover_entry(
     some; measured now on `call` (the function that dispatches the call, `hard.hard_attention`, which passes itself:
     so the measurement times what runs) where it is not known yet."""
     if torch.compiler.is_compiling():
-        return {"dense_below": default_dense_below(query.device.type, top_k)}
+        if on_gpu_path(query.device):  # the base attention or the GPU path: as the eager calls before decided
+            heads = (query.shape[1], key.shape[1], query.shape[3])
+            known = _gpu_dense_below_known(str(query.device), str(query.dtype), heads, top_k, num_groups, window, kind)
+            return {"dense_below": known}
+        return {"dense_below": default_dense_below(query.device, top_k)}
     signature = _signature(query, key, top_k, num_groups, window, kind)
     known = _known.get(signature)
     if known is not None:
@@ -557,7 +378,7 @@ def crossover_entry(
         entry = _known[signature] = {"dense_below": forced}
         return entry
     if calibration_disabled() or query.device.type not in ("cpu", "cuda"):
-        entry = _known[signature] = {"dense_below": default_dense_below(query.device.type, top_k)}
+        entry = _known[signature] = {"dense_below": default_dense_below(query.device, top_k)}
         return entry
     shape = make_shape(query, key, top_k, num_groups, window, kind)
     entry = read_cache().get(shape.key)
@@ -566,10 +387,27 @@ def crossover_entry(
             entry = calibrate(shape, query.device, call)
         except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
             print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
-            entry = {"dense_below": default_dense_below(query.device.type, top_k)}
+            entry = {"dense_below": default_dense_below(query.device, top_k)}
     entry = {**entry, _SPARSE_PATHS: _sparse_paths(entry)}  # a copy: the cache file keeps its own form
     _known[signature] = entry
     return entry
+
+
+@torch.compiler.assume_constant_result
+def _gpu_dense_below_known(
+    device: str, dtype: str, heads: tuple[int, int, int], top_k: int, num_groups: int, window: int, kind: str
+) -> int:
+    """The crossover this process holds for a GPU-path call of this shape, read as a constant while torch.compile
+    traces a graph (`crossover_entry`): the forced one, else the one the eager calls measured or read, else NEVER (the
+    base attention; a compiled model whose first call was compiled stays there). Every argument a plain value."""
+    forced = forced_crossover()
+    if forced is not None:
+        return forced
+    for signature, entry in list(_known.items()):
+        found = (str(signature[2]), str(signature[3]), signature[6:9], *signature[9:])
+        if found == (device, dtype, heads, top_k, num_groups, window, kind) and signature[:2] == _environment():
+            return entry["dense_below"]
+    return NEVER
 
 
 def dense_below(
@@ -581,8 +419,9 @@ def dense_below(
     kind: str,
     call: Callable[..., torch.Tensor],
 ) -> int:
-    """Key count below which "auto" runs the pattern as one dense masked call rather than the sparse path `kind`;
-    where it is not known yet, measured on `call` (`crossover_entry`)."""
+    """Key count below which "auto" runs the short-call side rather than the sparse path `kind` - on the CPU the
+    pattern as one dense masked call, on the GPU path the base model's attention (per query: `hard`); where it is not
+    known yet, measured on `call` (`crossover_entry`)."""
     return crossover_entry(query, key, top_k, num_groups, window, kind, call)["dense_below"]
 
 
@@ -639,7 +478,7 @@ def race_sparse_paths(
     there and other processes left the CPU alone meanwhile (as `calibrate`)."""
     meter = other_cores_meter() if query.device.type == "cpu" else None
     times: dict[str, float] = {}
-    for path in SPARSE_PATHS[::-1]:  # the C kernels' last: theirs is the output returned
+    for path in SPARSE_SIDES[::-1]:  # the C kernels' last: theirs is the output returned
         output = None  # the previous path's, dropped before this one runs
         started = time.perf_counter()
         output = run(path)
@@ -650,7 +489,7 @@ def race_sparse_paths(
         "dense_s": None,
         "sparse_s": times[fastest],
         "sparse_path": fastest,
-        **{PATH_TIMES[path]: seconds for path, seconds in times.items()},
+        **{SIDE_TIMES[path]: seconds for path, seconds in times.items()},
         "timed_on": "a call",
     }
     signature = _signature(query, key, top_k, num_groups, window, kind)

@@ -22,14 +22,13 @@ from focus_hf.attention.cpu.grouped_keys import GroupedKeys
 from focus_hf.attention.cpu.native import attend_runs, prefill_attention
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.hard import hard_attention
-from focus_hf.attention.pattern import causal_positions, pair_distance
+from focus_hf.attention.paths import path_platform
+from focus_hf.attention.pattern import FocusPattern, causal_positions, pair_distance
 from focus_hf.attention.reference import ChunkBias, causal_bias, chunked_attention, hard_bias, soft_bias
 from focus_hf.attention.routing import RoutingState, TokenRouting, waiting_keys
 from focus_hf.errors import FocusRuntimeError
 
 ATTENTION_NAME = "focus"
-# Hard-mode implementations; see `backends` for what each runs. Soft mode is always dense.
-BACKENDS = ("auto", "reference", "sdpa", "flash", "stock")
 
 
 def pattern_restricts(mode: str, kv_len: int, window: int, num_groups: int, top_k: int, dense_below: int) -> bool:
@@ -52,7 +51,7 @@ class LayerRouting:
     """Routing of one attention layer for one forward call, handed from `FocusLayer` to the attention function."""
 
     mode: str  # "soft" or "hard"
-    backend: str
+    backend: str  # hard mode's (`backends.BACKENDS`)
     window: int
     num_groups: int
     top_k: int
@@ -64,8 +63,9 @@ class LayerRouting:
     dense_below: int = 0  # hard mode: queries with fewer keys (themselves included) attend densely
     sink_tokens: Optional[int] = None  # the most sinks a sample has (None: not known, read from the flags)
     # Group-sorted copies of the distant keys of the layer's KV cache by run of kv heads (start, end), for one-query
-    # decoding steps: one per sample (`fast.grouped_decode`, CPU) or, under ("paged", start, end), one paged copy of
-    # the batch (`stock.paged_decode`, the GPU path); None where there is no cache to keep them with.
+    # decoding steps: one per sample (`cpu_path.grouped_decode`, the CPU path) or, under ("paged", start, end), one
+    # paged copy of the batch (`gpu_path.decode_from_paged_keys`, the GPU path); None where there is no cache to keep
+    # them with.
     grouped_keys: Optional[dict[tuple, Union[list[GroupedKeys], PagedKeys]]] = None
 
     def restricts(self, kv_len: int) -> bool:
@@ -97,6 +97,27 @@ class LayerRouting:
         for key, copy in (self.grouped_keys or {}).items():
             if key[0] == "paged":
                 copy.invalidate()
+
+    def pattern(
+        self,
+        key_groups: torch.Tensor,
+        key_sink: torch.Tensor,
+        model_mask: Optional[torch.Tensor],
+        mask_is_padding: Optional[bool],
+    ) -> FocusPattern:
+        """The hard pattern of this layer's call, whose keys have `key_groups` / `key_sink` (the routed tokens the
+        KV cache holds) under the model's boolean mask (`pattern.FocusPattern`)."""
+        return FocusPattern(
+            query_groups=self.queries.top_groups,
+            key_groups=key_groups,
+            key_sink=key_sink,
+            num_groups=self.num_groups,
+            window=self.window,
+            model_mask=model_mask,
+            mask_is_padding=mask_is_padding,
+            sink_tokens=self.sink_tokens,
+            own_group=self.queries.own_groups is None,
+        )
 
     def dense_queries(self, q_len: int) -> int:
         """How many of the call's first queries attend densely under `dense_below`: a query sees itself and every
@@ -373,34 +394,21 @@ def _routed_attention(module, routing, query, key, value, attention_mask, dropou
         heads = kv_heads or (0, key.shape[1])
         # Positions of the copies are the cache's slots: only while the cache holds every token since the first.
         step = q_len == 1 and start == 0
-        on_gpu_path = query.device.type == "cuda" or routing.backend == "stock"
+        on_gpu_path = path_platform(query.device, routing.backend) == "gpu"
         if not step:
             routing.invalidate_paged()
-        output = hard_attention(
-            query,
-            key,
-            value,
-            base_allowed,
-            query_groups=routing.queries.top_groups,
-            key_groups=key_groups,
-            key_sink=key_sink,
-            num_groups=routing.num_groups,
-            window=routing.window,
-            scaling=scaling,
-            backend=routing.backend,
-            sink_tokens=routing.sink_tokens,
-            # A mask that is more than causal + padding (sliding window, packed documents, any custom 4D mask)
-            # runs as one dense masked call that applies it in full.
-            mask_is_padding=kwargs.get("sliding_window") is None
-            and (
-                None  # not known: the GPU path reads the mask (checking it would break torch.compile's graph)
-                if on_gpu_path and torch.compiler.is_compiling() and base_allowed is not None and q_len > 1
-                else is_causal_padding_mask(base_allowed, q_len, kv_len)
-            ),
-            grouped=routing.grouped_for(heads, query.shape[0]) if step and not on_gpu_path else None,
-            paged=routing.paged_for(heads) if step and on_gpu_path else None,
-            own_group=routing.queries.own_groups is None,
+        # A mask that is more than causal + padding (sliding window, packed documents, any custom 4D mask) is applied
+        # in full: by one dense masked call on the CPU path, pair by pair on the GPU path.
+        mask_is_padding = kwargs.get("sliding_window") is None and (
+            None  # not known: the GPU path reads the mask (checking it would break torch.compile's graph)
+            if on_gpu_path and torch.compiler.is_compiling() and base_allowed is not None and q_len > 1
+            else is_causal_padding_mask(base_allowed, q_len, kv_len)
         )
+        key_copy = None
+        if step:
+            key_copy = routing.paged_for(heads) if on_gpu_path else routing.grouped_for(heads, query.shape[0])
+        pattern = routing.pattern(key_groups, key_sink, base_allowed, mask_is_padding)
+        output = hard_attention(query, key, value, pattern, scaling=scaling, backend=routing.backend, key_copy=key_copy)
         return output, None
     # The reference path: the pattern (or soft mode's gate) over dense scores, in chunks of queries.
     key_groups, key_sink = waiting_keys(key_groups, key_sink, kv_len)

@@ -14,9 +14,12 @@ goes to 0 for same-group pairs and to -inf for the others, i.e. to the hard top-
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+
+from focus_hf.attention.routing import waiting_keys
 
 # `pattern_bits` gives each group one bit of an int32, and bit 31 to tokens not routed yet (group -1).
 BITS_MAX_GROUPS = 31
@@ -57,8 +60,8 @@ def local_bits(
     sinks_done: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bits for the local part (`native.prefill_attention(local=True)`): query i and key j share a bit iff j's group
-    is among i's probed groups, or j is a sink and `sinks_done[i]` (its sink pairs were taken by set A) - exactly
-    the window pairs the local part leaves out. For at most LOCAL_BITS_MAX_GROUPS groups."""
+    is among i's probed groups, or j is a sink and `sinks_done[i]` (its sink pairs were taken by the own-group pass) -
+    exactly the window pairs the local part leaves out. For at most LOCAL_BITS_MAX_GROUPS groups."""
     query_bits, key_bits = probed_bits(query_groups), group_bits(key_groups)
     if key_sink is not None and sinks_done is not None:
         query_bits = query_bits | torch.where(sinks_done, SINK_BIT, 0)
@@ -194,6 +197,72 @@ def pattern_bias(
         future = torch.ones(q_len, kv_len, dtype=torch.bool, device=bias.device).triu_(first + 1)
         bias.masked_fill_(future, hidden)
     return bias
+
+
+@dataclass(frozen=True, eq=False)
+class FocusPattern:
+    """The hard pattern of one attention call: which (query, key) pairs may attend - the routing's decision as one
+    frozen object that the attention's paths read (the role FlexAttention's `BlockMask` plays there). A model's calls
+    get theirs from `function.LayerRouting.pattern`; the queries are the last `q` of the call's `kv` keys.
+
+    Attributes:
+        query_groups: [batch, q, top_k] the groups each query probes (a slot repeating the first is not probed).
+        key_groups: [batch, kv] each key's group (-1: not routed yet). May end before the last keys, whose decoding
+            steps wait in their state's list (`routing.note_step`): those are in no group yet and not sinks
+            (`keys_up_to`).
+        key_sink: [batch, kv] whether each key is an attention sink (visible to every later query).
+        num_groups: K.
+        window: the local window w: a key at most w positions before its query is always visible.
+        model_mask: the model's boolean mask [batch or 1, 1, q, kv] (True = may attend), or None (causal, no padding).
+        mask_is_padding: whether `model_mask` hides no more than future and padding keys; False for sliding-window
+            layers, packed documents or a custom mask (the paths then apply it in full); None: not known (under
+            torch.compile, where checking would break the graph).
+        sink_tokens: the most sinks a sample has (the adapter's `sink_tokens`); None: read from `key_sink` where
+            needed (one device read).
+        own_group: whether each query's first probe is its own key group (no separate query router), as the routing
+            knows; None: read from the groups where needed (a device sync).
+    """
+
+    query_groups: torch.Tensor
+    key_groups: torch.Tensor
+    key_sink: torch.Tensor
+    num_groups: int
+    window: int
+    model_mask: Optional[torch.Tensor] = None
+    mask_is_padding: Optional[bool] = True
+    sink_tokens: Optional[int] = None
+    own_group: Optional[bool] = None
+
+    @property
+    def top_k(self) -> int:
+        return self.query_groups.shape[-1]
+
+    @property
+    def general_mask(self) -> bool:
+        """Whether the model's mask may hide more than future and padding keys (or is not known to hide no more)."""
+        return self.model_mask is not None and self.mask_is_padding is not True
+
+    def keys_up_to(self, kv_len: int) -> "FocusPattern":
+        """The pattern over `kv_len` keys: keys past `key_groups` (decoding steps still waiting) in no group yet and
+        not sinks (`routing.waiting_keys`)."""
+        if self.key_groups.shape[1] >= kv_len:
+            return self
+        key_groups, key_sink = waiting_keys(self.key_groups, self.key_sink, kv_len)
+        return replace(self, key_groups=key_groups, key_sink=key_sink)
+
+    def later_queries(self, first: int) -> "FocusPattern":
+        """The pattern of the call's queries from the `first`-th on (the keys unchanged)."""
+        mask = None if self.model_mask is None else self.model_mask[..., first:, :]
+        return replace(self, query_groups=self.query_groups[:, first:], model_mask=mask)
+
+    def key_valid(self, batch: int) -> Optional[torch.Tensor]:
+        """Bool [batch, kv]: the real keys of a causal + padding mask (None: no mask). The last query follows every
+        key, so its row of the mask hides exactly the padding keys."""
+        return None if self.model_mask is None else self.model_mask[:, 0, -1, :].expand(batch, -1)
+
+    def probes_every_group(self) -> bool:
+        """Whether every query probes all K groups: the pattern is then plain causal attention."""
+        return probes_every_group(self.query_groups, self.num_groups)
 
 
 def soft_gate(

@@ -245,3 +245,20 @@ def _hide(
     if model_mask is not None:  # out of place: a mask per sample widens a bias shared by the batch
         bias = torch.where(model_mask[..., rows, :keys], bias, HIDDEN)
     return bias
+
+
+def reference_hard_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    model_mask: Optional[torch.Tensor],
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_sink: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> torch.Tensor:
+    """The pattern and the model's mask applied to dense attention in chunks of queries (`reference.chunked_attention`):
+    exact wherever it runs, memory growing with one chunk x kv. [batch, q, heads, dim]."""
+    bias = hard_bias(query_groups, key_groups, key_sink, window, model_mask)
+    return chunked_attention(query, key, value, bias, scaling=scaling)[0]

@@ -135,7 +135,7 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
     import torch
 
     from focus_hf.attention.hard import hard_attention
-    from focus_hf.attention.pattern import allowed_pairs
+    from focus_hf.attention.pattern import FocusPattern, allowed_pairs
     from focus_hf.attention.reference import dense_attention
 
     routing = case.routing[top_k]
@@ -150,17 +150,6 @@ def focus_call(args: argparse.Namespace, case: Case, top_k: int) -> Callable[[],
             allowed_pairs(routing.top_groups, key_groups, routing.sink, positions, positions, args.window)[:, None],
             scaling=scaling,
         )
-    return lambda: hard_attention(
-        case.query,
-        case.key,
-        case.value,
-        None,
-        query_groups=routing.top_groups,
-        key_groups=key_groups,
-        key_sink=routing.sink,
-        num_groups=args.groups,
-        window=args.window,
-        scaling=scaling,
-        backend=args.backend,
-        own_group=routing.own_groups is None,  # as a model's routing says it
-    )
+    groups = (routing.top_groups, key_groups, routing.sink, args.groups, args.window)
+    pattern = FocusPattern(*groups, own_group=routing.own_groups is None)  # own_group as a model's routing says it
+    return lambda: hard_attention(case.query, case.key, case.value, pattern, scaling=scaling, backend=args.backend)

@@ -76,11 +76,19 @@ def machine_fields(device: torch.device) -> dict:
     }
 
 
+def gpu_path_backend(args: argparse.Namespace, device: torch.device) -> bool:
+    """Whether the row's Focus calls run the GPU path: on CUDA, or `--backend gpu-path`."""
+    from focus_hf.attention.backends import canonical_backend
+    from focus_hf.attention.paths import path_platform
+
+    return path_platform(device, canonical_backend(args.backend, warn=False)) == "gpu"
+
+
 def gpu_path_fields(args: argparse.Namespace, device: torch.device) -> dict:
-    """On the GPU path (CUDA, or `--backend stock`), what ran the row's Focus calls (`hard.path_record`): verify's
+    """On the GPU path (CUDA, or `--backend gpu-path`), what ran the row's Focus calls (`hard.path_record`): verify's
     verdicts, the calls since the row's length began that fell back to the reference path - a row with any is not a
     Focus figure - and FlexAttention's compilations. Nothing elsewhere."""
-    if device.type != "cuda" and args.backend != "stock":
+    if not gpu_path_backend(args, device):
         return {}
     from focus_hf.attention.hard import path_record
 

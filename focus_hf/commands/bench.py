@@ -36,6 +36,7 @@ from focus_hf.benchmarking.layer import (
 )
 from focus_hf.benchmarking.records import (
     RowLog,
+    gpu_path_backend,
     gpu_path_fields,
     machine_fields,
     other_cores,
@@ -77,8 +78,8 @@ def repeats_at(args: argparse.Namespace, seq_len: int) -> int:
 
 
 def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    from focus_hf.attention.crossover import auto_path, crossover_entry, race_pending
-    from focus_hf.attention.hard import forget_fallbacks, hard_attention, path_kind
+    from focus_hf.attention.crossover import auto_path, crossover_entry, on_gpu_path, race_pending
+    from focus_hf.attention.hard import forget_fallbacks, hard_attention, path_kind, paths_run
 
     forget_fallbacks()  # the row counts its own length's fallbacks (`gpu_path_fields`)
     case = make_case(args, seq_len, device, dtype)
@@ -105,18 +106,23 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
         if seq_len <= 16384 or cuda or racing[top_k]:
             time_call(call)
     meter = other_cores(device)
+    ran: dict[int, dict[str, int]] = {}  # the entries of the table of paths that a timed call ran, by top_k
     for _ in range(repeats_at(args, seq_len)):
         if skip is None:
             dense_times.append(time_call(dense, context=dense_context))
         for top_k, call in calls.items():
+            before = paths_run()
             focus_times[top_k].append(time_call(call))
+            ran[top_k] = {name: count - before.get(name, 0) for name, count in paths_run().items()}
+            ran[top_k] = {name: count for name, count in ran[top_k].items() if count}
     others = meter()
     dense_s, dense_cpu_s = medians(dense_times)
     paths, races = {}, {}
     for top_k in args.top_k if args.backend == "auto" else ():
         layer = (case.query, case.key, top_k, args.groups, args.window, kinds[top_k], hard_attention)
-        # what "auto" ran: "dense" (the masked call), "sparse" (the C kernels on the CPU) or "sparse-torch"
-        paths[top_k] = auto_path(*layer)
+        # what "auto" ran: on the CPU "dense" (the masked call), "sparse" (the C kernels) or "sparse-torch"; on the
+        # GPU path the entries that ran ("base", "gpu-sparse", or both, split by query)
+        paths[top_k] = " + ".join(ran.get(top_k, {})) if on_gpu_path(device) else auto_path(*layer)
         if racing[top_k]:  # the race's row: each sparse path's time on the warm-up call
             races[top_k] = crossover_entry(*layer)["timings"][-1]
     rows = []
@@ -145,6 +151,7 @@ def bench_length(args: argparse.Namespace, seq_len: int, device: torch.device, d
                 "query_router": args.query_router,
                 "dense_below": crossovers[top_k],
                 "focus_path": paths.get(top_k),
+                "focus_paths": ran.get(top_k),
                 "race": races.get(top_k),
                 "other_cores_busy": others,
                 **gpu_path_fields(args, device),
@@ -169,16 +176,17 @@ def crossover_used(args: argparse.Namespace, case: Case, top_k: int, kind: str, 
 def paged_decode_times(
     args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype, compiled: bool = False
 ) -> tuple[list[tuple[float, float]], dict[int, list[tuple[float, float]]], str]:
-    """The GPU path's decoding steps (`stock.paged_decode`): per repetition, FILE_EVERY consecutive steps from a cache
-    of `cache_len` keys on, as generate() makes them - each step's ring write, and the one filing of positions that
-    left the window among them - through a paged copy built (untimed) before the first; dense SDPA over the same
-    growing caches. `compiled`: both steps under torch.compile (dynamic shapes; compiled in the untimed warm-up).
-    Returns (dense times, Focus times by top_k, the dense kernel's name), seconds per step."""
+    """The GPU path's decoding steps (`gpu_path.decode_from_paged_keys`): per repetition, FILE_EVERY consecutive steps
+    from a cache of `cache_len` keys on, as generate() makes them - each step's ring write, and the one filing of
+    positions that left the window among them - through a paged copy built (untimed) before the first; dense SDPA over
+    the same growing caches. `compiled`: both steps under torch.compile (dynamic shapes; compiled in the untimed
+    warm-up). Returns (dense times, Focus times by top_k, the dense kernel's name), seconds per step."""
     import torch
     import torch.nn.functional as F
 
     from focus_hf.attention.gpu.paged_keys import FILE_EVERY, PagedKeys
     from focus_hf.attention.hard import hard_attention
+    from focus_hf.attention.pattern import FocusPattern
 
     case = make_case(args, cache_len + FILE_EVERY, device, dtype)
     key, value = case.key.contiguous(), case.value.contiguous()  # a KV cache is head-major
@@ -202,19 +210,11 @@ def paged_decode_times(
         store = PagedKeys(args.groups, args.window)
 
         def step(n: int) -> torch.Tensor:
+            groups = (routing.top_groups[:, n - 1 : n], routing.key_groups[:, :n], routing.sink[:, :n])
+            pattern = FocusPattern(*groups, args.groups, args.window)
+            query = case.query[:, :, n - 1 : n]
             return hard_attention(
-                case.query[:, :, n - 1 : n],
-                key[:, :, :n],
-                value[:, :, :n],
-                None,
-                query_groups=routing.top_groups[:, n - 1 : n],
-                key_groups=routing.key_groups[:, :n],
-                key_sink=routing.sink[:, :n],
-                num_groups=args.groups,
-                window=args.window,
-                scaling=scaling,
-                backend=args.backend,
-                paged=store,
+                query, key[:, :, :n], value[:, :, :n], pattern, scaling=scaling, backend=args.backend, key_copy=store
             )
 
         call = torch.compile(step, dynamic=True) if compiled else step
@@ -249,15 +249,15 @@ def paged_decode_times(
 def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Per-token latency of one new query against a KV cache of `cache_len` tokens (itself included, as in
     transformers): dense SDPA and Focus (`hard.hard_attention`, which takes `decode_attention` - on the GPU path
-    `stock.paged_decode`, `paged_decode_times` - unless "auto" finds the dense masked call faster at this length),
-    timed alternately."""
+    `gpu_path.decode_from_paged_keys`, `paged_decode_times` - unless "auto" finds the dense masked call faster at this
+    length), timed alternately."""
     import torch
     import torch.nn.functional as F
 
     from focus_hf.attention.cpu.grouped_keys import one_step_behind
     from focus_hf.attention.cpu.native import serves
     from focus_hf.attention.hard import forget_fallbacks, hard_attention
-    from focus_hf.attention.pattern import probes
+    from focus_hf.attention.pattern import FocusPattern, probes
 
     forget_fallbacks()  # the rows count their own cache length's fallbacks (`gpu_path_fields`)
     case = make_case(args, cache_len, device, dtype)
@@ -276,29 +276,20 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
             case.key, case.value, routing.key_groups, routing.sink, args.groups, args.window
         )
 
+        groups = (routing.top_groups[:, -1:], routing.key_groups, routing.sink, args.groups, args.window)
+        pattern = FocusPattern(*groups, own_group=routing.own_groups is None)
+
         def step() -> torch.Tensor:
             rewind()
             return hard_attention(
-                case.query,
-                case.key,
-                case.value,
-                None,
-                query_groups=routing.top_groups[:, -1:],
-                key_groups=routing.key_groups,
-                key_sink=routing.sink,
-                num_groups=args.groups,
-                window=args.window,
-                scaling=scaling,
-                backend=args.backend,
-                grouped=[grouped],
-                own_group=routing.own_groups is None,
+                case.query, case.key, case.value, pattern, scaling=scaling, backend=args.backend, key_copy=[grouped]
             )
 
         return step
 
     crossovers = {top_k: crossover_used(args, case, top_k, "decode", decode=True) for top_k in args.top_k}
     repeats = args.decode_repeats
-    gpu_path = device.type == "cuda" or args.backend == "stock"
+    gpu_path = gpu_path_backend(args, device)
     timings = []  # (compiled, dense times, Focus times by top_k)
     others = None  # cores other processes kept busy while the CPU steps were timed
     if gpu_path:
@@ -340,7 +331,8 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
         fraction = float(reachable.float().mean())
         crossover = crossovers[top_k]
         copy = "paged copy" if gpu_path else "group-sorted copy"
-        path = "dense-masked" if crossover is not None and cache_len < crossover else copy
+        short = "base attention" if gpu_path else "dense-masked"  # "auto"'s side below its crossover
+        path = short if crossover is not None and cache_len < crossover else copy
         rows.append(
             {
                 "mode": "decode",
@@ -662,8 +654,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_option(parser, "--kv-heads", type=int, default=3, help="key/value heads")
     add_option(parser, "--head-dim", type=int, default=64, help="head dimension")
     add_option(
-        parser, "--backend", default="auto", choices=["auto", "sdpa", "flash", "stock", "reference"],
-        help="Focus backend",
+        parser, "--backend", default="auto", choices=["auto", "sdpa", "flash", "gpu-path", "reference", "stock"],
+        help="Focus backend ('stock': the former name of 'gpu-path')",
     )  # fmt: skip
     add_option(parser, "--repeats", type=int, default=5, help="timed repetitions (fewer above 16,384 tokens)")
     add_option(

@@ -13,15 +13,16 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from focus_hf.attention.backends import canonical_backend
 from focus_hf.attention.function import (
     ATTENTION_NAME,
-    BACKENDS,
     FocusRuntimeError,
     LayerRouting,
     as_bool_mask,
     first_restricted_length,
 )
 from focus_hf.attention.gpu.verify import is_verified, verify_shape
+from focus_hf.attention.paths import path_platform
 from focus_hf.attention.routing import (
     PENDING_LIMIT,
     RoutingState,
@@ -350,14 +351,13 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         choose whether decoding keeps a group-sorted copy of the distant keys (None: keep the current choice)."""
         if mode is not None and mode not in ROUTING_MODES:
             raise FocusConfigError(f"Unknown routing mode {mode!r}; expected one of {ROUTING_MODES}.")
-        if backend is not None and backend not in BACKENDS:
-            raise FocusConfigError(f"Unknown attention backend {backend!r}; expected one of {BACKENDS}.")
+        backend = canonical_backend(backend, warn=False)  # `controls.set_routing` warned of a former name
         for settings in self.focus_settings.values():
             if top_k is not None and not 1 <= top_k <= settings.num_groups:
                 raise FocusConfigError(f"top_k must be between 1 and num_groups={settings.num_groups}, got {top_k}.")
         self.mode_override = None if mode == "auto" else mode
         self.top_k_override = top_k
-        self.backend = backend or "auto"
+        self.backend = backend
         if decode_copy is not None:
             self.decode_copy = bool(decode_copy)
 
@@ -620,7 +620,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             grouped_keys=grouped_keys,
             dense_kv_heads=settings.dense_kv_heads.get(self.layer_index, ()),
         )
-        if mode == "hard" and (hidden.is_cuda or self.backend == "stock"):
+        if mode == "hard" and path_platform(hidden.device, self.backend) == "gpu":
             self._verify_attention(hidden)
         # Straight into the instance's attributes: a plain value, which nn.Module.__setattr__ would only look up in
         # its parameter, buffer and module tables first (twice per layer and call, decoding steps included).
@@ -710,7 +710,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         """On the GPU path, have the attention's shape verified (`attention.gpu.verify`) before the attention function
         runs: under torch.compile the check cannot run inside its graph, and here it breaks the graph once, at the
         first call, rather than in the attention."""
-        if self.backend == "reference" or (hidden.device.type != "cuda" and self.backend != "stock"):
+        if self.backend == "reference" or path_platform(hidden.device, self.backend) != "gpu":
             return
         config = getattr(self.base_layer, "config", None)
         heads = getattr(config, "num_attention_heads", None)

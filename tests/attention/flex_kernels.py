@@ -23,7 +23,7 @@ from focus_hf.attention.gpu.block_masks import (
     mask_outside_lists,
 )
 from focus_hf.attention.gpu.flex import attend, block_mask, call_kind, flex_output, run_compiled
-from focus_hf.attention.gpu.kernels import StockKernels, cpu_flex, cpu_twin_kernels
+from focus_hf.attention.gpu.kernels import GpuKernels, standin_flex, standin_kernels
 
 # The compiled CPU kernel against the float64 double, by dtype (it accumulates in float32).
 COMPILED_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -37,8 +37,8 @@ def hold_to_contract(blocks: BlockLists) -> None:
         assert failure is None, f"{rule.__name__}: {failure}"
 
 
-def strict_twin(varlen_gqa: bool = False) -> StockKernels:
-    twin = cpu_twin_kernels(varlen_gqa)
+def strict_twin(varlen_gqa: bool = False) -> GpuKernels:
+    twin = standin_kernels(varlen_gqa)
 
     def flex(query, key, value, blocks, scale):
         hold_to_contract(blocks)
@@ -55,14 +55,14 @@ class CompiledCalls:
         self.worst = 0.0
 
 
-def compiled_cpu_kernels(record: CompiledCalls | None = None, strict: bool = True) -> StockKernels:
-    twin = cpu_twin_kernels()
+def compiled_cpu_kernels(record: CompiledCalls | None = None, strict: bool = True) -> GpuKernels:
+    twin = standin_kernels()
 
     def flex(query, key, value, blocks, scale):
         if strict:
             hold_to_contract(blocks)
         output = flex_output(query, key, value, blocks, scale)
-        expected, lse = cpu_flex(query, key, value, blocks, scale)
+        expected, lse = standin_flex(query, key, value, blocks, scale)
         worst = float((output.double() - expected.double()).abs().max()) if output.numel() else 0.0
         assert worst <= COMPILED_TOLERANCE[query.dtype], f"compiled CPU FlexAttention differs by {worst:.3g}"
         if record is not None:
@@ -81,11 +81,11 @@ def eager_flex(query, key, value, blocks, scale):
     return output, lse
 
 
-def eager_kernels() -> StockKernels:
-    return replace(cpu_twin_kernels(), name="eager flex", raw_flex=eager_flex)
+def eager_kernels() -> GpuKernels:
+    return replace(standin_kernels(), name="eager flex", raw_flex=eager_flex)
 
 
-def dynamo_kernels() -> StockKernels:
+def dynamo_kernels() -> GpuKernels:
     """The GPU path's own compiled FlexAttention calls (`flex.run_compiled`: one function per kind of call,
     fullgraph, dynamic lengths), traced and guarded by torch.compile as on the GPU, run by its "eager" backend
     (FlexAttention's reference, with the log-sum-exp): what recompiles, and when, is torch.compile's decision,
@@ -94,4 +94,4 @@ def dynamo_kernels() -> StockKernels:
     def flex(query, key, value, blocks, scale):
         return run_compiled(call_kind(blocks), query, key, value, blocks, scale, backend="eager")
 
-    return replace(cpu_twin_kernels(), name="dynamo flex", raw_flex=flex)
+    return replace(standin_kernels(), name="dynamo flex", raw_flex=flex)

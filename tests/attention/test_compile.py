@@ -58,7 +58,7 @@ def graph_breaks(call) -> int:
 def test_attention_function_has_no_graph_break_on_the_gpu_path(top_k, padded):
     verify.forget_verdicts()
     model = focus_llama(top_k)
-    focus_hf.set_routing(model, "hard", backend="stock")
+    focus_hf.set_routing(model, "hard", backend="gpu-path")
     ids = torch.randint(3, VOCAB, (2 if padded else 1, 300), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
     if padded:
@@ -73,7 +73,7 @@ def test_attention_function_has_no_graph_break_on_the_gpu_path(top_k, padded):
 def test_compiled_model_gives_the_eager_results():
     verify.forget_verdicts()
     model = focus_llama(2)
-    focus_hf.set_routing(model, "hard", backend="stock")
+    focus_hf.set_routing(model, "hard", backend="gpu-path")
     ids = torch.randint(3, VOCAB, (1, 200), generator=torch.Generator().manual_seed(3))
     next_ids = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(4))
 
@@ -93,18 +93,18 @@ def test_compiled_model_gives_the_eager_results():
 
 
 def test_padded_decoding_step_under_compile_reads_the_paged_copy(monkeypatch):
-    import focus_hf.attention.hard as hard
+    import focus_hf.attention.paths as paths
 
     verify.forget_verdicts()
     model = focus_llama(1)
-    focus_hf.set_routing(model, "hard", backend="stock")
+    focus_hf.set_routing(model, "hard", backend="gpu-path")
     ids = torch.randint(3, VOCAB, (2, 300), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
     mask[0, :20] = 0
     step = recorded_calls(model, ids, mask, new_tokens=2)[-1]
     taken = []
-    monkeypatch.setattr(hard, "paged_decode", lambda *a, **k: taken.append(1) or torch.zeros(2, 1, 4, 12))
-    monkeypatch.setattr(hard, "pattern_attention", lambda *a, **k: pytest.fail("a padded step read every block"))
+    monkeypatch.setattr(paths, "decode_from_paged_keys", lambda *a, **k: taken.append(1) or torch.zeros(2, 1, 4, 12))
+    monkeypatch.setattr(paths, "pattern_attention", lambda *a, **k: pytest.fail("a padded step read every block"))
     assert graph_breaks(step) == 0
     assert taken
 
@@ -112,7 +112,7 @@ def test_padded_decoding_step_under_compile_reads_the_paged_copy(monkeypatch):
 def test_a_model_compiled_before_any_eager_call_verifies_outside_the_attention():
     verify.forget_verdicts()
     model = focus_llama(1)
-    focus_hf.set_routing(model, "hard", backend="stock")
+    focus_hf.set_routing(model, "hard", backend="gpu-path")
     ids = torch.randint(3, VOCAB, (1, 200), generator=torch.Generator().manual_seed(3))
     torch._dynamo.reset()
     with torch.no_grad():
@@ -121,4 +121,4 @@ def test_a_model_compiled_before_any_eager_call_verifies_outside_the_attention()
         expected = model(input_ids=ids).logits
     torch.testing.assert_close(compiled, expected, atol=1e-4, rtol=0)
     # The layer reached the verdict for the model's attention shape (4 query heads on 2 kv heads of 12).
-    assert verify.is_verified(torch.device("cpu"), torch.float32, 2, 12, "stock")
+    assert verify.is_verified(torch.device("cpu"), torch.float32, 2, 12, "gpu-path")

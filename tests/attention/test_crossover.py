@@ -16,8 +16,10 @@ import torch
 
 import focus_hf.attention.cpu.native as native
 import focus_hf.attention.crossover as crossover
+import focus_hf.attention.crossover_measurement as measurement
 import focus_hf.attention.hard as hard
-from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.paths import measured_paths
+from focus_hf.attention.pattern import FocusPattern, allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.cli import main as cli_main
 
@@ -36,7 +38,7 @@ def fake_timer(sparse_wins_from, wins_at=()):
 
 def test_crossover_is_the_first_of_two_sparse_wins_and_stops_there():
     time_at, measured = fake_timer(1024)
-    found, rows = crossover.find_crossover(time_at)
+    found, rows = measurement.find_crossover(time_at)
     assert found == 1024
     assert measured == [256, 512, 1024, 2048]
     assert [row["length"] for row in rows] == measured
@@ -44,30 +46,30 @@ def test_crossover_is_the_first_of_two_sparse_wins_and_stops_there():
 
 def test_a_single_sparse_win_is_not_a_crossover():
     time_at, measured = fake_timer(4096, wins_at=(512,))
-    found, _ = crossover.find_crossover(time_at)
+    found, _ = measurement.find_crossover(time_at)
     assert found == 4096 and measured[-1] == 8192
 
 
 def test_a_win_within_the_margin_is_not_a_win():
     def barely_faster(length):  # sparse ahead by less than WIN_MARGIN below 4,096 keys, by more from there
-        return 1.0, (0.5 if length >= 4096 else 0.99 / crossover.WIN_MARGIN + 0.01)
+        return 1.0, (0.5 if length >= 4096 else 0.99 / measurement.WIN_MARGIN + 0.01)
 
-    found, rows = crossover.find_crossover(barely_faster)
+    found, rows = measurement.find_crossover(barely_faster)
     assert all(row["sparse_s"] < row["dense_s"] for row in rows)
     assert found == 4096
 
 
 def test_sparse_never_winning_keeps_dense_up_to_the_longest_length():
     time_at, measured = fake_timer(10**9)
-    found, _ = crossover.find_crossover(time_at)
-    assert measured == list(crossover.LENGTHS)
-    assert found == crossover.MAX_LENGTH
+    found, _ = measurement.find_crossover(time_at)
+    assert measured == list(measurement.LENGTHS)
+    assert found == measurement.MAX_LENGTH
 
 
 def test_budget_stops_the_search_and_keeps_dense_where_it_won():
     time_at, measured = fake_timer(10**9)
     ticks = iter(range(100))
-    found, _ = crossover.find_crossover(time_at, budget_s=1.5, clock=lambda: float(next(ticks)))
+    found, _ = measurement.find_crossover(time_at, budget_s=1.5, clock=lambda: float(next(ticks)))
     assert measured == [256, 512]  # elapsed 1 s after the first length, 2 s after the second
     assert found == 1024
 
@@ -81,7 +83,7 @@ def calibrating(monkeypatch, tmp_path):
     monkeypatch.setattr(crossover, "_known", {})
     calls = []
 
-    def fake_measure(shape, device, call, lengths=None):
+    def fake_measure(shape, device, call, lengths=None, clock=None):
         calls.append(shape)
         found = 512 * shape.top_k + (1 if shape.kind == "decode" else 0)
         return found, [{"length": found, "dense_s": 1.0, "sparse_s": 0.5}]
@@ -246,9 +248,14 @@ def test_no_calibration_uses_the_default_and_ignores_the_cache(calibrating, monk
     dense_below(query, key, 1, 8, 128, "shared")  # measured and cached: 512
     crossover._known.clear()
     monkeypatch.setenv(crossover.NO_CALIBRATION_ENV, "1")
-    assert dense_below(query, key, 1, 8, 128, "shared") == crossover.default_dense_below("cpu", 1)
-    assert dense_below(query, key, 3, 8, 128, "shared") == crossover.default_dense_below("cpu", 3) == 3072
+    assert dense_below(query, key, 1, 8, 128, "shared") == crossover.default_dense_below(torch.device("cpu"), 1)
+    assert dense_below(query, key, 3, 8, 128, "shared") == crossover.default_dense_below(torch.device("cpu"), 3) == 3072
     assert len(calibrating) == 1
+
+
+def pattern_of(query_groups, key_groups, sink, **options) -> FocusPattern:
+    """The pattern of `routed_case`'s calls: 4 groups, a window of 8."""
+    return FocusPattern(query_groups, key_groups, sink, 4, 8, **options)
 
 
 def routed_case(kind, seq=200, q_len=200, top_k=1, num_groups=4, window=8, seed=0):
@@ -274,22 +281,23 @@ def test_auto_asks_for_the_path_that_runs_and_is_exact_either_side(monkeypatch, 
     positions = torch.arange(key.shape[2])
     allowed = allowed_pairs(query_groups, key_groups, sink, positions[key.shape[2] - q_len :], positions, 8)
     reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
-    routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
-    for chosen in crossover.PATHS:  # each path auto may choose
-        monkeypatch.setattr(hard, "auto_path", lambda *args, result=chosen: seen.append(args) or result)
-        output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto")
+    pattern = pattern_of(query_groups, key_groups, sink)
+    for chosen in measurement.SIDES:  # each side auto may choose
+        monkeypatch.setattr(crossover, "auto_path", lambda *args, result=chosen: seen.append(args) or result)
+        output = hard.hard_attention(query, key, value, pattern, scaling=0.25, backend="auto")
         torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
-    assert [args[2:] for args in seen] == [(top_k, 4, 8, kind, hard.hard_attention)] * len(crossover.PATHS)
+    assert [args[2:] for args in seen] == [(top_k, 4, 8, kind, hard.hard_attention)] * len(measurement.SIDES)
     seen.clear()
-    for path in crossover.PATHS:  # told which path to take (as the crossover's measurement does): the same result
-        output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", path=path)
-        torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
+    for entry in measured_paths("cpu", kind == "decode").values():  # told which entry to run (as the crossover's
+        output = hard.hard_attention(query, key, value, pattern, scaling=0.25, backend="auto", path=entry.name)
+        torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)  # measurement is): the same result
     assert not seen
 
 
-def call_record(query, key, value, model_mask, arguments):
+def call_record(query, key, value, pattern, arguments):
     """What a call of `hard.hard_attention` is made of, but for the path it is told to take: tensors' dtype, device,
-    shape ranks and layouts (token-major projections or a head-major cache), and every other argument's kind."""
+    shape ranks and layouts (token-major projections or a head-major cache), and every other argument's and pattern
+    field's kind."""
 
     def layout(tensor):
         return (
@@ -300,9 +308,10 @@ def call_record(query, key, value, model_mask, arguments):
             tensor.transpose(1, 2).is_contiguous(),
         )
 
-    record = {"tensors": [layout(tensor) for tensor in (query, key, value)], "mask": model_mask is None}
+    record = {"tensors": [layout(tensor) for tensor in (query, key, value)]}
     record["decode"] = query.shape[2] == 1 < key.shape[2]
-    for name, argument in arguments.items():
+    fields = {name: getattr(pattern, name) for name in pattern.__dataclass_fields__}
+    for name, argument in {**fields, **arguments}.items():
         if name == "path":
             continue
         if isinstance(argument, torch.Tensor):
@@ -324,13 +333,13 @@ def test_calibration_times_the_call_that_auto_dispatches(monkeypatch, tmp_path, 
     monkeypatch.delenv(crossover.CROSSOVER_ENV, raising=False)
     monkeypatch.setenv("FOCUS_HF_CACHE", str(tmp_path))
     monkeypatch.setattr(crossover, "_known", {})
-    monkeypatch.setattr(crossover, "LENGTHS", (160, 192))
+    monkeypatch.setattr(measurement, "LENGTHS", (160, 192))
     monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: 0.0)
     dispatch, records = hard.hard_attention, []
 
-    def recorded(query, key, value, model_mask, **arguments):
-        records.append((arguments.get("path"), call_record(query, key, value, model_mask, arguments)))
-        return dispatch(query, key, value, model_mask, **arguments)
+    def recorded(query, key, value, pattern, **arguments):
+        records.append((arguments.get("path"), call_record(query, key, value, pattern, arguments)))
+        return dispatch(query, key, value, pattern, **arguments)
 
     monkeypatch.setattr(hard, "hard_attention", recorded)
     decode = kind == "decode"
@@ -339,26 +348,15 @@ def test_calibration_times_the_call_that_auto_dispatches(monkeypatch, tmp_path, 
         key, value = key.contiguous(), value.contiguous()
     else:
         query, key, value = (tensor.transpose(1, 2).contiguous().transpose(1, 2) for tensor in (query, key, value))
-    extra = {"grouped": [GroupedKeys(4)]} if decode else {}
+    extra = {"key_copy": [GroupedKeys(4)]} if decode else {}
+    own_group = kind != "probe" and kind != "separate"
+    # As a model's routing gives it: its sinks (`FocusConfig.sink_tokens`), whether queries probe their own group.
+    pattern = pattern_of(query_groups, key_groups, sink, sink_tokens=measurement.SINKS, own_group=own_group)
     with torch.inference_mode():
-        recorded(
-            query,
-            key,
-            value,
-            None,
-            query_groups=query_groups,
-            key_groups=key_groups,
-            key_sink=sink,
-            num_groups=4,
-            window=8,
-            scaling=0.25,
-            backend="auto",
-            own_group=kind != "probe" and kind != "separate",
-            **extra,
-        )
+        recorded(query, key, value, pattern, scaling=0.25, backend="auto", **extra)
     (dispatched_path, dispatched), *timed = records
     assert dispatched_path is None and timed
-    assert {path for path, _ in timed} == set(crossover.PATHS)
+    assert {path for path, _ in timed} == {entry.name for entry in measured_paths("cpu", decode).values()}
     assert all(record == dispatched for _, record in timed)
     (entry,) = json.loads((tmp_path / crossover.CACHE_FILE).read_text())["entries"].values()
     assert entry["shape"]["kind"] == kind and [row["length"] for row in entry["timings"]][0] == 160
@@ -421,12 +419,12 @@ def test_few_query_attention_equals_the_kernel(dtype, tolerance):
 
 
 def test_failed_measurement_falls_back_to_the_default(calibrating, monkeypatch, capsys):
-    def broken(shape, device, call, lengths=None):
+    def broken(shape, device, call, lengths=None, clock=None):
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(crossover, "measure", broken)
     query, key = tensors()
-    assert dense_below(query, key, 2, 8, 128, "shared") == crossover.default_dense_below("cpu", 2)
+    assert dense_below(query, key, 2, 8, 128, "shared") == crossover.default_dense_below(torch.device("cpu"), 2)
     assert "calibration failed" in capsys.readouterr().err
 
 
@@ -462,7 +460,7 @@ def test_sparse_path_at_takes_the_nearest_measured_length():
 
 def raced_row(length, path, slower=1.2):
     """A timing row of both sparse paths at `length`, `path` the faster, the other `slower` times as slow."""
-    times = {"kernels_s": slower, "torch_s": slower, crossover.PATH_TIMES[path]: 1.0}
+    times = {"kernels_s": slower, "torch_s": slower, crossover.SIDE_TIMES[path]: 1.0}
     return {"length": length, "dense_s": None, "sparse_s": 1.0, **times, "sparse_path": path}
 
 
@@ -505,7 +503,7 @@ def test_a_call_far_beyond_the_timed_lengths_races_both_sparse_paths_once(monkey
     positions = torch.arange(key.shape[2])
     allowed = allowed_pairs(query_groups, key_groups, sink, positions, positions, 8)
     reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
-    routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
+    pattern = pattern_of(query_groups, key_groups, sink, own_group=True)
     assert crossover.race_pending(query, key, 1, 4, 8, "shared", hard.hard_attention)
     runs = []
     real = crossover.race_sparse_paths
@@ -514,15 +512,15 @@ def test_a_call_far_beyond_the_timed_lengths_races_both_sparse_paths_once(monkey
         run = arguments[-1]
         return real(*arguments[:-1], lambda path: runs.append(path) or run(path))
 
-    monkeypatch.setattr(hard, "race_sparse_paths", watched)
-    output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
+    monkeypatch.setattr(crossover, "race_sparse_paths", watched)
+    output = hard.hard_attention(query, key, value, pattern, scaling=0.25, backend="auto")
     torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
     assert runs == ["sparse-torch", "sparse"]
     row = stored_entry()["timings"][-1]
     assert row["length"] == 200 and row["timed_on"] == "a call" and row["dense_s"] is None
-    assert row["sparse_s"] == min(row["kernels_s"], row["torch_s"]) == row[crossover.PATH_TIMES[row["sparse_path"]]]
+    assert row["sparse_s"] == min(row["kernels_s"], row["torch_s"]) == row[crossover.SIDE_TIMES[row["sparse_path"]]]
     assert not crossover.race_pending(query, key, 1, 4, 8, "shared", hard.hard_attention)
-    output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
+    output = hard.hard_attention(query, key, value, pattern, scaling=0.25, backend="auto")
     torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
     assert len(runs) == 2 and len(stored_entry()["timings"]) == 2
     assert crossover.auto_path(query, key, 1, 4, 8, "shared", hard.hard_attention) == row["sparse_path"]
@@ -533,8 +531,8 @@ def test_a_call_far_beyond_the_timed_lengths_races_both_sparse_paths_once(monkey
 def test_a_race_under_load_is_kept_in_this_process_only(monkeypatch, stored_entry):
     monkeypatch.setattr(crossover, "other_cores_meter", lambda: lambda: crossover.OTHER_CORES_MAX + 1)
     query, key, value, query_groups, key_groups, sink = routed_case("shared")
-    routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
-    hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
+    pattern = pattern_of(query_groups, key_groups, sink, own_group=True)
+    hard.hard_attention(query, key, value, pattern, scaling=0.25, backend="auto")
     assert not crossover.race_pending(query, key, 1, 4, 8, "shared", hard.hard_attention)
     assert len(stored_entry()["timings"]) == 1
     crossover._known.clear()
@@ -583,9 +581,9 @@ def test_auto_runs_the_torch_path_where_it_was_measured_faster(monkeypatch, tmp_
     positions = torch.arange(key.shape[2])
     allowed = allowed_pairs(query_groups, key_groups, sink, positions, positions, 8)
     reference = dense_attention(query, key, value, allowed[:, None], scaling=0.25)
-    routing = dict(query_groups=query_groups, key_groups=key_groups, key_sink=sink, num_groups=4, window=8)
+    pattern = pattern_of(query_groups, key_groups, sink, own_group=True)
     assert crossover.auto_path(query, key, 1, 4, 8, "shared", hard.hard_attention) == "sparse-torch"
-    output = hard.hard_attention(query, key, value, None, **routing, scaling=0.25, backend="auto", own_group=True)
+    output = hard.hard_attention(query, key, value, pattern, scaling=0.25, backend="auto")
     torch.testing.assert_close(output, reference, atol=1e-4, rtol=0)
     assert not kernel_calls  # every kernel lookup inside the torch path answered None
     short = slice(0, 100)
@@ -602,8 +600,8 @@ def test_measurement_times_both_sparse_paths_on_the_cpu():
     shape = crossover.make_shape(query, key, 1, 4, 8, "shared")
     _, rows = crossover.measure(shape, torch.device("cpu"), hard.hard_attention, lengths=(32, 64))
     for row in rows:
-        assert row["sparse_path"] in crossover.SPARSE_PATHS
-        assert row["sparse_s"] == min(row["kernels_s"], row["torch_s"]) == row[crossover.PATH_TIMES[row["sparse_path"]]]
+        assert row["sparse_path"] in crossover.SPARSE_SIDES
+        assert row["sparse_s"] == min(row["kernels_s"], row["torch_s"]) == row[crossover.SIDE_TIMES[row["sparse_path"]]]
 
 
 def test_bench_makes_a_pending_race_before_it_times_and_names_the_path(monkeypatch, tmp_path, capsys):
@@ -620,8 +618,8 @@ def test_bench_makes_a_pending_race_before_it_times_and_names_the_path(monkeypat
     shape = crossover.make_shape(query, key, 1, 8, 16, "shared")
     crossover.write_entry(shape, {"dense_below": 32, "timings": [raced_row(64, "sparse")]})
     races = []
-    real = hard.race_sparse_paths
-    monkeypatch.setattr(hard, "race_sparse_paths", lambda *arguments: races.append(1) or real(*arguments))
+    real = crossover.race_sparse_paths
+    monkeypatch.setattr(crossover, "race_sparse_paths", lambda *arguments: races.append(1) or real(*arguments))
     path = tmp_path / "rows.json"
     argv = ["bench", "--seq-lens", "300", "--top-k", "1", "--window", "16", "--repeats", "2", "--json", str(path)]
     assert cli_main(argv) == 0

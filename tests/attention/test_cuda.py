@@ -13,13 +13,14 @@ from tiny_models import VOCAB, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import focus_hf
+import focus_hf.attention.crossover as crossover
 import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
 from focus_hf.attention.backends import flash_attn_function
 from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists
-from focus_hf.attention.gpu.doubles import efficient_attention_double, varlen_attention_double
+from focus_hf.attention.gpu.cpu_standins import efficient_attention_standin, varlen_attention_standin
 from focus_hf.attention.gpu.flex import cuda_flex, flex_compilations
-from focus_hf.attention.gpu.kernels import cpu_flex, cuda_kernels
+from focus_hf.attention.gpu.kernels import cuda_kernels, standin_flex
 
 pytestmark = [
     pytest.mark.cuda,
@@ -29,8 +30,9 @@ pytestmark = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Logits of the tiny models are O(1); half precision rounds every layer's inputs.
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
-# "stock" runs what "sdpa" runs on CUDA; "auto" takes the whole-pattern call below its crossover (300 tokens).
-FAST_BACKENDS = ["sdpa", "auto"] + (["flash"] if flash_attn_function() is not None else [])
+# The backends that run the GPU path on CUDA ("gpu-path" runs what "sdpa" runs); "auto" is the base model below its
+# measured crossover (`test_auto_is_the_base_model_below_its_crossover_and_the_gpu_path_above`).
+FAST_BACKENDS = ["sdpa"] + (["flash"] if flash_attn_function() is not None else [])
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +74,7 @@ def test_efficient_kernel_double_answers_as_the_kernel(dtype):
     output, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, bias, True, 0.0, False, scale=0.125
     )
-    expected, expected_lse, _, _ = efficient_attention_double(query, key, value, bias, True, 0.0, False, scale=0.125)
+    expected, expected_lse, _, _ = efficient_attention_standin(query, key, value, bias, True, 0.0, False, scale=0.125)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
     torch.testing.assert_close(lse[..., :40], expected_lse[..., :40], atol=TOLERANCE[dtype], rtol=0)
 
@@ -96,7 +98,7 @@ def test_flex_double_answers_as_the_compiled_kernel(dtype):
         kv_len=3 * BLOCK - 9,
     )
     output, lse = cuda_flex(query, key, value, blocks, 0.125)
-    expected, expected_lse = cpu_flex(query, key, value, blocks, 0.125)  # FlexAttention's double
+    expected, expected_lse = standin_flex(query, key, value, blocks, 0.125)  # FlexAttention's double
     empty = expected_lse == float("-inf")
     assert bool(empty.any()) and bool((lse[empty] == float("-inf")).all()) and bool((output[empty] == 0).all())
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
@@ -115,7 +117,7 @@ def test_varlen_double_answers_as_the_kernel(dtype, window):
     query = torch.randn(181, 4, 64, generator=generator).to("cuda", dtype)
     key, value = (torch.randn(357, 4, 64, generator=generator).to("cuda", dtype) for _ in range(2))
     output, lse = kernels.raw_varlen(query, key, value, cu_q, cu_k, 130, 300, 0.125, window)
-    expected, expected_lse = varlen_attention_double(
+    expected, expected_lse = varlen_attention_standin(
         query, key, value, cu_q, cu_k, 130, 300, scale=0.125, window=window
     )
     assert lse.shape == expected_lse.shape  # [heads, tokens]
@@ -168,6 +170,27 @@ def test_backends_equal_the_reference(dtype, routing):
         torch.testing.assert_close(logits[backend][real], logits["reference"][real], atol=TOLERANCE[dtype], rtol=0)
 
 
+def test_auto_is_the_base_model_below_its_crossover_and_the_gpu_path_above(monkeypatch):
+    model = focus_model(torch.float32, 1)
+    ids = torch.randint(3, VOCAB, (2, 300), generator=torch.Generator().manual_seed(5)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        focus_hf.set_routing(model, "hard", backend="reference")
+        pattern = model(input_ids=ids, attention_mask=mask).logits.float()
+        with model.disable_adapter():
+            base = model(input_ids=ids, attention_mask=mask).logits.float()
+        focus_hf.set_routing(model, "hard", backend="auto")
+        monkeypatch.setenv(crossover.NO_CALIBRATION_ENV, "1")  # no measurement: the base model
+        below = model(input_ids=ids, attention_mask=mask).logits.float()
+        monkeypatch.setenv(crossover.CROSSOVER_ENV, "0")  # a crossover below every call: the GPU path
+        above = model(input_ids=ids, attention_mask=mask).logits.float()
+    torch.testing.assert_close(below[real], base[real], atol=TOLERANCE[torch.float32], rtol=0)
+    torch.testing.assert_close(above[real], pattern[real], atol=TOLERANCE[torch.float32], rtol=0)
+    assert {"base", "gpu-sparse"} <= set(hard.paths_run())
+
+
 @pytest.mark.parametrize("top_k, length", [(1, 96), (1, 1024), (2, 1024), (1, 4096), (2, 4096)])
 def test_the_reported_case_is_exact(top_k, length):
     """The case that found the fault: 8 / 2 heads of 32, 3 layers, K=4, w=32, 4 sinks, routers N(0, 1), float32,
@@ -198,10 +221,7 @@ def test_the_reported_case_is_exact(top_k, length):
 
 
 @pytest.mark.parametrize("routing", ["shared top-1", "adaptive top-3 + dense heads"])
-def test_generate_greedy_and_beam_equal_the_reference(routing, monkeypatch):
-    steps = []
-    original = hard.paged_decode
-    monkeypatch.setattr(hard, "paged_decode", lambda *a, **k: steps.append(1) or original(*a, **k))
+def test_generate_greedy_and_beam_equal_the_reference(routing):
     top_k, options = ROUTINGS[routing]
     model = focus_model(torch.float32, top_k, **options)
     ids = torch.randint(3, VOCAB, (2, 260), generator=torch.Generator().manual_seed(6)).cuda()
@@ -216,7 +236,7 @@ def test_generate_greedy_and_beam_equal_the_reference(routing, monkeypatch):
         generated[backend] = (greedy, beams)
     assert torch.equal(generated["sdpa"][0], generated["reference"][0])
     assert torch.equal(generated["sdpa"][1], generated["reference"][1])
-    assert steps  # decoding steps read the paged copy
+    assert hard.paths_run().get("gpu-paged-decode")  # decoding steps read the paged copy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

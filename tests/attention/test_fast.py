@@ -1,4 +1,4 @@
-"""The fast hard-mode attention (`focus_hf.attention.cpu.fast`) against the dense oracle, and the backends at model
+"""The fast hard-mode attention (`focus_hf.attention.cpu.cpu_path`) against the dense oracle, and the backends at model
 level."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from peft import get_peft_model
 from tiny_models import VOCAB, tiny_model
 
 import focus_hf
-import focus_hf.attention.cpu.fast as fast
+import focus_hf.attention.cpu.cpu_path as cpu_path
 import focus_hf.attention.cpu.native as native
 import focus_hf.attention.cpu.partials as partials
 import focus_hf.attention.hard as hard
@@ -23,7 +23,7 @@ import focus_hf.attention.pattern as pattern
 from focus_hf.attention.backends import BackendUnavailableError, cpu_kernel, flash_attn_function
 from focus_hf.attention.cpu.segments import SegmentKeys
 from focus_hf.attention.crossover import CROSSOVER_ENV
-from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.pattern import FocusPattern, allowed_pairs
 from focus_hf.attention.reference import dense_attention
 from focus_hf.attention.routing import TokenRouting
 from focus_hf.benchmarking.layer import allowed_pair_count
@@ -97,7 +97,7 @@ def cases(draw):
         local_block=draw(st.sampled_from([1, 4, 16, 64])),
         probe_chunk=draw(st.sampled_from([1, 5, 256])),
         stream_rows=draw(st.sampled_from([3, 16, 4096])),
-        set_a_rows=draw(st.sampled_from([2, 16, 8192])),
+        own_group_rows=draw(st.sampled_from([2, 16, 8192])),
         split_min_keys=draw(st.sampled_from([1, 8, 1024])),
         causal_chunk=draw(st.sampled_from([1, 6, 4096])),
         lead_max_keys=draw(st.sampled_from([0, 3, 16])),
@@ -114,7 +114,7 @@ BF16_VALUE_BOUND = 4.0
 
 
 def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
-    """Fast attention and the dense oracle (float64 on the same inputs) on one case; returns (fast, reference, rows
+    """Fast attention and the dense oracle (float64 on the same inputs) on one case; returns (cpu_path, reference, rows
     to compare). The case's "dtype" (default float32) is the inputs'; a float32 case gets the reference in float32."""
     generator = torch.Generator().manual_seed(case["seed"])
     batch, seq, q_len = case["batch"], case["seq"], case["q_len"]
@@ -151,20 +151,9 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
     allowed = allowed[:, None] if model_mask is None else allowed[:, None] & model_mask
     # float64 on the same values: a bfloat16 result is then off by its own rounding only
     reference = dense_attention(query.double(), key.double(), value.double(), allowed, scaling=SCALING)
-    output = hard.hard_attention(
-        query,
-        key,
-        value,
-        model_mask,
-        query_groups=query_groups[:, seq - q_len :],
-        key_groups=key_groups,
-        key_sink=sink,
-        num_groups=case["num_groups"],
-        window=case["window"],
-        scaling=SCALING,
-        backend=backend,
-        mask_is_padding=mask_is_padding,
-    )
+    groups = (query_groups[:, seq - q_len :], key_groups, sink, case["num_groups"], case["window"])
+    pattern = FocusPattern(*groups, model_mask=model_mask, mask_is_padding=mask_is_padding)
+    output = hard.hard_attention(query, key, value, pattern, scaling=SCALING, backend=backend)
     # Padding queries may output anything finite.
     return output, reference if dtype != torch.float32 else reference.float(), valid[:, seq - q_len :]
 
@@ -174,7 +163,7 @@ def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
 MERGED_PARTS_CASE = json.loads(
     '{"seq": 101, "q_len": 5, "batch": 2, "kv_heads": 2, "gqa": 3, "dim": 16, "num_groups": 1, '
     '"top_k": 1, "window": 0, "sinks": 0, "side": "none", "pad": 0, "skew": "none", "token_major": true, '
-    '"local_block": 1, "probe_chunk": 1, "stream_rows": 3, "set_a_rows": 2, "split_min_keys": 1, '
+    '"local_block": 1, "probe_chunk": 1, "stream_rows": 3, "own_group_rows": 2, "split_min_keys": 1, '
     '"causal_chunk": 1, "lead_max_keys": 0, "direct_gather": 0, "separate": false, "adaptive": false, '
     '"dense_masked": false, "seed": 2}'
 )
@@ -189,12 +178,12 @@ def test_fast_equals_dense_oracle(case, dtype):
     with (
         mock.patch.object(partials, "LOCAL_BLOCK", case["local_block"]),
         mock.patch.object(partials, "PROBE_CHUNK", case["probe_chunk"]),
-        mock.patch.object(fast, "STREAM_ROWS", case["stream_rows"]),
-        mock.patch.object(fast, "SET_A_ROWS", case["set_a_rows"]),
+        mock.patch.object(cpu_path, "STREAM_ROWS", case["stream_rows"]),
+        mock.patch.object(cpu_path, "OWN_GROUP_ROWS", case["own_group_rows"]),
         mock.patch.object(partials, "SPLIT_MIN_KEYS", case["split_min_keys"]),
         mock.patch.object(partials, "CAUSAL_CHUNK", case["causal_chunk"]),
         mock.patch.object(partials, "LEAD_MAX_KEYS", case["lead_max_keys"]),
-        mock.patch.object(fast, "DIRECT_GATHER_MAX", case["direct_gather"]),
+        mock.patch.object(cpu_path, "DIRECT_GATHER_MAX", case["direct_gather"]),
         mock.patch.dict(os.environ, crossover),
     ):
         output, reference, rows = run_case(dict(case, dtype=dtype), backend="auto" if case["dense_masked"] else "sdpa")
@@ -316,9 +305,9 @@ def test_own_group_top_1_runs_unmasked_causal_squares():
     torch.testing.assert_close(lse, staircase_lse, atol=ATOL, rtol=0)
 
 
-def kernel_set_a(arguments, block_rows, riders, scratch=None):
-    """Set A of `partials.probe_part`'s arguments in the C kernel (`segments.SegmentKeys`), block by block of
-    `block_rows` queries (packing into `scratch`, if given): output, lse and which queries' sinks rode (None: none
+def kernel_own_group_pass(arguments, block_rows, riders, scratch=None):
+    """The own-group pass of `partials.probe_part`'s arguments in the C kernel (`segments.SegmentKeys`), block by block
+    of `block_rows` queries (packing into `scratch`, if given): output, lse and which queries' sinks rode (None: none
     ride)."""
     query, key, value, valid, probe_groups, key_groups, num_groups, scaling, _, sink = arguments
     batch, heads, q_len, dim = query.shape
@@ -352,7 +341,7 @@ def kernel_set_a(arguments, block_rows, riders, scratch=None):
         (2, True, False, "right", 2, 61),
     ],
 )
-def test_set_a_in_the_kernel_equals_the_chunked_torch_path(
+def test_own_group_pass_in_the_kernel_equals_the_chunked_torch_path(
     top_k, separate, adaptive, side, sinks, q_len, dim, slab_keys, block_rows
 ):
     generator = torch.Generator().manual_seed(11 + top_k)
@@ -367,7 +356,7 @@ def test_set_a_in_the_kernel_equals_the_chunked_torch_path(
     probe_groups = probe_groups[:, seq - q_len :]  # a view with the strides of the router's wider tensor
     arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
     with mock.patch.object(native, "SEGMENT_SLAB_KEYS", slab_keys):
-        output, lse, done = kernel_set_a(arguments, block_rows, riders=top_k == 1)
+        output, lse, done = kernel_own_group_pass(arguments, block_rows, riders=top_k == 1)
     chunked, chunked_lse, chunked_done = partials.probe_part(*arguments)
     assert (done is None) == (chunked_done is None) and (done is None or torch.equal(done, chunked_done))
     queries = valid[:, seq - q_len :, None].expand_as(lse)
@@ -379,7 +368,7 @@ def test_set_a_in_the_kernel_equals_the_chunked_torch_path(
 
 
 @pytest.mark.parametrize("top_k, separate", [(1, False), (2, True)])
-def test_set_a_in_the_kernel_with_long_and_short_segments(top_k, separate):
+def test_own_group_pass_in_the_kernel_with_long_and_short_segments(top_k, separate):
     # Segments longer than prefill.c's SHORT_SEGMENT (8 x the target's query rows per task: 1,024 keys on AVX2, 256 on
     # AVX-512) run tasks of all their rows, shorter ones tasks of fewer rows: both beside each other in one call.
     generator = torch.Generator().manual_seed(5)
@@ -393,7 +382,7 @@ def test_set_a_in_the_kernel_with_long_and_short_segments(top_k, separate):
     valid = padding(batch, seq, "none", 0)
     sink = valid & (valid.cumsum(dim=1) - 1 < 2)
     arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
-    output, lse, _ = kernel_set_a(arguments, seq, riders=top_k == 1)
+    output, lse, _ = kernel_own_group_pass(arguments, seq, riders=top_k == 1)
     chunked, chunked_lse, _ = partials.probe_part(*arguments)
     rows = chunked_lse > torch.finfo(torch.float32).min / 2
     torch.testing.assert_close(output[rows], chunked[rows], atol=ATOL, rtol=0)
@@ -401,7 +390,7 @@ def test_set_a_in_the_kernel_with_long_and_short_segments(top_k, separate):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_set_a_shares_a_scratch_buffer_sized_for_its_packed_values(dtype):
+def test_own_group_pass_shares_a_scratch_buffer_sized_for_its_packed_values(dtype):
     # prefill_segments packs float32 values beside the keys too (it gathers both through token indices), so its
     # scratch holds twice the words of a prefill_attention call over as many keys; what the buffer held before a
     # call must not matter
@@ -419,9 +408,9 @@ def test_set_a_shares_a_scratch_buffer_sized_for_its_packed_values(dtype):
     sink = valid & (valid.cumsum(dim=1) - 1 < 2)
     arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
     with mock.patch.object(native, "SEGMENT_SLAB_KEYS", 64):  # several slabs per segment, one buffer
-        plain, plain_lse, _ = kernel_set_a(arguments, seq, riders=True)
+        plain, plain_lse, _ = kernel_own_group_pass(arguments, seq, riders=True)
         scratch = native.packing_scratch(dtype, 2, 32, (1, native.SEGMENT_SLAB_KEYS, True))
-        shared, shared_lse, _ = kernel_set_a(arguments, seq, riders=True, scratch=scratch.fill_(float("nan")))
+        shared, shared_lse, _ = kernel_own_group_pass(arguments, seq, riders=True, scratch=scratch.fill_(float("nan")))
     assert not scratch.isnan().all()  # the call packed into it: it was large enough
     torch.testing.assert_close(shared, plain, atol=0, rtol=0)
     torch.testing.assert_close(shared_lse, plain_lse, atol=0, rtol=0)
@@ -449,7 +438,7 @@ def test_kernel_key_sort_files_keys_by_segment_riders_first():
     assert layout.last_sink.tolist() == [10, 1]  # sample 0 is left-padded by 9
 
 
-def test_kernel_set_a_rejects_groups_outside_the_layer_and_blocks_out_of_order():
+def test_kernel_own_group_pass_rejects_groups_outside_the_layer_and_blocks_out_of_order():
     generator = torch.Generator().manual_seed(3)
     probe_groups, key_groups = random_routing(generator, 1, 40, 4, 2, "none")
     valid = torch.ones(1, 40, dtype=torch.bool)
@@ -533,14 +522,15 @@ def test_sinks_ride_in_top_1_chunks_after_the_last_sink(separate):
         output, lse, done = partials.probe_part(*arguments)
     positions = torch.arange(seq).expand(2, -1)
     assert done[positions > 2].all() and not done[positions <= 2].any()  # every query after the last sink
-    # Set A with the riding sinks equals set A without them merged with all the sink pairs of the same queries,
-    # near or far (a window of -1: `local_part` leaves the sinks out of these queries' windows).
+    # The own-group pass with the riding sinks equals the own-group pass without them merged with all the sink pairs of
+    # the same queries, near or far (a window of -1: `local_part` leaves the sinks out of these queries' windows).
     plain, plain_lse, _ = partials.probe_part(*arguments[:9])
     sinks, sinks_lse = partials.sink_part(query, key, value, groups, key_groups, sink, -1, SCALING)
     expected, expected_lse = plain.clone(), plain_lse.clone()
     partials.merge_into(expected, expected_lse, sinks, sinks_lse)
     torch.testing.assert_close(output[done], expected[done], atol=ATOL, rtol=0)
-    # Rows with an empty set A (a query before its probed group's first key) carry weight 0 whatever their output.
+    # Rows with an empty the own-group pass (a query before its probed group's first key) carry weight 0 whatever their
+    # output.
     kept = ~done & (plain_lse[..., 0] > torch.finfo(torch.float32).min / 2)
     torch.testing.assert_close(output[kept], plain[kept], atol=ATOL, rtol=0)
     torch.testing.assert_close(lse[~done], plain_lse[~done], atol=ATOL, rtol=0)

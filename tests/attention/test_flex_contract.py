@@ -36,8 +36,8 @@ from focus_hf.attention.gpu.block_masks import (
     mask_outside_lists,
 )
 from focus_hf.attention.gpu.flex import flex_compilations
-from focus_hf.attention.gpu.kernels import cpu_twin_kernels
-from focus_hf.attention.gpu.stock import stock_sparse_attention
+from focus_hf.attention.gpu.gpu_path import gpu_sparse_attention
+from focus_hf.attention.gpu.kernels import standin_kernels
 from focus_hf.attention.reference import dense_attention
 
 
@@ -52,7 +52,8 @@ def _fresh_state():
 
 @contextlib.contextmanager
 def gpu_path_kernels(kernels):
-    """The GPU path (`backend="stock"`) on `kernels`, which the tests hold to their own checks instead of `verify`."""
+    """The GPU path (`backend="gpu-path"`) on `kernels`, which the tests hold to their own checks instead of
+    `verify`."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hard, "verified_kernels", lambda query, key, backend="auto": kernels)
         yield
@@ -121,7 +122,7 @@ def test_a_full_block_the_mask_hides_and_a_pair_outside_the_lists_are_named():
 
 
 def test_a_broken_mask_is_refused_before_any_kernel_runs():
-    twin = cpu_twin_kernels()
+    twin = standin_kernels()
     ran = []
     kernels = type(twin)("spy", lambda *a: ran.append(1), None, False, (), twin.head_dims)
     query, key = torch.zeros(2, 2, 200, 8), torch.zeros(2, 2, 300, 8)
@@ -137,7 +138,7 @@ def test_a_broken_mask_is_refused_before_any_kernel_runs():
 @given(cases())
 def test_every_prefill_mask_keeps_the_contract(case):
     with gpu_path_kernels(strict_twin()):
-        output, reference, rows = run_case(case, backend="stock")
+        output, reference, rows = run_case(case, backend="gpu-path")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
@@ -146,7 +147,7 @@ def test_every_prefill_mask_keeps_the_contract(case):
 def test_eager_flex_attention_gives_the_reference(case):
     # Eager FlexAttention reads every pair through mask_mod: no meaning may hide in the block lists.
     with gpu_path_kernels(eager_kernels()):
-        output, reference, rows = run_case(case, backend="stock")
+        output, reference, rows = run_case(case, backend="gpu-path")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
@@ -190,9 +191,10 @@ def test_the_compiled_cpu_kernel_runs_every_prefill_mask(changes, compiler):
     record = CompiledCalls()
     case = {**BASE_CASE, "seq": 200, "q_len": 200, "pad": 17, **changes}
     with gpu_path_kernels(compiled_cpu_kernels(record)):
-        output, reference, rows = run_case(case, backend="stock")
+        output, reference, rows = run_case(case, backend="gpu-path")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
-    if changes is COMPILED_CASES["shared top-1"]:  # set A on varlen, set B in torch (`bands`): no FlexAttention
+    # The own-group pass on varlen, the window band in torch (`bands`): no FlexAttention.
+    if changes is COMPILED_CASES["shared top-1"]:
         assert record.calls == 0
     else:
         assert record.calls >= 1
@@ -206,12 +208,12 @@ def test_the_compiled_cpu_kernel_reads_a_model_mask_pair_by_pair(compiler):
     with gpu_path_kernels(compiled_cpu_kernels(record)):
         output, reference, rows = run_case(
             {**BASE_CASE, "seq": 200, "q_len": 200, "pad": 17},
-            backend="stock",
+            backend="gpu-path",
             mask_is_padding=False,
             extra_mask=sliding,
         )
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
-    assert record.calls == 1  # set A, reading the mask (set B reads it in torch: `bands`)
+    assert record.calls == 1  # the own-group pass, reading the mask (the window band reads it in torch: `bands`)
     assert hard.fallback_calls() == {}
 
 
@@ -235,7 +237,7 @@ def test_a_model_on_the_compiled_cpu_kernel_equals_the_reference(compiler):
     mask[1, :23] = 0
     record = CompiledCalls()
     outputs = {}
-    for backend in ("reference", "stock"):
+    for backend in ("reference", "gpu-path"):
         focus_hf.set_routing(model, "hard", backend=backend)
         with gpu_path_kernels(compiled_cpu_kernels(record)), pytest.MonkeyPatch.context() as patch:
             patch.setattr(paged_keys, "FILE_EVERY", 4)
@@ -246,8 +248,8 @@ def test_a_model_on_the_compiled_cpu_kernel_equals_the_reference(compiler):
             )
         outputs[backend] = (logits, greedy)
     real = mask.bool()
-    torch.testing.assert_close(outputs["stock"][0][real], outputs["reference"][0][real], atol=ATOL, rtol=0)
-    assert torch.equal(outputs["stock"][1], outputs["reference"][1])
+    torch.testing.assert_close(outputs["gpu-path"][0][real], outputs["reference"][0][real], atol=ATOL, rtol=0)
+    assert torch.equal(outputs["gpu-path"][1], outputs["reference"][1])
     assert record.calls > 0
     assert hard.fallback_calls() == {}
 
@@ -281,7 +283,7 @@ def bfloat16_case(length: int, top_k: int, separate: bool):
     arguments, _, rows = sparse_case(length=length, q_len=length, top_k=top_k, separate=separate)
     query, key, value, *rest = arguments
     states = tuple(state.to(torch.bfloat16) for state in (query, key, value))
-    output = stock_sparse_attention(*states, *rest, dynamo_kernels(), own_group=not separate)
+    output = gpu_sparse_attention(*states, *rest, dynamo_kernels(), own_group=not separate)
     expected = dense_attention(*(state.float() for state in states), allowed_of(arguments), scaling=SCALING)
     torch.testing.assert_close(output.float()[rows], expected[rows], atol=2e-2, rtol=0)
 
@@ -294,7 +296,7 @@ def test_twenty_configurations_compile_a_bounded_number_of_times(compiler):
         for index, (length, batch) in enumerate(PREFILL_SHAPES):
             routing = ROUTINGS[index % len(ROUTINGS)]
             case = {**BASE_CASE, "seq": length, "q_len": length, "batch": batch, "seed": index, "window": 5 + index}
-            output, reference, rows = run_case({**case, **routing}, backend="stock")
+            output, reference, rows = run_case({**case, **routing}, backend="gpu-path")
             torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
             configurations += 1
         for length, top_k, separate in ((300, 1, False), (450, 2, True), (520, 1, True), (260, 2, False)):
@@ -317,7 +319,7 @@ def test_past_the_recompile_limit_a_call_takes_the_exact_path_with_one_warning(c
     with gpu_path_kernels(dynamo_kernels()), torch._dynamo.config.patch(recompile_limit=1):
         for top_k in (2, 3, 5):
             case = {**BASE_CASE, "seq": 260, "q_len": 5, "num_groups": 6, "top_k": top_k}
-            output, reference, rows = run_case(case, backend="stock")
+            output, reference, rows = run_case(case, backend="gpu-path")
             torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
     assert hard.fallback_calls() == {"recompile limit": 2}
     assert capsys.readouterr().err.count("reached its recompile limit") == 1
@@ -331,10 +333,11 @@ def test_inside_a_compiled_model_each_call_runs_its_own_compiled_function(compil
     query, key, value, *rest = arguments
 
     def attention(query, key, value):
-        return stock_sparse_attention(query, key, value, *rest, dynamo_kernels(), own_group=False)
+        return gpu_sparse_attention(query, key, value, *rest, dynamo_kernels(), own_group=False)
 
     explained = torch._dynamo.explain(attention)(query, key, value)
-    assert explained.graph_break_count >= 1, explained  # set A's call (set B runs in torch: `bands`)
+    # The own-group pass's call (the window band runs in torch: `bands`).
+    assert explained.graph_break_count >= 1, explained
     for graph in explained.graphs:
         assert "flex_attention" not in str(graph.code), "FlexAttention was traced into the model's graph"
     torch._dynamo.reset()

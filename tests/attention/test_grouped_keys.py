@@ -10,7 +10,7 @@ from test_fast import ATOL, SCALING, random_routing
 
 import focus_hf.attention.hard as hard
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys, one_step_behind
-from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.pattern import FocusPattern, allowed_pairs
 from focus_hf.attention.reference import dense_attention
 
 
@@ -32,19 +32,15 @@ def step(case, grouped, position, window, num_groups):
     query, key, value, query_groups, key_groups, sink, valid = case
     end = position + 1
     model_mask = valid[:, None, None, :end]
+    groups = (query_groups[:, position:end], key_groups[:, :end], sink[:, :end], num_groups, window)
     output = hard.hard_attention(
         query[:, :, position:end],
         key[:, :, :end],
         value[:, :, :end],
-        model_mask,
-        query_groups=query_groups[:, position:end],
-        key_groups=key_groups[:, :end],
-        key_sink=sink[:, :end],
-        num_groups=num_groups,
-        window=window,
+        FocusPattern(*groups, model_mask=model_mask),
         scaling=SCALING,
         backend="sdpa",
-        grouped=[grouped],
+        key_copy=[grouped],
     )
     positions = torch.arange(end)
     allowed = allowed_pairs(

@@ -1,5 +1,5 @@
 """One-query decoding steps of the GPU path over a paged, group-sorted copy of the keys (`attention.gpu.paged_keys`,
-`stock.paged_decode`), run on the CPU through FlexAttention's double, against the dense oracle."""
+`gpu_path.decode_from_paged_keys`), run on the CPU through FlexAttention's CPU stand-in, against the dense oracle."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import focus_hf.attention.gpu.paged_keys as paged_keys
 import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
 from focus_hf.attention.gpu.block_masks import BlockLists
-from focus_hf.attention.gpu.kernels import StockKernels, cpu_twin_kernels
+from focus_hf.attention.gpu.gpu_path import decode_from_paged_keys
+from focus_hf.attention.gpu.kernels import GpuKernels, standin_kernels
 from focus_hf.attention.gpu.paged_keys import PAGE, PagedKeys
-from focus_hf.attention.gpu.stock import paged_decode
-from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.pattern import FocusPattern, allowed_pairs
 from focus_hf.attention.reference import dense_attention
 
 
@@ -65,7 +65,8 @@ def decoding_steps(
                 store.invalidate()
             q = query[:, :, n - 1 : n]
             arguments = (key[:, :, :n], value[:, :, :n], valid[:, :n], query_groups[:, n - 1 : n])
-            output = paged_decode(q, *arguments, key_groups[:, :n], sink[:, :n], window, SCALING, store, kernels)
+            routing = (key_groups[:, :n], sink[:, :n], window, SCALING)
+            output = decode_from_paged_keys(q, *arguments, *routing, store, kernels)
             allowed = allowed_pairs(
                 query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], positions[n - 1 : n], positions[:n], window
             )
@@ -91,7 +92,7 @@ def test_decoding_steps_equal_the_dense_oracle(seed, batch, groups, top_k, windo
     steps = list(range(290, 297)) + list(range(395, 400)) + [420]
     options = dict(seed=seed, batch=batch, groups=groups, top_k=min(top_k, groups), window=window, pad=pad)
     options.update(file_every=file_every, sinks=sinks, separate=separate)
-    decoding_steps(cpu_twin_kernels(), steps, (395, 420), 420, **options)
+    decoding_steps(standin_kernels(), steps, (395, 420), 420, **options)
 
 
 def test_a_step_reads_the_ring_the_sinks_and_its_probed_groups_pages_only(monkeypatch):
@@ -99,15 +100,15 @@ def test_a_step_reads_the_ring_the_sinks_and_its_probed_groups_pages_only(monkey
     groups, window, length = 4, 16, 3000
     query, key, value, query_groups, key_groups, valid, sink = decoding_case(0, 1, length, groups, 1, 0, 4, skew="none")
     lists: list[BlockLists] = []
-    twin = cpu_twin_kernels()
+    twin = standin_kernels()
 
     def capture(query, key, value, blocks, scale):
         lists.append(blocks)
         return twin.raw_flex(query, key, value, blocks, scale)
 
-    kernels = StockKernels("capture", capture, None, False, (), twin.head_dims)
+    kernels = GpuKernels("capture", capture, None, False, (), twin.head_dims)
     store = PagedKeys(groups, window)
-    paged_decode(
+    decode_from_paged_keys(
         query[:, :, -1:], key, value, valid, query_groups[:, -1:], key_groups, sink, window, SCALING, store, kernels
     )
     probed = int(query_groups[0, -1, 0])
@@ -118,24 +119,22 @@ def test_a_step_reads_the_ring_the_sinks_and_its_probed_groups_pages_only(monkey
     assert expected_blocks * PAGE < length / 2  # about a quarter of the keys, not all of them
 
 
-def test_generate_with_the_stock_backend_steps_through_the_paged_copy(monkeypatch):
+def test_generate_with_the_gpu_path_backend_steps_through_the_paged_copy(monkeypatch):
     monkeypatch.setattr(paged_keys, "FILE_EVERY", 4)  # filing during the steps, not only when the copy is built
-    steps = []
-    original = hard.paged_decode
-    monkeypatch.setattr(hard, "paged_decode", lambda *a, **k: steps.append(1) or original(*a, **k))
+    hard.forget_fallbacks()
     verify.forget_verdicts()
     model = focus_llama(2)
     ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
     mask[0, :31] = 0
     generated = {}
-    for backend in ("reference", "stock"):
+    for backend in ("reference", "gpu-path"):
         focus_hf.set_routing(model, "hard", backend=backend)
         generated[backend] = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
         )
-    assert torch.equal(generated["stock"], generated["reference"])
-    assert len(steps) == 11 * 2  # every step after the prefill, in both layers
+    assert torch.equal(generated["gpu-path"], generated["reference"])
+    assert hard.paths_run()["gpu-paged-decode"] == 11 * 2  # every step after the prefill, in both layers
 
 
 def test_a_step_that_does_not_read_the_copy_has_it_rebuilt(monkeypatch):
@@ -151,19 +150,9 @@ def test_a_step_that_does_not_read_the_copy_has_it_rebuilt(monkeypatch):
     verify.forget_verdicts()
     for n in range(95, 110):
         q = query[:, :, n - 1 : n]
+        pattern = FocusPattern(query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], groups, window)
         output = hard.hard_attention(
-            q,
-            key[:, :, :n],
-            value[:, :, :n],
-            None,
-            query_groups=query_groups[:, n - 1 : n],
-            key_groups=key_groups[:, :n],
-            key_sink=sink[:, :n],
-            num_groups=groups,
-            window=window,
-            scaling=SCALING,
-            backend="stock",
-            paged=store,
+            q, key[:, :, :n], value[:, :, :n], pattern, scaling=SCALING, backend="gpu-path", key_copy=store
         )
         allowed = allowed_pairs(
             query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], positions[n - 1 : n], positions[:n], window
@@ -179,10 +168,10 @@ def test_a_step_checks_its_lists_values_only_after_pages_were_filed(monkeypatch)
     groups, window = 3, 6
     query, key, value, query_groups, key_groups, valid, sink = decoding_case(3, 1, 120, groups, 1, 0, 2)
     checked = []
-    twin = cpu_twin_kernels()
+    twin = standin_kernels()
     original = twin.flex
 
-    class Spy(StockKernels):
+    class Spy(GpuKernels):
         def flex(self, *arguments, check_values=True):
             checked.append(check_values)
             return original(*arguments, check_values=check_values)
@@ -191,7 +180,7 @@ def test_a_step_checks_its_lists_values_only_after_pages_were_filed(monkeypatch)
     store = PagedKeys(groups, window)
     for n in range(100, 110):
         arguments = (key[:, :, :n], value[:, :, :n], valid[:, :n], query_groups[:, n - 1 : n])
-        paged_decode(
+        decode_from_paged_keys(
             query[:, :, n - 1 : n], *arguments, key_groups[:, :n], sink[:, :n], window, SCALING, store, kernels
         )
     filed = [paged_keys.filed_before(n, window) > paged_keys.filed_before(n - 1, window) for n in range(100, 110)]

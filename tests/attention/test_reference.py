@@ -15,9 +15,14 @@ from tiny_models import VOCAB, tiny_model
 
 import focus_hf
 import focus_hf.attention.reference as reference
-from focus_hf.attention.hard import reference_hard_attention
 from focus_hf.attention.pattern import allowed_pairs, soft_gate
-from focus_hf.attention.reference import chunked_attention, dense_attention, hard_bias, soft_bias
+from focus_hf.attention.reference import (
+    chunked_attention,
+    dense_attention,
+    hard_bias,
+    reference_hard_attention,
+    soft_bias,
+)
 
 ATOL = 1e-5
 SCALING = 0.3

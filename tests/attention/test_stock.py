@@ -1,6 +1,6 @@
-"""The GPU path on stock kernels (`focus_hf.attention.gpu.stock`), run on the CPU through its twin: the kernels' doubles
-(`doubles`), whose conventions are those of the CUDA kernels - checked here against torch's own kernels where they
-run on the CPU, and on CUDA by tests/attention/test_cuda.py and `verify`."""
+"""The GPU path (`focus_hf.attention.gpu.gpu_path`), run on the CPU through the CPU stand-ins of its CUDA kernels
+(`cpu_standins`), whose conventions are those of the CUDA kernels - checked here against torch's own kernels where
+they run on the CPU, and on CUDA by tests/attention/test_cuda.py and `verify`."""
 
 from __future__ import annotations
 
@@ -15,22 +15,22 @@ from test_fast import ATOL, BASE_CASE, SCALING, cases, focus_llama, random_routi
 from tiny_models import VOCAB
 
 import focus_hf
-import focus_hf.attention.cpu.fast as fast
+import focus_hf.attention.cpu.cpu_path as cpu_path
 import focus_hf.attention.gpu.bands as bands
+import focus_hf.attention.gpu.gpu_path as gpu_path
 import focus_hf.attention.gpu.merge as merge
 import focus_hf.attention.gpu.paged_keys as paged_keys_module
-import focus_hf.attention.gpu.stock as stock
 import focus_hf.attention.gpu.verify as verify
 import focus_hf.attention.hard as hard
 from focus_hf.attention.backends import cuda_sdpa_kernel
 from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists
-from focus_hf.attention.gpu.doubles import (
+from focus_hf.attention.gpu.cpu_standins import (
     block_visibility,
-    efficient_attention_double,
-    flex_attention_double,
-    varlen_attention_double,
+    efficient_attention_standin,
+    flex_attention_standin,
+    varlen_attention_standin,
 )
-from focus_hf.attention.gpu.kernels import NEG, StockKernels, cpu_twin_kernels
+from focus_hf.attention.gpu.kernels import NEG, GpuKernels, standin_kernels
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 
@@ -47,12 +47,12 @@ def _fresh_verdicts():
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(), st.booleans())
-def test_stock_path_equals_dense_oracle(case, varlen_gqa):
+def test_gpu_path_equals_dense_oracle(case, varlen_gqa):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(merge, "MERGE_ROWS", case["stream_rows"])
-        patch.setattr(stock, "VARLEN_BYTES", case["set_a_rows"])  # kv heads in runs of one, or all at once
-        patch.setattr(verify, "stock_kernels", lambda device, backend="auto": cpu_twin_kernels(varlen_gqa))
-        output, reference, rows = run_case(case, backend="stock")
+        patch.setattr(gpu_path, "VARLEN_BYTES", case["own_group_rows"])  # kv heads in runs of one, or all at once
+        patch.setattr(verify, "gpu_kernels", lambda device, backend="auto": standin_kernels(varlen_gqa))
+        output, reference, rows = run_case(case, backend="gpu-path")
     assert output.shape == reference.shape
     assert torch.isfinite(output).all()
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
@@ -61,7 +61,7 @@ def test_stock_path_equals_dense_oracle(case, varlen_gqa):
 def sparse_case(
     length=300, q_len=300, top_k=1, separate=False, groups=4, window=16, sinks=3, pad=20, seed=1, dtype=None
 ):
-    """Inputs of `stock.stock_sparse_attention` and the dense oracle's output on them."""
+    """Inputs of `gpu_path.gpu_sparse_attention` and the dense oracle's output on them."""
     generator = torch.Generator().manual_seed(seed)
     batch, heads, kv_heads, dim = 2, 6, 2, 8
     query = torch.randn(batch, q_len, heads, dim, generator=generator).transpose(1, 2)
@@ -86,7 +86,7 @@ def test_every_routing_and_dtype(dtype, top_k, separate):
     arguments, _, rows = sparse_case(top_k=top_k, separate=separate)
     query, key, value, *rest = arguments
     states = tuple(state.to(dtype) for state in (query, key, value))
-    output = stock.stock_sparse_attention(*states, *rest, cpu_twin_kernels())
+    output = gpu_path.gpu_sparse_attention(*states, *rest, standin_kernels())
     assert output.dtype == dtype
     # The oracle on the same rounded inputs: only the kernels' own rounding differs.
     expected = dense_attention(*(state.float() for state in states), allowed_of(arguments), scaling=SCALING)
@@ -104,70 +104,70 @@ def allowed_of(arguments):
 
 def test_own_group_top_1_runs_one_varlen_call_per_kv_head_run(monkeypatch):
     calls = []
-    twin = cpu_twin_kernels()
+    twin = standin_kernels()
 
     def counting(query, key, value, *rest):
-        if rest[-1] < 0:  # set A's causal calls (set B's take the window)
+        if rest[-1] < 0:  # the own-group pass's causal calls (the window band's take the window)
             calls.append((query.shape[1], key.shape[1]))
         return twin.raw_varlen(query, key, value, *rest)
 
-    kernels = StockKernels("counting", twin.raw_flex, counting, False, twin.varlen_dtypes, twin.head_dims)
+    kernels = GpuKernels("counting", twin.raw_flex, counting, False, twin.varlen_dtypes, twin.head_dims)
     arguments, expected, rows = sparse_case()
-    monkeypatch.setattr(stock, "VARLEN_BYTES", 1)  # one kv head per run
-    output = stock.stock_sparse_attention(*arguments, kernels, own_group=True)
+    monkeypatch.setattr(gpu_path, "VARLEN_BYTES", 1)  # one kv head per run
+    output = gpu_path.gpu_sparse_attention(*arguments, kernels, own_group=True)
     torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
     # 2 kv heads x 3 query heads each, no GQA in the kernel: one call per query head, one kv head each.
     assert calls == [(1, 1)] * 6
     calls.clear()
-    monkeypatch.setattr(stock, "VARLEN_BYTES", 1 << 40)
-    stock.stock_sparse_attention(*arguments, kernels, own_group=True)
+    monkeypatch.setattr(gpu_path, "VARLEN_BYTES", 1 << 40)
+    gpu_path.gpu_sparse_attention(*arguments, kernels, own_group=True)
     assert calls == [(2, 2)] * 3  # both kv heads per call, one call per position in a kv head's run
 
 
 def test_a_kv_head_past_the_budget_takes_its_query_heads_in_runs(monkeypatch):
     calls = []
-    twin = cpu_twin_kernels(varlen_gqa=True)
+    twin = standin_kernels(varlen_gqa=True)
 
     def counting(query, key, value, *rest):
-        if rest[-1] < 0:  # set A's causal calls (set B's take the window)
+        if rest[-1] < 0:  # the own-group pass's causal calls (the window band's take the window)
             calls.append((query.shape[1], key.shape[1]))
         return twin.raw_varlen(query, key, value, *rest)
 
-    kernels = StockKernels("counting", twin.raw_flex, counting, True, twin.varlen_dtypes, twin.head_dims)
+    kernels = GpuKernels("counting", twin.raw_flex, counting, True, twin.varlen_dtypes, twin.head_dims)
     arguments, expected, rows = sparse_case()  # batch 2, 6 / 2 heads, dim 8, 300 tokens, float32
     element = 2 * 8 * 4
     one_kv_head, one_query_head = 2 * 300 * element, 3 * 300 * element
-    monkeypatch.setattr(stock, "VARLEN_BYTES", one_kv_head + 2 * one_query_head)  # 2 of a kv head's 3 query heads
-    output = stock.stock_sparse_attention(*arguments, kernels, own_group=True)
+    monkeypatch.setattr(gpu_path, "VARLEN_BYTES", one_kv_head + 2 * one_query_head)  # 2 of a kv head's 3 query heads
+    output = gpu_path.gpu_sparse_attention(*arguments, kernels, own_group=True)
     torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
     assert calls == [(2, 1), (1, 1)] * 2
     calls.clear()
-    monkeypatch.setattr(stock, "VARLEN_BYTES", one_kv_head + 3 * one_query_head)  # one whole kv head
-    stock.stock_sparse_attention(*arguments, kernels, own_group=True)
+    monkeypatch.setattr(gpu_path, "VARLEN_BYTES", one_kv_head + 3 * one_query_head)  # one whole kv head
+    gpu_path.gpu_sparse_attention(*arguments, kernels, own_group=True)
     assert calls == [(3, 1)] * 2
 
 
-def test_probed_routing_never_calls_varlen_for_set_a():
-    twin = cpu_twin_kernels()
+def test_probed_routing_never_calls_varlen_for_the_own_group_pass():
+    twin = standin_kernels()
 
     def refuse_causal(*args):
-        if args[-1] < 0:  # set B's windowed calls are for every routing
+        if args[-1] < 0:  # the window band's windowed calls are for every routing
             raise AssertionError("varlen's causal calls are for own-group top-1 only")
         return twin.raw_varlen(*args)
 
-    kernels = StockKernels("no causal varlen", twin.raw_flex, refuse_causal, False, twin.varlen_dtypes, twin.head_dims)
+    kernels = GpuKernels("no causal varlen", twin.raw_flex, refuse_causal, False, twin.varlen_dtypes, twin.head_dims)
     for top_k, separate in ((2, False), (1, True)):
         arguments, expected, rows = sparse_case(top_k=top_k, separate=separate)
-        output = stock.stock_sparse_attention(*arguments, kernels)
+        output = gpu_path.gpu_sparse_attention(*arguments, kernels)
         torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
 
 
-def test_float32_without_a_varlen_kernel_runs_flex_for_set_a():
-    twin = cpu_twin_kernels()
-    kernels = StockKernels("flex only", twin.raw_flex, None, False, (), twin.head_dims)
+def test_float32_without_a_varlen_kernel_runs_flex_for_the_own_group_pass():
+    twin = standin_kernels()
+    kernels = GpuKernels("flex only", twin.raw_flex, None, False, (), twin.head_dims)
     arguments, expected, rows = sparse_case()
     torch.testing.assert_close(
-        stock.stock_sparse_attention(*arguments, kernels)[rows], expected[rows], atol=ATOL, rtol=0
+        gpu_path.gpu_sparse_attention(*arguments, kernels)[rows], expected[rows], atol=ATOL, rtol=0
     )
 
 
@@ -178,8 +178,8 @@ def listed_pairs(count, indices, q_len, kv_len):
     return block_visibility(count[:, None], indices[:, None], q_len, kv_len, BLOCK)[:, 0]
 
 
-def set_b_oracle(query, key, value, valid, query_groups, key_groups, sink, window, model_mask=None):
-    """Set B by its definition, densely in float64: (output, natural-log lse, rows with a visible key)."""
+def window_band_oracle(query, key, value, valid, query_groups, key_groups, sink, window, model_mask=None):
+    """The window band by its definition, densely in float64: (output, natural-log lse, rows with a visible key)."""
     q_len, length = query.shape[2], key.shape[2]
     positions = torch.arange(length)
     distance = positions[length - q_len :, None] - positions[None, :]
@@ -208,9 +208,9 @@ def set_b_oracle(query, key, value, valid, query_groups, key_groups, sink, windo
     st.booleans(),  # a general model mask
     st.integers(0, 2**16),
 )
-def test_bands_equal_set_b_by_its_definition(length, before, window, top_k, separate, sinks, general, seed):
-    """Set B in plain torch (`bands`), chunks of one band forced, against its definition: GQA, left padding, sinks
-    moved by it, queries after a cache, rows without a key (lse NEG, output 0) and a general model mask."""
+def test_bands_equal_the_window_band_by_its_definition(length, before, window, top_k, separate, sinks, general, seed):
+    """The window band in plain torch (`bands`), chunks of one band forced, against its definition: GQA, left padding,
+    sinks moved by it, queries after a cache, rows without a key (lse NEG, output 0) and a general model mask."""
     q_len = length - min(before, length - 1)
     arguments, _, _ = sparse_case(
         length=length, q_len=q_len, top_k=top_k, separate=separate, window=window, sinks=sinks, pad=length // 5,
@@ -226,7 +226,7 @@ def test_bands_equal_set_b_by_its_definition(length, before, window, top_k, sepa
         output, lse = bands.band_attention(
             query, key, value, valid, query_groups, key_groups, sink, window, scaling, model_mask
         )
-    expected, expected_lse, seen = set_b_oracle(
+    expected, expected_lse, seen = window_band_oracle(
         query, key, value, valid, query_groups, key_groups, sink, window, model_mask
     )
     assert output.shape == query.shape and lse.shape == query.shape[:3] and lse.dtype == torch.float32
@@ -258,7 +258,7 @@ def test_bands_take_a_sink_inside_the_window_once():
     st.booleans(),
     st.integers(0, 2**16),
 )
-def test_sorted_range_blocks_cover_set_a_and_full_blocks_are_full(length, groups, top_k, separate, seed):
+def test_sorted_range_blocks_cover_the_own_group_pass_and_full_blocks_are_full(length, groups, top_k, separate, seed):
     top_k = min(top_k, groups)
     generator = torch.Generator().manual_seed(seed)
     query_groups, key_groups = random_routing(generator, 2, length, groups, top_k, "some", separate, adaptive=True)
@@ -267,13 +267,13 @@ def test_sorted_range_blocks_cover_set_a_and_full_blocks_are_full(length, groups
 
     def capture(query, key, value, blocks, scale):
         captured["blocks"] = blocks
-        return cpu_twin_kernels().raw_flex(query, key, value, blocks, scale)
+        return standin_kernels().raw_flex(query, key, value, blocks, scale)
 
-    kernels = StockKernels("capture", capture, None, False, (), lambda dim: dim)
+    kernels = GpuKernels("capture", capture, None, False, (), lambda dim: dim)
     states = torch.zeros(2, 1, length, 2), torch.zeros(2, 1, length, 2), torch.zeros(2, 1, length, 2)
     output = torch.zeros(2, 1, length, 2)
     lse = torch.full((2, 1, length), NEG)
-    stock.fold_probed_groups(output, lse, *states, valid, query_groups, key_groups, groups, 1.0, kernels)
+    gpu_path.fold_probed_groups(output, lse, *states, valid, query_groups, key_groups, groups, 1.0, kernels)
     blocks: BlockLists = captured["blocks"]
     entries, kv_len = blocks.q_len, blocks.kv_len
     b = torch.arange(2).view(2, 1, 1, 1)
@@ -285,11 +285,11 @@ def test_sorted_range_blocks_cover_set_a_and_full_blocks_are_full(length, groups
     assert not bool((partial & full).any())  # a block is listed once
     assert bool((partial | full | ~rule).all())  # every visible pair is read
     assert bool((rule | ~full).all())  # a full block holds only visible pairs
-    # The sort's own pairs: set A of the pattern, each once.
-    assert int(rule.sum()) == int(set_a_pair_count(query_groups, key_groups, valid, groups))
+    # The sort's own pairs: the own-group pass of the pattern, each once.
+    assert int(rule.sum()) == int(own_group_pair_count(query_groups, key_groups, valid, groups))
 
 
-def set_a_pair_count(query_groups, key_groups, valid, groups):
+def own_group_pair_count(query_groups, key_groups, valid, groups):
     length = key_groups.shape[1]
     probed = torch.zeros(*query_groups.shape[:2], groups, dtype=torch.bool)
     probed.scatter_(-1, query_groups, True)
@@ -319,7 +319,7 @@ def test_flex_double_equals_torch_flex_attention_where_every_block_is_read():
         expected, expected_lse = flex_attention(
             query, key, value, block_mask=block_mask, scale=0.2, enable_gqa=True, return_lse=True
         )
-    output, lse = flex_attention_double(
+    output, lse = flex_attention_standin(
         query,
         key,
         value,
@@ -342,7 +342,7 @@ def test_flex_double_reads_only_listed_blocks_and_full_blocks_without_the_mask()
     query = torch.zeros(1, 1, 256, 16)
     key = torch.zeros(1, 1, 384, 16)
     value = torch.arange(384.0).view(1, 1, 384, 1).expand(1, 1, 384, 16).contiguous()
-    output, lse = flex_attention_double(
+    output, lse = flex_attention_standin(
         query,
         key,
         value,
@@ -362,7 +362,7 @@ def test_varlen_double_is_bottom_right_causal_and_refuses_gqa_unless_asked():
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(n, 2, 8, generator=generator) for n in (7, 12, 12))
     cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
-    output, lse = varlen_attention_double(query, key, value, cu_q, cu_k, 4, 7, scale=0.5)
+    output, lse = varlen_attention_standin(query, key, value, cu_q, cu_k, 4, 7, scale=0.5)
     assert lse.shape == (2, 7)
     # Sequence 0: 3 queries over 5 keys; the last query sees all 5, the first sees keys 0..2.
     expected = dense_attention(
@@ -374,17 +374,17 @@ def test_varlen_double_is_bottom_right_causal_and_refuses_gqa_unless_asked():
     )
     torch.testing.assert_close(output[:3], expected[0], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="same number of heads"):
-        varlen_attention_double(query, key[:, :1], value[:, :1], cu_q, cu_k, 4, 7, scale=0.5)
+        varlen_attention_standin(query, key[:, :1], value[:, :1], cu_q, cu_k, 4, 7, scale=0.5)
     with pytest.raises(ValueError, match="exceeds"):
-        varlen_attention_double(query, key, value, cu_q, cu_k, 3, 7, scale=0.5)
+        varlen_attention_standin(query, key, value, cu_q, cu_k, 3, 7, scale=0.5)
 
 
 def test_twin_varlen_without_gqa_equals_the_kernel_with_gqa():
     generator = torch.Generator().manual_seed(1)
     query, key, value = torch.randn(9, 6, 8, generator=generator), *(torch.randn(9, 2, 8) for _ in range(2))
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    per_position = cpu_twin_kernels(varlen_gqa=False).varlen(query, key, value, cu, cu, 5, 5, 0.3)
-    gqa = cpu_twin_kernels(varlen_gqa=True).varlen(query, key, value, cu, cu, 5, 5, 0.3)
+    per_position = standin_kernels(varlen_gqa=False).varlen(query, key, value, cu, cu, 5, 5, 0.3)
+    gqa = standin_kernels(varlen_gqa=True).varlen(query, key, value, cu, cu, 5, 5, 0.3)
     torch.testing.assert_close(per_position, gqa, atol=1e-6, rtol=0)
 
 
@@ -398,22 +398,22 @@ def raw_efficient_kernel(query, key, value, *, causal, bias, scale):
     key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     if bias is not None:
         bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-    output, lse, _, _ = efficient_attention_double(query, key, value, bias, True, 0.0, causal, scale=scale)
+    output, lse, _, _ = efficient_attention_standin(query, key, value, bias, True, 0.0, causal, scale=scale)
     return output, lse[..., : query.shape[2]]
 
 
 def fixed_efficient_kernel(query, key, value, *, causal, bias, scale):
     return cuda_sdpa_kernel(
-        query, key, value, causal=causal, bias=bias, scale=scale, efficient=efficient_attention_double
+        query, key, value, causal=causal, bias=bias, scale=scale, efficient=efficient_attention_standin
     )
 
 
 def test_efficient_kernel_double_reproduces_the_cuda_fault_and_the_wrapper_fixes_it():
-    # The torch path of set A and B (what CUDA ran), in float64 so that only the convention can differ.
+    # The torch path of the own-group pass and B (what CUDA ran), in float64 so that only the convention can differ.
     arguments, expected, rows = sparse_case(groups=5, window=9, sinks=3, pad=0, seed=4)
     query, key, value, valid, query_groups, key_groups, sink, groups, window, scaling = arguments
     double = [tensor.double() if tensor.is_floating_point() else tensor for tensor in (query, key, value)]
-    run = partial(fast.sparse_attention, *double, valid, query_groups, key_groups, sink, groups, window, scaling)
+    run = partial(cpu_path.sparse_attention, *double, valid, query_groups, key_groups, sink, groups, window, scaling)
     wrong = run(raw_efficient_kernel)
     assert float((wrong - expected.double()).abs().max()) > 0.05  # empty parts weighed in: the fault
     torch.testing.assert_close(run(fixed_efficient_kernel).float()[rows], expected[rows], atol=ATOL, rtol=0)
@@ -439,7 +439,7 @@ def test_efficient_wrapper_gives_empty_rows_zero_output_and_the_lowest_lse():
 
 
 def kernels_with(**changes):
-    twin = cpu_twin_kernels()
+    twin = standin_kernels()
     fields = dict(
         name="broken",
         raw_flex=twin.raw_flex,
@@ -448,36 +448,36 @@ def kernels_with(**changes):
         varlen_dtypes=twin.varlen_dtypes,
         head_dims=twin.head_dims,
     )
-    return StockKernels(**{**fields, **changes})
+    return GpuKernels(**{**fields, **changes})
 
 
 def log2_lse_flex(query, key, value, blocks, scale):
-    output, lse = cpu_twin_kernels().raw_flex(query, key, value, blocks, scale)
+    output, lse = standin_kernels().raw_flex(query, key, value, blocks, scale)
     return output, lse / torch.log(torch.tensor(2.0))
 
 
 def zero_lse_for_empty_rows_flex(query, key, value, blocks, scale):
-    output, lse = cpu_twin_kernels().raw_flex(query, key, value, blocks, scale)
+    output, lse = standin_kernels().raw_flex(query, key, value, blocks, scale)
     return output, torch.where(lse == float("-inf"), 0.0, lse)
 
 
 def tokens_major_lse_varlen(query, key, value, *rest):
-    output, lse = cpu_twin_kernels().raw_varlen(query, key, value, *rest)
+    output, lse = standin_kernels().raw_varlen(query, key, value, *rest)
     return output, lse.transpose(0, 1).contiguous().view(lse.shape)
 
 
-def stock_model_equals_the_reference(monkeypatch, capsys, kernels) -> str:
-    """A model on the stock backend with `kernels` (checked afresh) gives the reference backend's logits, called twice;
-    returns what it printed to stderr."""
+def gpu_path_model_equals_the_reference(monkeypatch, capsys, kernels) -> str:
+    """A model on the gpu-path backend with `kernels` (checked afresh) gives the reference backend's logits, called
+    twice; returns what it printed to stderr."""
     verify.forget_verdicts()
     capsys.readouterr()
-    monkeypatch.setattr(verify, "stock_kernels", lambda device, backend="auto": kernels)
+    monkeypatch.setattr(verify, "gpu_kernels", lambda device, backend="auto": kernels)
     model = focus_llama(1)
     ids = torch.randint(3, VOCAB, (2, 150), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         focus_hf.set_routing(model, "hard", backend="reference")
         expected = model(input_ids=ids).logits
-        focus_hf.set_routing(model, "hard", backend="stock")
+        focus_hf.set_routing(model, "hard", backend="gpu-path")
         actual = model(input_ids=ids).logits
         model(input_ids=ids)
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
@@ -486,24 +486,24 @@ def stock_model_equals_the_reference(monkeypatch, capsys, kernels) -> str:
 
 
 def causal_only_varlen(query, key, value, *rest):
-    return cpu_twin_kernels().raw_varlen(query, key, value, *rest[:-1])  # the window dropped: a wrong bound
+    return standin_kernels().raw_varlen(query, key, value, *rest[:-1])  # the window dropped: a wrong bound
 
 
-def test_a_windowed_call_that_is_not_exact_leaves_set_b_to_the_bands(monkeypatch, capsys):
+def test_a_windowed_call_that_is_not_exact_leaves_the_window_band_to_the_bands(monkeypatch, capsys):
     broken = kernels_with(raw_varlen=causal_only_varlen)
     query, key = torch.zeros(1, 4, 1, 12), torch.zeros(1, 2, 1, 12)
     assert verify.verify(query, key, broken) is None  # the rest of the path is exact
     (verdict,) = verify.verdicts().values()
-    assert verdict.startswith("exact, set B in torch (varlen within a window of")
+    assert verdict.startswith("exact, window band in torch (varlen within a window of")
     assert not verify.verified_kernels(query, key, broken).varlen_window
-    err = stock_model_equals_the_reference(monkeypatch, capsys, broken)
+    err = gpu_path_model_equals_the_reference(monkeypatch, capsys, broken)
     assert err.count("was not exact") == 1 and "did not reproduce" not in err
 
 
 def test_verify_passes_the_twin():
     query, key = torch.zeros(1, 6, 1, 8), torch.zeros(1, 2, 1, 8)
-    assert verify.verify(query, key, cpu_twin_kernels()) is None
-    assert verify.verify(query.bfloat16(), key.bfloat16(), cpu_twin_kernels(varlen_gqa=True)) is None
+    assert verify.verify(query, key, standin_kernels()) is None
+    assert verify.verify(query.bfloat16(), key.bfloat16(), standin_kernels(varlen_gqa=True)) is None
 
 
 @pytest.mark.parametrize(
@@ -518,7 +518,7 @@ def test_verify_passes_the_twin():
 def test_verify_catches_a_kernel_convention_and_the_model_falls_back_exactly(monkeypatch, capsys, broken, message):
     query, key = torch.zeros(1, 4, 1, 12), torch.zeros(1, 2, 1, 12)
     assert message in verify.verify(query, key, broken)
-    err = stock_model_equals_the_reference(monkeypatch, capsys, broken)
+    err = gpu_path_model_equals_the_reference(monkeypatch, capsys, broken)
     assert err.count("did not reproduce exact results") == 1 and message in err
 
 
@@ -532,7 +532,7 @@ def test_model_with_the_stock_backend_equals_the_reference(top_k):
     mask = torch.ones_like(ids)
     mask[1, :23] = 0
     outputs = {}
-    for backend in ("reference", "stock"):
+    for backend in ("reference", "gpu-path"):
         focus_hf.set_routing(model, "hard", backend=backend)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask).logits
@@ -544,24 +544,32 @@ def test_model_with_the_stock_backend_equals_the_reference(top_k):
         )
         outputs[backend] = (logits, greedy, beams)
     real = mask.bool()
-    torch.testing.assert_close(outputs["stock"][0][real], outputs["reference"][0][real], atol=ATOL, rtol=0)
-    assert torch.equal(outputs["stock"][1], outputs["reference"][1])
-    assert torch.equal(outputs["stock"][2], outputs["reference"][2])
+    torch.testing.assert_close(outputs["gpu-path"][0][real], outputs["reference"][0][real], atol=ATOL, rtol=0)
+    assert torch.equal(outputs["gpu-path"][1], outputs["reference"][1])
+    assert torch.equal(outputs["gpu-path"][2], outputs["reference"][2])
 
 
-def test_prefill_in_chunks_after_a_cache_with_the_stock_backend():
+def test_prefill_in_chunks_after_a_cache_with_the_gpu_path_backend():
     case = dict(BASE_CASE, q_len=40)
-    output, reference, rows = run_case(case, backend="stock")
+    output, reference, rows = run_case(case, backend="gpu-path")
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
-def test_hard_attention_takes_the_stock_path_for_the_stock_backend(monkeypatch):
-    calls = []
-    original = hard.stock_sparse_attention
-    monkeypatch.setattr(hard, "stock_sparse_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
-    monkeypatch.setattr(hard, "sparse_attention", lambda *a, **k: pytest.fail("the CPU path ran"))
-    run_case(dict(BASE_CASE), backend="stock")
-    assert calls == [1]
+def test_hard_attention_takes_the_gpu_path_for_the_gpu_path_backend():
+    hard.forget_fallbacks()
+    run_case(dict(BASE_CASE), backend="gpu-path")
+    assert hard.paths_run() == {"gpu-sparse": 1}
+
+
+def test_the_former_backend_name_is_still_accepted_with_a_warning():
+    model = focus_llama(1)
+    with pytest.warns(DeprecationWarning, match="'gpu-path'"):
+        focus_hf.set_routing(model, "hard", backend="stock")
+    assert {layer.backend for layer in focus_hf.focus_layers(model)} == {"gpu-path"}
+    hard.forget_fallbacks()
+    with pytest.warns(DeprecationWarning, match="'gpu-path'"):
+        run_case(dict(BASE_CASE), backend="stock")
+    assert hard.paths_run() == {"gpu-sparse": 1}
 
 
 # --- the whole pattern in one FlexAttention call ("auto" below its crossover on CUDA) ---
@@ -574,14 +582,15 @@ def test_pattern_attention_equals_dense_oracle(window, q_len, top_k, separate, m
     arguments, expected, rows = sparse_case(length=700, q_len=q_len, top_k=top_k, separate=separate, window=window)
     query, key, value, valid, query_groups, key_groups, sink, _, _, scaling = arguments
     captured = []
-    twin = cpu_twin_kernels()
+    twin = standin_kernels()
 
     def capture(query, key, value, blocks, scale):
         captured.append(blocks)
         return twin.raw_flex(query, key, value, blocks, scale)
 
-    kernels = StockKernels("capture", capture, None, False, (), twin.head_dims)
-    output = stock.pattern_attention(query, key, value, valid, query_groups, key_groups, sink, window, scaling, kernels)
+    kernels = GpuKernels("capture", capture, None, False, (), twin.head_dims)
+    routing = (query_groups, key_groups, sink, window, scaling)
+    output = gpu_path.pattern_attention(query, key, value, valid, *routing, kernels)
     torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
     blocks = captured[0]
     full = listed_pairs(blocks.full_num_blocks, blocks.full_indices, q_len, 700)
@@ -599,20 +608,20 @@ def test_pattern_attention_equals_dense_oracle(window, q_len, top_k, separate, m
 @pytest.mark.parametrize("mask_is_padding", [False, None], ids=["general", "unknown"])
 @pytest.mark.parametrize("q_len", [97, 40, 5, 1])
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_stock_path_reads_a_general_mask(mask_is_padding, q_len, top_k):
+def test_gpu_path_reads_a_general_mask(mask_is_padding, q_len, top_k):
     positions = torch.arange(BASE_CASE["seq"])
     sliding = (positions[:, None] - positions[None, :] < 20)[None, None]
     documents = (positions // 30)[:, None] == (positions // 30)[None, :]  # packed documents of 30 tokens
     for extra in (sliding, documents[None, None]):
         case = dict(BASE_CASE, q_len=q_len, top_k=top_k)
         extra = extra[:, :, BASE_CASE["seq"] - q_len :]
-        output, reference, rows = run_case(case, backend="stock", mask_is_padding=mask_is_padding, extra_mask=extra)
+        output, reference, rows = run_case(case, backend="gpu-path", mask_is_padding=mask_is_padding, extra_mask=extra)
         torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
 def test_unknown_padding_mask_is_read_not_assumed():
     # Left padding only, but not known to be: the same results through the mask lookup.
-    output, reference, rows = run_case(dict(BASE_CASE, side="left"), backend="stock", mask_is_padding=None)
+    output, reference, rows = run_case(dict(BASE_CASE, side="left"), backend="gpu-path", mask_is_padding=None)
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
@@ -632,18 +641,18 @@ def test_masks_close_over_no_value_that_changes_with_the_length():
     # A compiled FlexAttention kernel takes the numbers its mask closes over as constants: one that changed with the
     # sequence length or the decoding step would compile the kernel again for every call.
     captured = []
-    twin = cpu_twin_kernels()
+    twin = standin_kernels()
 
     def capture(query, key, value, blocks, scale):
         captured.append(blocks.mask_mod)
         return twin.raw_flex(query, key, value, blocks, scale)
 
-    kernels = StockKernels("capture", capture, None, False, (), twin.head_dims)
+    kernels = GpuKernels("capture", capture, None, False, (), twin.head_dims)
     for length, q_len in ((300, 300), (333, 200)):
         arguments, _, _ = sparse_case(length=length, q_len=q_len, top_k=2, separate=True)
-        stock.stock_sparse_attention(*arguments, kernels)
-        stock.pattern_attention(*arguments[:7], *arguments[8:], kernels)
-    assert len(captured) == 4  # per length: set A's call and the whole pattern's
+        gpu_path.gpu_sparse_attention(*arguments, kernels)
+        gpu_path.pattern_attention(*arguments[:7], *arguments[8:], kernels)
+    assert len(captured) == 4  # per length: the own-group pass's call and the whole pattern's
     for first, second in zip(captured[:2], captured[2:]):
         assert closure_constants(first) == closure_constants(second)
     store = paged_keys_module.PagedKeys(4, 16)
@@ -660,10 +669,10 @@ def test_masks_close_over_no_value_that_changes_with_the_length():
 def test_a_prefill_call_reads_the_device_at_most_three_times(top_k, separate):
     # Each read (`.item()`, `bool(tensor)`) waits for every kernel queued before it: on a GPU, where the path's many
     # small kernels are launch-bound, a read per check would expose each launch. The block-list check reads once per
-    # call, set A's varlen call twice (its longest sequences).
+    # call, the own-group pass's varlen call twice (its longest sequences).
     arguments, expected, rows = sparse_case(top_k=top_k, separate=separate)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        output = stock.stock_sparse_attention(*arguments, cpu_twin_kernels(), own_group=top_k == 1 and not separate)
+        output = gpu_path.gpu_sparse_attention(*arguments, standin_kernels(), own_group=top_k == 1 and not separate)
     torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
     reads = sum(event.count for event in profile.key_averages() if event.key == "aten::_local_scalar_dense")
     assert reads <= 3, reads

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from focus_hf.attention.hard import hard_attention
+from focus_hf.attention.pattern import FocusPattern
 
 HEADS, KV_HEADS, DIM, GROUPS, WINDOW = 4, 2, 32, 4, 16
 
 
-@pytest.mark.parametrize("path", ["sparse", "dense"])
+@pytest.mark.parametrize("path", ["sparse", "cpu-masked"])
 @pytest.mark.parametrize(
     ("n", "q_len", "fused_keys"), [(300, 300, True), (300, 300, False), (300, 97, False), (300, 1, False)]
 )
@@ -34,17 +35,11 @@ def test_fused_projection_slices_equal_contiguous_inputs(path, n, q_len, fused_k
     mask = None
     if 1 < q_len < n:
         mask = (torch.arange(n)[None, :] <= (n - q_len + torch.arange(q_len))[:, None])[None, None]
-    routing = dict(
-        query_groups=query_groups,
-        key_groups=key_groups,
-        key_sink=(torch.arange(n) < 2)[None],
-        num_groups=GROUPS,
-        window=WINDOW,
-        scaling=DIM**-0.5,
-        backend="auto",
-        own_group=True,
-        path=path,
-    )
-    strided = hard_attention(query, key, value, mask, **routing)
-    contiguous = hard_attention(query.contiguous(), key.contiguous(), value.contiguous(), mask, **routing)
+    sinks = (torch.arange(n) < 2)[None]
+    pattern = FocusPattern(query_groups, key_groups, sinks, GROUPS, WINDOW, model_mask=mask, own_group=True)
+    if path == "sparse":  # the CPU path's entry for this kind of call
+        path = "cpu-decode" if q_len == 1 else "cpu-sparse"
+    routing = dict(scaling=DIM**-0.5, backend="auto", path=path)
+    strided = hard_attention(query, key, value, pattern, **routing)
+    contiguous = hard_attention(query.contiguous(), key.contiguous(), value.contiguous(), pattern, **routing)
     torch.testing.assert_close(strided, contiguous, rtol=0, atol=0)

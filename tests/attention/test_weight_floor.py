@@ -3,8 +3,8 @@
 The kernel's power of two (`fexp2` in prefill.c) never makes a subnormal float: it clamps its argument at -125 and
 zeroes the lanes below. A subnormal result costs a microcode assist of a hundred cycles and more on Intel processors
 whose thread does not flush them to zero (a caller's thread need not), and hidden pairs (score -FLT_MAX) are a large
-share of a local call's: their weights, underflowing, made those pairs four times dearer than set A's on a Xeon. So
-the kernel drops weights below the floor, as a thread that flushes subnormals would, and the result is the same
+share of a local call's: their weights, underflowing, made those pairs four times dearer than the own-group pass's on a
+Xeon. So the kernel drops weights below the floor, as a thread that flushes subnormals would, and the result is the same
 whatever the calling thread's flush mode. The floor is far below what a float32 sum can tell from 0, except against a
 value near float32's largest, which this test uses to see it.
 """

@@ -1,4 +1,5 @@
-"""Set B as one sliding-window call with group indicators (`gpu/window.py`) against a dense float64 oracle of set B,
+"""The window band as one sliding-window call with group indicators (`gpu/window.py`) against a dense float64 oracle of
+the window band,
 on the CPU twin's kernels: the varlen double's window bounds are flash attention's (stated in the double and checked
 against the CUDA kernel by test_cuda.py and `verify` on every device)."""
 
@@ -9,16 +10,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import focus_hf.attention.gpu.stock as stock
+import focus_hf.attention.gpu.gpu_path as gpu_path
 import focus_hf.attention.gpu.window as window_module
-from focus_hf.attention.gpu.doubles import varlen_attention_double
-from focus_hf.attention.gpu.kernels import NEG, StockKernels, cpu_twin_kernels
+from focus_hf.attention.gpu.cpu_standins import varlen_attention_standin
+from focus_hf.attention.gpu.kernels import NEG, GpuKernels, standin_kernels
 from focus_hf.attention.gpu.window import window_attention, window_dtype
 
 
-def set_b_oracle(query, key, value, valid, query_groups, key_groups, key_sink, window, scaling):
-    """Set B in float64 from its definition: real keys not after the query, within the window or a sink, of a group
-    the query does not probe (-1 probes the keys not routed yet). Returns output, lse (NEG where no key) and each
+def window_band_oracle(query, key, value, valid, query_groups, key_groups, key_sink, window, scaling):
+    """The window band in float64 from its definition: real keys not after the query, within the window or a sink, of a
+    group the query does not probe (-1 probes the keys not routed yet). Returns output, lse (NEG where no key) and each
     row's largest sum(|q_i * k_i|) * scaling over its keys, the size float32 rounds a score at."""
     batch, heads, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -57,7 +58,7 @@ def window_cases(draw):
     key = torch.randn(batch, kv_heads, kv_len, dim, generator=generator)
     value = torch.randn(batch, kv_heads, kv_len, dim, generator=generator)
     key_groups = torch.randint(-1, groups, (batch, kv_len), generator=generator)
-    # Few groups with a long window leave whole windows probed: rows of set B without a key.
+    # Few groups with a long window leave whole windows probed: rows of the window band without a key.
     query_groups = torch.randint(-1, groups, (batch, q_len, top_k), generator=generator)
     pad = draw(st.integers(0, kv_len - 1))
     valid = torch.ones(batch, kv_len, dtype=torch.bool)
@@ -70,16 +71,16 @@ def window_cases(draw):
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(window_cases(), st.booleans(), st.sampled_from([1, 1 << 40]))
-def test_window_set_b_equals_its_dense_oracle(case, varlen_gqa, budget):
+def test_window_band_equals_its_dense_oracle(case, varlen_gqa, budget):
     states, groups, window, scaling, sinks = case
     query, key, value, valid, query_groups, key_groups, key_sink = states
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(window_module, "WINDOW_BYTES", budget)  # one kv head per call, or all at once
         output, lse = window_attention(
             query, key, value, valid, query_groups, key_groups, key_sink, groups, window, scaling,
-            cpu_twin_kernels(varlen_gqa), sink_slots=sinks,
+            standin_kernels(varlen_gqa), sink_slots=sinks,
         )  # fmt: skip
-    expected, expected_lse, magnitude = set_b_oracle(
+    expected, expected_lse, magnitude = window_band_oracle(
         query, key, value, valid, query_groups, key_groups, key_sink, window, scaling
     )
     empty = expected_lse == NEG
@@ -100,22 +101,22 @@ def test_the_varlen_double_takes_flash_attentions_window_bounds():
     query = torch.zeros(3, 1, 2)  # equal scores: the output is the mean of the visible values
     key = torch.zeros(6, 1, 2)
     value = torch.arange(6.0)[:, None, None].expand(6, 1, 2)
-    output, lse = varlen_attention_double(query, key, value, cu_q, cu_k, 3, 6, scale=1.0, window=1)
+    output, lse = varlen_attention_standin(query, key, value, cu_q, cu_k, 3, 6, scale=1.0, window=1)
     assert output[:, 0, 0].tolist() == [2.5, 3.5, 4.5]
     torch.testing.assert_close(lse, torch.full((1, 3), torch.tensor(2.0).log().item()))
-    output, _ = varlen_attention_double(query, key, value, cu_q, cu_k, 3, 6, scale=1.0, window=0)
+    output, _ = varlen_attention_standin(query, key, value, cu_q, cu_k, 3, 6, scale=1.0, window=0)
     assert output[:, 0, 0].tolist() == [3.0, 4.0, 5.0]
 
 
-def test_set_b_takes_the_window_call_where_the_dtype_holds_the_indicator(monkeypatch):
+def test_the_window_band_takes_the_window_call_where_the_dtype_holds_the_indicator(monkeypatch):
     calls = []
-    twin = cpu_twin_kernels()
+    twin = standin_kernels()
 
     def recording(query, key, value, *rest):
         calls.append((query.dtype, rest[-1]))
         return twin.raw_varlen(query, key, value, *rest)
 
-    kernels = StockKernels("recording", twin.raw_flex, recording, False, twin.varlen_dtypes, twin.head_dims)
+    kernels = GpuKernels("recording", twin.raw_flex, recording, False, twin.varlen_dtypes, twin.head_dims)
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         query = torch.randn(1, 2, 40, 8, generator=generator).to(dtype)
@@ -123,7 +124,7 @@ def test_set_b_takes_the_window_call_where_the_dtype_holds_the_indicator(monkeyp
         groups = torch.randint(0, 3, (1, 40), generator=generator)
         valid = torch.ones(1, 40, dtype=torch.bool)
         sink = torch.zeros(1, 40, dtype=torch.bool)
-        stock.stock_sparse_attention(query, key, value, valid, groups[..., None], groups, sink, 3, 5, 0.3, kernels)
+        gpu_path.gpu_sparse_attention(query, key, value, valid, groups[..., None], groups, sink, 3, 5, 0.3, kernels)
     windowed = {dtype for dtype, window in calls if window == 5}
     assert windowed == {torch.float32, torch.bfloat16}  # float16 keeps the bands (see window_dtype)
     assert not window_dtype(torch.float16) and window_dtype(torch.bfloat16)

@@ -12,7 +12,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import focus_hf
-import focus_hf.attention.cpu.fast as fast
+import focus_hf.attention.cpu.cpu_path as cpu_path
 import focus_hf.attention.cpu.grouped_keys as grouped_keys
 import focus_hf.attention.function as function
 from focus_hf.attention.cpu import native
@@ -229,7 +229,7 @@ def test_generate_reading_the_copy_equals_recomputation(architecture, options):
     focus_hf.set_routing(model, "hard", backend="sdpa")
     prompt = tokens(batch=1, seq=30)
     new_tokens = 12
-    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
+    with mock.patch.object(cpu_path, "grouped_decode", wraps=cpu_path.grouped_decode) as grouped_decode:
         generated = model.generate(
             input_ids=prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
         )
@@ -309,13 +309,13 @@ def test_decode_copy_off_gathers_with_the_same_tokens():
     prompt = tokens(batch=1, seq=30)
     options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
     focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=False)
-    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
+    with mock.patch.object(cpu_path, "grouped_decode", wraps=cpu_path.grouped_decode) as grouped_decode:
         gathered = model.generate(input_ids=prompt, **options)
     assert grouped_decode.call_count == 0
     focus_hf.set_routing(model, "hard", backend="sdpa")  # None keeps the choice
     assert all(not layer.decode_copy for layer in focus_hf.tuner.controls.focus_layers(model))
     focus_hf.set_routing(model, "hard", backend="sdpa", decode_copy=True)
-    with mock.patch.object(fast, "grouped_decode", wraps=fast.grouped_decode) as grouped_decode:
+    with mock.patch.object(cpu_path, "grouped_decode", wraps=cpu_path.grouped_decode) as grouped_decode:
         assert torch.equal(model.generate(input_ids=prompt, **options), gathered)
     assert grouped_decode.call_count > 0
 
@@ -329,14 +329,14 @@ def test_batched_generate_reads_a_copy_per_sample():
     mask = torch.cat([torch.cat([torch.zeros(1, 9), torch.ones(1, 21)], 1), torch.ones(1, 30)]).long()
     options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
     served = []
-    original = fast.grouped_decode
+    original = cpu_path.grouped_decode
 
     def spy(query, *args):
         output = original(query, *args)
         served.append(query.shape[0] == 2 and output is not None)
         return output
 
-    with mock.patch.object(fast, "grouped_decode", spy):
+    with mock.patch.object(cpu_path, "grouped_decode", spy):
         batched = model.generate(input_ids=ids, attention_mask=mask, **options)
     assert any(served)  # steps of both samples read their copies
     assert torch.equal(batched[0, 9:], model.generate(input_ids=short, **options)[0])

@@ -1,3 +1,3 @@
 """The CPU engine of hard-mode Focus attention: the C kernels (`csrc/`, built by `native`), the partial results they
-merge (`partials`), the group-sorted segments and copies they read (`segments`, `grouped_keys`), and the fast path
-that composes them (`fast`)."""
+merge (`partials`), the group-sorted segments and copies they read (`segments`, `grouped_keys`), and the CPU path
+that composes them (`cpu_path`: the own-group pass and the window band, decoding steps, the dense masked call)."""

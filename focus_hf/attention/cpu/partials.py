@@ -1,6 +1,6 @@
 """The partial attentions the fast hard-mode path is made of, each over one disjoint set of keys.
 
-Each returns an output and its log-sum-exp, so that `merge_into` folds them together exactly; `fast.py` describes the
+Each returns an output and its log-sum-exp, so that `merge_into` folds them together exactly; `cpu_path` describes the
 split. Hidden keys carry finfo.min rather than -inf: a partial without visible keys then has a log-sum-exp near
 finfo.min, gets weight 0 in the merge and never produces a NaN.
 """
@@ -151,9 +151,9 @@ def local_part(
     into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     scratch: Optional[torch.Tensor] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Set B's local pairs: output [batch, q, heads, dim] and lse [batch, q, heads] over the keys at most `window`
-    before each query whose group the query does not probe - and that are not sinks (`key_sink` [batch, kv]) for
-    the queries that `sinks_done` [batch, q] marks (their sink pairs rode in set A, `probe_part`).
+    """The window band's local pairs: output [batch, q, heads, dim] and lse [batch, q, heads] over the keys at most
+    `window` before each query whose group the query does not probe - and that are not sinks (`key_sink` [batch, kv])
+    for the queries that `sinks_done` [batch, q] marks (their sink pairs rode in the own-group pass, `probe_part`).
 
     On CPU in float32 and bfloat16 the C kernel of `native` takes the whole part in one call, the rule evaluated from
     group bits (`pattern.local_bits`) as it goes, with no mask to build (the sparse path, K=8 top-1 at 4K tokens,
@@ -237,8 +237,8 @@ def sink_part(
     done: Optional[torch.Tensor] = None,
     into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Set B's sink pairs: sinks farther than `window` whose group the query does not probe (and, `done` [batch, q]
-    given, not for the queries it marks: `probe_part` included their sink pairs).
+    """The window band's sink pairs: sinks farther than `window` whose group the query does not probe (and, `done`
+    [batch, q] given, not for the queries it marks: `probe_part` included their sink pairs).
 
     On CPU in float32 and bfloat16 the C kernel of `native` folds them straight into `into` (float32 output [batch, q,
     heads, dim] and lse [batch, q, heads] of the other parts), if given, with nothing allocated per query (a 128K
@@ -285,8 +285,8 @@ def sink_part(
 # but pay the kernel's per-call overhead more often (128 / 256 / 512 measured at 8K on CPU: 256 was fastest).
 PROBE_CHUNK = 256
 # A chunk whose entries all see at least this many keys splits them into an unmasked call and the staircase
-# (`chunk_attention`); CPU, K=8 top-1, one layer: 64K tokens 7.1-8.7 s -> 5.9 s for set A, while at 4K (every
-# prefix shorter) the split alone made set A 45 -> 52 ms.
+# (`chunk_attention`); CPU, K=8 top-1, one layer: 64K tokens 7.1-8.7 s -> 5.9 s for the own-group pass, while at 4K
+# (every prefix shorter) the split alone made the own-group pass 45 -> 52 ms.
 SPLIT_MIN_KEYS = 1024
 
 
@@ -402,7 +402,8 @@ def chunk_attention(
     scaling: float,
     kernel: Kernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of set A: query entries [1, heads, c, dim] over the first `reach` [c] (non-decreasing, from
+    """One chunk of the own-group pass: query entries [1, heads, c, dim] over the first `reach` [c] (non-decreasing,
+    from
     first_reach to last_reach) of their segment's keys [1, kv_heads, S, dim]. Float32 output [1, heads, c, dim] and
     lse [1, heads, c].
 
@@ -446,8 +447,8 @@ def staircase_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query entries [1, heads, c, dim] over keys begin .. end - 1 of [1, kv_heads, S, dim], entry r seeing those
     before reach[r] (non-decreasing): the staircase as a mask (for every key when begin is 0, folded with the query
-    heads otherwise). Float32 output and lse. (On CPU in float32 and bfloat16 the C kernel takes all of set A,
-    `segments.SegmentKeys`, so this path serves other devices and dtypes.)"""
+    heads otherwise). Float32 output and lse. (On CPU in float32 and bfloat16 the C kernel takes all of the own-group
+    pass, `segments.SegmentKeys`, so this path serves other devices and dtypes.)"""
     keys, values = key[:, :, begin:end], value[:, :, begin:end]
     visible = None
     if reach[0] < end:
@@ -471,7 +472,7 @@ def probe_part(
     kernel: Kernel,
     key_sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Set A: every pair (i, j), j <= i, whose key group is one of the groups query i probes.
+    """The own-group pass: every pair (i, j), j <= i, whose key group is one of the groups query i probes.
 
     Keys are sorted by their own group and query entries (one per probed group) by the group they probe, each in
     position order, so that a segment (sample, group) is one contiguous run of keys and one of query entries, and
@@ -486,13 +487,14 @@ def probe_part(
 
     Sinks ride along at top_k = 1 (`key_sink` given): a segment's keys are gathered with the sample's sinks of other
     groups in front, and a chunk whose entries all lie past those sinks sees them as the first keys of its prefix
-    (unmasked) - all set B's sink pairs of its queries, near or far (`sink_riders`; `local_part` then leaves the
-    sinks out of their window), at the cost of a few more keys per call instead of a separate pass over every query
+    (unmasked) - all the window band's sink pairs of its queries, near or far (`sink_riders`; `local_part` then leaves
+    the sinks out of their window), at the cost of a few more keys per call instead of a separate pass over every query
     (`sink_part`, memory-bound: 12 of 69 ms at 4K tokens, CPU, K=8 top-1).
 
-    On CPU in float32 and bfloat16 the C kernel takes set A instead (`segments.SegmentKeys`, which
-    `fast.sparse_attention` chooses): the chunks, gathers and merges here are the path of other devices and dtypes (K=8,
-    4K / 16K tokens, alternating in one process: top-1 52 -> 42 ms / 380 -> 334 ms, top-2 81 -> 66 ms / 813 -> 591 ms).
+    On CPU in float32 and bfloat16 the C kernel takes the own-group pass instead (`segments.SegmentKeys`, which
+    `cpu_path.sparse_attention` chooses): the chunks, gathers and merges here are the path of other devices and dtypes
+    (K=8, 4K / 16K tokens, alternating in one process: top-1 52 -> 42 ms / 380 -> 334 ms, top-2 81 -> 66 ms / 813 -> 591
+    ms).
 
     Args:
         probe_groups: [batch, q, top_k] the groups each query probes (the queries are the last q keys): distinct,
@@ -503,7 +505,7 @@ def probe_part(
 
     Returns:
         float32 output [batch, q, heads, dim], lse [batch, q, heads], and bool [batch, q] marking the queries whose
-        sink pairs (set B's) are already included, or None when none are.
+        sink pairs (the window band's) are already included, or None when none are.
     """
     batch, heads, q_len, dim = query.shape
     kv_len, device = key.shape[2], query.device
@@ -600,9 +602,9 @@ def sink_riders(
     key_sink: torch.Tensor, key_groups: torch.Tensor, entries: SortedTokens, num_groups: int
 ) -> list[SinkRiders]:
     """Per segment (sample * K + group) of top-1 query entries: how the sink pairs of its queries ride in its
-    chunks. A top-1 query probes one group, so every sink of another group before it is one of its set B pairs,
+    chunks. A top-1 query probes one group, so every sink of another group before it is one of its window band pairs,
     near or far: the entries after the sample's last sink read all of them in front of their segment's keys (the
-    local part then leaves the sinks out of their window), the few before it leave theirs to set B."""
+    local part then leaves the sinks out of their window), the few before it leave theirs to the window band."""
     kv_len, device = key_groups.shape[1], key_groups.device
     sink_index, sink_used = sink_slots(key_sink)
     none = torch.full((key_sink.shape[0], 1), -1, device=device)  # no sink: every entry is past it

@@ -1,12 +1,11 @@
-"""Set A of the fast path in the C kernel, one block of query rows at a time (CPU, float32 and bfloat16).
+"""The own-group pass of the CPU path in the C kernel, one block of query rows at a time (CPU, float32 and bfloat16).
 
-`partials.probe_part` sorts keys and query entries into segments (sample, group) with tensor operations and holds
-every query's partial result and log-sum-exp at once. Here the sorts are counting sorts in C (csrc/segments.c)
-that write only their int32 results, and set A is folded into the output one block of queries at a time
-(`native.prefill_segments`), so that beside its output a call holds the sorted keys (4 bytes per token), one
-block's entries and one block's log-sum-exp: a 128K prefill then adds no more to the output than dense SDPA does
-(whose kernel holds a log-sum-exp of every query). `fast.sparse_attention` folds set B into each block before
-the next.
+`partials.probe_part` sorts keys and query entries into segments (sample, group) with tensor operations and holds every
+query's partial result and log-sum-exp at once. Here the sorts are counting sorts in C (csrc/segments.c) that write only
+their int32 results, and the own-group pass is folded into the output one block of queries at a time
+(`native.prefill_segments`), so that beside its output a call holds the sorted keys (4 bytes per token), one block's
+entries and one block's log-sum-exp: a 128K prefill then adds no more to the output than dense SDPA does (whose kernel
+holds a log-sum-exp of every query). `cpu_path.sparse_attention` folds the window band into each block before the next.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ class SegmentKeys:
     Attributes:
         key_token: int32 token (sample * kv + position) of each sorted key; a segment's riders come first (with
             top_k = 1 and sinks: its sample's sinks of other groups, which the entries after the sample's last
-            sink read, so that their set B sink pairs are done here).
+            sink read, so that their window band sink pairs are done here).
         key_starts: [segments + 1] int64 offsets of each segment's keys.
         riders: [segments] int64 riders in front of each segment's keys, or None: none ride.
         last_sink: [batch] int64 each sample's last sink position (-1: none), or None.
@@ -123,15 +122,17 @@ class SegmentKeys:
         scaling: float,
         scratch: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
-        """Fold set A of query rows start .. end - 1 (of query [batch, heads, q, dim]; blocks in order) into float32
-        `output` [batch, end - start, heads, dim] and `lse` [batch, end - start, heads] (`scratch`:
-        `native.packing_scratch`). Returns bool [batch, end -
-        start] marking the queries whose sink pairs rode here, or None where no sink rides."""
+        """Fold the own-group pass of query rows start .. end - 1 (of query [batch, heads, q, dim]; blocks in order)
+        into float32 `output` [batch, end - start, heads, dim] and `lse` [batch, end - start, heads] (`scratch`:
+        `native.packing_scratch`). Returns bool [batch, end - start] marking the queries whose sink pairs rode here, or
+        None where no sink rides."""
         batch, kv_len = self.key_groups.shape
         q_len, top_k = self.probe_groups.shape[1], self.probe_groups.shape[2]
         rows = end - start
         if start != self.next_row or not 0 < rows <= self.entry_buffers.shape[1] // (batch * top_k):
-            raise ValueError(f"blocks of set A run in order, at most the rows they were built for: got {start}..{end}")
+            raise ValueError(
+                f"blocks of the own-group pass run in order, at most the rows they were built for: got {start}..{end}"
+            )
         entry_starts = torch.empty(batch * self.num_groups + 1, dtype=torch.long)
         entry_query, row_begin, row_end = self.entry_buffers
         rides = None if self.riders is None else torch.empty(batch, rows, dtype=torch.bool)
@@ -178,5 +179,5 @@ class SegmentKeys:
             scratch,
         )
         if not done:  # `build` asked the same kernels; a call they refuse here is a bug, not a fallback
-            raise RuntimeError("the C kernel refused a call of set A that it had accepted")
+            raise RuntimeError("the C kernel refused a call of the own-group pass that it had accepted")
         return rides

@@ -1,7 +1,7 @@
-"""Set B of the GPU path in plain torch: each block of queries against its window's band of keys and the sinks.
+"""The window band of the GPU path in plain torch: each block of queries against its window's keys and the sinks.
 
-Set B - the pairs within the window, or with a sink, whose key group the query does not probe - is a narrow band
-along the diagonal plus a few columns. As one FlexAttention call, its `mask_mod` read the pattern's tensors pair by
+The window band - the pairs within the window, or with a sink, whose key group the query does not probe - is a narrow
+band along the diagonal plus a few columns. As one FlexAttention call, its `mask_mod` read the pattern's tensors pair by
 pair, and on an H200 that reading was the call's cost: 282 ms at 256K tokens (32 / 8 heads, w 128), against 6 ms for
 a mask computed from the indices alone over the same blocks (`benchmarks/results/gpu/chunked-scan/profile.json`,
 `mask_costs`). Here each block of BAND_ROWS queries reads its band - the BAND_ROWS + w keys that end with its last
@@ -9,8 +9,8 @@ query, one strided view of the keys - and its sample's sinks, gathered once; the
 blocks by broadcast comparisons of positions and groups, shared by every head, and attention is two batched matmuls
 and a softmax in float32. A sink inside a band is taken with the sinks only, so no pair counts twice.
 
-Returns what `kernels.flex` returns for set B: the output in the query's dtype and the natural-log log-sum-exp in
-float32, `NEG` with a zero output for a row without a visible key, ready for `merge.merge_heads`.
+Returns what `kernels.flex` returns for the window band: the output in the query's dtype and the natural-log log-sum-exp
+in float32, `NEG` with a zero output for a row without a visible key, ready for `merge.merge_heads`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def band_attention(
     model_mask: Optional[torch.Tensor] = None,
     sink_slots: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Set B: output [batch, heads, q, dim] in the query's dtype and lse [batch, heads, q] in float32.
+    """The window band: output [batch, heads, q, dim] in the query's dtype and lse [batch, heads, q] in float32.
 
     Args:
         query: [batch, heads, q, dim], the last q of the kv tokens.
@@ -145,8 +145,8 @@ def _chunk_mask(
     model_mask: Optional[torch.Tensor],
     mask_rows: torch.Tensor,
 ) -> torch.Tensor:
-    """[batch, bands, BAND_ROWS, span + s] the pairs of set B among a chunk's bands and the sinks; `model_mask`
-    [batch or 1, q, kv] (expanded), read at `mask_rows` (the chunk's queries in the call, past its last
+    """[batch, bands, BAND_ROWS, span + s] the pairs of the window band among a chunk's bands and the sinks;
+    `model_mask` [batch or 1, q, kv] (expanded), read at `mask_rows` (the chunk's queries in the call, past its last
     clamped to it)."""
     batch, bands, span = band_position.shape
     _, _, sink_position, sink_group = sinks

@@ -10,9 +10,9 @@ torch's recompile limit (8 by default) torch.compile silently runs the function 
 `FlexRecompileLimit`, and `hard` runs it on the bounded exact path with one printed warning.
 
 torch keeps its compilations, and counts them against the limit, per function: one function per kind of call
-(`FLEX_CALLS`) keeps the kinds from crowding each other out - partial blocks only, partial and full blocks (set A, the
-whole pattern), a decoding step (one query, batch and heads kept static so that torch picks its split-key
-decoding kernel) and the output alone (torch's CPU kernel, which has no log-sum-exp in torch 2.13).
+(`FLEX_CALLS`) keeps the kinds from crowding each other out - partial blocks only, partial and full blocks (the
+own-group pass, the whole pattern), a decoding step (one query, batch and heads kept static so that torch picks its
+split-key decoding kernel) and the output alone (torch's CPU kernel, which has no log-sum-exp in torch 2.13).
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ def flex_output(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockLists, scale: float
 ) -> torch.Tensor:
     """The output alone of the compiled kernel of the query's device. On the CPU that is torch's compiled CPU kernel,
-    which enforces the contract a double cannot (tests). It compiles per shape (`compiled_flex`), so the states are
-    padded to whole blocks first - lengths within a block share a compilation; the masks cover whole blocks already
+    which enforces the contract a CPU stand-in cannot (tests). It compiles per shape (`compiled_flex`), so the states
+    are padded to whole blocks first - lengths within a block share a compilation; the masks cover whole blocks already
     and hide the padding."""
     if query.device.type != "cpu":
         return cuda_flex(query, key, value, blocks, scale)[0]

@@ -1,6 +1,6 @@
 """The GPU path's kernels - FlexAttention and variable-length flash attention - behind one convention.
 
-`StockKernels.flex(query [B, H, L, D], key/value [B, KV, S, D], blocks, scale)` and `StockKernels.varlen(query
+`GpuKernels.flex(query [B, H, L, D], key/value [B, KV, S, D], blocks, scale)` and `GpuKernels.varlen(query
 [T, H, D], key/value [T', KV, D], cu_seq_q, cu_seq_k, max_q, max_k, scale, window)` (causal within each sequence,
 aligned to the bottom right, optionally within a sliding window) return the output in the query's dtype and a
 float32 log-sum-exp - natural log, [B, H, L] and [T, H] - where a row without any visible key has output 0 and
@@ -9,8 +9,8 @@ raw differs (flex: -inf for empty rows; varlen: [H, T]; flash-attn 2 and 3: tupl
 conversion is here, once, and `verify` checks it on every CUDA device and dtype before the path is used.
 
 On CUDA: FlexAttention compiled (`flex`) and torch's `varlen_attn` (flash-attn's `flash_attn_varlen_func` when
-installed). On CPU: their doubles (`doubles`), the path's CPU twin - the same decomposition, exact and slow, for tests
-and `backend="stock"`. Every block mask is checked against FlexAttention's contract (`block_masks`) before a kernel
+installed). On CPU: their CPU stand-ins (`cpu_standins`) - the same decomposition, exact and slow, for tests and
+`backend="gpu-path"`. Every block mask is checked against FlexAttention's contract (`block_masks`) before a kernel
 sees it.
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from focus_hf.attention.backends import flash_attn_callable
 from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists, check_block_lists
-from focus_hf.attention.gpu.doubles import flex_attention_double, varlen_attention_op
+from focus_hf.attention.gpu.cpu_standins import flex_attention_standin, varlen_attention_op
 from focus_hf.attention.gpu.flex import cuda_flex
 
 NEG = torch.finfo(torch.float32).min  # log-sum-exp of a row without a visible key
@@ -36,11 +36,11 @@ RawVarlen = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
-class StockKernels:
+class GpuKernels:
     """One device's FlexAttention and variable-length attention, normalised to the module's convention.
 
     Attributes:
-        name: what runs ("cuda: flex + torch varlen", "cpu twin", ...), for messages and benchmark rows.
+        name: what runs ("cuda: flex + torch varlen", "CPU stand-ins", ...), for messages and benchmark rows.
         raw_flex: (query, key, value, blocks, scale) -> (output, lse) as the kernel returns them.
         raw_varlen: (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window) -> (output [T, H, D],
             lse [H, T]), causal, and with window >= 0 each query seeing its own key and the `window` before it (flash
@@ -49,7 +49,7 @@ class StockKernels:
         varlen_dtypes: the dtypes raw_varlen runs (flash attention: half precision only).
         head_dims: rounds a head dim up to one the kernels take (keys and queries are padded with zeros).
         varlen_window: whether raw_varlen's sliding window may be used (`verify` clears it where the windowed call
-            is not exact on a device; set B then takes `bands`).
+            is not exact on a device; the window band then takes `bands`).
     """
 
     name: str
@@ -132,11 +132,11 @@ def _power_of_two_from_16(dim: int) -> int:
     return max(16, 1 << (dim - 1).bit_length())
 
 
-def cpu_flex(
+def standin_flex(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockLists, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention's CPU double (`doubles.flex_attention_double`)."""
-    return flex_attention_double(
+    """FlexAttention's CPU stand-in (`cpu_standins.flex_attention_standin`)."""
+    return flex_attention_standin(
         query,
         key,
         value,
@@ -201,11 +201,11 @@ def _flash_attn_varlen(function: Callable) -> RawVarlen:
     return varlen
 
 
-def cuda_kernels(prefer_flash_attn: bool = True) -> StockKernels:
+def cuda_kernels(prefer_flash_attn: bool = True) -> GpuKernels:
     """The CUDA kernels: compiled FlexAttention, and flash-attn's varlen (when installed and preferred) or torch's."""
     flash = flash_attn_callable("flash_attn_varlen_func") if prefer_flash_attn else None
     if flash is not None:
-        return StockKernels(
+        return GpuKernels(
             "cuda: FlexAttention + flash-attn varlen",
             cuda_flex,
             _flash_attn_varlen(flash),
@@ -216,23 +216,23 @@ def cuda_kernels(prefer_flash_attn: bool = True) -> StockKernels:
     found = torch_varlen_function()
     raw_varlen, gqa = (None, False) if found is None else (_torch_varlen(*found), found[1])
     name = "cuda: FlexAttention" + ("" if found is None else " + torch varlen_attn")
-    return StockKernels(name, cuda_flex, raw_varlen, gqa, (torch.float16, torch.bfloat16), _power_of_two_from_16)
+    return GpuKernels(name, cuda_flex, raw_varlen, gqa, (torch.float16, torch.bfloat16), _power_of_two_from_16)
 
 
-def cpu_twin_kernels(varlen_gqa: bool = False) -> StockKernels:
-    """The CPU twin: FlexAttention's and varlen's doubles, in every dtype. Without `varlen_gqa` the varlen double
+def standin_kernels(varlen_gqa: bool = False) -> GpuKernels:
+    """The CPU stand-ins of FlexAttention and varlen, in every dtype. Without `varlen_gqa` the varlen stand-in
     refuses GQA as torch 2.11's kernel does, so that the per-position calls run."""
 
     def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window=-1):
         return varlen_attention_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, varlen_gqa, window)
 
     dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-    return StockKernels("cpu twin", cpu_flex, varlen, varlen_gqa, dtypes, _power_of_two_from_16)
+    return GpuKernels("CPU stand-ins", standin_flex, varlen, varlen_gqa, dtypes, _power_of_two_from_16)
 
 
-def stock_kernels(device: torch.device, backend: str = "auto") -> StockKernels:
+def gpu_kernels(device: torch.device, backend: str = "auto") -> GpuKernels:
     """The kernels of the GPU path on `device` for `backend`: CUDA's (flash-attn's varlen for "flash", and for
-    "auto" where it is installed; torch's otherwise), or the CPU twin elsewhere."""
+    "auto" where it is installed; torch's otherwise), or the CPU stand-ins elsewhere."""
     if device.type == "cuda":
         return cuda_kernels(prefer_flash_attn=backend in ("auto", "flash"))
-    return cpu_twin_kernels()
+    return standin_kernels()

@@ -1,4 +1,4 @@
-"""Folding one part of a query's keys into what the other parts gave, by log-sum-exp: the GPU path's parts (`stock`,
+"""Folding one part of a query's keys into what the other parts gave, by log-sum-exp: the GPU path's parts (`gpu_path`,
 `window`) are disjoint sets of pairs, each returning its output and natural-log log-sum-exp (`NEG` and output 0 for a
 row without a visible key, which then weighs 0)."""
 

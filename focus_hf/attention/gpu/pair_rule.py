@@ -1,7 +1,7 @@
 """The Focus pattern as one FlexAttention `mask_mod` that says everything, for every call of the GPU path.
 
 Each FlexAttention call of the path attends *rows* (query entries) to *columns* (key slots): the whole pattern
-in token order, set A with keys sorted by group and one row per (query, probed group), a decoding step over
+in token order, the own-group pass with keys sorted by group and one row per (query, probed group), a decoding step over
 the paged copy's slots. `PairRule` describes any of them with small tensors - for each row its query's position, its
 row in the model's mask and the groups it probes; for each column its key's position (-1: no key), group and sink
 flag - and `rule_mask` turns it into the one `mask_mod` all calls use:
@@ -10,11 +10,11 @@ flag - and `rule_mask` turns it into the one `mask_mod` all calls use:
                        (within the window or a sink, and of a group the row does not probe   [if near_unprobed]
                         or of a group the row probes                                          [if probed])
 
-Set A takes the probed part, the whole pattern and a decoding step both (set B, the near unprobed part alone, runs in
-plain torch: `bands`). Set A without a model's mask reads its pairs from ranges of its sorted keys instead
-(`range_mask`): the same pairs, far fewer loads. The block lists of a call are then only a sparsity hint
-(`block_masks` rule 6): FlexAttention run eagerly, which applies `mask_mod` to every pair and ignores the lists, gives
-the compiled kernel's answer.
+The own-group pass takes the probed part, the whole pattern and a decoding step both (the window band, the near unprobed
+part alone, runs in plain torch: `bands`). The own-group pass without a model's mask reads its pairs from ranges of its
+sorted keys instead (`range_mask`): the same pairs, far fewer loads. The block lists of a call are then only a sparsity
+hint (`block_masks` rule 6): FlexAttention run eagerly, which applies `mask_mod` to every pair and ignores the lists,
+gives the compiled kernel's answer.
 
 Why one function whose closure holds only tensors: torch.compile guards a compiled kernel on the mask's code and on
 what its closure holds - a Python number there is a constant compiled in, so every new length, window or decoding
@@ -96,10 +96,10 @@ def range_mask(first: torch.Tensor, end: torch.Tensor) -> Callable:
     """A `mask_mod` by ranges of columns: row r of sample b sees columns first[b, r] <= c < end[b, r] ([batch, rows],
     padded here to whole blocks with empty ranges).
 
-    Set A without a model's mask is such a call - an entry sees a range of its group's sorted keys - and this reads
-    two numbers per row where `rule_mask` reads seven per pair: on an H200 a FlexAttention call whose mask read the
-    pattern's tensors ran ~50 times slower than one whose mask used the indices alone (set B at 256K tokens,
-    benchmarks/results/gpu/chunked-scan/profile.json)."""
+    The own-group pass without a model's mask is such a call - an entry sees a range of its group's sorted keys - and
+    this reads two numbers per row where `rule_mask` reads seven per pair: on an H200 a FlexAttention call whose mask
+    read the pattern's tensors ran ~50 times slower than one whose mask used the indices alone (the window band at 256K
+    tokens, benchmarks/results/gpu/chunked-scan/profile.json)."""
     rows = blocks_of(first.shape[1]) * BLOCK
     first, end = padded(first.long(), 1, rows, 0), padded(end.long(), 1, rows, 0)
 

@@ -22,9 +22,9 @@ import torch
 
 from focus_hf.attention.backends import cuda_sdpa_kernel
 from focus_hf.attention.gpu.block_masks import BLOCK, check_block_lists, full_blocks_visible
-from focus_hf.attention.gpu.doubles import varlen_attention_double
-from focus_hf.attention.gpu.kernels import NEG, StockKernels, cpu_flex, cpu_twin_kernels, stock_kernels
-from focus_hf.attention.gpu.stock import pattern_attention, stock_sparse_attention
+from focus_hf.attention.gpu.cpu_standins import varlen_attention_standin
+from focus_hf.attention.gpu.gpu_path import gpu_sparse_attention, pattern_attention
+from focus_hf.attention.gpu.kernels import NEG, GpuKernels, gpu_kernels, standin_flex, standin_kernels
 from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 
@@ -54,18 +54,19 @@ class Configuration:
 
 # Verdicts of this process: None (exact) or what failed.
 _verdicts: dict[Configuration, Optional[str]] = {}
-# Configurations whose windowed varlen call was not exact, and how: their set B takes `bands` (still the GPU path).
+# Configurations whose windowed varlen call was not exact, and how: their window band takes `bands` (still the GPU
+# path).
 _window_failures: dict[Configuration, str] = {}
 
 
-def configuration(query: torch.Tensor, key: torch.Tensor, kernels: StockKernels) -> Configuration:
+def configuration(query: torch.Tensor, key: torch.Tensor, kernels: GpuKernels) -> Configuration:
     per_kv = query.shape[1] // key.shape[1]
     return Configuration(kernels.name, str(query.device), query.dtype, per_kv, query.shape[-1])
 
 
 def is_verified(device: torch.device, dtype: torch.dtype, per_kv: int, head_dim: int, backend: str = "auto") -> bool:
     """Whether this process holds a verdict for a call of this shape (cheap: one dictionary lookup)."""
-    kernels = stock_kernels(device, backend)
+    kernels = gpu_kernels(device, backend)
     return Configuration(kernels.name, str(device), dtype, per_kv, head_dim) in _verdicts
 
 
@@ -79,12 +80,12 @@ def verify_shape(device: torch.device, dtype: torch.dtype, per_kv: int, head_dim
 
 
 def verified_kernels(
-    query: torch.Tensor, key: torch.Tensor, kernels: Optional[StockKernels] = None, backend: str = "auto"
-) -> Optional[StockKernels]:
+    query: torch.Tensor, key: torch.Tensor, kernels: Optional[GpuKernels] = None, backend: str = "auto"
+) -> Optional[GpuKernels]:
     """The GPU path's kernels for this call's configuration once shown exact (checked on first use), else None:
     the caller then runs the reference path. `kernels`: the kernels to check and use (default: those of the device
-    and `backend`, `kernels.stock_kernels`)."""
-    kernels = kernels or stock_kernels(query.device, backend)
+    and `backend`, `kernels.gpu_kernels`)."""
+    kernels = kernels or gpu_kernels(query.device, backend)
     config = configuration(query, key, kernels)
     if config not in _verdicts:
         if torch.compiler.is_compiling():
@@ -100,8 +101,8 @@ def verified_kernels(
         if failure is None and window_failure is not None:
             print(
                 f"focus_hf: the sliding-window variable-length call was not exact on {config.device} "
-                f"({config.kernels}, {config.dtype}): {window_failure}. Set B of the fast path runs in plain torch "
-                "there instead (exact, slower). Please report this with your torch version.",
+                f"({config.kernels}, {config.dtype}): {window_failure}. The window band of the GPU path runs in plain "
+                "torch there instead (exact, slower). Please report this with your torch version.",
                 file=sys.stderr,
             )
         if failure is not None:
@@ -116,16 +117,16 @@ def verified_kernels(
     return _checked(kernels, config) if _verdicts[config] is None else None
 
 
-def _checked(kernels: StockKernels, config: Configuration) -> StockKernels:
+def _checked(kernels: GpuKernels, config: Configuration) -> GpuKernels:
     """`kernels` less the windowed varlen call where it was not exact for `config`."""
     return replace(kernels, varlen_window=False) if config in _window_failures else kernels
 
 
 def verify(
-    query: torch.Tensor, key: torch.Tensor, kernels: Optional[StockKernels] = None, backend: str = "auto"
+    query: torch.Tensor, key: torch.Tensor, kernels: Optional[GpuKernels] = None, backend: str = "auto"
 ) -> Optional[str]:
     """Check now (or read this process's verdict): None when exact, else what failed."""
-    kernels = kernels or stock_kernels(query.device, backend)
+    kernels = kernels or gpu_kernels(query.device, backend)
     verified_kernels(query, key, kernels)
     return _verdicts[configuration(query, key, kernels)]
 
@@ -136,7 +137,7 @@ def verdicts() -> dict[str, str]:
     return {
         f"{config.kernels}, {config.device}, {str(config.dtype).removeprefix('torch.')}, "
         f"{config.per_kv}x{config.head_dim}": failure
-        or ("exact" if config not in _window_failures else f"exact, set B in torch ({_window_failures[config]})")
+        or ("exact" if config not in _window_failures else f"exact, window band in torch ({_window_failures[config]})")
         for config, failure in _verdicts.items()
     }
 
@@ -187,26 +188,26 @@ def _routed_case(
     return (query, key, value, *routing, allowed.to(device))
 
 
-def check_flex(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
-    """FlexAttention on the block masks the path itself builds - set A over sorted keys and entries with full blocks
-    (an entry of a group with no earlier key sees none), the whole pattern with full blocks, lengths off the block
-    size - each checked against the contract first (`block_masks`), then run on the
-    device's kernel and compared with FlexAttention's double, rows without visible keys included."""
+def check_flex(kernels: GpuKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
+    """FlexAttention on the block masks the path itself builds - the own-group pass over sorted keys and entries with
+    full blocks (an entry of a group with no earlier key sees none), the whole pattern with full blocks, lengths off the
+    block size - each checked against the contract first (`block_masks`), then run on the device's kernel and compared
+    with FlexAttention's CPU stand-in, rows without visible keys included."""
     recorded: list[tuple] = []
-    twin = cpu_twin_kernels()
+    standins = standin_kernels()
 
     def record(query, key, value, blocks, scale):
         recorded.append((query, key, value, blocks, scale))
-        return twin.raw_flex(query, key, value, blocks, scale)
+        return standins.raw_flex(query, key, value, blocks, scale)
 
-    recorder = replace(twin, name="recorder", raw_flex=record, raw_varlen=None)
+    recorder = replace(standins, name="recorder", raw_flex=record, raw_varlen=None)
     length = BLOCK + 72
     for top_k, separate in ((1, False), (2, True)):
         query, key, value, valid, query_groups, key_groups, sink, _ = _routed_case(
             generator, config, length, length, top_k, separate
         )
         arguments = (query_groups, key_groups, sink, CASE_GROUPS, CASE_WINDOW, query.shape[-1] ** -0.5, recorder)
-        stock_sparse_attention(query, key, value, valid, *arguments, not separate)
+        gpu_sparse_attention(query, key, value, valid, *arguments, not separate)
         pattern_attention(query, key, value, valid, query_groups, key_groups, sink, CASE_WINDOW, arguments[5], recorder)
     tolerance = TOLERANCE.get(config.dtype, 4e-2)
     has_empty_row = False
@@ -216,7 +217,7 @@ def check_flex(kernels: StockKernels, config: Configuration, generator: torch.Ge
         if hidden:
             return f"a full block hides pairs: {hidden}"
         output, lse = kernels.flex(query, key, value, blocks, scale)
-        expected, expected_lse = cpu_flex(query, key, value, blocks, scale)
+        expected, expected_lse = standin_flex(query, key, value, blocks, scale)
         empty = expected_lse == float("-inf")
         has_empty_row = has_empty_row or bool(empty.any())
         if not (bool((lse[empty] <= NEG / 2).all()) and bool((output.masked_select(empty[..., None]) == 0).all())):
@@ -232,10 +233,11 @@ def check_flex(kernels: StockKernels, config: Configuration, generator: torch.Ge
 
 
 def check_varlen(
-    kernels: StockKernels, config: Configuration, generator: torch.Generator, window: int = -1
+    kernels: GpuKernels, config: Configuration, generator: torch.Generator, window: int = -1
 ) -> Optional[str]:
     """Sequences of fewer queries than keys (bottom-right causal), one without queries, one of a single token; with
-    `window` >= 0 within a sliding window (set B's calls), whose bounds the double states as flash attention's."""
+    `window` >= 0 within a sliding window (the window band's calls), whose bounds the stand-in states as flash
+    attention's."""
     if not kernels.runs_varlen(config.dtype):
         return None
     device = torch.device(config.device)
@@ -248,7 +250,7 @@ def check_varlen(
     arguments = (cu_q, cu_k, max(query_lengths), max(key_lengths))
     scale = config.head_dim**-0.5
     output, lse = kernels.varlen(query, key, value, *arguments, scale, window)
-    expected, expected_lse = varlen_attention_double(
+    expected, expected_lse = varlen_attention_standin(
         query, key, value, *arguments, scale=scale, gqa=True, window=window
     )
     tolerance = TOLERANCE.get(config.dtype, 4e-2)
@@ -258,7 +260,7 @@ def check_varlen(
     )
 
 
-def check_masked_kernel(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
+def check_masked_kernel(kernels: GpuKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
     """torch's CUDA memory-efficient kernel, as the masked and decoding paths call it: a bias that hides every key of
     some rows, GQA, fewer queries than keys."""
     if not config.device.startswith("cuda"):
@@ -285,7 +287,7 @@ def check_masked_kernel(kernels: StockKernels, config: Configuration, generator:
     )
 
 
-def check_path(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
+def check_path(kernels: GpuKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
     """The whole GPU path on two routed cases - own-group top-1, and top-2 from a separate query router - with
     left padding, sinks and queries after a cache, against the dense oracle."""
     length = BLOCK + 37
@@ -295,7 +297,7 @@ def check_path(kernels: StockKernels, config: Configuration, generator: torch.Ge
             generator, config, length, q_len, top_k, separate
         )
         scale = config.head_dim**-0.5
-        output = stock_sparse_attention(
+        output = gpu_sparse_attention(
             query,
             key,
             value,
@@ -319,8 +321,8 @@ def check_path(kernels: StockKernels, config: Configuration, generator: torch.Ge
     return None
 
 
-def check_window(kernels: StockKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
-    """The windowed varlen call set B takes (`window`), where the kernels would take it."""
+def check_window(kernels: GpuKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
+    """The windowed varlen call the window band takes (`window`), where the kernels would take it."""
     if not kernels.runs_window(config.dtype):
         return None
     return check_varlen(kernels, config, generator, window=CASE_WINDOW)
@@ -330,7 +332,7 @@ CHECKS: tuple[Callable[..., Optional[str]], ...] = (check_masked_kernel, check_f
 
 
 def check(
-    kernels: StockKernels, config: Configuration, checks: tuple[Callable[..., Optional[str]], ...] = CHECKS
+    kernels: GpuKernels, config: Configuration, checks: tuple[Callable[..., Optional[str]], ...] = CHECKS
 ) -> Optional[str]:
     """Run `checks` on `config` (seeded); None when all pass, else the first failure (an exception counts)."""
     generator = torch.Generator().manual_seed(0)

@@ -1,12 +1,11 @@
-"""Set B of the GPU path as one sliding-window flash call: group indicators appended to the head dimension.
+"""The window band of the GPU path as one sliding-window flash call: group indicators appended to the head dimension.
 
-Set B - the pairs within the window, or with a sink, whose key group the query does not probe - is a band along the
-diagonal with holes where a key's group is probed. Flash attention's sliding window (`window_size=(w, 0)`) reads
-exactly the band and takes no mask; the holes go into the scores themselves. Each key gets one more column per
-segment (its group, or "not routed yet") and one "hidden" column (a sink, taken apart, or padding), holding 1 where
-it belongs; each query holds -M in the columns of the groups it probes and in the hidden one. The appended dot
-product is then 0 for a pair of set B - exactly: every product is a zero - and -M or less for any other pair of
-the band.
+The window band - the pairs within the window, or with a sink, whose key group the query does not probe - is a band
+along the diagonal with holes where a key's group is probed. Flash attention's sliding window (`window_size=(w, 0)`)
+reads exactly the band and takes no mask; the holes go into the scores themselves. Each key gets one more column per
+segment (its group, or "not routed yet") and one "hidden" column (a sink, taken apart, or padding), holding 1 where it
+belongs; each query holds -M in the columns of the groups it probes and in the hidden one. The appended dot product is
+then 0 for a pair of the window band - exactly: every product is a zero - and -M or less for any other pair of the band.
 
 M is a power of two with M * scale >= 4 * bound + 256, `bound` being the largest |score| the states allow (scale times
 the largest query norm times the largest key norm). A hidden pair then lies more than 256 below the row's largest
@@ -28,7 +27,7 @@ from typing import Optional
 import torch
 
 from focus_hf.attention.gpu.bands import sink_states
-from focus_hf.attention.gpu.kernels import NEG, StockKernels
+from focus_hf.attention.gpu.kernels import NEG, GpuKernels
 from focus_hf.attention.gpu.merge import merge_heads
 
 # Bytes of the copies one windowed call may take (a run of kv heads' keys and values, its queries and their result).
@@ -55,11 +54,11 @@ def window_attention(
     num_groups: int,
     window: int,
     scaling: float,
-    kernels: StockKernels,
+    kernels: GpuKernels,
     sink_slots: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Set B without a model's mask: output [batch, heads, q, dim] in the query's dtype, lse [batch, heads, q] in
-    float32 (see the module docstring).
+    """The window band without a model's mask: output [batch, heads, q, dim] in the query's dtype, lse [batch, heads, q]
+    in float32 (see the module docstring).
 
     Args:
         query: [batch, heads, q, dim], the last q of the kv tokens.

@@ -1,31 +1,31 @@
-"""Hard-mode Focus attention on stock GPU kernels: variable-length flash attention and FlexAttention.
+"""The GPU path: hard-mode Focus attention on CUDA's kernels, variable-length flash attention and FlexAttention.
 
-The allowed pairs split as in `fast`: A, the pairs whose key group is one the query probes (local and sink pairs
-included); B, the other allowed pairs - within the window, or with a sink. Here each set is one or a few calls of the
-kernels of `kernels`, with no n x n tensor anywhere:
+The allowed pairs split as on the CPU path (`cpu_path`) into the own-group pass - the pairs whose key group is one the
+query probes (local and sink pairs included) - and the window band - the other allowed pairs, within the window or
+with a sink. Here each is one or a few calls of the kernels of `kernels`, with no n x n tensor anywhere:
 
-- A, own-group top-1 (every query probes its own key group only) in half precision: sorted by (sample, group,
-  position), the tokens of one group of one sample are one sequence and set A is causal attention inside each - a
-  variable-length flash call per run of kv heads (`fold_own_groups`; unrouted tokens, group -1, are one more group,
-  each sample's padding one more sequence).
-- A, any other routing (top_k > 1, a separate query router, adaptive probes, float32): keys sorted by (group,
-  position) per sample and query entries - one per probed group - by (probed group, position). An entry sees a
+- the own-group pass, own-group top-1 (every query probes its own key group only) in half precision: sorted by (sample,
+  group, position), the tokens of one group of one sample are one sequence and the own-group pass is causal attention
+  inside each - a variable-length flash call per run of kv heads (`fold_own_groups`; unrouted tokens, group -1, are one
+  more group, each sample's padding one more sequence).
+- the own-group pass, any other routing (top_k > 1, a separate query router, adaptive probes, float32): keys sorted by
+  (group, position) per sample and query entries - one per probed group - by (probed group, position). An entry sees a
   prefix of its group's sorted keys, so a block of 128 sorted entries reads one range of sorted key blocks, which the
-  sort's offsets give (`sorted_range_blocks`); key blocks that every entry of a one-group block sees whole are listed
-  as full, read without a mask. One FlexAttention call (`fold_probed_groups`).
-- B, without a model's mask where the kernels run varlen in a dtype of float32's range: one sliding-window flash call
-  per run of kv heads, the probed groups, sinks and padding hidden by indicator columns appended to the head dimension,
-  and the sinks as one small product (`window`).
-- B otherwise: in plain torch (`bands`), in token order: each block of 128 queries against the keys of its window and
-  the sinks, keeping those whose group the query does not probe and real (not padding). A FlexAttention call here
-  spent its time reading the pattern pair by pair in its mask (`bands`' docstring has the H200's figures).
+  sort's offsets give (`sorted_range_blocks`); key blocks that every entry of a one-group block sees whole are listed as
+  full, read without a mask. One FlexAttention call (`fold_probed_groups`).
+- the window band, without a model's mask where the kernels run varlen in a dtype of float32's range: one sliding-window
+  flash call per run of kv heads, the probed groups, sinks and padding hidden by indicator columns appended to the head
+  dimension, and the sinks as one small product (`window`).
+- the window band otherwise: in plain torch (`bands`), in token order: each block of 128 queries against the keys of its
+  window and the sinks, keeping those whose group the query does not probe and real (not padding). A FlexAttention call
+  here spent its time reading the pattern pair by pair in its mask (`bands`' docstring has the H200's figures).
 
-The parts of a query are merged by log-sum-exp (`merge_heads`), a row without visible keys weighing 0. Costs (n
-tokens, K groups, top_k probes, window w): A ~ top_k n^2 / 2K pairs, B ~ n (w + 2 * 128) pairs; memory beyond the
-output and its log-sum-exp: the sorted keys and values of one run of kv heads and its queries' part (a budget of
-VARLEN_BYTES), or for the FlexAttention path the sorted keys and the entries' queries and results (top_k times the
-queries), and block lists of one row per 128 queries; set B's packed copies for the windowed call (a budget of
-`window.WINDOW_BYTES`) or its chunks of bands (`bands.BAND_BYTES` of scores).
+The parts of a query are merged by log-sum-exp (`merge_heads`), a row without visible keys weighing 0. Costs (n tokens,
+K groups, top_k probes, window w): the own-group pass ~ top_k n^2 / 2K pairs, the window band ~ n (w + 2 * 128) pairs;
+memory beyond the output and its log-sum-exp: the sorted keys and values of one run of kv heads and its queries' part (a
+budget of VARLEN_BYTES), or for the FlexAttention path the sorted keys and the entries' queries and results (top_k times
+the queries), and block lists of one row per 128 queries; the window band's packed copies for the windowed call (a
+budget of `window.WINDOW_BYTES`) or its chunks of bands (`bands.BAND_BYTES` of scores).
 
 Exact by construction for every routing; what it assumes of the kernels is checked on each device by `verify`, which
 `hard` asks before this path runs.
@@ -39,23 +39,23 @@ import torch
 
 from focus_hf.attention.gpu.bands import band_attention
 from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists, blocks_of, run_lists
-from focus_hf.attention.gpu.kernels import StockKernels
+from focus_hf.attention.gpu.kernels import GpuKernels
 from focus_hf.attention.gpu.merge import merge_heads
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.gpu.pair_rule import NO_KEY, NO_QUERY, make_rule, padded, range_mask, rule_mask, token_rule
 from focus_hf.attention.gpu.window import window_attention, window_dtype
 
-# Bytes of the sorted copies one variable-length call of set A may take (keys, values, queries, its result): the kv
-# heads - past it, the query heads of one kv head - go in runs that fit, so that a 1M-token prefill holds a fraction of
-# a layer's states, not a second copy (at 1M tokens, 32 / 8 heads in bf16, 1 GiB runs measured 1.15x dense SDPA's
-# peak memory on an H200; 512 MiB takes one query head at a time there).
+# Bytes of the sorted copies one variable-length call of the own-group pass may take (keys, values, queries, its
+# result): the kv heads - past it, the query heads of one kv head - go in runs that fit, so that a 1M-token prefill
+# holds a fraction of a layer's states, not a second copy (at 1M tokens, 32 / 8 heads in bf16, 1 GiB runs measured 1.15x
+# dense SDPA's peak memory on an H200; 512 MiB takes one query head at a time there).
 VARLEN_BYTES = 1 << 29
 # The parts of the pattern a call takes (`pair_rule`): (near pairs of unprobed groups, pairs of probed groups).
-SET_A = (False, True)
+OWN_GROUP_PASS = (False, True)
 WHOLE_PATTERN = (True, True)
 
 
-def stock_sparse_attention(
+def gpu_sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -66,12 +66,12 @@ def stock_sparse_attention(
     num_groups: int,
     window: int,
     scaling: float,
-    kernels: StockKernels,
+    kernels: GpuKernels,
     own_group: Optional[bool] = None,
     model_mask: Optional[torch.Tensor] = None,
     sink_slots: Optional[int] = None,
 ) -> torch.Tensor:
-    """Sets A and B merged: [batch, q, heads, dim] in the query's dtype.
+    """The own-group pass and the window band merged: [batch, q, heads, dim] in the query's dtype.
 
     Args:
         query: [batch, heads, q, dim], the last q of the kv tokens.
@@ -84,9 +84,9 @@ def stock_sparse_attention(
         own_group: whether each query's first probe is its own key group (no separate query router); None: read
             from the groups (a device sync; never under torch.compile, where None counts as False).
         model_mask: a boolean mask [batch or 1, 1, q, kv] that may hide more than future and padding keys (a
-            sliding window, packed documents), read pair by pair - by set B's masks in torch and by set A's
-            FlexAttention call, which it then takes whatever the routing; None: causal + `key_valid`.
-        sink_slots: the most sinks any sample has (routing's `sink_tokens`), which sizes set B's sink columns
+            sliding window, packed documents), read pair by pair - by the window band's masks in torch and by the
+            own-group pass's FlexAttention call, which it then takes whatever the routing; None: causal + `key_valid`.
+        sink_slots: the most sinks any sample has (routing's `sink_tokens`), which sizes the window band's sink columns
             without reading the flags from the device (`bands.band_attention`); None: read.
     """
     batch, _, q_len, _ = query.shape
@@ -122,13 +122,13 @@ def pattern_attention(
     key_sink: torch.Tensor,
     window: int,
     scaling: float,
-    kernels: StockKernels,
+    kernels: GpuKernels,
     model_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The whole pattern as one FlexAttention call over every causal key block, the rule evaluated as it goes (no
     bias, no n x n tensor): the GPU's "one dense masked call", which "auto" runs below its crossover. Key blocks
     that lie inside the window of every query of a query block are full (read without the rule). Returns [batch, q,
-    heads, dim]. `model_mask`: as in `stock_sparse_attention` (no block is then full)."""
+    heads, dim]. `model_mask`: as in `gpu_sparse_attention` (no block is then full)."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     valid = key_valid
@@ -165,7 +165,7 @@ def pattern_attention(
     return output.transpose(1, 2).contiguous()
 
 
-def paged_decode(
+def decode_from_paged_keys(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -176,7 +176,7 @@ def paged_decode(
     window: int,
     scaling: float,
     paged: PagedKeys,
-    kernels: StockKernels,
+    kernels: GpuKernels,
 ) -> torch.Tensor:
     """One query per sample [batch, heads, 1, dim] - the newest of key/value [batch, kv_heads, n, dim] - over its
     window, the sinks and its probed groups' distant keys: one FlexAttention call over the pages of `paged`, which the
@@ -220,12 +220,12 @@ def fold_own_groups(
     key_groups: torch.Tensor,
     num_groups: int,
     scaling: float,
-    kernels: StockKernels,
+    kernels: GpuKernels,
 ) -> None:
-    """Set A of own-group top-1 routing as variable-length causal attention, one sequence per (sample, segment), folded
-    into `output` and `lse`. Queries are the last q tokens of each sequence, as the kernel's bottom-right causal
-    alignment needs. The kv heads go in runs whose sorted copies fit VARLEN_BYTES; a kv head that alone does not fit
-    takes its query heads in runs that do."""
+    """The own-group pass of own-group top-1 routing as variable-length causal attention, one sequence per (sample,
+    segment), folded into `output` and `lse`. Queries are the last q tokens of each sequence, as the kernel's
+    bottom-right causal alignment needs. The kv heads go in runs whose sorted copies fit VARLEN_BYTES; a kv head that
+    alone does not fit takes its query heads in runs that do."""
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     per_kv = heads // kv_heads
@@ -276,8 +276,8 @@ def fold_own_groups(
 def sorted_range_blocks(
     first_key: torch.Tensor, end_key: torch.Tensor, groups: torch.Tensor, real_entries: torch.Tensor, kv_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block lists of set A in sorted order, from each sorted entry's key range [first_key, end_key) among the sorted
-    keys and its segment `groups` ([batch, entries]; ranges non-decreasing along the entries), the first
+    """Block lists of the own-group pass in sorted order, from each sorted entry's key range [first_key, end_key) among
+    the sorted keys and its segment `groups` ([batch, entries]; ranges non-decreasing along the entries), the first
     `real_entries` [batch] entries of each sample being real (the excluded ones sort last and see no key).
 
     A block of BLOCK entries reads the key blocks from its first entry's first key to its last real entry's end key.
@@ -315,12 +315,12 @@ def fold_probed_groups(
     key_groups: torch.Tensor,
     num_groups: int,
     scaling: float,
-    kernels: StockKernels,
+    kernels: GpuKernels,
     model_mask: Optional[torch.Tensor] = None,
 ) -> None:
-    """Set A of any routing in one FlexAttention call over sorted keys and sorted query entries, folded into `output`
-    and `lse` one probe slot at a time (a query's probed groups are distinct, so its entries' key sets are
-    disjoint). `model_mask`: as in `stock_sparse_attention` (no block is then full)."""
+    """The own-group pass of any routing in one FlexAttention call over sorted keys and sorted query entries, folded
+    into `output` and `lse` one probe slot at a time (a query's probed groups are distinct, so its entries' key sets are
+    disjoint). `model_mask`: as in `gpu_sparse_attention` (no block is then full)."""
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     offset, top_k, device = kv_len - q_len, query_groups.shape[-1], query.device
@@ -350,12 +350,12 @@ def fold_probed_groups(
         mask_mod = range_mask(first_key, end_key)
     else:  # read pair by pair, with the model's mask; which may hide pairs inside a full block
         sorted_valid = valid.gather(1, key_order)
-        no_sinks = torch.zeros_like(sorted_valid)  # set A takes only probed pairs: sinks play no part
+        no_sinks = torch.zeros_like(sorted_valid)  # the own-group pass takes only probed pairs: sinks play no part
         rule = make_rule(
             (torch.where(real, entry_position, NO_QUERY), entry_order // top_k, entry_group[..., None]),
             (torch.where(sorted_valid, key_order, NO_KEY), segment.gather(1, key_order), no_sinks),
             0,
-            SET_A,
+            OWN_GROUP_PASS,
             model_mask,
         )
         mask_mod = rule_mask(rule)

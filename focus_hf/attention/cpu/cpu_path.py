@@ -1,38 +1,39 @@
-"""Hard-mode Focus attention from standard attention calls, with no n x n tensor.
+"""The CPU path: hard-mode Focus attention from standard attention calls and the C kernels, with no n x n tensor.
 
 Every pair the hard pattern allows (`pattern.allowed_pairs`) lies in exactly one of two sets:
 
-  A  same-group pairs: j <= i and key_groups[j] is among query_groups[i] (local and sink pairs included);
-  B  every other allowed pair: j <= i, key_groups[j] not among query_groups[i], and i - j <= window or j a sink.
+  the own-group pass   same-group pairs: j <= i and key_groups[j] is among query_groups[i] (local and sink pairs
+                       included) - the paper's first call, tokens sorted by group;
+  the window band      every other allowed pair: j <= i, key_groups[j] not among query_groups[i], and i - j <= window
+                       or j a sink - the paper's second call.
 
-A (`partials.probe_part`): keys are sorted by their group and query entries (one per probed group) by the group
-they probe, each in position order; a query entry sees a prefix of its segment's keys, so each segment's entries
-go in chunks, one non-causal call per chunk over the keys the chunk reaches, masked only on the staircase between
-its first and last entry's reach (past `partials.SPLIT_MIN_KEYS` keys, the keys every entry sees go in an unmasked
-call with each kv head's query heads folded into the query axis, and the staircase in a second, small one). Where a
-segment's entries are its own newest keys (own-group routing at top_k = 1), the staircase is a causal square and the
-chunk needs no mask at all. At top_k = 1 the sinks of other groups ride in front of each segment's keys: every query
-after the last sink reads its set B sink pairs there, near or far, and the local part leaves the sinks out of its
-window - no separate pass. The same code serves top-1 and top-k, shared and separate query routers, and chunked
-prefill after a KV cache. No local pair has to be taken out of A (a call could not express "j < i - w") because B
-leaves the same-group pairs out instead.
+The own-group pass (`partials.probe_part`): keys are sorted by their group and query entries (one per probed group) by
+the group they probe, each in position order; a query entry sees a prefix of its segment's keys, so each segment's
+entries go in chunks, one non-causal call per chunk over the keys the chunk reaches, masked only on the staircase
+between its first and last entry's reach (past `partials.SPLIT_MIN_KEYS` keys, the keys every entry sees go in an
+unmasked call with each kv head's query heads folded into the query axis, and the staircase in a second, small one).
+Where a segment's entries are its own newest keys (own-group routing at top_k = 1), the staircase is a causal square and
+the chunk needs no mask at all. At top_k = 1 the sinks of other groups ride in front of each segment's keys: every query
+after the last sink reads its window band sink pairs there, near or far, and the local part leaves the sinks out of its
+window - no separate pass. The same code serves top-1 and top-k, shared and separate query routers, and chunked prefill
+after a KV cache. No local pair has to be taken out of the own-group pass (a call could not express "j < i - w") because
+the window band leaves the same-group pairs out instead.  The window band is split in two: the local pairs - queries in
+blocks of `partials.LOCAL_BLOCK` read the `window` keys before their block and the block itself, as overlapping strided
+views of the keys, under a [block, window + block] mask; and the pairs with sinks farther than the window that did not
+ride in the own-group pass (top_k > 1, and the few queries before the last sink), a handful of keys done with two small
+matmuls.
 
-B is split in two: the local pairs - queries in blocks of `partials.LOCAL_BLOCK` read the `window` keys before
-their block and the block itself, as overlapping strided views of the keys, under a [block, window + block] mask -
-and the pairs with sinks farther than the window that did not ride in A (top_k > 1, and the few queries before the
-last sink), a handful of keys done with two small matmuls.
+On CPU in float32 and bfloat16 the C prefill kernel of `native` runs the own-group pass in one call per block of
+OWN_GROUP_ROWS queries (`segments.SegmentKeys`, the group sort a counting sort in C): it reads each segment's keys where
+they lie through their token indices (no gathered copy), gives each entry its reach (skipping the key blocks past a
+query block's last) and folds each entry into its query's row of the output as it finishes - no chunks, calls or merges
+in torch. It runs the local part and the sink pairs too (the local rule read from group bits), folded into the same
+output, and each block's window band is folded in before the next block's own-group pass, so that one block's
+log-sum-exp is held rather than every query's.
 
-On CPU in float32 and bfloat16 the C prefill kernel of `native` runs A in one call per block of SET_A_ROWS queries
-(`segments.SegmentKeys`, the group sort a counting sort in C): it reads each segment's keys where they lie through
-their token indices (no gathered copy), gives each entry its reach (skipping the key blocks past a query block's
-last) and folds each entry into its query's row of the output as it finishes - no chunks, calls or merges in
-torch. It runs the local part and the sink pairs too (the local rule read from group bits), folded into the same
-output, and each block's set B is folded in before the next block's set A, so that one block's log-sum-exp is held
-rather than every query's.
-
-The partial results of a query (A, local, sinks) are merged exactly by log-sum-exp. Hidden keys carry finfo.min
-rather than -inf, so a partial without visible keys has a log-sum-exp near finfo.min, gets weight 0 in the merge
-and never produces a NaN.
+The partial results of a query (the own-group pass, local, sinks) are merged exactly by log-sum-exp. Hidden keys carry
+finfo.min rather than -inf, so a partial without visible keys has a log-sum-exp near finfo.min, gets weight 0 in the
+merge and never produces a NaN.
 
 Decoding (at most DECODE_MAX_QUERIES queries) gathers only the keys those queries can reach - their groups' keys,
 their window and the sinks - and runs one small attention over them (unmasked for one query). A one-query step
@@ -51,13 +52,12 @@ causal attention, and one causal call runs it.
 Forward only: the attention kernels' backward ignores the gradient of the log-sum-exp they return, which the
 merge depends on, so `attention.focus_attention_forward` sends calls that need gradients to the reference path.
 
-Costs (n tokens, K groups, window w, top-k probes): A ~ k n^2 / 2K (+ n PROBE_CHUNK / 2 on the staircases),
-B ~ n (w + partials.LOCAL_BLOCK); memory: the float32 output and log-sum-exp, one segment's keys and one block of
-STREAM_ROWS queries' partial results - on CPU in float32 and bfloat16 the output, 4 bytes per key (the sorted keys), one
-block's log-sum-exp and entries and one packing buffer (`native.packing_scratch`): less than dense SDPA adds to
-its output at 128K tokens. A decoding step reads
-~ k n / K + w keys; the group-sorted copy it reads them from holds the routed heads' distant keys and values a
-second time (off with `set_routing(decode_copy=False)`).
+Costs (n tokens, K groups, window w, top-k probes): the own-group pass ~ k n^2 / 2K (+ n PROBE_CHUNK / 2 on the
+staircases), the window band ~ n (w + partials.LOCAL_BLOCK); memory: the float32 output and log-sum-exp, one segment's
+keys and one block of STREAM_ROWS queries' partial results - on CPU in float32 and bfloat16 the output, 4 bytes per key
+(the sorted keys), one block's log-sum-exp and entries and one packing buffer (`native.packing_scratch`): less than
+dense SDPA adds to its output at 128K tokens. A decoding step reads ~ k n / K + w keys; the group-sorted copy it reads
+them from holds the routed heads' distant keys and values a second time (off with `set_routing(decode_copy=False)`).
 """
 
 from __future__ import annotations
@@ -97,14 +97,15 @@ DECODE_MAX_QUERIES = 16
 # all heads (`gather_tokens`) and the matmuls run faster (CPU, measured: gather 80 vs 94 us at 2K keys, 2.8 vs 1.8 ms
 # at 17K; attention 143 vs 157 us at 2K, 2.8 vs 2.3 ms at 17K).
 DIRECT_GATHER_MAX = 4096
-# Queries per block of set B's parts (local and sinks) in a prefill: each block's partial result is folded into the
-# output before the next is computed, so a call holds the output and one block's partials, not a second full-size
-# result (~5 KiB per row, ~5 MiB per block at 9 x 64 heads). 1,024 and 4,096 rows ran equally fast at 4K and 16K.
+# Queries per block of the window band's parts (local and sinks) in a prefill: each block's partial result is folded
+# into the output before the next is computed, so a call holds the output and one block's partials, not a second
+# full-size result (~5 KiB per row, ~5 MiB per block at 9 x 64 heads). 1,024 and 4,096 rows ran equally fast at 4K and
+# 16K.
 STREAM_ROWS = 1024
-# Query rows per block of set A in the C kernel (`segments.SegmentKeys`). Each block's call reads its segments' keys
-# up to its last query again, so fewer rows repack more keys; a block's log-sum-exp and entries take ~48 bytes per
-# row at 9 heads and top_k 1.
-SET_A_ROWS = 16384
+# Query rows per block of the own-group pass in the C kernel (`segments.SegmentKeys`). Each block's call reads its
+# segments' keys up to its last query again, so fewer rows repack more keys; a block's log-sum-exp and entries take ~48
+# bytes per row at 9 heads and top_k 1.
+OWN_GROUP_ROWS = 16384
 
 
 def sparse_attention(
@@ -120,18 +121,19 @@ def sparse_attention(
     scaling: float,
     kernel: Kernel,
 ) -> torch.Tensor:
-    """Sets A and B merged: [batch, q, heads, dim].
+    """The own-group pass and the window band merged: [batch, q, heads, dim].
 
-    In the C kernel (`segments.SegmentKeys`), set A goes SET_A_ROWS queries at a time and each block's set B is
-    folded in before the next, so that only one block's log-sum-exp is held beside the output; elsewhere set A
-    comes whole from `probe_part` and set B follows. The parts of B go STREAM_ROWS queries at a time (memory)."""
+    In the C kernel (`segments.SegmentKeys`), the own-group pass goes OWN_GROUP_ROWS queries at a time and each block's
+    window band is folded in before the next, so that only one block's log-sum-exp is held beside the output; elsewhere
+    the own-group pass comes whole from `probe_part` and the window band follows. The window band's parts go STREAM_ROWS
+    queries at a time (memory)."""
     valid = key_valid
     if valid is None:
         valid = torch.ones(query.shape[0], key.shape[2], dtype=torch.bool, device=query.device)
     batch, heads, q_len, dim = query.shape
     first_query = key.shape[2] - q_len
 
-    def fold_set_b(
+    def fold_window_band(
         output: torch.Tensor,
         lse: torch.Tensor,
         sinks_done: Optional[torch.Tensor],
@@ -139,12 +141,13 @@ def sparse_attention(
         end: int,
         scratch: Optional[torch.Tensor] = None,
     ) -> None:
-        """Fold set B of query rows begin .. end - 1 into float32 `output` [batch, end - begin, heads, dim] and `lse`
-        [batch, end - begin, heads], which hold their set A (`sinks_done` [batch, end - begin]: the rows whose sink
-        pairs rode there, or None), STREAM_ROWS queries at a time: each block's partial result is folded in before
-        the next is computed, so that only one block's is held beside the output. `scratch`:
+        """Fold the window band of query rows begin .. end - 1 into float32 `output` [batch, end - begin, heads, dim]
+        and `lse` [batch, end - begin, heads], which hold their own-group pass (`sinks_done` [batch, end - begin]: the
+        rows whose sink pairs rode there, or None), STREAM_ROWS queries at a time: each block's partial result is folded
+        in before the next is computed, so that only one block's is held beside the output. `scratch`:
         `native.packing_scratch` for the C kernel's calls."""
-        sink_end = end  # the queries that may have sink pairs left: set A did those of the queries it marks
+        # The queries that may have sink pairs left: the own-group pass did those of the queries it marks.
+        sink_end = end
         if sinks_done is not None:  # padding queries' outputs are meaningless: no sink pass for them
             pending = (~sinks_done & valid[:, first_query + begin : first_query + end]).any(dim=0).nonzero()
             sink_end = begin + (int(pending[-1]) + 1 if len(pending) else 0)
@@ -186,25 +189,26 @@ def sparse_attention(
                 merge_into(output[:, rows], lse[:, rows], *local)
             del local
 
-    riders = key_sink if query_groups.shape[-1] == 1 else None  # top-1 queries read their sinks in set A
-    block_rows = min(SET_A_ROWS, q_len)
+    riders = key_sink if query_groups.shape[-1] == 1 else None  # top-1 queries read their sinks in the own-group pass
+    block_rows = min(OWN_GROUP_ROWS, q_len)
     in_kernel = SegmentKeys.build(query, key, value, query_groups, key_groups, valid, riders, num_groups, block_rows)
     if in_kernel is None:
         output, lse, sinks_done = probe_part(
             query, key, value, valid, query_groups, key_groups, num_groups, scaling, kernel, key_sink
         )
-        fold_set_b(output, lse, sinks_done, 0, q_len)
+        fold_window_band(output, lse, sinks_done, 0, q_len)
         return output.to(query.dtype)
     output = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
     block_lse = query.new_empty(batch, block_rows, heads, dtype=torch.float32)
-    # The local part's calls read a block of queries and the window before it; set A's read slabs of one segment.
+    # The local part's calls read a block of queries and the window before it; the own-group pass's read slabs of one
+    # segment.
     local_keys = min(STREAM_ROWS + window, key.shape[2])
     scratch = packing_scratch(key.dtype, key.shape[1], dim, (batch, local_keys, False), (1, SEGMENT_SLAB_KEYS, True))
     for start in range(0, q_len, block_rows):
         end = min(start + block_rows, q_len)
         lse = block_lse[:, : end - start].fill_(torch.finfo(torch.float32).min)
         sinks_done = in_kernel.fold(query, key, value, start, end, output[:, start:end], lse, scaling, scratch)
-        fold_set_b(output[:, start:end], lse, sinks_done, start, end, scratch)
+        fold_window_band(output[:, start:end], lse, sinks_done, start, end, scratch)
     return output.to(query.dtype)
 
 

@@ -1,22 +1,22 @@
-"""CPU doubles of the GPU attention kernels: the same arguments, the same results and the same conventions.
+"""CPU stand-ins of the CUDA attention kernels: the same arguments, the same results and the same conventions.
 
-The GPU path (`stock`) is built from kernels that only run on CUDA, and the conventions it depends on - what a row
+The GPU path (`gpu_path`) is built from kernels that only run on CUDA, and the conventions it depends on - what a row
 without any visible key returns, the log-sum-exp's base and layout, which blocks of a FlexAttention block mask are
-read - are the kernels' own. Each double below reproduces one kernel's conventions in plain float64 torch, as
+read - are the kernels' own. Each stand-in below reproduces one kernel's conventions in plain float64 torch, as
 measured on the kernel (and re-checked on every CUDA machine by `verify` and tests/attention/test_cuda.py), so that
 CI runs the GPU path's logic exactly on the CPU. They are slow (dense scores, one pass per segment) and meant for
-tests and for `backend="stock"` on CPU.
+tests and for `backend="gpu-path"` on CPU.
 
-- `flex_attention_double`: FlexAttention's forward as the compiled kernel runs it: only the key blocks a query
+- `flex_attention_standin`: FlexAttention's forward as the compiled kernel runs it: only the key blocks a query
   block lists are read, `mask_mod` is applied in the partial blocks and not in the full ones, a row without a
   visible key gets output 0 and log-sum-exp -inf (natural log), GQA by `enable_gqa`. (Eager flex_attention on CPU
   evaluates `mask_mod` over every pair and ignores the block lists, so it cannot stand in for the kernel.)
-- `varlen_attention_double`: `torch.nn.attention.varlen.varlen_attn` / flash-attn's `flash_attn_varlen_func`:
+- `varlen_attention_standin`: `torch.nn.attention.varlen.varlen_attn` / flash-attn's `flash_attn_varlen_func`:
   packed [tokens, heads, dim], one sequence per `cu_seq` range, causal aligned to the bottom right when a sequence
   has fewer queries than keys, a sliding window of `window` keys before each query's own (flash-attn's
   `window_size=(window, 0)`: keys r + Lk - Lq - window .. r + Lk - Lq), log-sum-exp [heads, tokens]; without `gqa`
   (torch 2.11) the heads must match.
-- `efficient_attention_double`: torch's CUDA memory-efficient kernel (`_scaled_dot_product_efficient_attention`):
+- `efficient_attention_standin`: torch's CUDA memory-efficient kernel (`_scaled_dot_product_efficient_attention`):
   log-sum-exp padded to a multiple of 32 queries, and a row whose keys are all hidden by the bias returns output 0
   and log-sum-exp 0.0 (not -inf) - the convention that made merged partials wrong on CUDA.
 """
@@ -61,7 +61,7 @@ def block_visibility(
     return pairs[..., :q_len, :kv_len]
 
 
-def flex_attention_double(
+def flex_attention_standin(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -97,7 +97,7 @@ def flex_attention_double(
     return (weights @ values).to(query.dtype), lse.float()
 
 
-def varlen_attention_double(
+def varlen_attention_standin(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -141,7 +141,7 @@ def varlen_attention_double(
     return output, lse
 
 
-@torch.library.custom_op("focus_hf::varlen_attention_double", mutates_args=())
+@torch.library.custom_op("focus_hf::varlen_attention_standin", mutates_args=())
 def varlen_attention_op(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -154,9 +154,9 @@ def varlen_attention_op(
     gqa: bool,
     window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`varlen_attention_double` as an opaque operator, as torch's `varlen_attn` is one: torch.compile traces
+    """`varlen_attention_standin` as an opaque operator, as torch's `varlen_attn` is one: torch.compile traces
     around it (its loop over the sequences reads their lengths from the data)."""
-    return varlen_attention_double(
+    return varlen_attention_standin(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, gqa=gqa, window=window
     )
 
@@ -166,7 +166,7 @@ def _varlen_attention_shapes(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k
     return torch.empty_like(query), query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
 
 
-def efficient_attention_double(
+def efficient_attention_standin(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
