@@ -377,7 +377,7 @@ def _snippet_note(config: dict[str, Any], base_model: Optional[str]):
     if (config.get("task_type") or "") not in HUB_SNIPPET_TASKS:
         return markupsafe.Markup(
             f"The Hub shows no loading code for this adapter: its {code(CONFIG_NAME)} names no {code('task_type')} "
-            f"(the adapters focus_hf saves now record {code('CAUSAL_LM')} there); the lines above load it all the "
+            f"(saving it again with focus_hf records {code('CAUSAL_LM')} there); the lines above load it all the "
             "same."
         )
     if not base_model:
