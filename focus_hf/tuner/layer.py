@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from torch import nn
 from focus_hf.attention.function import (
     ATTENTION_NAME,
     BACKENDS,
+    ROUTING_ARGUMENT,
     FocusRuntimeError,
     LayerRouting,
     as_bool_mask,
@@ -289,6 +291,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.layer_index = layer_index
         # Which of the KV cache's layers holds this attention's keys (asked at every call).
         self.cache_layer_index: int = getattr(base_layer, "layer_idx", 0)
+        # Whether the wrapped module takes the keyword argument that hands its attention function the routing.
+        self._passes_keywords = any(
+            parameter.kind is inspect.Parameter.VAR_KEYWORD
+            for parameter in inspect.signature(base_layer.forward).parameters.values()
+        )
         current = base_layer.config._attn_implementation
         # Restored by unload(); "focus" here means an earlier adapter switched it already.
         self.base_attn_implementation = current if current != ATTENTION_NAME else "sdpa"
@@ -622,18 +629,13 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         )
         if mode == "hard" and (hidden.is_cuda or self.backend == "stock"):
             self._verify_attention(hidden)
-        # Straight into the instance's attributes: a plain value, which nn.Module.__setattr__ would only look up in
-        # its parameter, buffer and module tables first (twice per layer and call, decoding steps included).
-        attributes = vars(self.base_layer)
-        attributes["_focus_routing"] = routing
-        try:
-            output = self.base_layer(*args, **kwargs)
-        finally:
-            attributes["_focus_routing"] = None
+        # An argument of this call, never an attribute of the module: threads calling the model at once each hand
+        # the attention function their own routing.
+        output = self.base_layer(*args, **kwargs, **{ROUTING_ARGUMENT: routing}) if self._passes_keywords else None
         if not routing.consumed:
             raise FocusRuntimeError(
-                f"{type(self.base_layer).__name__} did not call the model's attention function, so Focus routing "
-                "would be silently ignored. This architecture is not supported."
+                f"{type(self.base_layer).__name__} did not pass its keyword arguments on to the model's attention "
+                "function, so Focus routing would be silently ignored. This architecture is not supported."
             )
         return output
 
