@@ -275,6 +275,15 @@ def _refuse_backward(output: Any, anchor: torch.Tensor, layer: int) -> Any:
     return output
 
 
+def _parameter_state(parameter: torch.Tensor) -> tuple:
+    """What changes when a router parameter does: its identity and storage (replaced, moved with `.to()`) and, where it
+    tracks one, its version, which in-place updates (optimizer steps, loading) bump. An inference tensor (made under
+    torch.inference_mode) has no version: it is written in place only under inference_mode, by loading
+    (`FocusLayer._load_from_state_dict` counts those) or by hand."""
+    version = None if parameter.is_inference() else parameter._version
+    return id(parameter), parameter.data_ptr(), parameter.device, version
+
+
 class FocusLayer(nn.Module, BaseTunerLayer):
     """Wraps a self-attention module: routes its input tokens and hands the routing to the attention function.
 
@@ -311,6 +320,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
         self._kept_values: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # `_kept`, by (adapter, what)
+        self._weights_loaded = 0  # state dicts loaded into this layer (`_kept`)
         self._every_head_dense_for: Optional[tuple[RouterSettings, bool]] = None  # `_every_head_dense`
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
@@ -438,14 +448,23 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         autograd must see it computed."""
         if torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters):
             return None
-        # In-place updates (optimizer steps, loading) bump the version; `.to()` and replacing the parameter change
-        # its storage or identity.
-        state = (temperature, *((id(p), p._version, p.data_ptr(), p.device) for p in parameters))
+        state = (temperature, self._weights_loaded, *(_parameter_state(p) for p in parameters))
+        # One read and one write of the dict, each of a whole (state, value) pair: threads that call the layer at once
+        # may each work a value out, and each reads a pair that belongs together.
         kept = self._kept_values.get(name)
         if kept is None or kept[0] != state:
-            kept = (state, compute())
+            # An ordinary tensor, also when worked out under inference_mode: a later call outside it may have autograd
+            # record an operation on it (the routers frozen while something else trains), which an inference tensor
+            # refuses.
+            with torch.inference_mode(False), torch.no_grad():
+                kept = (state, compute())
             self._kept_values[name] = kept
         return kept[1]
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        # Loading writes the routers in place: under inference_mode that leaves no trace `_parameter_state` can see.
+        self._weights_loaded += 1
+        super()._load_from_state_dict(*args, **kwargs)
 
     def query_probes(self, adapter_name: str, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
         """The groups the query router sends `hidden` [batch, seq, hidden_size] to, best first: [batch, seq, top_k]
