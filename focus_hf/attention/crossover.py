@@ -44,7 +44,8 @@ from typing import Callable, Optional
 import torch
 
 from focus_hf.aliases import default_cache_dir
-from focus_hf.attention.cpu.native import cpuinfo_field, kernels_identity, torch_kernels
+from focus_hf.attention.cpu.build import cpuinfo_field, torch_kernels
+from focus_hf.attention.cpu.native import kernels_identity
 
 CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
@@ -147,7 +148,7 @@ def make_shape(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: i
 def torch_kernels_level() -> str:
     """The level of torch's CPU kernels as one word, with any limits set on them: "AVX512", or "AVX2
     MKL_ENABLE_INSTRUCTIONS=AVX2". Dense SDPA, the other side of every CPU crossover, runs them: a processor's
-    crossover measured with torch capped at AVX2 does not hold for its uncapped runs (`native.torch_kernels`)."""
+    crossover measured with torch capped at AVX2 does not hold for its uncapped runs (`build.torch_kernels`)."""
     record = torch_kernels()
     return " ".join([record["capability"], *(f"{name}={value}" for name, value in sorted(record["limits"].items()))])
 
