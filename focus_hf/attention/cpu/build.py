@@ -7,6 +7,11 @@ run GNU OpenMP) into `<cache>/kernels/` (`aliases.default_cache_dir`) and loaded
 install, no dependency. `FOCUS_HF_CPU_TARGET` builds for another target instead (any -march value: `x86-64-v2`,
 `x86-64-v3`, `x86-64-v4`, ...; one this processor cannot run is refused with `CpuTargetError`): csrc/vectors.h sizes
 the kernels' vectors and register tiles to the instruction set of the target, so each build is fast on its own.
+
+Processes that start together with an empty cache build each library once: the first takes a lock beside it
+(`cached_library`) and the others wait, then load what it built. A build is written to a temporary file and renamed into
+place, so that no process ever loads half a library; its digest, kept beside it, is checked before every load, and a
+file that does not match it (damaged, or another program's) is built again, with a warning.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
@@ -28,6 +34,7 @@ import torch
 
 from focus_hf.aliases import default_cache_dir
 from focus_hf.errors import CpuTargetError
+from focus_hf.files import file_lock, write_atomically
 
 Bound = TypeVar("Bound")
 
@@ -262,8 +269,9 @@ def compile_step(command: list[str]) -> subprocess.CompletedProcess:
 
 
 def build(cc: str, target: tuple[str, ...], path: Path) -> None:
-    """Compile the kernel to `path` (into a temporary file first, so that a concurrent process never loads half).
-    `target` goes to both steps: -fopenmp at the link step links the OpenMP runtime."""
+    """Compile the kernel to `path` (into a temporary file first, so that a concurrent process never loads half),
+    its digest written beside it first (`digest_path`, `intact`). `target` goes to both steps: -fopenmp at the link
+    step links the OpenMP runtime."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
     os.close(handle)
@@ -276,6 +284,7 @@ def build(cc: str, target: tuple[str, ...], path: Path) -> None:
             for finished in pool.map(compile_step, compiles):
                 finished.check_returncode()
         compile_step([cc, *LINK_FLAGS, *target, *objects, "-o", temporary, "-lm"]).check_returncode()
+        write_atomically(digest_path(path), file_digest(Path(temporary)))
         os.replace(temporary, path)
     finally:
         for leftover in (temporary, *objects):
@@ -283,8 +292,48 @@ def build(cc: str, target: tuple[str, ...], path: Path) -> None:
                 os.remove(leftover)
 
 
+def digest_path(path: Path) -> Path:
+    """Where the digest of the library at `path` is kept: written by `build` before the library is renamed into
+    place, so that a library there always has its own beside it."""
+    return path.with_name(path.name + ".sha256")
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def intact(path: Path) -> bool:
+    """Whether the library at `path` is the one `build` wrote there: its digest matches the one kept beside it. A
+    truncated library would stop the process when loaded (the loader maps pages the file no longer has), a foreign
+    one would run code that is not the kernels: neither is loaded."""
+    try:
+        return digest_path(path).read_text().strip() == file_digest(path)
+    except OSError:
+        return False
+
+
+def cached_library(path: Path, make: Callable[[Path], None], bind: Callable[[ctypes.CDLL], Bound]) -> Bound:
+    """The library at `path`, loaded and handed to `bind`; made first by `make(path)` where it is not there yet, by one
+    process while the others wait (a lock file beside it, `files.file_lock`). A file there that is not the one built
+    (`intact`: damaged, left by an older version, or foreign) is made again, with a warning, before anything loads
+    it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not intact(path):
+        with file_lock(path.with_name(path.name + ".lock")):
+            if not intact(path):  # another process may have built it meanwhile
+                if path.exists():
+                    warnings.warn(
+                        f"focus_hf: the cached CPU kernels {path} are not the library built there (damaged, left by an "
+                        "older version, or another program's file): building them again",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                make(path)
+    return bind(ctypes.CDLL(str(path)))
+
+
 def kernels_library(bind: Callable[[ctypes.CDLL, Path, str, tuple[str, ...]], Bound]) -> Optional[Bound]:
-    """The kernels for FOCUS_HF_CPU_TARGET, built now where this machine has none yet, handed to
+    """The kernels for FOCUS_HF_CPU_TARGET, built now where this machine has none yet (`cached_library`), handed to
     `bind(library, path, compiler, target flags)`; None where they cannot be had (the reason is printed)."""
     cc = compiler()
     if cc is None:
@@ -304,10 +353,10 @@ def kernels_library(bind: Callable[[ctypes.CDLL, Path, str, tuple[str, ...]], Bo
     for target in (arch + openmp for arch in target_flag_sets(target_name) for openmp in openmp_flags()):
         path = library_path(source, cc, target)
         try:
-            if not path.exists():
-                build(cc, target, path)
-            return bind(ctypes.CDLL(str(path)), path, cc, target)
-        except (OSError, subprocess.SubprocessError) as error:
+            return cached_library(
+                path, functools.partial(build, cc, target), lambda library: bind(library, path, cc, target)
+            )
+        except (OSError, AttributeError, subprocess.SubprocessError) as error:  # AttributeError: a function missing
             failure = getattr(error, "stderr", None) or error
     print(f"focus_hf: could not build the CPU kernels ({failure}); using torch operations", file=sys.stderr)
     return None
