@@ -164,17 +164,19 @@ def openai_server(model: Path, adapter: Optional[Path], max_len: int, log: Path,
 
 
 def wait_until_up(process: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    """Wait until the server started as `process` answers `url` with 200; RuntimeError (with the end of its `log`)
+    where it exits or does not answer within `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            sys.exit(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
             time.sleep(2)
-    sys.exit(f"the server did not answer {url} within {timeout} s:\n{log.read_text()[-4000:]}")
+    raise RuntimeError(f"the server did not answer {url} within {timeout} s:\n{log.read_text()[-4000:]}")
 
 
 def streamed_completion(client, prompt: list[int], new_tokens: int) -> dict:

@@ -13,12 +13,12 @@ from typing import Callable, Optional
 import pytest
 import torch
 from peft import get_peft_model
+from tiny_models import COMMON, VOCAB
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import focus_hf
 from focus_hf.attention.cpu import native
 
-VOCAB = 128
 # The shape of the report this test keeps: prompts of mixed lengths, one thread each, several rounds.
 PROMPT_LENGTHS = (300, 517, 800, 1200)
 
@@ -38,16 +38,8 @@ def llama(**focus: object) -> torch.nn.Module:
     the sparse path whatever the length ("sdpa": the C kernels on the CPU, or torch operations in `torch_path`)."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **{**COMMON, "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 2048},
         num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
     base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     options = dict(num_groups=4, window=16, dense_below=32, sink_tokens=2)
