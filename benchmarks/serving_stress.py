@@ -290,6 +290,12 @@ def transformers_app(
     return results
 
 
+def interpreter() -> str:
+    """The Python that runs this, as a command line names it (relative to the repository where it lies in it)."""
+    path = Path(sys.executable)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
 def speed(focus: dict, dense: dict, key: str) -> Optional[float]:
     """Focus's generated tokens per second over the other variant's, in one pass (None where it generated none)."""
     other = dense[key]["generated_tokens_per_s"]
@@ -308,6 +314,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=4, help="threads of the transformers app")
     parser.add_argument("--parts", nargs="+", choices=("vllm", "transformers"), default=["vllm", "transformers"])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--note", help="what the record should say of the conditions (a shared machine, ...)")
     args = parser.parse_args()
 
     model_dir = args.model
@@ -321,7 +328,8 @@ def main() -> int:
     prompts = _prompts(model_dir, lengths)
     record: dict = {
         "benchmark": "benchmarks/serving_stress.py",
-        "command": " ".join([Path(sys.executable).name, "benchmarks/serving_stress.py", *sys.argv[1:]]),
+        "command": " ".join([interpreter(), "benchmarks/serving_stress.py", *sys.argv[1:]]),
+        "note": args.note,
         "model": str(model_dir.name),
         "adapter": str(args.adapter.relative_to(ROOT)) if args.adapter.is_relative_to(ROOT) else str(args.adapter),
         "prompt_tokens": lengths,
