@@ -1,11 +1,11 @@
 """The attention function Focus registers with transformers, and the routing it reads from its module.
 
 Routed attention modules are wrapped by `FocusLayer`, which computes the routing from the hidden states and hands it
-to the wrapped module's call as the keyword argument `focus_routing`, which transformers' attention modules pass on to
-their attention function with their other keyword arguments: the routing belongs to that one call, so threads that
-call one model at once each attend with their own. Every attention module
-of a model with a Focus adapter calls `focus_attention_forward` (it is the model's attention implementation);
-modules without routing - unrouted layers, disabled adapters - get the base implementation unchanged.
+to the wrapped module's call as the keyword argument `focus_routing`; transformers' attention modules pass it on to
+their attention function with their other keyword arguments. The routing belongs to that one call, so threads that
+call one model at once each attend with their own. Every attention module of a model with a Focus adapter calls
+`focus_attention_forward` (it is the model's attention implementation); modules without routing - unrouted layers,
+disabled adapters - get the base implementation unchanged.
 """
 
 from __future__ import annotations
