@@ -280,7 +280,10 @@ def _parameter_state(parameter: torch.Tensor) -> tuple:
     tracks one, its version, which in-place updates (optimizer steps, loading) bump. An inference tensor (made under
     torch.inference_mode) has no version: it is written in place only under inference_mode, by loading
     (`FocusLayer._load_from_state_dict` counts those) or by hand."""
-    version = None if parameter.is_inference() else parameter._version
+    try:
+        version = parameter._version
+    except RuntimeError:  # an inference tensor (asked first: it costs a call at every routed decoding step)
+        version = None
     return id(parameter), parameter.data_ptr(), parameter.device, version
 
 
