@@ -51,6 +51,10 @@ class BackendUnavailableError(FocusError, RuntimeError):
     """The requested attention backend cannot run here (missing package or device)."""
 
 
+class FileWriteError(FocusError, OSError):
+    """A file could not be written (a full disk, no permission); the files that were there are left as they were."""
+
+
 class CpuTargetError(FocusError, ValueError):
     """FOCUS_HF_CPU_TARGET names a target that the C compiler does not know or that this processor cannot run."""
 
@@ -91,6 +95,7 @@ __all__ = [
     "UnsupportedModelError",
     "AdapterFileError",
     "ConfigFormatError",
+    "FileWriteError",
     "FocusRuntimeError",
     "FocusMergeError",
     "BackendUnavailableError",

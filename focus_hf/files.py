@@ -1,4 +1,5 @@
-"""What a Focus adapter folder is: its file names, its format, and the checks run before any weights touch a model.
+"""What a Focus adapter folder is: its file names, its format, and the checks run before any weights touch a model;
+and how its files (and the caches beside them) are written: whole or not at all.
 
 The one home of this knowledge: the core (loading), the Hub push / pull, the card and `focus-hf info` read it here.
 
@@ -13,15 +14,18 @@ Focus adapters are a few hundred kilobytes, so reading the safetensors header up
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import stat
 import struct
+import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Union
 
-from focus_hf.errors import AdapterFileError, ConfigFormatError
+from focus_hf.errors import AdapterFileError, ConfigFormatError, FileWriteError
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
@@ -415,3 +419,140 @@ def model_for_adapter(adapter: str | os.PathLike) -> Optional[str]:
     from focus_hf.aliases import alias_of_hub_id
 
     return alias_of_hub_id(base) or base
+
+
+# --- writing files whole or not at all --------------------------------------------------------------------------
+def _new_file_mode() -> int:
+    """The permission bits `open()` gives a new file under the process's umask (a temporary file gets 0600): read
+    from /proc where it says (setting the umask to read it back would change it for every thread meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _write_failed(path: Path, error: BaseException) -> FileWriteError:
+    return FileWriteError(
+        f"Could not write {path} ({error}). The file there before, if any, is unchanged; free some space (or choose "
+        "another folder) and write it again."
+    )
+
+
+def _write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write raises: OSError, and safetensors' own error (it reports a full disk as SafetensorError)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return (OSError,)
+    return (OSError, SafetensorError)
+
+
+def _flush_to_disk(path: Path) -> None:
+    """Have the file's bytes reach the disk before it is renamed into place (else a crash could leave it empty)."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+@contextlib.contextmanager
+def replacing(path: Union[str, os.PathLike]) -> Iterator[Path]:
+    """A temporary path beside `path` for the block to write the new file to. When the block ends, the new file is
+    flushed to disk and renamed over `path` (keeping the old file's permission bits, or a new file's): a reader sees
+    the old file or the new one, never part of one. Where writing fails (a full disk, no permission) the old file is
+    left as it was, the temporary file is removed, and `FileWriteError` says what failed.
+
+    Raises:
+        FileWriteError: the block or the rename failed with OSError (or safetensors' error for one).
+    """
+    path = Path(path)
+    try:
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        os.close(handle)
+    except OSError as error:
+        raise _write_failed(path, error) from error
+    temporary = Path(name)
+    try:
+        yield temporary
+        _flush_to_disk(temporary)
+        os.chmod(temporary, stat.S_IMODE(os.stat(path).st_mode) if path.exists() else _new_file_mode())
+        os.replace(temporary, path)
+    except _write_errors() as error:
+        raise _write_failed(path, error) from error
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_atomically(path: Union[str, os.PathLike], data: Union[str, bytes]) -> None:
+    """Write `data` (a str is written as UTF-8) to `path` whole or not at all (`replacing`).
+
+    Raises:
+        FileWriteError: the write failed; the file there before, if any, is unchanged.
+    """
+    with replacing(path) as temporary:
+        temporary.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def staged_folder(directory: Union[str, os.PathLike], keep: tuple[str, ...] = ()) -> Iterator[Path]:
+    """A temporary folder inside `directory` for the block to save into (holding copies of the files named in `keep`,
+    which the writer may read and update). When the block ends, each file in it replaces its namesake in `directory`,
+    subfolders included, one rename each (every file is old or new, never part of one). Where the block fails, the
+    staging folder is removed and `directory` is left as it was; a failed write (a full disk) is raised as
+    `FileWriteError`.
+
+    Raises:
+        FileWriteError: the block or a rename failed with OSError (or safetensors' error for one).
+    """
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=directory, prefix=".saving-"))
+    except OSError as error:
+        raise _write_failed(directory, error) from error
+    try:
+        for name in keep:
+            if (directory / name).is_file():
+                shutil.copy2(directory / name, staging / name)
+        yield staging
+        written = sorted(path for path in staging.rglob("*") if path.is_file())
+        for path in written:
+            _flush_to_disk(path)
+        for path in written:
+            target = directory / path.relative_to(staging)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+    except _write_errors() as error:
+        raise _write_failed(directory, error) from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def file_lock(path: Union[str, os.PathLike]) -> Iterator[None]:
+    """Hold an advisory lock on the file `path` (created if missing) for the block: the processes and threads that
+    take it take turns. The system drops it when its holder ends, however it ends. Where no lock can be had (no
+    POSIX locks, an unwritable folder), the block runs unlocked: callers write through `replacing`, so that each
+    writer is safe on its own."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    try:
+        handle = open(path, "a+b")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from focus_hf.attention.cpu import native
+from focus_hf.attention.cpu import build, native
 from focus_hf.attention.gpu.paged_keys import FILE_EVERY
 from focus_hf.benchmarking import records, timing
 from focus_hf.cli import main as cli_main
@@ -50,7 +50,7 @@ def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
     assert row["other_cores_busy"] is None or row["other_cores_busy"] >= 0
     # The processor, its instruction sets and how the C kernels were built (what the figures depend on).
     assert row["processor"] and isinstance(row["instruction_sets"], list)
-    assert set(row["instruction_sets"]) <= set(native.INSTRUCTION_SETS)
+    assert set(row["instruction_sets"]) <= set(build.INSTRUCTION_SETS)
     kernels = row["cpu_kernels"]
     if native.native_kernels() is None:
         assert kernels["built"] is False
@@ -63,15 +63,15 @@ def test_rows_record_versions_commit_date_and_dense_kernel(tmp_path):
         assert "amx_bf16 tiles" not in kernels["uses"] or "amx_bf16" in row["instruction_sets"]
     # torch's own kernels, which dense SDPA runs: their dispatch level and the variables that limit it
     assert row["torch_kernels"]["capability"] == torch.backends.cpu.get_cpu_capability()
-    assert set(row["torch_kernels"]["limits"]) <= set(native.TORCH_ISA_LIMITS)
+    assert set(row["torch_kernels"]["limits"]) <= set(build.TORCH_ISA_LIMITS)
 
 
 def test_the_limits_set_on_torchs_kernels_are_recorded(monkeypatch):
-    for name in native.TORCH_ISA_LIMITS:
+    for name in build.TORCH_ISA_LIMITS:
         monkeypatch.delenv(name, raising=False)
-    assert native.torch_kernels()["limits"] == {}
+    assert build.torch_kernels()["limits"] == {}
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    assert native.torch_kernels() == {
+    assert build.torch_kernels() == {
         "capability": torch.backends.cpu.get_cpu_capability(),
         "limits": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     }
@@ -168,9 +168,9 @@ def test_capped_runs_name_every_cap_of_their_level_and_rows_record_them():
     assert "-FMA" in v2_intel["GLIBC_TUNABLES"]  # libm's expf otherwise resolves to its FMA variant
     assert capped.caps_for("native", "AuthenticAMD") == {"FOCUS_HF_CPU_TARGET": "native"}
     # every variable it sets is one the rows record
-    assert set(v2_amd) - {"FOCUS_HF_CPU_TARGET"} <= set(native.TORCH_ISA_LIMITS)
-    assert set(capped.caps_for("x86-64-v3", "GenuineIntel")) - {"FOCUS_HF_CPU_TARGET"} <= set(native.TORCH_ISA_LIMITS)
-    probe = "import json, torch; from focus_hf.attention.cpu import native; print(json.dumps(native.torch_kernels()))"
+    assert set(v2_amd) - {"FOCUS_HF_CPU_TARGET"} <= set(build.TORCH_ISA_LIMITS)
+    assert set(capped.caps_for("x86-64-v3", "GenuineIntel")) - {"FOCUS_HF_CPU_TARGET"} <= set(build.TORCH_ISA_LIMITS)
+    probe = "import json, torch; from focus_hf.attention.cpu import build; print(json.dumps(build.torch_kernels()))"
     ran = subprocess.run(
         [sys.executable, str(script), "x86-64-v2", "--", sys.executable, "-c", probe],
         capture_output=True, text=True, timeout=120, check=True,

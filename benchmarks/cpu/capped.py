@@ -17,7 +17,7 @@ AVX-512, by the instructions of dense SDPA's hottest code:
   masked: FMA is not part of `x86-64-v2`).
 
 The native build (`native`) runs uncapped. The rows each benchmark writes record these variables
-(`torch_kernels.limits`, `focus_hf.attention.cpu.native.TORCH_ISA_LIMITS`).
+(`torch_kernels.limits`, `focus_hf.attention.cpu.build.TORCH_ISA_LIMITS`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Optional
 
-from focus_hf.attention.cpu.native import cpuinfo_field
+from focus_hf.attention.cpu.build import cpuinfo_field
 
 # Above x86-64-v3 nothing is capped: torch, MKL and glibc pick AVX-512 code by themselves where the processor has it.
 TARGET_CAPS: dict[str, dict[str, str]] = {

@@ -43,8 +43,9 @@ import math
 import os
 import platform
 import sys
-import tempfile
+import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -52,7 +53,8 @@ from typing import Callable, Optional
 import torch
 
 from focus_hf.aliases import default_cache_dir
-from focus_hf.attention.cpu.native import cpuinfo_field, kernels_identity, torch_kernels
+from focus_hf.attention.cpu.build import cpuinfo_field, torch_kernels
+from focus_hf.attention.cpu.native import kernels_identity
 from focus_hf.attention.crossover_measurement import (
     NEVER,
     SIDE_TIMES,
@@ -61,6 +63,7 @@ from focus_hf.attention.crossover_measurement import (
 )
 from focus_hf.attention.gpu.kernels import gpu_kernels
 from focus_hf.attention.paths import path_platform
+from focus_hf.files import file_lock, write_atomically
 
 CROSSOVER_ENV = "FOCUS_HF_CROSSOVER"
 NO_CALIBRATION_ENV = "FOCUS_HF_NO_CALIBRATION"
@@ -160,7 +163,7 @@ def make_shape(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: i
 def torch_kernels_level() -> str:
     """The level of torch's CPU kernels as one word, with any limits set on them: "AVX512", or "AVX2
     MKL_ENABLE_INSTRUCTIONS=AVX2". Dense SDPA, the other side of every CPU crossover, runs them: a processor's
-    crossover measured with torch capped at AVX2 does not hold for its uncapped runs (`native.torch_kernels`)."""
+    crossover measured with torch capped at AVX2 does not hold for its uncapped runs (`build.torch_kernels`)."""
     record = torch_kernels()
     return " ".join([record["capability"], *(f"{name}={value}" for name, value in sorted(record["limits"].items()))])
 
@@ -175,29 +178,72 @@ def cache_path() -> Path:
 
 
 def read_cache(path: Optional[Path] = None) -> dict[str, dict]:
-    """The cached entries by shape key; {} when the file is missing, unreadable or of another version."""
+    """The cached entries by shape key; {} when the file is missing, unreadable or of an older version. A file that is
+    not a crossover cache at all (corrupt, or another program's) is warned of, once, and replaced at the next write;
+    an entry that is not one (no whole-number `dense_below`, timings that are not rows) is dropped, and measured
+    again."""
     path = cache_path() if path is None else path
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_bytes()
+    except OSError:  # missing or unreadable: measured again, and `write_entry` says if it cannot store it
         return {}
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
+    try:
+        data = json.loads(text)
+    except ValueError as error:
+        _warn_unusable(path, f"it is not JSON ({error})")
         return {}
-    return data["entries"]
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict) or "version" not in data:
+        _warn_unusable(path, "it is not a crossover cache")
+        return {}
+    if data["version"] != CACHE_VERSION:
+        return {}  # an older measurement: taken again
+    entries = {key: entry for key, entry in data["entries"].items() if _is_entry(entry)}
+    if len(entries) < len(data["entries"]):
+        _warn_unusable(path, f"{len(data['entries']) - len(entries)} of its entries are not crossover measurements")
+    return entries
+
+
+def _is_entry(entry: object) -> bool:
+    """Whether a cached value has what this module reads of an entry (`crossover_entry`, `sparse_path_at`,
+    `race_due`)."""
+    if not isinstance(entry, dict) or type(entry.get("dense_below")) is not int:
+        return False
+    timings = entry.get("timings", [])
+    return isinstance(timings, list) and all(
+        isinstance(row, dict)
+        and type(row.get("length")) is int
+        and row.get("sparse_path", "sparse") in SPARSE_SIDES
+        and all(isinstance(row.get(name, 0.0), (int, float)) for name in SIDE_TIMES.values())
+        for row in timings
+    )
+
+
+# The cache files this process has warned of (`read_cache`): once each.
+_warned_unusable: set[Path] = set()
+
+
+def _warn_unusable(path: Path, why: str) -> None:
+    if path not in _warned_unusable:
+        _warned_unusable.add(path)
+        warnings.warn(
+            f"focus_hf: the crossover cache {path} is not usable: {why}. Its crossovers are measured again and the "
+            "file is replaced.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def write_entry(shape: Shape, entry: dict, path: Optional[Path] = None) -> None:
-    """Add one entry to the cache file (re-read first, replaced atomically, so concurrent processes lose nothing
-    worse than a measurement). An unwritable cache is not an error: the value is then kept for this process only."""
+    """Add one entry to the cache file: re-read and replaced (`files.replacing`: readers never see part of it) under
+    a lock beside it, so that processes measuring at once keep every one's entries. An unwritable cache is not an
+    error: the value is then kept for this process only."""
     path = cache_path() if path is None else path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        entries = read_cache(path)
-        entries[shape.key] = dict(entry, shape=asdict(shape))
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".crossover-", suffix=".json")
-        with os.fdopen(handle, "w") as file:
-            json.dump({"version": CACHE_VERSION, "entries": entries}, file, indent=1)
-        os.replace(temporary, path)
+        with file_lock(path.with_name(path.name + ".lock")):
+            entries = read_cache(path)
+            entries[shape.key] = dict(entry, shape=asdict(shape))
+            write_atomically(path, json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1))
     except OSError as error:
         print(f"focus_hf: could not write the crossover cache {path}: {error}", file=sys.stderr)
 
@@ -255,6 +301,8 @@ _said_under_load: list[bool] = []
 # Crossovers already known in this process, by call signature (`_call_key`): looked up on every attention call,
 # so the key is built from the tensors without the `Shape` (processor name, version strings).
 _known: dict[tuple, dict] = {}
+# Held while a crossover is looked up in the cache file or measured (`crossover_entry`).
+_measuring = threading.RLock()
 
 
 def _call_key(query: torch.Tensor, key: torch.Tensor, top_k: int, num_groups: int, window: int, kind: str) -> tuple:
@@ -380,16 +428,20 @@ def crossover_entry(
     if calibration_disabled() or query.device.type not in ("cpu", "cuda"):
         entry = _known[signature] = {"dense_below": default_dense_below(query.device, top_k)}
         return entry
-    shape = make_shape(query, key, top_k, num_groups, window, kind)
-    entry = read_cache().get(shape.key)
-    if entry is None or not isinstance(entry.get("dense_below"), int):
-        try:
-            entry = calibrate(shape, query.device, call)
-        except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
-            print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
-            entry = {"dense_below": default_dense_below(query.device, top_k)}
-    entry = {**entry, _SPARSE_PATHS: _sparse_paths(entry)}  # a copy: the cache file keeps its own form
-    _known[signature] = entry
+    with _measuring:  # threads that call at once: one measures, the others then find its entry
+        known = _known.get(signature)
+        if known is not None:
+            return known
+        shape = make_shape(query, key, top_k, num_groups, window, kind)
+        entry = read_cache().get(shape.key)
+        if entry is None or not isinstance(entry.get("dense_below"), int):
+            try:
+                entry = calibrate(shape, query.device, call)
+            except Exception as error:  # a failed measurement (out of memory, ...) must not fail the model call
+                print(f"focus_hf: crossover calibration failed ({error!r}); using the default", file=sys.stderr)
+                entry = {"dense_below": default_dense_below(query.device, top_k)}
+        entry = {**entry, _SPARSE_PATHS: _sparse_paths(entry)}  # a copy: the cache file keeps its own form
+        _known[signature] = entry
     return entry
 
 

@@ -1,9 +1,11 @@
 """The attention function Focus registers with transformers, and the routing it reads from its module.
 
-Routed attention modules are wrapped by `FocusLayer`, which computes the routing from the hidden states and
-leaves it on the wrapped module as `_focus_routing` for the duration of one forward call. Every attention module
-of a model with a Focus adapter calls `focus_attention_forward` (it is the model's attention implementation);
-modules without routing - unrouted layers, disabled adapters - get the base implementation unchanged.
+Routed attention modules are wrapped by `FocusLayer`, which computes the routing from the hidden states and hands it
+to the wrapped module's call as the keyword argument `focus_routing`; transformers' attention modules pass it on to
+their attention function with their other keyword arguments. The routing belongs to that one call, so threads that
+call one model at once each attend with their own. Every attention module of a model with a Focus adapter calls
+`focus_attention_forward` (it is the model's attention implementation); modules without routing - unrouted layers,
+disabled adapters - get the base implementation unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from focus_hf.attention.routing import RoutingState, TokenRouting, waiting_keys
 from focus_hf.errors import FocusRuntimeError
 
 ATTENTION_NAME = "focus"
+# The keyword argument that carries a call's `LayerRouting` through the attention module to `focus_attention_forward`.
+ROUTING_ARGUMENT = "focus_routing"
 
 
 def pattern_restricts(mode: str, kv_len: int, window: int, num_groups: int, top_k: int, dense_below: int) -> bool:
@@ -250,12 +254,13 @@ def focus_attention_forward(
     scaling: Optional[float] = None,
     **kwargs,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Attention with the Focus pattern of `module._focus_routing` (transformers' attention-function signature).
+    """Attention with the Focus pattern of the call's `focus_routing` keyword argument (transformers'
+    attention-function signature).
 
     Shapes follow transformers: query [batch, heads, q, dim], key/value [batch, kv_heads, kv, dim] (GQA not
     repeated; during decoding the keys include the cache); returns [batch, q, heads, dim].
     """
-    routing: Optional[LayerRouting] = getattr(module, "_focus_routing", None)
+    routing: Optional[LayerRouting] = kwargs.pop(ROUTING_ARGUMENT, None)
     if routing is None:
         return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     routing.consumed = True

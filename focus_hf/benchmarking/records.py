@@ -58,7 +58,8 @@ def machine_fields(device: torch.device) -> dict:
     commit and the date."""
     import torch
 
-    from focus_hf.attention.cpu.native import build_record, instruction_sets, torch_kernels
+    from focus_hf.attention.cpu.build import instruction_sets, torch_kernels
+    from focus_hf.attention.cpu.native import build_record
     from focus_hf.attention.crossover import processor_name
 
     cpu = {}

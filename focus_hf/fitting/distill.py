@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from focus_hf.attention.routing import causal_sinkhorn
-from focus_hf.files import give_mode_of
+from focus_hf.files import replacing, write_atomically
 from focus_hf.fitting.capture import DistantAttention, capture_layers, distant_attention, query_positions
 from focus_hf.fitting.parallel import all_sum, global_sum, is_main_process, shard, sum_gradients
 from focus_hf.tuner.controls import focus_layers
@@ -299,10 +299,12 @@ def _save_checkpoint(folder: Path, layers: list[FocusLayer], adapter: str, done:
                 ("proj", "centroids", "query_proj"), _router_parameters(layer, adapter)
             ):
                 tensors[f"{layer.layer_index}.{parameter_name}"] = parameter.detach().cpu().contiguous()
-    save_file(tensors, str(folder / CHECKPOINT_WEIGHTS))
+    # Each file whole or not at all, the weights first: a run stopped in between (Ctrl-C, a full disk) leaves weights
+    # of more layers than the state lists, and a resumed run reads those it lists.
+    with replacing(folder / CHECKPOINT_WEIGHTS) as weights:
+        save_file(tensors, str(weights))
     state = {"layers_done": [asdict(result) for result in done]}
-    (folder / CHECKPOINT_STATE).write_text(json.dumps(state, indent=1))
-    give_mode_of(folder / CHECKPOINT_WEIGHTS, folder / CHECKPOINT_STATE)
+    write_atomically(folder / CHECKPOINT_STATE, json.dumps(state, indent=1))
 
 
 def _load_checkpoint(folder: Path, layers: list[FocusLayer], adapter: str) -> list[LayerResult]:
@@ -407,9 +409,9 @@ def save_distilled_adapter(
     config_path = out / "adapter_config.json"
     saved = json.loads(config_path.read_text())
     saved["base_model_name_or_path"] = base_id
-    config_path.write_text(json.dumps(saved, indent=2, sort_keys=True))
+    write_atomically(config_path, json.dumps(saved, indent=2, sort_keys=True))
     if previous_card is not None:
-        readme.write_bytes(previous_card)
+        write_atomically(readme, previous_card)
     elif readme.exists():
         readme.unlink()
     log = {
@@ -429,5 +431,5 @@ def save_distilled_adapter(
     }
     if metadata:
         log["metadata"] = jsonable(metadata)
-    (out / TRAINING_LOG_NAME).write_text(json.dumps(log, indent=2) + "\n", encoding="utf-8")
+    write_atomically(out / TRAINING_LOG_NAME, json.dumps(log, indent=2) + "\n")
     return log

@@ -29,7 +29,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from focus_hf.base_models import weights_source
-from focus_hf.files import CHECKPOINTS_DIR
+from focus_hf.files import CHECKPOINTS_DIR, write_atomically
 from focus_hf.fitting.metadata import base_model_id, jsonable, versions
 from focus_hf.interpret.groups import RoutingRecorder, group_assignments
 from focus_hf.quiet import quiet_logs
@@ -426,11 +426,11 @@ def train_adapter(
     config_path = out_dir / "adapter_config.json"
     saved_config = json.loads(config_path.read_text())
     saved_config["base_model_name_or_path"] = base_id
-    config_path.write_text(json.dumps(saved_config, indent=2, sort_keys=True))
+    write_atomically(config_path, json.dumps(saved_config, indent=2, sort_keys=True))
     # PEFT writes a generic template card over README.md: keep the one that was there (focus_hf.card writes ours),
     # or none. Trainer also pickles its arguments next to the adapter; adapters are safetensors-only.
     if previous_card is not None:
-        readme.write_bytes(previous_card)
+        write_atomically(readme, previous_card)
     elif readme.exists():
         readme.unlink()
     (out_dir / "training_args.bin").unlink(missing_ok=True)
@@ -478,7 +478,7 @@ def train_adapter(
     }
     if extra_metadata:
         log["metadata"] = jsonable(extra_metadata)
-    (out_dir / TRAINING_LOG_NAME).write_text(json.dumps(log, indent=2) + "\n", encoding="utf-8")
+    write_atomically(out_dir / TRAINING_LOG_NAME, json.dumps(log, indent=2) + "\n")
     return log
 
 

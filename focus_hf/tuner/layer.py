@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from torch import nn
 from focus_hf.attention.backends import canonical_backend
 from focus_hf.attention.function import (
     ATTENTION_NAME,
+    ROUTING_ARGUMENT,
     FocusRuntimeError,
     LayerRouting,
     as_bool_mask,
@@ -274,6 +276,18 @@ def _refuse_backward(output: Any, anchor: torch.Tensor, layer: int) -> Any:
     return output
 
 
+def _parameter_state(parameter: torch.Tensor) -> tuple:
+    """What changes when a router parameter does: its identity and storage (replaced, moved with `.to()`) and, where it
+    tracks one, its version, which in-place updates (optimizer steps, loading) bump. An inference tensor (made under
+    torch.inference_mode) has no version: it is written in place only under inference_mode, by loading
+    (`FocusLayer._load_from_state_dict` counts those) or by hand."""
+    try:
+        version = parameter._version
+    except RuntimeError:  # an inference tensor (asked first: it costs a call at every routed decoding step)
+        version = None
+    return id(parameter), parameter.data_ptr(), parameter.device, version
+
+
 class FocusLayer(nn.Module, BaseTunerLayer):
     """Wraps a self-attention module: routes its input tokens and hands the routing to the attention function.
 
@@ -290,6 +304,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         self.layer_index = layer_index
         # Which of the KV cache's layers holds this attention's keys (asked at every call).
         self.cache_layer_index: int = getattr(base_layer, "layer_idx", 0)
+        # Whether the wrapped module takes the keyword argument that hands its attention function the routing.
+        self._passes_keywords = any(
+            parameter.kind is inspect.Parameter.VAR_KEYWORD
+            for parameter in inspect.signature(base_layer.forward).parameters.values()
+        )
         current = base_layer.config._attn_implementation
         # Restored by unload(); "focus" here means an earlier adapter switched it already.
         self.base_attn_implementation = current if current != ATTENTION_NAME else "sdpa"
@@ -305,6 +324,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         # Called with (layer, TokenRouting) after each routing; managed by `focus_hf.interpret.groups.record_routing`.
         self.routing_observers: list[Callable[[FocusLayer, TokenRouting], None]] = []
         self._kept_values: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # `_kept`, by (adapter, what)
+        self._weights_loaded = 0  # state dicts loaded into this layer (`_kept`)
         self._every_head_dense_for: Optional[tuple[RouterSettings, bool]] = None  # `_every_head_dense`
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
@@ -431,14 +451,23 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         autograd must see it computed."""
         if torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters):
             return None
-        # In-place updates (optimizer steps, loading) bump the version; `.to()` and replacing the parameter change
-        # its storage or identity.
-        state = (temperature, *((id(p), p._version, p.data_ptr(), p.device) for p in parameters))
+        state = (temperature, self._weights_loaded, *(_parameter_state(p) for p in parameters))
+        # One read and one write of the dict, each of a whole (state, value) pair: threads that call the layer at once
+        # may each work a value out, and each reads a pair that belongs together.
         kept = self._kept_values.get(name)
         if kept is None or kept[0] != state:
-            kept = (state, compute())
+            # An ordinary tensor, also when worked out under inference_mode: a later call outside it may have autograd
+            # record an operation on it (the routers frozen while something else trains), which an inference tensor
+            # refuses.
+            with torch.inference_mode(False), torch.no_grad():
+                kept = (state, compute())
             self._kept_values[name] = kept
         return kept[1]
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        # Loading writes the routers in place: under inference_mode that leaves no trace `_parameter_state` can see.
+        self._weights_loaded += 1
+        super()._load_from_state_dict(*args, **kwargs)
 
     def query_probes(self, adapter_name: str, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
         """The groups the query router sends `hidden` [batch, seq, hidden_size] to, best first: [batch, seq, top_k]
@@ -622,18 +651,13 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         )
         if mode == "hard" and path_platform(hidden.device, self.backend) == "gpu":
             self._verify_attention(hidden)
-        # Straight into the instance's attributes: a plain value, which nn.Module.__setattr__ would only look up in
-        # its parameter, buffer and module tables first (twice per layer and call, decoding steps included).
-        attributes = vars(self.base_layer)
-        attributes["_focus_routing"] = routing
-        try:
-            output = self.base_layer(*args, **kwargs)
-        finally:
-            attributes["_focus_routing"] = None
+        # An argument of this call, never an attribute of the module: threads calling the model at once each hand
+        # the attention function their own routing.
+        output = self.base_layer(*args, **kwargs, **{ROUTING_ARGUMENT: routing}) if self._passes_keywords else None
         if not routing.consumed:
             raise FocusRuntimeError(
-                f"{type(self.base_layer).__name__} did not call the model's attention function, so Focus routing "
-                "would be silently ignored. This architecture is not supported."
+                f"{type(self.base_layer).__name__} did not pass its keyword arguments on to the model's attention "
+                "function, so Focus routing would be silently ignored. This architecture is not supported."
             )
         return output
 

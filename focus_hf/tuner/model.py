@@ -6,7 +6,7 @@ import contextlib
 import functools
 import inspect
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import regex
 import torch
@@ -18,8 +18,10 @@ from focus_hf.errors import AdapterFileError, FocusMergeError, FocusRuntimeError
 from focus_hf.files import (
     CONFIG_NAME,
     PEFT_TYPE_NAME,
+    README_NAME,
     WEIGHTS_NAME,
     give_mode_of,
+    staged_folder,
     validate_adapter_folder,
     validate_adapter_state_dict,
 )
@@ -229,7 +231,7 @@ def install() -> None:
                 # Focus never holds embedding weights; PEFT's "auto" would ask the Hub whether the base's
                 # vocabulary changed (a network call on every save, failing offline).
                 kwargs["save_embedding_layers"] = False
-            result = save_original(self, *args, **kwargs)
+            result = _saved_whole(save_original, signature, self, args, kwargs)
             if bound.get("is_main_process", True):
                 directory = Path(bound["save_directory"])
                 names = bound.get("selected_adapters") or list(self.peft_config)
@@ -244,20 +246,36 @@ def install() -> None:
 
     save_model_original = PreTrainedModel.save_pretrained
     if not getattr(save_model_original, "_focus_file_modes", False):
+        save_model_signature = inspect.signature(save_model_original)
 
         @functools.wraps(save_model_original)
         def save_model(self, save_directory, *args, **kwargs):
-            result = save_model_original(self, save_directory, *args, **kwargs)
             loaded = getattr(self, "_hf_peft_config_loaded", False)
             peft_configs = getattr(self, "peft_config", None) if loaded else None
-            if isinstance(peft_configs, dict) and any(
+            if not isinstance(peft_configs, dict) or not any(
                 getattr(config, "peft_type", None) == PEFT_TYPE_NAME for config in peft_configs.values()
             ):
-                _give_weights_the_config_mode([Path(save_directory)])
+                return save_model_original(self, save_directory, *args, **kwargs)
+            result = _saved_whole(save_model_original, save_model_signature, self, (save_directory, *args), kwargs)
+            _give_weights_the_config_mode([Path(save_directory)])
             return result
 
         save_model._focus_file_modes = True
         PreTrainedModel.save_pretrained = save_model
+
+
+def _saved_whole(save: Callable, signature: inspect.Signature, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """`save(model, *args, **kwargs)` (a `save_pretrained`) run into a staging folder inside its `save_directory`,
+    whose files then replace those there (`files.staged_folder`; the model card there is handed to it, which PEFT
+    updates): a save that fails part way - a full disk - leaves the adapter saved there before as it was and raises
+    `FileWriteError`."""
+    bound = signature.bind(model, *args, **kwargs)
+    directory = bound.arguments["save_directory"]
+    if Path(directory).is_file():
+        return save(model, *args, **kwargs)  # the save's own error names the mistake
+    with staged_folder(directory, keep=(README_NAME,)) as staging:
+        bound.arguments["save_directory"] = str(staging)
+        return save(*bound.args, **bound.kwargs)
 
 
 def _give_weights_the_config_mode(folders: list[Path]) -> None:

@@ -43,15 +43,14 @@ class FocusCPUAttentionBackend(CPUAttentionBackend):
 
 
 class _AttentionModule(nn.Module):
-    """What `focus_attention_forward` reads from the attention module it is called for (transformers' signature):
-    the routing of the call and the GQA group size of the dense paths."""
+    """What `focus_attention_forward` reads from the attention module it is called for (transformers' signature): the
+    GQA group size of the dense paths."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, layer_index: int) -> None:
         super().__init__()
         self.num_key_value_groups = num_heads // num_kv_heads
         self.is_causal = True
         self.layer_idx = layer_index
-        self._focus_routing: Optional[LayerRouting] = None
 
 
 class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -154,7 +153,7 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 key_sink=(positions < settings.sink_tokens)[None],
             )
             module = _AttentionModule(self.num_heads, self.num_kv_heads, router.layer_index)
-            module._focus_routing = LayerRouting(
+            routing = LayerRouting(
                 mode="hard",
                 backend="auto",
                 window=settings.window,
@@ -178,6 +177,7 @@ class FocusCPUAttentionImpl(CPUAttentionBackendImpl):
                 request_values,
                 None,
                 scaling=self.scale,
+                focus_routing=routing,
             )
             out[first:last] = result[0]
 

@@ -21,9 +21,10 @@ def recorded_calls(model, ids, mask, new_tokens):
     calls = []
 
     def recorder(module, query, key, value, attention_mask, **kwargs):
-        routing = getattr(module, "_focus_routing", None)
+        routing = kwargs.get(function.ROUTING_ARGUMENT)
         if routing is not None:
-            calls.append((module, routing, query, key, value, attention_mask, kwargs))
+            others = {name: value for name, value in kwargs.items() if name != function.ROUTING_ARGUMENT}
+            calls.append((module, routing, query, key, value, attention_mask, others))
         return function.focus_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface._global_mapping[ATTENTION_NAME] = recorder
@@ -45,8 +46,7 @@ def graph_breaks(call) -> int:
     module, routing, query, key, value, mask, kwargs = call
 
     def attention(module, query, key, value, mask):
-        module._focus_routing = routing
-        return function.focus_attention_forward(module, query, key, value, mask, **kwargs)
+        return function.focus_attention_forward(module, query, key, value, mask, focus_routing=routing, **kwargs)
 
     torch._dynamo.reset()
     explained = torch._dynamo.explain(attention)(module, query, key, value, mask)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from focus_hf.attention.cpu import native
+from focus_hf.attention.cpu import build
 
 CROSS_COMPILER = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
@@ -42,9 +42,9 @@ def require(tool: str, package: str) -> str:
 
 
 def kernel_flags(source: Path) -> list[str]:
-    """The library's compile flags (native.COMPILE_FLAGS), decode.c at -O1 (see the module's comment)."""
+    """The library's compile flags (build.COMPILE_FLAGS), decode.c at -O1 (see the module's comment)."""
     level = "-O1" if source.name == "decode.c" else "-O3"
-    return [level if flag == "-O3" else flag for flag in native.COMPILE_FLAGS]
+    return [level if flag == "-O3" else flag for flag in build.COMPILE_FLAGS]
 
 
 def compile_kernels(cc: str, target: list[str], folder: Path) -> tuple[list[Path], dict[str, str]]:
@@ -52,7 +52,7 @@ def compile_kernels(cc: str, target: list[str], folder: Path) -> tuple[list[Path
     the objects and each source's compiler messages. A failed compile fails the test."""
     folder.mkdir(parents=True, exist_ok=True)
 
-    def build(source: Path) -> tuple[Path, str]:
+    def compile_one(source: Path) -> tuple[Path, str]:
         obj = folder / f"{source.stem}.o"
         command = [cc, *kernel_flags(source), *target, "-fopenmp", str(source), "-o", str(obj)]
         answer = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -60,8 +60,8 @@ def compile_kernels(cc: str, target: list[str], folder: Path) -> tuple[list[Path
         return obj, answer.stderr
 
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
-        built = list(pool.map(build, native.SOURCES))
-    return [obj for obj, _ in built], {source.name: messages for source, (_, messages) in zip(native.SOURCES, built)}
+        built = list(pool.map(compile_one, build.SOURCES))
+    return [obj for obj, _ in built], {source.name: messages for source, (_, messages) in zip(build.SOURCES, built)}
 
 
 def link_driver(cc: str, objects: list[Path], folder: Path, extra: list[str]) -> Path:
@@ -112,7 +112,7 @@ def aarch64_build(tmp_path_factory) -> tuple[list[Path], dict[str, str], Path]:
 def test_kernels_compile_for_aarch64_without_warnings(aarch64_build):
     # An x86 intrinsic outside its `#if` is only an implicit-declaration warning for GCC 12 (and a failed load later)
     _, messages, _ = aarch64_build
-    assert messages == {source.name: "" for source in native.SOURCES}
+    assert messages == {source.name: "" for source in build.SOURCES}
 
 
 def test_aarch64_kernels_match_a_float64_softmax_under_qemu(aarch64_build):
@@ -125,9 +125,9 @@ def test_aarch64_kernels_match_a_float64_softmax_under_qemu(aarch64_build):
 
 
 def test_host_kernels_match_a_float64_softmax(tmp_path):
-    cc = native.compiler() or require("cc", "gcc")
+    cc = build.compiler() or require("cc", "gcc")
     # the library's own target for this machine (FOCUS_HF_CPU_TARGET, else -march=native)
-    target = list(native.target_flag_sets(native.cpu_target())[0])
+    target = list(build.target_flag_sets(build.cpu_target())[0])
     objects, _ = compile_kernels(cc, target, tmp_path)
     program = link_driver(cc, objects, tmp_path, [])
     answer = subprocess.run([str(program)], capture_output=True, text=True, timeout=300)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import focus_hf.attention.cpu.build as build
 import focus_hf.attention.cpu.native as native
 import focus_hf.attention.crossover as crossover
 import focus_hf.attention.crossover_measurement as measurement
@@ -181,7 +182,7 @@ def test_a_crossover_measured_with_torchs_kernels_capped_is_not_read_without_the
     # Dense SDPA, the other side of the crossover, runs torch's own kernels: capped at AVX2 (or its BLAS capped) it
     # can take twice as long as uncapped on an AVX-512 processor, so the two settings are two shapes.
     query, key = tensors()
-    for name in native.TORCH_ISA_LIMITS:
+    for name in build.TORCH_ISA_LIMITS:
         monkeypatch.delenv(name, raising=False)
     free = crossover.make_shape(query, key, 1, 4, 8, "shared")
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")

@@ -54,7 +54,7 @@ def test_focus_attention_of_a_later_chunk_equals_the_masked_call(dense_kv_heads,
 
     def attend(mask):
         module = _Module()
-        module._focus_routing = LayerRouting(
+        routing = LayerRouting(
             mode="hard",
             backend="auto",
             window=WINDOW,
@@ -73,6 +73,6 @@ def test_focus_attention_of_a_later_chunk_equals_the_masked_call(dense_kv_heads,
             dense_kv_heads=dense_kv_heads,
             dense_below=dense_below,
         )
-        return focus_attention_forward(module, query, key, value, mask, scaling=DIM**-0.5)[0]
+        return focus_attention_forward(module, query, key, value, mask, scaling=DIM**-0.5, focus_routing=routing)[0]
 
     torch.testing.assert_close(attend(None), attend(_bottom_right(q_len, kv_len)), atol=2e-5, rtol=2e-5)

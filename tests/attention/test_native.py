@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import focus_hf.attention.cpu.build as build
 import focus_hf.attention.cpu.grouped_keys as grouped_keys
 import focus_hf.attention.cpu.native as native
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
@@ -317,7 +318,7 @@ def build_through(tmp_path, monkeypatch, script: str) -> None:
     calls the real compiler with its arguments; at -O0 - what is tested is what the build is given, and an -O3
     build for the compiler's default target takes most of a minute of CPU (vectors of 16 floats split for a narrower
     one)."""
-    real = native.compiler()
+    real = build.compiler()
     if real is None:
         pytest.skip("no C compiler to build the kernel with")
     wrapper = tmp_path / "cc"

@@ -71,7 +71,7 @@ def test_decode_step_matches_the_attention_function(
         ) is not None  # fmt: skip
 
     module = _Module(heads // kv_heads)
-    module._focus_routing = LayerRouting(
+    routing = LayerRouting(
         mode="hard",
         backend="auto",
         window=window,
@@ -89,8 +89,10 @@ def test_decode_step_matches_the_attention_function(
         ),
         dense_kv_heads=dense_heads,
     )
-    module._focus_routing.queries.own_groups = key_groups[None, -1:]
-    want, _ = focus_attention_forward(module, query[None, :, None], keys, values, None, scaling=dim**-0.5)
+    routing.queries.own_groups = key_groups[None, -1:]
+    want, _ = focus_attention_forward(
+        module, query[None, :, None], keys, values, None, scaling=dim**-0.5, focus_routing=routing
+    )
     torch.testing.assert_close(got, want[0, 0], atol=1e-5, rtol=1e-5)
     if length > window + 1:
         visible = decode.visible_positions(query_groups, key_groups, sinks, window)

@@ -4,38 +4,19 @@ what it loaded and answers the OpenAI client with the tokens transformers + Focu
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
+from pathlib import Path
 
 import pytest
 from engines import engine_env, transformers_greedy
 from hub_server import hub_server  # noqa: F401
 
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from serving_stress import free_port, wait_until_up  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 REPO = "focus-tests/tiny-llama-focus"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_until_up(process: subprocess.Popen, url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the server exited with {process.returncode} before answering")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-    raise AssertionError(f"the server did not answer {url} within {timeout} s")
 
 
 def test_openai_server_serves_adapter_from_hub(tmp_path, hub_server, tiny_llama_dir, tiny_adapter):  # noqa: F811
@@ -46,7 +27,7 @@ def test_openai_server_serves_adapter_from_hub(tmp_path, hub_server, tiny_llama_
     from focus_hf.hub import push_adapter
 
     commit = push_adapter(tiny_adapter, REPO, token="hf_local")
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -60,7 +41,7 @@ def test_openai_server_serves_adapter_from_hub(tmp_path, hub_server, tiny_llama_
     with open(log, "w") as output:
         server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
         try:
-            _wait_until_up(server, f"http://127.0.0.1:{port}/health", timeout=400)
+            wait_until_up(server, f"http://127.0.0.1:{port}/health", log, timeout=400)
             generator = random.Random(3)
             prompt = [generator.randrange(3, 49152) for _ in range(300)]
             client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
