@@ -238,11 +238,15 @@ def accounting_kernels(varlen_gqa: bool = False):
     [B, H, L], variable-length attention output [T, H, D] and float32 log-sum-exp [H, T]; their values are left
     uninitialised (nothing is computed). Each call is one `KERNEL_RANGE` range. `varlen_gqa`: whether the
     variable-length kernel takes GQA (torch 2.11's on the H200 does not: one call per query head of a kv head)."""
+    from focus_hf.attention.gpu import block_masks
     from focus_hf.attention.gpu.flex import block_mask
     from focus_hf.attention.gpu.kernels import cuda_kernels
 
     def flex(query, key, value, blocks, scale):
-        block_mask(blocks)  # what `flex.cuda_flex` builds on the host before its compiled call
+        # What `flex.cuda_flex` does on the host before its compiled call (a release without the enforcement checked
+        # the lists' values in `GpuKernels.flex` instead).
+        getattr(block_masks, "enforce_block_lists", lambda blocks: None)(blocks)
+        block_mask(blocks)
         with torch.profiler.record_function(KERNEL_RANGE + "FlexAttention"):
             batch, heads, length, _ = query.shape
             output = query.new_empty(batch, heads, length, value.shape[-1])
