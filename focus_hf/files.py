@@ -50,9 +50,10 @@ _DTYPE_BITS = {
 def give_mode_of(path: os.PathLike | str, like: os.PathLike | str) -> None:
     """Give the file `path` the permission bits of `like`, a file written beside it with `open()`.
 
-    safetensors 0.8 writes through a temporary file created with mode 0600 and renames it into place (safetensors
-    issue 782), so without this an adapter's weights are readable by their owner only while the config written
-    beside them is readable by everyone the umask allows (0644 under the usual 022).
+    safetensors 0.8 writes through a temporary file created with mode 0600 and renames it into place
+    (https://github.com/safetensors/safetensors/issues/782), so without this an adapter's weights are readable by their
+    owner only while the config written beside them is readable by everyone the umask allows (0644 under the usual
+    022).
     """
     os.chmod(path, stat.S_IMODE(os.stat(like).st_mode))
 

@@ -1,4 +1,4 @@
-"""Untrusted input (issue 13): an adapter folder or config from someone else gets a clear refusal that names what is
+"""Untrusted input: an adapter folder or config from someone else gets a clear refusal that names what is
 wrong, never a hang, a NaN, a silent cast, random routers, or injected code - and the model is left as it was."""
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_time_call_returns_the_mean_of_its_steps():
     assert len(calls) == 5 and wall >= 0 and cpu >= 0
 
 
-# --- CUDA only (benchmarks/gpu/run.sh runs these on the GPU machine) ---
+# --- CUDA only (benchmarks/gpu/run.sh runs these on a CUDA machine) ---
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GPU_SHAPE = ["--device", "cuda", "--dtype", "bfloat16", "--heads", "8", "--kv-heads", "2", "--head-dim", "64"]

@@ -391,9 +391,9 @@ def test_card_of_the_demo_renders(tmp_path):
 
 
 def test_a_checkout_imported_without_installing_finds_the_template():
-    """On the lent GPU machine the package is imported from the checkout (PYTHONPATH), where the installed mapping
-    `focus_hf.hub_templates` does not exist: importing `focus_hf.card` (every test's autouse fixture does) must not
-    fail, and the template it reads is the checkout's."""
+    """A package imported from the checkout (PYTHONPATH, as benchmarks/gpu/run.sh sets it) has no installed mapping
+    `focus_hf.hub_templates`: importing `focus_hf.card` (every test's autouse fixture does) must not fail, and the
+    template it reads is the checkout's."""
     import subprocess
 
     code = (

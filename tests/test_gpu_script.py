@@ -128,7 +128,7 @@ def test_the_sets_fit_what_the_device_tool_brings_back():
         "profile",
         "train",
     ]
-    # Within the device time: 15 minutes in all, of which about a minute to start the machine and carry the files.
+    # Within 15 minutes of GPU time in all, of which about a minute to start the machine and copy the files to it.
     for name, kind in (("quick", True), ("full", False)):
         stages = gpu_run.selected_stages(None, [], quick=kind)
         limits = [gpu_run.QUICK_LIMITS[stage.name] if kind else stage.timeout["cuda"] for stage in stages]

@@ -1,4 +1,4 @@
-"""Quantized and half-precision bases (issue 15, part 2): torchao int8 weight-only through transformers'
+"""Quantized and half-precision bases: torchao int8 weight-only through transformers'
 TorchAoConfig and bitsandbytes 8-bit / 4-bit NF4 through BitsAndBytesConfig, both on CPU, and bf16 / fp16 bases.
 The routers stay fp32 in every case, so routing is computed in fp32 (`routing_scores` casts the hidden states to
 the projection's dtype) and a saved adapter holds fp32 tensors whichever base dtype trained it."""

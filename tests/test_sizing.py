@@ -1,4 +1,4 @@
-"""Meta-device sizing: what an adapter costs for a base model that is never allocated (issue 15, part 3)."""
+"""Meta-device sizing: what an adapter costs for a base model that is never allocated."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ target it is held against: `TARGETS`).
 |               |                    | function, syncs                                                              |
 | train         | train.json         | benchmarks/gpu/train_check.py: focus-hf train --objective distill, bf16      |
 
-On a GPU machine held for 15 minutes in all (start-up included), two runs measure every figure of the GPU targets:
+Within 15 minutes of GPU time in all (start-up included), two runs measure every figure of the GPU targets:
 `--quick` first (tests, attention, decode eager, model_prefill: within 420 s), then the full set (auto, decode eager
 and compiled, peak_memory, profile, train: within 330 s); `--deadline` changes either, `--only` runs any stages. Each
 set writes at most 6 files with summary.json. Every Focus row of the stage files records what ran it (`gpu_path`:
@@ -77,16 +77,16 @@ class Stage:
     file: str
     command: Callable[[str, Path, bool], list[str]]  # (device, result file, quick) -> argv
     timeout: dict[str, int]
-    quick: bool = False  # part of the --quick set: the first run on a GPU machine
-    full: bool = False  # part of the full set: the second run (on the CPU the default is every stage)
+    quick: bool = False  # part of the --quick set: the first of the two runs on CUDA
+    full: bool = False  # part of the full set: the second of them (on the CPU the default is every stage)
 
 
 FIRST_TEST_FILE = "tests/attention/test_cuda.py"
 
 
 def cuda_test_files() -> list[str]:
-    """The test files that mention CUDA (every test marked `cuda` is in one of them):
-    collecting only those keeps the stage short and clear of modules that need packages the GPU machine lacks."""
+    """The test files that mention CUDA (every test marked `cuda` is in one of them): collecting only those keeps the
+    stage short and clear of modules that need packages a GPU machine without internet access lacks."""
     # The GPU path's exactness first (FIRST_TEST_FILE), then the smallest: a stage cut by its limit has then run what
     # matters most, and the most files.
     files = sorted(
@@ -502,7 +502,7 @@ def main() -> int:
         "--quick",
         action="store_true",
         help="the quick set (the CUDA tests, prefill at 64K-1M, eager decoding at 256K / 1M, model prefill at 128K) "
-        "under its own stage limits and a 420 s deadline: the first of two runs on a GPU machine held for 15 minutes; "
+        "under its own stage limits and a 420 s deadline: the first of two runs within 15 minutes of GPU time; "
         "the full set (the default) is the second",
     )
     parser.add_argument("--skip", nargs="+", choices=STAGE_NAMES, default=[], help="leave these stages out")
@@ -522,7 +522,7 @@ def main() -> int:
     from focus_hf.benchmarking.records import provenance
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/gpu/run.py: no CUDA GPU here; run it on the GPU machine, or with --device cpu to check it.")
+        print("benchmarks/gpu/run.py: no CUDA GPU here; run it on a CUDA machine, or with --device cpu to check it.")
         return 2
     limits = {stage.name: stage.timeout[args.device] for stage in STAGES}
     if args.quick and args.device == "cuda":

@@ -5,8 +5,8 @@
 # from 1K to 64K, peak memory at 64K and 1M, a profile at 4K and 64K (wall against device time), and a short
 # `focus-hf train` distillation on CUDA. Stages, files and figures: benchmarks/gpu/run.py's docstring and README.md.
 #
-# ON A GPU MACHINE WITHOUT INTERNET ACCESS, held for 15 minutes in all and at most 10 minutes per command (start-up
-# included): two runs, --quick (within 420 s), then the full set (within 330 s).
+# ON A GPU MACHINE WITHOUT INTERNET ACCESS, within 15 minutes of GPU time in all (start-up included) and at most 10
+# minutes per command: two runs, --quick (within 420 s), then the full set (within 330 s).
 #   1. here, once (downloads ~15 MB of wheels into the git-ignored .whl/: transformers 5.23, peft 0.21.2, gguf,
 #      regex for the machine's Python 3.12; the machine has no internet and older packages):
 #          bash benchmarks/gpu/fetch_wheels.sh

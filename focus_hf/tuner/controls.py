@@ -71,8 +71,8 @@ RUNTIME_OPTIONS = ("window", "top_k", "probe_mass", "dense_heads", "dense_below"
 def configure_adapter(model: nn.Module, adapter_name: Optional[str] = None, **options: Any) -> FocusConfig:
     """Change run-time options of a loaded Focus adapter; `save_pretrained` then records the new values.
 
-    A `top_k` given to `set_routing` is a session override and still takes precedence over the configured one
-    (`set_routing(model, mode)` without `top_k` clears it).
+    A `top_k` given to `set_routing` is a run-time override of the loaded layers (never saved) and still takes
+    precedence over the configured one (`set_routing(model, mode)` without `top_k` clears it).
 
     Args:
         model: a PeftModel or a transformers model with a Focus adapter loaded.

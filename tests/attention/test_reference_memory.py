@@ -1,6 +1,6 @@
-"""Issue 40, a fallback that fits: one forward of a 1-layer, 4-head model through `backend="reference"` at 32K tokens
-stays within 3 GiB of peak memory (its n x n float32 scores alone would be 16 GiB), and the peak grows about linearly
-from 8K to 32K - in hard mode, and in soft mode at 32K."""
+"""The reference path, a fallback that fits: one forward of a 1-layer, 4-head model through `backend="reference"`
+at 32K tokens stays within 3 GiB of peak memory (its n x n float32 scores alone would be 16 GiB), and the peak grows
+about linearly from 8K to 32K - in hard mode, and in soft mode at 32K."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Layer-by-layer router distillation (issue 15, part 5): one decoder layer's calibration data in memory at a time."""
+"""Layer-by-layer router distillation: one decoder layer's calibration data in memory at a time."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Multi-process (torchrun or accelerate launch, 2 CPU processes, gloo) training of `focus-hf train` (both
-objectives) and examples/train_with_trainer.py (issue 15, part 4): both ranks end with identical routers, equal
-(within TOLERANCE) to one process on the same global batch, the adapter is written once, and a resumed 2-process
-run ends where an uninterrupted one does.
+objectives) and examples/train_with_trainer.py: both ranks end with identical routers, equal (within TOLERANCE) to one
+process on the same global batch, the adapter is written once, and a resumed 2-process run ends where an
+uninterrupted one does.
 
 The LM corpus is cut to 2 blocks, so that every step's global batch holds both whatever the sampler's order: one
 process with batch 2, or two processes with batch 1 each (DDP averages their gradients). Distillation shares its

@@ -1,4 +1,4 @@
-"""Focus on bases dispatched by accelerate: device_map="auto" with layers offloaded to disk (issue 15, part 1)."""
+"""Focus on bases dispatched by accelerate: device_map="auto" with layers offloaded to disk."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 13, silently wrong results: packed-document masks, output_attentions, atomic loads, beam search."""
+"""Results that could go wrong silently: packed-document masks, output_attentions, atomic loads, beam search."""
 
 from __future__ import annotations
 

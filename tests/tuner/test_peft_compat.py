@@ -1,4 +1,4 @@
-"""PEFT-compatibility battery (issue 13): the workflows a PEFT user runs, on every tiny architecture. Each gives
+"""PEFT-compatibility battery: the workflows a PEFT user runs, on every tiny architecture. Each gives
 the right result or refuses at the call with a clear error; none returns a wrong result silently."""
 
 from __future__ import annotations

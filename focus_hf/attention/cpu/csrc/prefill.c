@@ -7,10 +7,10 @@
      - key j is real (`key_valid`, when given), and
      - with a pattern (`query_bits` and `key_bits` given): first + r - j <= window, or query_bits[r] & key_bits[j]
        is not 0 (a query's bits are the groups it probes, a key's the group it is filed under; sinks have every bit).
-   With `local`, a call runs the local part of the fast path instead (set B's window pairs): (r, j) is visible iff
-   it is causal and real as above, first + r - j <= window and query_bits[r] & key_bits[j] is 0 (pairs that share a
-   bit are another part's); only the key blocks of each query block's window are read.
-   `focus_prefill_segments`: set A of the fast path in one call - group-sorted query entries over their segment's
+   With `local`, a call runs the window band's window pairs of the CPU path instead: (r, j) is visible iff it is causal
+   and real as above, first + r - j <= window and query_bits[r] & key_bits[j] is 0 (pairs that share a bit are another
+   part's); only the key blocks of each query block's window are read.
+   `focus_prefill_segments`: the CPU path's own-group pass in one call - group-sorted query entries over their segment's
    keys, read where they lie through token indices, each entry seeing keys row_begin[e] .. row_end[e] - 1.
    The pattern is evaluated on the fly: no n x n mask or bias is built or read. Each task is QB query rows of one
    head over blocks of KB keys (QB, KB and the register tiles are the target's: vectors.h): the scores of a block
@@ -112,8 +112,8 @@ static inline const void* element_at(const void* base, int64_t offset, int type)
    below are then zeroed by a mask. A power that underflows into a subnormal float (or to 0, from a subnormal
    intermediate) costs a microcode assist of a hundred cycles and more on Intel processors unless the thread flushes
    subnormals to zero, which the caller's may not: hidden scores (-FLT_MAX), a large share of a local call's, made its
-   pairs four times dearer per pair than set A's on a Xeon (Emerald Rapids), where AMD's Zen takes them at full
-   speed. Weights below 2^-125 of a row's largest (which is 1) are far below what a float32 sum can hold. */
+   pairs four times dearer per pair than the own-group pass's on a Xeon (Emerald Rapids), where AMD's Zen takes them at
+   full speed. Weights below 2^-125 of a row's largest (which is 1) are far below what a float32 sum can hold. */
 #define EXP2_FLOOR -125.f
 #define EXP_FLOOR -256.f /* e^x's clamp for the scalar log-sum-exp merges (libm's expf) */
 static inline fvec fexp2(fvec x)
@@ -155,9 +155,9 @@ static inline int64_t row_offset(const int64_t* offsets, int64_t stride, int64_t
 /* How a call of element type `type` packs its keys and values (`pack_keys`):
    - float32 calls pack their keys, each block [dim][KB] floats, and read their values where they lie - except with
      `pack_values` (`focus_prefill_segments`, whose keys are gathered from all over the sequence through token
-     indices), which pack the values as [KB][dim] floats too (set A a few percent faster per pair at 16K on the
-     AVX-512 EPYC, in the native, x86-64-v3 and x86-64-v2 builds; the local part, whose rows lie in order, paid the
-     copy and gained nothing);
+     indices), which pack the values as [KB][dim] floats too (the own-group pass a few percent faster per pair at 16K
+     on the AVX-512 EPYC, in the native, x86-64-v3 and x86-64-v2 builds; the window band, whose rows lie in order,
+     paid the copy and gained nothing);
    - bfloat16 calls with BF16_DOT ("pairs") pack keys as [dim / 2][KB] pairs of dims and values as [KB / 2][dim]
      pairs of keys (32 bits each);
    - other bfloat16 calls pack keys as float32 calls do and values as [KB][dim] floats, widened. */
@@ -185,9 +185,9 @@ static float* take_scratch(float* scratch, int64_t scratch_words, int64_t words)
     return aligned_alloc(64, sizeof(float) * words);
 }
 
-/* Rows gathered through offsets (set A's keys, from all over the sequence) are beyond the hardware prefetchers'
-   reach: each key's rows are asked for this many keys before they are packed (bfloat16 set A at 16K on the AVX-512
-   EPYC: the packing took about 7% of the call's time, then about 2%) */
+/* Rows gathered through offsets (the own-group pass's keys, from all over the sequence) are beyond the hardware
+   prefetchers' reach: each key's rows are asked for this many keys before they are packed (the bfloat16 own-group pass
+   at 16K on the AVX-512 EPYC: the packing took about 7% of the call's time, then about 2%) */
 #define PREFETCH_AHEAD 8
 /* GCC 12's dead-code pass deleted __builtin_prefetch from `prefetch_rows` (it kept it in simpler loops): on x86 and
    aarch64 the instruction is written out */
@@ -337,9 +337,9 @@ static inline __attribute__((always_inline)) void block_scores(const void* q, co
 /* acc[rows][dim] += p[rows][begin .. cols - 1] x the block's value rows (float32), row j at values + j * stride (the
    packed rows, stride dim, or the rows where they lie). The micro-tile is PV_ROWS rows x PV_VECTORS vectors of dims:
    its accumulators, value vectors and weights fit the registers. The value vectors are held in registers across the
-   tile's rows on every target (IN_REGISTER): folded into each row's products as memory operands, they were loaded
-   once per row (set A at 16K on the AVX-512 EPYC, one thread: native 2.93-2.99 -> 2.79-2.83 ns per pair, x86-64-v3
-   3.30-3.35 -> 3.16-3.23, x86-64-v2 capped 8.63-9.12 -> 7.93-8.09). */
+   tile's rows on every target (IN_REGISTER): folded into each row's products as memory operands, they were loaded once
+   per row (the own-group pass at 16K on the AVX-512 EPYC, one thread: native 2.93-2.99 -> 2.79-2.83 ns per pair,
+   x86-64-v3 3.30-3.35 -> 3.16-3.23, x86-64-v2 capped 8.63-9.12 -> 7.93-8.09). */
 static inline __attribute__((always_inline)) void block_values(const float* p, const float* values, int64_t stride,
                                                                float* acc, int rows, int begin, int cols,
                                                                const KeySpan* spans, const int dim)
@@ -923,7 +923,7 @@ int focus_prefill(const void* q, const void* k, const void* v, void* out, float*
     return 0;
 }
 
-/* Set A of the fast path in one call: query entries and keys sorted into segments (one per sample and group,
+/* The CPU path's own-group pass in one call: query entries and keys sorted into segments (one per sample and group,
    `focus_segment_keys` and `focus_segment_entries` in segments.c). Segment s holds entries entry_starts[s] ..
    entry_starts[s + 1] - 1 and keys key_starts[s] .. key_starts[s + 1] - 1; entry e is query row entry_query[e]
    (sample * q_tokens + token) and sees the segment's keys row_begin[e] .. row_end[e] - 1 (counted from the
@@ -1008,12 +1008,12 @@ int focus_prefill_segments(const void* q, const void* k, const void* v, float* o
     return 0;
 }
 
-/* Set B's sink pairs of query rows 0 .. L - 1 (row r is position first + r of its sample), folded into out and lse
-   by log-sum-exp (`finish_row`): sink t of sample b - position sink_position[b * S + t] (-1: none), group
-   sink_group[b * S + t] - is visible to row r iff it lies more than `window` before it, its group is none of the
-   row's probes [B, L, top_k] (int64, contiguous) and done[b * L + r] (when given) is 0. A handful of keys per row:
-   scores, softmax and the weighted values in one pass, with nothing allocated. Strides as in `focus_prefill`; q, k
-   and v of element type `type`, out and lse float32. */
+/* The window band's sink pairs of query rows 0 .. L - 1 (row r is position first + r of its sample), folded into out
+   and lse by log-sum-exp (`finish_row`): sink t of sample b - position sink_position[b * S + t] (-1: none), group
+   sink_group[b * S + t] - is visible to row r iff it lies more than `window` before it, its group is none of the row's
+   probes [B, L, top_k] (int64, contiguous) and done[b * L + r] (when given) is 0. A handful of keys per row: scores,
+   softmax and the weighted values in one pass, with nothing allocated. Strides as in `focus_prefill`; q, k and v of
+   element type `type`, out and lse float32. */
 int focus_sink_pairs(const void* q, const void* k, const void* v, float* out, float* lse, int64_t B, int64_t H,
                      int64_t KH, int64_t L, int64_t dim, const int64_t* q_strides, const int64_t* k_strides,
                      const int64_t* v_strides, const int64_t* o_strides, const int64_t* l_strides,

@@ -1,7 +1,7 @@
-/* The group sort of set A for `focus_prefill_segments` (prefill.c): keys and query entries into segments (one per
-   sample and group, s = sample * K + group), each in position order - counting sorts, O(n), writing only their
-   int32 results (a sort in tensor operations holds several n-long int64 temporaries: at 128K tokens they outweigh
-   what the rest of the call adds to the output).
+/* The group sort of the own-group pass for `focus_prefill_segments` (prefill.c): keys and query entries into segments
+   (one per sample and group, s = sample * K + group), each in position order - counting sorts, O(n), writing only their
+   int32 results (a sort in tensor operations holds several n-long int64 temporaries: at 128K tokens they outweigh what
+   the rest of the call adds to the output).
 
    Tokens are numbered sample * kv + position. `groups` [batch, kv] int64 is read through its strides
    (group_strides {sample, token}: routers hand out views of wider tensors, and a contiguous copy would be one more

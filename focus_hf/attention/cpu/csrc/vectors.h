@@ -20,9 +20,9 @@
    (2 x 4 against 4 x 2: 3.8 against 4.1 ns per pair; 128 rows per task against 32: fewer passes over keys that stream
    from beyond the core's cache), then with an x86-64-v3 build on the AVX-512 EPYC: a 4 x 3 score tile (12
    accumulators, 3 key vectors and a broadcast: all 16 registers) loads 7 vectors per 12 products where 2 x 4 loads 6
-   per 8, and ran set A at 16K tokens 2-5% faster per pair (its 24-key width sets the key block to 96). The SSE row
-   as measured with an x86-64-v2 build on the AVX-512 EPYC: 64 rows per task ran set A at 8.6 against 9.2 ns per pair
-   with 128 at 8K tokens, 8.2 against 9.4 at 16K (with the splatted queries below).
+   per 8, and ran the own-group pass at 16K tokens 2-5% faster per pair (its 24-key width sets the key block to 96). The
+   SSE row as measured with an x86-64-v2 build on the AVX-512 EPYC: 64 rows per task ran the own-group pass at 8.6
+   against 9.2 ns per pair with 128 at 8K tokens, 8.2 against 9.4 at 16K (with the splatted queries below).
 
    The helpers that reduce or compare whole vectors use the target's instructions where it has them, else halving
    shuffles: nothing in a hot loop walks a vector lane by lane. */
