@@ -182,9 +182,10 @@ def test_query_router_generate_with_cache_equals_recomputation():
 
 @pytest.mark.parametrize("limit", [1, 3, 64])
 def test_deferred_key_routing_while_decoding_equals_recomputation(monkeypatch, limit):
-    # Decoding with a query router defers the new tokens' key-side Sinkhorn in blocks (PENDING_LIMIT tokens,
-    # capped by the window: `cache_state.block_until`): greedy tokens must equal recomputing the whole sequence, across several blocks. Past
-    # the sinks a step's token waits in the state's list (`note_step`), its attention reading the settled groups.
+    # Decoding with a query router defers the new tokens' key-side Sinkhorn in blocks (PENDING_LIMIT tokens, capped
+    # by the window: `cache_state.block_until`): greedy tokens must equal recomputing the whole sequence, across
+    # several blocks. Past the sinks a step's token waits in the state's list (`note_step`), its attention reading
+    # the settled groups.
     import focus_hf.tuner.cache_state as cache_state
     import focus_hf.tuner.layer as layer_module
 
