@@ -33,6 +33,7 @@ from focus_hf.errors import (
     NotAFocusAdapterError,
     UnknownOptionError,
     UnsupportedModelError,
+    UpstreamChangedError,
 )
 from focus_hf.quiet import ImportHook, optional_import_hook
 
@@ -84,6 +85,7 @@ __all__ = [
     "NotAFocusAdapterError",
     "AdapterIntegrityError",
     "HubPushError",
+    "UpstreamChangedError",
     "__version__",
 ]
 
@@ -91,16 +93,16 @@ _registered = False
 
 
 def _ensure_registered() -> None:
-    """Register Focus with PEFT and transformers once (`focus_hf.tuner.registration.register`)."""
+    """Register Focus with PEFT and transformers once (`focus_hf.tuner.patches.apply`)."""
     global _registered
     if _registered:
         return
     _registered = True  # first: the imports below must not re-enter through the peft hook
     _remove_peft_hook()
     try:
-        from focus_hf.tuner.registration import register
+        from focus_hf.tuner.patches import apply
 
-        register()
+        apply()
     except BaseException:
         _registered = False
         raise

@@ -38,6 +38,11 @@ class FocusRuntimeError(FocusError, RuntimeError):
     """Focus attention was asked to run in a situation it does not support."""
 
 
+class UpstreamChangedError(FocusError, ImportError):
+    """peft or transformers changed something a focus_hf patch relies on (`focus_hf.tuner.patches`): raised at
+    import, naming the patch and the installed version, rather than running with a check left out."""
+
+
 class FocusServingError(FocusError, RuntimeError):
     """A vLLM configuration Focus cannot serve exactly (`focus_hf.vllm`): refused at start-up, never run dense. Not a
     ValueError: vLLM checks its configuration in pydantic validators, which would bury a ValueError's message."""

@@ -172,7 +172,7 @@ def validate_adapter_folder(
 
     Returns:
         The checked tensors (key -> CPU tensor), read once from `adapter_model.safetensors`: the loaders are handed
-        these (`focus_hf.tuner.checked_weights`), so what reaches the model is what was checked here.
+        these (`focus_hf.tuner.patches`), so what reaches the model is what was checked here.
     """
     folder = Path(folder)
     weights = folder / WEIGHTS_NAME
@@ -190,7 +190,7 @@ def validate_adapter_folder(
     from safetensors.torch import load_file
 
     tensors = load_file(str(weights))
-    # The tensors read now are the ones handed to the loader (`focus_hf.tuner.checked_weights`), so they are checked
+    # The tensors read now are the ones handed to the loader (`focus_hf.tuner.patches`), so they are checked
     # themselves, not only the header read before: the file may have been replaced in between.
     validate_router_tensors(str(weights), _describe(tensors), expected, require_prefix=True, saved=saved)
     check_finite(str(weights), tensors)

@@ -11,7 +11,7 @@ that causes it (never by a filter that outlives the call).
   asked for are held back around that call with `quiet_logs` (e.g. `focus_hf.fitting.trainer`).
 * peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` each time it wraps a model
   (`PeftModel.__init__`): `quiet_peft_wrapping` holds that FutureWarning back around the wrapping of a Focus model
-  (`focus_hf.tuner.model.install` applies it to `get_peft_model` and `PeftModel.from_pretrained`).
+  (`focus_hf.tuner.patches` applies it to `get_peft_model` and `PeftModel.from_pretrained`).
 
 Standard library only: `focus_hf/__init__.py` imports this module, and `import focus_hf` stays light.
 """

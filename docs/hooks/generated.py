@@ -3,10 +3,11 @@ an editor) as built: `python docs/hooks/generated.py` writes them, `python docs/
 the stale ones (tests/test_docs.py runs the check, and the mkdocs hook refuses to build a stale page).
 
 * In Markdown (the README and the pages of docs/), `<!--fig:NAME-->TEXT<!--/fig-->` holds the text of NAME: a
-  figure or a table from the committed JSON (`figures.py`), the CLI reference (`cli.reference`) or the package tree
-  (`architecture`, both `reference.py`). A renderer hides the markers. A text of several lines (a table) stands
-  between markers on lines of their own; an inline marker never starts a line (CommonMark would read a line that
-  starts with `<!--` as raw HTML). Links of generated text to repository files are made relative to the page.
+  figure or a table from the committed JSON (`figures.py`), the CLI reference (`cli.reference`), the package tree
+  (`architecture`) or the patches to peft and transformers (`patches`, all three `reference.py`). A renderer hides
+  the markers. A text of several lines (a table) stands between markers on lines of their own; an inline marker
+  never starts a line (CommonMark would read a line that starts with `<!--` as raw HTML). Links of generated text
+  to repository files are made relative to the page.
 * In Python, `NAME_OF_CONSTANT = "TEXT"  # fig:NAME` holds it as a string literal (the demo's measured time and
   memory in its `--help`), with `  # noqa: E501` after it where the text makes the line long.
 * The plots (`plots.py`) are PNG files in docs/img/; each records the digest of the JSON files it was drawn from
@@ -48,6 +49,8 @@ def expand(name: str) -> str:
         return reference.cli_reference()
     if name == "architecture":
         return reference.architecture_table()
+    if name == "patches":
+        return reference.patches_table()
     return figures.value(name)
 
 

@@ -87,6 +87,13 @@ def architecture_table() -> str:
     return "\n".join(lines)
 
 
+def patches_table() -> str:
+    """The changes focus_hf makes to peft and transformers objects (`focus_hf.tuner.patches.PATCHES`), as a table."""
+    from focus_hf.tuner.patches import table
+
+    return table()
+
+
 # --- the CLI reference -----------------------------------------------------------------------------------------
 
 

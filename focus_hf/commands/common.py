@@ -216,9 +216,9 @@ def load_with_adapter(name: str, adapter: Optional[str | os.PathLike]) -> tuple[
     if adapter:
         from peft import PeftModel
 
-        from focus_hf.tuner.registration import register
+        from focus_hf.tuner.patches import apply as apply_patches
 
-        register()
+        apply_patches()
         model = PeftModel.from_pretrained(model, adapter)
     return model, tokenizer
 

@@ -54,7 +54,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     from focus_hf.evaluation import routing_mode
     from focus_hf.files import model_for_adapter
     from focus_hf.interpret.overlap import adjusted_rand_index, matched_share
-    from focus_hf.tuner.registration import register
+    from focus_hf.tuner.patches import apply as apply_patches
 
     folders = [adapter_folder(spec, args.revision) for spec in (args.adapter, args.other)]
     bases = [model_for_adapter(folder) for folder in folders]
@@ -66,7 +66,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     model_name = base_model_name(args.model, folders[0])
     print(f"loading {model_name} with {args.adapter} and {args.other}", file=sys.stderr)
     model, tokenizer = load_base(model_name)
-    register()
+    apply_patches()
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(model, str(folders[0]), adapter_name="a").eval()

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Optional, Union
 
 from peft.config import PeftConfig
+from peft.utils import PeftType
 
 from focus_hf.defaults import FOCUS_DEFAULTS, ROUTING_MODES
 from focus_hf.errors import FocusConfigError, UnknownOptionError
-from focus_hf.tuner.peft_type import FOCUS_PEFT_TYPE
+from focus_hf.files import PEFT_TYPE_NAME
 from focus_hf.tuner.targets import check_target_modules
 
 # Accepted range of each numeric option, inclusive. The upper bounds are far above any useful value and keep a
@@ -139,7 +140,7 @@ class FocusConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = FOCUS_PEFT_TYPE
+        self.peft_type = PeftType[PEFT_TYPE_NAME]  # the member `focus_hf.tuner.patches` adds
         self.validate()
 
     def validate(self) -> None:

@@ -11,15 +11,15 @@ where the module they wrap computes (its hook's execution device; CPU when the m
 * `PeftModel.load_adapter` (the path of `PeftModel.from_pretrained`) removes a dispatched base's hooks and
   re-dispatches it with an offload index written for LoRA (it assumes the adapter wraps a leaf module) and with a
   device map recomputed from the memory it finds, not the map the base was loaded with. For Focus adapters
-  `install` replaces that step: the base is dispatched again with its own device map and offload index (names
-  moved under the Focus wrappers), and the routers are kept out of accelerate's reach.
+  `load_keeping_dispatch` replaces that step (`focus_hf.tuner.patches` wraps `PeftModel.load_adapter` with it): the
+  base is dispatched again with its own device map and offload index (names moved under the Focus wrappers), and the
+  routers are kept out of accelerate's reach.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -141,44 +141,27 @@ def redispatch(
     place_routers(peft_model)
 
 
-def _is_focus(config: Any) -> bool:
-    from focus_hf.tuner.peft_type import FOCUS_PEFT_TYPE
-
-    return getattr(config, "peft_type", None) == FOCUS_PEFT_TYPE
-
-
-def install() -> None:
-    """Route `PeftModel.load_adapter` of a Focus adapter on a dispatched base through `redispatch` (idempotent)."""
-    from peft import PeftModel
-
-    original = PeftModel.load_adapter
-    if getattr(original, "_focus_dispatch", False):
-        return
-
-    @functools.wraps(original)
-    def load_adapter(self, model_id, adapter_name="default", *args, **kwargs):
-        base = self.get_base_model()
-        device_map = getattr(base, "hf_device_map", None)
-        if not (
-            _is_focus(self.peft_config.get(adapter_name)) and len(self.peft_config) == 1 and is_offloaded(device_map)
-        ):
-            return original(self, model_id, adapter_name, *args, **kwargs)
-        # PEFT re-dispatches when it sees `hf_device_map`; hide it and re-dispatch on the base's own map instead.
-        del base.hf_device_map
-        try:
-            result = original(self, model_id, adapter_name, *args, **kwargs)
-        finally:
-            base.hf_device_map = device_map
-        if not any(hasattr(module, "_hf_hook") for module in base.modules()):
-            # `PeftModel.from_pretrained` removed the base's hooks: put them back.
-            redispatch(
-                self,
-                kwargs.get("device_map") if isinstance(kwargs.get("device_map"), dict) else device_map,
-                offload_index=kwargs.get("offload_index"),
-                offload_dir=kwargs.get("offload_folder") or kwargs.get("offload_dir"),
-            )
-        pin_routers(base)
-        return result
-
-    load_adapter._focus_dispatch = True
-    PeftModel.load_adapter = load_adapter
+def load_keeping_dispatch(
+    load_adapter: Callable, peft_model: nn.Module, model_id: Any, adapter_name: str, *args: Any, **kwargs: Any
+) -> Any:
+    """`load_adapter(peft_model, model_id, adapter_name, ...)` (PEFT's own) of a Focus adapter on a base accelerate
+    dispatched with CPU or disk offload, the base then dispatched again on its own device map (`redispatch`) rather
+    than on the one PEFT would recompute, and the routers pinned where they compute (`pin_routers`)."""
+    base = peft_model.get_base_model()
+    device_map = base.hf_device_map
+    # PEFT re-dispatches when it sees `hf_device_map`; hide it and re-dispatch on the base's own map instead.
+    del base.hf_device_map
+    try:
+        result = load_adapter(peft_model, model_id, adapter_name, *args, **kwargs)
+    finally:
+        base.hf_device_map = device_map
+    if not any(hasattr(module, "_hf_hook") for module in base.modules()):
+        # `PeftModel.from_pretrained` removed the base's hooks: put them back.
+        redispatch(
+            peft_model,
+            kwargs.get("device_map") if isinstance(kwargs.get("device_map"), dict) else device_map,
+            offload_index=kwargs.get("offload_index"),
+            offload_dir=kwargs.get("offload_folder") or kwargs.get("offload_dir"),
+        )
+    pin_routers(base)
+    return result

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import math
@@ -26,7 +25,6 @@ from focus_hf.attention.function import (
 from focus_hf.attention.gpu.verify import is_verified, verify_shape
 from focus_hf.attention.paths import path_platform
 from focus_hf.attention.routing import (
-    PENDING_LIMIT,
     RoutingState,
     TokenRouting,
     constant_rows,
@@ -40,16 +38,16 @@ from focus_hf.attention.routing import (
     settle,
     waiting_step,
 )
+from focus_hf.tuner.cache_state import (
+    RUNS_ATTRIBUTE,
+    STATES_ATTRIBUTE,
+    DecodingRun,
+    attach_routing_states,
+    block_until,
+    grouped_key_copies,
+)
 from focus_hf.tuner.config import ROUTING_MODES, FocusConfig, FocusConfigError
 from focus_hf.tuner.devices import execution_device
-
-_CACHE_ATTRIBUTE = "_focus_routing_states"
-# The run of decoding steps under way in each layer (`DecodingRun`), by (adapter, layer).
-_RUNS_ATTRIBUTE = "_focus_decoding_runs"
-# Group-sorted copies of each routed layer's distant keys (`attention.cpu.grouped_keys`), by (adapter, layer).
-_GROUPED_ATTRIBUTE = "_focus_grouped_keys"
-# Stands in for them once the cache has reordered its samples: decoding then gathers until the cache starts afresh.
-_REORDERED = "reordered"
 
 
 @dataclass
@@ -82,131 +80,6 @@ class RouterSettings:
         for layer, head in self.dense_heads or []:
             by_layer.setdefault(layer, set()).add(head)
         return {layer: tuple(sorted(heads)) for layer, heads in by_layer.items()}
-
-
-def _select_samples(state: RoutingState, index: torch.Tensor) -> RoutingState:
-    """`state` with its samples (dim 0 of every tensor) taken at `index`."""
-    index = index.to(state.valid_count.device)
-    return dataclasses.replace(
-        state,
-        valid_count=state.valid_count.index_select(0, index),
-        column_lse=state.column_lse.index_select(0, index),
-        key_probs=state.key_probs.index_select(0, index),
-        key_groups=state.key_groups.index_select(0, index),
-        key_sink=state.key_sink.index_select(0, index),
-        pending_hidden=None if state.pending_hidden is None else state.pending_hidden.index_select(0, index),
-        pending_valid=None if state.pending_valid is None else state.pending_valid.index_select(0, index),
-        noted_steps=None if state.noted_steps is None else state.noted_steps.index_select(index),
-    )
-
-
-def _attach_routing_states(cache: Any) -> dict:
-    """The routing states riding on `cache`, created on first use.
-
-    The states are per sample, like the cache's keys and values, so every batch reshuffle the cache does
-    (beam search's `reorder_cache`, contrastive search's `batch_repeat_interleave` / `batch_select_indices`)
-    is applied to them too: the cache's own methods are wrapped on this instance. Cropping (assisted decoding)
-    cannot be followed (the Sinkhorn column sums of the shorter prefix are gone); the next forward call then
-    refuses to run rather than route from a stale state.
-    """
-    states = getattr(cache, _CACHE_ATTRIBUTE, None)
-    if states is not None:
-        return states
-    states = {}
-    setattr(cache, _CACHE_ATTRIBUTE, states)
-
-    def follow(method_name: str, index_of: Callable[..., torch.Tensor]) -> None:
-        original = getattr(cache, method_name, None)
-        if original is None:
-            return
-
-        @functools.wraps(original)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            for key, state in list(states.items()):
-                states[key] = _select_samples(state, index_of(state, *args, **kwargs))
-            # The group-sorted copies hold the old samples' keys; beam search would reorder them every step.
-            setattr(cache, _GROUPED_ATTRIBUTE, _REORDERED)
-            return result
-
-        setattr(cache, method_name, wrapped)
-
-    follow("reorder_cache", lambda state, beam_idx: beam_idx)
-    follow("batch_select_indices", lambda state, indices: indices)
-    follow(
-        "batch_repeat_interleave",
-        lambda state, repeats: torch.arange(state.valid_count.shape[0]).repeat_interleave(repeats),
-    )
-    return states
-
-
-def _grouped_keys(cache: Any, layer_key: tuple[str, int], fresh: bool) -> Optional[dict]:
-    """The group-sorted key copies of one layer's routing on `cache` (by run of kv heads), emptied when the routing
-    starts afresh on it (an empty or reset cache): they hold the cache's keys, so they live and die with them.
-
-    None for a cache that offloads its layers to save accelerator memory (copies of every layer's keys kept on the
-    accelerator would undo that) and for one that has reordered its samples (beam or contrastive search) until it
-    starts afresh: decoding gathers from the cache there."""
-    if getattr(cache, "offloading", False):
-        return None
-    stores = getattr(cache, _GROUPED_ATTRIBUTE, None)
-    if stores == _REORDERED:
-        if not fresh:
-            return None
-        stores = None
-    if stores is None:
-        stores = {}
-        setattr(cache, _GROUPED_ATTRIBUTE, stores)
-    if fresh or layer_key not in stores:
-        stores[layer_key] = {}
-    return stores[layer_key]
-
-
-@dataclass
-class DecodingRun:
-    """A run of one layer's one-token decoding steps on one cache that take the same branch of `FocusLayer.forward`,
-    from the step that found so while the routing state has seen fewer than `until` tokens: steps that decode as the
-    base model's (`top_k` None), or routed steps whose key side waits (`note_step`) and whose queries probe the
-    query router's `top_k` groups. It rides on the cache, beside the routing states: each cache decoded in turn keeps
-    its own.
-
-    The first step of the run makes the whole decision; the later ones check only what may have changed since (the
-    adapter and its options, the model's mode, the cache's length, padding, observers, gradients)."""
-
-    settings: RouterSettings
-    options: tuple  # the layer's overrides and mode when the run began (`FocusLayer._run_options`)
-    until: float
-    top_k: Optional[int] = None
-
-    def next_state(
-        self, layer: "FocusLayer", key: tuple[str, int], hidden: torch.Tensor, cache: Any, mask: Any
-    ) -> Optional[RoutingState]:
-        """The routing state on `cache` of layer and adapter `key` if this call of `layer` is the run's next step
-        (every condition of the branch holds; no padding), else None."""
-        state = getattr(cache, _CACHE_ATTRIBUTE, {}).get(key)
-        if (
-            state is not None
-            and mask is None
-            and hidden.shape[1] == 1
-            and state.seen < self.until
-            and hidden.shape[0] == state.valid_count.shape[0]
-            and layer.focus_settings[key[0]] is self.settings
-            and layer._run_options() == self.options
-            and not layer.routing_observers
-            # Cropped (assisted decoding) or reset: the full path refuses or starts afresh.
-            and int(cache.get_seq_length(layer.cache_layer_index)) == state.seen
-            and not torch.compiler.is_compiling()
-            and not layer._routers_need_gradient(key[0])
-        ):
-            return state
-        return None
-
-
-def _block_until(state: RoutingState, settings: RouterSettings) -> int:
-    """How many tokens `state` may have seen for a decoding step's token to wait (`note_step`, `defer_tokens`): each
-    step adds one; once as many wait as a block holds, `settle` runs, which bounds their memory."""
-    waiting = state.pending + len(state.noted_steps or ())
-    return state.seen + min(PENDING_LIMIT, settings.window) - waiting
 
 
 def query_validity(
@@ -405,7 +278,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         cached_tokens = 0 if cache is None else int(cache.get_seq_length(self.cache_layer_index))
         if cached_tokens == 0:
             return RoutingState.empty(batch, settings.sinkhorn_iterations, settings.num_groups, device)
-        states = getattr(cache, _CACHE_ATTRIBUTE, None)
+        states = getattr(cache, STATES_ATTRIBUTE, None)
         state = None if states is None else states.get((adapter_name, self.layer_index))
         if state is None or state.seen != cached_tokens or state.valid_count.shape[0] != batch:
             raise FocusRuntimeError(
@@ -527,7 +400,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before, deprecated until 5.40).
         cache = kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
         layer_key = (adapter_name, self.layer_index)  # the key of this layer's state, copies and run on the cache
-        runs = getattr(cache, _RUNS_ATTRIBUTE, None)
+        runs = getattr(cache, RUNS_ATTRIBUTE, None)
         if runs:
             run = runs.get(layer_key)
             if run is not None:
@@ -552,11 +425,11 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         if state.seen < dense_until:
             # The base model's decoding step: the token waits, unrouted, until the state is next read.
             if state.seen == 0:  # a new state (else the cache holds it already)
-                _attach_routing_states(cache)[layer_key] = state
-                if self.decode_copy:
-                    _grouped_keys(cache, layer_key, fresh=True)  # a reused cache starts afresh: drop its old copies
+                attach_routing_states(cache)[layer_key] = state
+                if self.decode_copy:  # a reused cache starts afresh: drop its old copies
+                    grouped_key_copies(cache, layer_key, fresh=True)
             note_step(state, hidden, valid)
-            vars(cache).setdefault(_RUNS_ATTRIBUTE, {})[layer_key] = DecodingRun(
+            vars(cache).setdefault(RUNS_ATTRIBUTE, {})[layer_key] = DecodingRun(
                 settings, self._run_options(), dense_until
             )
             return self.base_layer(*args, **kwargs)
@@ -571,19 +444,19 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             and cache is not None
             and not self.routing_observers
             and (attends_densely or adapter_name in self.focus_query_proj)
-            and state.seen < _block_until(state, settings)
+            and state.seen < block_until(state, settings)
         )
         if defer and not attends_densely and state.sinks_filled and not torch.compiler.is_compiling():
             # Past every sample's sinks the token is no sink: it waits in the state's list as a dense step's does
             # (`note_step`; the list is Python state, hence not under torch.compile), and the attention reads the
             # keys' groups with the waiting ones in none (`routing.waiting_keys`). So do the next steps, as a run,
             # until a block is full.
-            run = DecodingRun(settings, self._run_options(), _block_until(state, settings), top_k)
+            run = DecodingRun(settings, self._run_options(), block_until(state, settings), top_k)
             queries = waiting_step(self.query_probes(adapter_name, hidden, top_k))
             note_step(state, hidden, valid)
             keys = state
             if not self._routers_need_gradient(adapter_name):
-                vars(cache).setdefault(_RUNS_ATTRIBUTE, {})[layer_key] = run
+                vars(cache).setdefault(RUNS_ATTRIBUTE, {})[layer_key] = run
         elif defer:
             state = defer_noted_steps(state, settings.sink_tokens)
             # No probes where the call attends densely (top_groups -1).
@@ -597,9 +470,9 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             queries, keys = self.route_tokens(adapter_name, hidden, valid, state, top_k)
         grouped_keys = None
         if cache is not None:
-            _attach_routing_states(cache)[layer_key] = keys
+            attach_routing_states(cache)[layer_key] = keys
             if mode == "hard" and self.decode_copy:
-                grouped_keys = _grouped_keys(cache, layer_key, fresh=state.seen == 0)
+                grouped_keys = grouped_key_copies(cache, layer_key, fresh=state.seen == 0)
         for observer in self.routing_observers:
             observer(self, queries)
         if mode == "hard" and self.training and self._routers_need_gradient(adapter_name):
@@ -678,7 +551,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
             return self.base_layer(*args, **kwargs)
         queries = waiting_step(self.query_probes(layer_key[0], hidden, run.top_k))
         note_step(state, hidden, state.noted_steps.every_token_real)
-        grouped_keys = _grouped_keys(cache, layer_key, fresh=False) if self.decode_copy else None
+        grouped_keys = grouped_key_copies(cache, layer_key, fresh=False) if self.decode_copy else None
         return self._attend(run.settings, "hard", run.top_k, queries, state, grouped_keys, hidden, args, kwargs)
 
     def _routers_need_gradient(self, adapter_name: str) -> bool:
@@ -705,7 +578,7 @@ class FocusLayer(nn.Module, BaseTunerLayer):
         ):
             return 0
         settings = self.focus_settings[adapter_name]
-        until = _block_until(state, settings)
+        until = block_until(state, settings)
         if self._every_head_dense(settings):
             return until
         # A step that has seen n tokens attends over n + 1 keys.

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import regex
 import torch
@@ -15,22 +12,11 @@ from torch import nn
 
 from focus_hf.attention.function import ATTENTION_NAME
 from focus_hf.errors import AdapterFileError, FocusMergeError, FocusRuntimeError
-from focus_hf.files import (
-    CONFIG_NAME,
-    PEFT_TYPE_NAME,
-    README_NAME,
-    WEIGHTS_NAME,
-    give_mode_of,
-    staged_folder,
-    validate_adapter_folder,
-    validate_adapter_state_dict,
-)
-from focus_hf.quiet import quiet_peft_wrapping
-from focus_hf.tuner.checked_weights import hand_over
+from focus_hf.files import validate_adapter_folder, validate_adapter_state_dict
+from focus_hf.tuner.adapter_load import adapter_folder, current_load, hand_over
 from focus_hf.tuner.config import FocusConfig, FocusConfigError, record_wrapped_model
 from focus_hf.tuner.dispatch import pin_routers, unpin_routers
 from focus_hf.tuner.layer import FocusLayer
-from focus_hf.tuner.loader_source import calling_adapter_folder, calling_adapter_state_dict, calling_loader
 from focus_hf.tuner.targets import find_attention_modules
 
 _RECORDED_FIELDS = ("hidden_size", "num_routed_layers", "base_model_type")
@@ -162,135 +148,6 @@ def check_single_adapter(adapter_name) -> None:
         )
 
 
-PICKLE_SAVE_MESSAGE = (
-    "save_pretrained(safe_serialization=False) would write adapter_model.bin, a pickle, which Focus refuses to load "
-    "(pickles can run arbitrary code). Save with the default safe_serialization=True (adapter_model.safetensors)."
-)
-
-
-def install() -> None:
-    """Wrap three `PeftModel` methods and transformers' `save_pretrained` for Focus models (idempotent; models with
-    other adapter types, or none, are untouched).
-
-    - `__init__` (reached by `get_peft_model` and `PeftModel.from_pretrained`): runs under
-      `focus_hf.quiet.quiet_peft_wrapping`, which holds back the FutureWarning that peft 0.21 raises by reading
-      transformers 5's deprecated `is_gradient_checkpointing`: a user who wraps a model cannot act on it.
-    - `set_adapter([a, b])`: PEFT looks the name up in `peft_config` before it reaches the tuner, so a list fails
-      there with "unhashable type: 'list'" (a tuple with "Adapter (...) not found"), never reaching
-      `FocusModel.set_adapter`. A list or tuple is checked first: more than one name raises `FocusRuntimeError` with
-      nothing changed, a single name is unwrapped.
-    - `save_pretrained(..., safe_serialization=False)`: would write `adapter_model.bin`, a pickle Focus refuses to
-      load. Refused with `AdapterFileError` before anything is written, also when the caller passes `state_dict=`
-      (then PEFT never calls the model's `state_dict()`). It also passes `save_embedding_layers=False` unless the
-      caller chose: PEFT's "auto" looks the base model up on the Hub on every save, for embeddings Focus never has.
-      The saved safetensors file then gets the mode of the config beside it (safetensors 0.8 writes it 0600).
-    - `PreTrainedModel.save_pretrained` of a model holding a Focus adapter (transformers' `load_adapter` path):
-      the same mode fix.
-    """
-    from peft import PeftModel
-
-    set_original = PeftModel.set_adapter
-    if not getattr(set_original, "_focus_single_adapter", False):
-
-        @functools.wraps(set_original)
-        def set_adapter(self, adapter_name, *args, **kwargs):
-            if isinstance(adapter_name, (list, tuple)) and _is_focus_model(self):
-                check_single_adapter(adapter_name)
-                if len(adapter_name) == 1:
-                    adapter_name = adapter_name[0]
-            return set_original(self, adapter_name, *args, **kwargs)
-
-        set_adapter._focus_single_adapter = True
-        PeftModel.set_adapter = set_adapter
-
-    init_original = PeftModel.__init__
-    if not getattr(init_original, "_focus_quiet", False):
-
-        @functools.wraps(init_original)
-        def __init__(self, model, peft_config, *args, **kwargs):
-            if getattr(peft_config, "peft_type", None) != PEFT_TYPE_NAME:
-                return init_original(self, model, peft_config, *args, **kwargs)
-            with quiet_peft_wrapping():
-                return init_original(self, model, peft_config, *args, **kwargs)
-
-        __init__._focus_quiet = True
-        PeftModel.__init__ = __init__
-
-    save_original = PeftModel.save_pretrained
-    if not getattr(save_original, "_focus_safetensors_only", False):
-        signature = inspect.signature(save_original)
-
-        @functools.wraps(save_original)
-        def save_pretrained(self, *args, **kwargs):
-            if not _is_focus_model(self):
-                return save_original(self, *args, **kwargs)
-            bound = signature.bind(self, *args, **kwargs).arguments
-            if not bound.get("safe_serialization", True):
-                raise AdapterFileError(PICKLE_SAVE_MESSAGE)
-            if "save_embedding_layers" not in bound:
-                # Focus never holds embedding weights; PEFT's "auto" would ask the Hub whether the base's
-                # vocabulary changed (a network call on every save, failing offline).
-                kwargs["save_embedding_layers"] = False
-            result = _saved_whole(save_original, signature, self, args, kwargs)
-            if bound.get("is_main_process", True):
-                directory = Path(bound["save_directory"])
-                names = bound.get("selected_adapters") or list(self.peft_config)
-                # PEFT saves an adapter other than "default" into a subfolder of its name.
-                _give_weights_the_config_mode([directory if name == "default" else directory / name for name in names])
-            return result
-
-        save_pretrained._focus_safetensors_only = True
-        PeftModel.save_pretrained = save_pretrained
-
-    from transformers import PreTrainedModel
-
-    save_model_original = PreTrainedModel.save_pretrained
-    if not getattr(save_model_original, "_focus_file_modes", False):
-        save_model_signature = inspect.signature(save_model_original)
-
-        @functools.wraps(save_model_original)
-        def save_model(self, save_directory, *args, **kwargs):
-            loaded = getattr(self, "_hf_peft_config_loaded", False)
-            peft_configs = getattr(self, "peft_config", None) if loaded else None
-            if not isinstance(peft_configs, dict) or not any(
-                getattr(config, "peft_type", None) == PEFT_TYPE_NAME for config in peft_configs.values()
-            ):
-                return save_model_original(self, save_directory, *args, **kwargs)
-            result = _saved_whole(save_model_original, save_model_signature, self, (save_directory, *args), kwargs)
-            _give_weights_the_config_mode([Path(save_directory)])
-            return result
-
-        save_model._focus_file_modes = True
-        PreTrainedModel.save_pretrained = save_model
-
-
-def _saved_whole(save: Callable, signature: inspect.Signature, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """`save(model, *args, **kwargs)` (a `save_pretrained`) run into a staging folder inside its `save_directory`,
-    whose files then replace those there (`files.staged_folder`; the model card there is handed to it, which PEFT
-    updates): a save that fails part way - a full disk - leaves the adapter saved there before as it was and raises
-    `FileWriteError`."""
-    bound = signature.bind(model, *args, **kwargs)
-    directory = bound.arguments["save_directory"]
-    if Path(directory).is_file():
-        return save(model, *args, **kwargs)  # the save's own error names the mistake
-    with staged_folder(directory, keep=(README_NAME,)) as staging:
-        bound.arguments["save_directory"] = str(staging)
-        return save(*bound.args, **bound.kwargs)
-
-
-def _give_weights_the_config_mode(folders: list[Path]) -> None:
-    """The safetensors file of each saved adapter folder gets the mode of the config written beside it
-    (`focus_hf.files.give_mode_of`: safetensors 0.8 writes it 0600)."""
-    for folder in folders:
-        weights, config = folder / WEIGHTS_NAME, folder / CONFIG_NAME
-        if weights.is_file() and config.is_file():
-            give_mode_of(weights, config)
-
-
-def _is_focus_model(peft_model: nn.Module) -> bool:
-    return isinstance(getattr(peft_model, "base_model", None), FocusModel)
-
-
 class FocusModel(BaseTuner):
     """Creates a Focus model (learned sparse-attention routers) from a pretrained transformers model.
 
@@ -322,21 +179,22 @@ class FocusModel(BaseTuner):
             check_base_model(config, model, targets)
             expected = expected_router_shapes(config, targets)
             saved = saved_module_shapes(model, config, targets)
-            adapter_state_dict = calling_adapter_state_dict()
-            folder = None if adapter_state_dict is not None else calling_adapter_folder()
-            if adapter_state_dict is not None:
-                validate_adapter_state_dict(adapter_state_dict, expected, saved)
-                checked = adapter_state_dict
-            elif folder is not None:
-                checked = validate_adapter_folder(folder, expected, saved)
-            elif calling_loader():
-                raise AdapterFileError(
-                    "Focus could not find the adapter weights this loader is about to read (neither a local folder, "
-                    "a Hub repo id nor an adapter_state_dict), so it cannot check them; refusing to load unchecked "
-                    "weights. Pass the adapter folder or Hub id to PeftModel.from_pretrained or load_adapter."
-                )
-            else:
+            load = current_load()  # the loader call under way, if any (`focus_hf.tuner.patches` wraps them)
+            if load is None:
                 checked = None
+            elif isinstance(load.source, dict):  # transformers' load_adapter(adapter_state_dict=...)
+                validate_adapter_state_dict(load.source, expected, saved)
+                checked = load.source
+            else:
+                folder = adapter_folder(load)
+                if folder is None:
+                    raise AdapterFileError(
+                        "Focus could not find the adapter weights this loader is about to read (neither a local "
+                        "folder, a Hub repo id nor an adapter_state_dict), so it cannot check them; refusing to load "
+                        "unchecked weights. Pass the adapter folder or Hub id to PeftModel.from_pretrained or "
+                        "load_adapter."
+                    )
+                checked = validate_adapter_folder(folder, expected, saved)
             if checked is not None:
                 # The loader will put exactly these tensors into the model, whatever file it picked.
                 hand_over(checked)

@@ -131,7 +131,7 @@ def test_one_step_behind_times_the_same_step_again():
 def test_no_copy_beside_an_offloading_or_reordered_cache():
     from types import SimpleNamespace
 
-    from focus_hf.tuner.layer import _grouped_keys
+    from focus_hf.tuner.cache_state import grouped_key_copies as _grouped_keys
 
     assert _grouped_keys(SimpleNamespace(offloading=True), ("default", 0), fresh=True) is None
     cache = SimpleNamespace(offloading=False)

@@ -99,9 +99,9 @@ def test_a_run_decodes_and_routes_as_deciding_every_step(
     # From a 30-token prompt past dense_below (40 keys; 0: routed from the first step) and, with a limit of 4,
     # through full blocks settled on the way: the tokens and every layer's routing state equal those of steps that
     # each make the whole decision. Routed steps run as runs with a query router only (without one, each settles).
-    import focus_hf.tuner.layer as layer_module
+    import focus_hf.tuner.cache_state as cache_state
 
-    monkeypatch.setattr(layer_module, "PENDING_LIMIT", pending_limit)
+    monkeypatch.setattr(cache_state, "PENDING_LIMIT", pending_limit)
     model = focus_model(query_projection=query_projection, dense_below=dense_below)
     with_runs, cache = decode(model, tokens(), 20)
     assert (counted_runs["run"] > 0) == (dense_below > 0 or query_projection)

@@ -182,12 +182,14 @@ def test_query_router_generate_with_cache_equals_recomputation():
 
 @pytest.mark.parametrize("limit", [1, 3, 64])
 def test_deferred_key_routing_while_decoding_equals_recomputation(monkeypatch, limit):
-    # Decoding with a query router defers the new tokens' key-side Sinkhorn in blocks (FocusLayer.PENDING_LIMIT,
-    # capped by the window): greedy tokens must equal recomputing the whole sequence, across several blocks. Past
-    # the sinks a step's token waits in the state's list (`note_step`), its attention reading the settled groups.
+    # Decoding with a query router defers the new tokens' key-side Sinkhorn in blocks (PENDING_LIMIT tokens, capped
+    # by the window: `cache_state.block_until`): greedy tokens must equal recomputing the whole sequence, across
+    # several blocks. Past the sinks a step's token waits in the state's list (`note_step`), its attention reading
+    # the settled groups.
+    import focus_hf.tuner.cache_state as cache_state
     import focus_hf.tuner.layer as layer_module
 
-    monkeypatch.setattr(layer_module, "PENDING_LIMIT", limit)
+    monkeypatch.setattr(cache_state, "PENDING_LIMIT", limit)
     model = focus_model(top_k=1, query_projection=True)
     focus_hf.set_routing(model, "hard", backend="sdpa")
     waiting, noted = [], []
@@ -317,13 +319,13 @@ def test_dense_decoding_steps_generate_as_routed_ones(monkeypatch, beams):
 
 
 def test_beam_search_with_deferred_key_routing_equals_without(monkeypatch):
-    import focus_hf.tuner.layer as layer_module
+    import focus_hf.tuner.cache_state as cache_state
 
     model = focus_model(top_k=2, query_projection=True)
     focus_hf.set_routing(model, "hard", backend="sdpa")
     options = dict(max_new_tokens=14, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None)
     deferred = model.generate(input_ids=tokens(batch=2, seq=30), **options)
-    monkeypatch.setattr(layer_module, "PENDING_LIMIT", 0)  # route every token at once
+    monkeypatch.setattr(cache_state, "PENDING_LIMIT", 0)  # route every token at once
     assert torch.equal(deferred, model.generate(input_ids=tokens(batch=2, seq=30), **options))
 
 
