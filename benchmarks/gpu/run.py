@@ -32,8 +32,8 @@ The full set writes 8 files with summary.json. Every Focus row of the stage file
 what ran it (`gpu_path`: verify's verdicts, the calls that fell back to the reference path, FlexAttention's
 compilations); summary.json gathers them under `gpu_path`, and a figure whose calls fell back meets no target: it is
 not a Focus figure. `--device cpu` runs every stage at small
-sizes in float32 with a quarter of the heads (a check of the script, which tests/test_gpu_script.py runs; its
-figures say nothing about GPUs).
+sizes in float32 with a quarter of the heads (a check of the script, which tests/benchmarking/test_gpu_script.py runs;
+its figures say nothing about GPUs).
 
     python benchmarks/gpu/run.py [--device cuda|cpu] [--quick] [--out DIR] [--only STAGE ...] [--skip STAGE ...]
                                  [--deadline SECONDS] [--timeout STAGE=SECONDS ...]

@@ -16,7 +16,8 @@
 #      `... bash benchmarks/gpu/run.sh --skip tests --deadline <seconds left - 60>`. The results are written to
 #      $OUT/gpu/ where $OUT is set (the full set is 7 stage files and summary.json).
 #
-# HERE, TO CHECK THE SCRIPT (no GPU; small sizes, float32, every stage; tests/test_gpu_script.py runs this):
+# HERE, TO CHECK THE SCRIPT (no GPU; small sizes, float32, every stage; tests/benchmarking/test_gpu_script.py runs
+# this):
 #          bash benchmarks/gpu/run.sh --device cpu --out /tmp/gpu-check
 #
 # Options (all but --bootstrap / --no-bootstrap go to run.py): --device cuda|cpu, --quick, --out DIR (default $OUT/gpu when

@@ -17,7 +17,7 @@ import torch
 import focus_hf.attention.crossover as crossover
 from focus_hf.attention.cpu import build, native
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROCESSES = 4
 
 

@@ -23,7 +23,7 @@ from card_checks import check_rendered_card
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from output_checks import CHILD_PRELUDE, STDERR_LOG_ENV, python_warnings, unrequested_lines
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DRIVER = CHILD_PRELUDE + """
 import json, sys
 from focus_hf.cli import main
