@@ -28,6 +28,7 @@ from tiny_models import VOCAB
 import focus_hf
 import focus_hf.attention.cpu.cpu_path as cpu_path
 import focus_hf.attention.cpu.native as native
+import focus_hf.attention.cpu.native_prefill as native_prefill
 import focus_hf.attention.cpu.partials as partials
 import focus_hf.attention.pattern as pattern
 from focus_hf.attention.backends import BackendUnavailableError, cpu_kernel, flash_attn_function
@@ -216,7 +217,7 @@ def test_own_group_pass_in_the_kernel_equals_the_chunked_torch_path(
     sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
     probe_groups = probe_groups[:, seq - q_len :]  # a view with the strides of the router's wider tensor
     arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
-    with mock.patch.object(native, "SEGMENT_SLAB_KEYS", slab_keys):
+    with mock.patch.object(native_prefill, "SEGMENT_SLAB_KEYS", slab_keys):
         output, lse, done = kernel_own_group_pass(arguments, block_rows, riders=top_k == 1)
     chunked, chunked_lse, chunked_done = partials.probe_part(*arguments)
     assert (done is None) == (chunked_done is None) and (done is None or torch.equal(done, chunked_done))
@@ -257,7 +258,7 @@ def test_own_group_pass_shares_a_scratch_buffer_sized_for_its_packed_values(dtyp
     # call must not matter
     kernels = native.native_kernels()
     assert kernels is not None
-    float32 = native.PREFILL_TYPES[torch.float32]
+    float32 = native_prefill.PREFILL_TYPES[torch.float32]
     attention_words, segments_words = (kernels.packed_words(512, 32, float32, segments) for segments in (0, 1))
     assert segments_words == 2 * attention_words
     generator = torch.Generator().manual_seed(4)
@@ -268,9 +269,9 @@ def test_own_group_pass_shares_a_scratch_buffer_sized_for_its_packed_values(dtyp
     valid = padding(batch, seq, "left", 20)
     sink = valid & (valid.cumsum(dim=1) - 1 < 2)
     arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
-    with mock.patch.object(native, "SEGMENT_SLAB_KEYS", 64):  # several slabs per segment, one buffer
+    with mock.patch.object(native_prefill, "SEGMENT_SLAB_KEYS", 64):  # several slabs per segment, one buffer
         plain, plain_lse, _ = kernel_own_group_pass(arguments, seq, riders=True)
-        scratch = native.packing_scratch(dtype, 2, 32, (1, native.SEGMENT_SLAB_KEYS, True))
+        scratch = native_prefill.packing_scratch(dtype, 2, 32, (1, native_prefill.SEGMENT_SLAB_KEYS, True))
         shared, shared_lse, _ = kernel_own_group_pass(arguments, seq, riders=True, scratch=scratch.fill_(float("nan")))
     assert not scratch.isnan().all()  # the call packed into it: it was large enough
     torch.testing.assert_close(shared, plain, atol=0, rtol=0)
@@ -358,10 +359,10 @@ def test_sink_slots_list_each_samples_sinks_in_order():
 def test_prefill_calls_share_a_scratch_buffer_and_ignore_one_too_small():
     generator = torch.Generator().manual_seed(2)
     query, key, value = (torch.randn(2, h, 150, 32, generator=generator) for h in (4, 2, 2))
-    plain = native.prefill_attention(query, key, value, causal=True, scale=SCALING)
-    for scratch in (native.packing_scratch(torch.float32, 2, 32, (2, 150, False)), torch.empty(10)):
+    plain = native_prefill.prefill_attention(query, key, value, causal=True, scale=SCALING)
+    for scratch in (native_prefill.packing_scratch(torch.float32, 2, 32, (2, 150, False)), torch.empty(10)):
         scratch.fill_(float("nan"))  # what a buffer holds before a call must not matter
-        shared = native.prefill_attention(query, key, value, causal=True, scale=SCALING, scratch=scratch)
+        shared = native_prefill.prefill_attention(query, key, value, causal=True, scale=SCALING, scratch=scratch)
         torch.testing.assert_close(shared, plain, atol=0, rtol=0)
 
 
