@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Every GPU check in one run: CUDA tests, the attention benchmark (4K-1M tokens, top-1 and top-2, dense in the same
-# run), `auto` from 1K, decode against a 16K-1M cache, peak memory at 1M, model-level bf16 prefill with SmolLM2-135M's
-# architecture (random weights, the committed adapter's settings) at 8K-128K, and a short `focus-hf train`
-# distillation on CUDA. Stages, files and figures: benchmarks/gpu/run.py's docstring and README.md.
+# Every GPU check in two runs: the CUDA tests (exactness first), the attention benchmark (64K-1M tokens, top-1 and
+# top-2, dense in the same run), decoding against a 256K and a 1M cache (eager; then eager and compiled), model-level
+# bf16 prefill with SmolLM2-135M's architecture (random weights, the committed adapter's settings) at 128K, `auto`
+# from 1K to 64K, peak memory at 64K and 1M, a profile at 4K and 64K (wall against device time), and a short
+# `focus-hf train` distillation on CUDA. Stages, files and figures: benchmarks/gpu/run.py's docstring and README.md.
 #
 # ON A GPU MACHINE WITHOUT INTERNET ACCESS, held for 15 minutes in all and at most 10 minutes per command (start-up
-# included): two runs, --quick (within 330 s), then the full set with the time left.
+# included): two runs, --quick (within 420 s), then the full set (within 330 s).
 #   1. here, once (downloads ~15 MB of wheels into the git-ignored .whl/: transformers 5.23, peft 0.21.2, gguf,
 #      regex for the machine's Python 3.12; the machine has no internet and older packages):
 #          bash benchmarks/gpu/fetch_wheels.sh
-#   2. copy the working tree and .whl/ to the machine and run, from the repository root, with a limit of 420 s:
+#   2. copy the working tree and .whl/ to the machine and run, from the repository root, with a limit of 480 s:
 #          FOCUS_HF_GIT_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu/run.sh --quick
-#      (a copy of the working tree has no .git: the variable records the commit measured): prefill at 64K-1M, eager
-#      decoding, the model at 128K and the CUDA tests within 330 s. Then, with the minutes left, the full set:
-#      `... bash benchmarks/gpu/run.sh --skip tests --deadline <seconds left - 60>`. The results are written to
-#      $OUT/gpu/ where $OUT is set (the full set is 7 stage files and summary.json).
+#      (a copy of the working tree has no .git: the variable records the commit measured): the CUDA tests, prefill at
+#      64K-1M, eager decoding and the model at 128K within 420 s. Then at once (the machine still warm), with a limit
+#      of 390 s, the full set: `... bash benchmarks/gpu/run.sh`. The results are written to $OUT/gpu/ where $OUT is
+#      set (4 and 5 stage files, each with summary.json).
 #
 # HERE, TO CHECK THE SCRIPT (no GPU; small sizes, float32, every stage; tests/benchmarking/test_gpu_script.py runs
 # this):

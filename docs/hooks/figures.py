@@ -1066,6 +1066,7 @@ MOVED_SCRIPTS = {
     "benchmarks/demo_run.py": "benchmarks/model/demo_run.py",
     "benchmarks/model/demo_speed.py": "benchmarks/model/demo_speed.py",
     "benchmarks/vllm_serving.py": "benchmarks/model/vllm_serving.py",
+    "benchmarks/serving_stress.py": "benchmarks/model/serving_stress.py",
     "benchmarks/gpu_attention.py": "benchmarks/gpu/layer_prefill.py",
     "benchmarks/gpu_model_prefill.py": "benchmarks/gpu/model_prefill.py",
 }

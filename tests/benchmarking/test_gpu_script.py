@@ -21,7 +21,7 @@ gpu_run = sys.modules["gpu_run"] = importlib.util.module_from_spec(_spec)  # reg
 _spec.loader.exec_module(gpu_run)
 
 STAGE_FILES = ["tests.json", "attention.json", "auto.json", "decode.json", "peak_memory.json", "model_prefill.json"]
-STAGE_FILES += ["train.json"]
+STAGE_FILES += ["train.json", "profile.json"]
 PROVENANCE = ("device", "git_commit", "command", "date")
 
 
@@ -52,7 +52,8 @@ def test_cpu_run_writes_every_stage_and_the_summary(cpu_run):
     assert sorted(path.name for path in out.iterdir()) == sorted([*STAGE_FILES, "summary.json"])
     summary = read(out, "summary.json")
     assert summary["mode"] == "cpu" and summary["device"].startswith("cpu")
-    full = [stage.name for stage in gpu_run.selected_stages(None, [], quick=False)]
+    full = [stage.name for stage in gpu_run.selected_stages(None, [], quick=False, device="cpu")]
+    assert full == gpu_run.STAGE_NAMES  # on the CPU, every stage
     assert {name: stage["status"] for name, stage in summary["stages"].items()} == dict.fromkeys(full, "ok")
     assert all(summary["stages"][name]["has_results"] for name in full)
     assert {row["stage"] for row in summary["figures"]} == set(full)
@@ -115,19 +116,74 @@ def test_stage_files_hold_the_measurements(cpu_run):
 
 
 def test_the_sets_fit_what_the_device_tool_brings_back():
-    # The device tool brings back 8 files: the full set's stage files and summary.json; the quick set is shorter.
-    full = gpu_run.selected_stages(None, [], quick=False)
-    quick = gpu_run.selected_stages(None, [], quick=True)
-    assert len(full) + 1 <= 8 and len(quick) < len(full)
-    assert [stage.name for stage in quick] == ["attention", "decode", "model_prefill", "tests"]
-    assert "profile" not in [stage.name for stage in full]
+    # The device tool brings back 8 files: each set's stage files and summary.json. Together the two sets run every
+    # stage, the CUDA tests first.
+    full = [stage.name for stage in gpu_run.selected_stages(None, [], quick=False)]
+    quick = [stage.name for stage in gpu_run.selected_stages(None, [], quick=True)]
+    assert len(full) + 1 <= 8 and len(quick) + 1 <= 8
+    assert quick == ["tests", "attention", "decode", "model_prefill"]
+    assert full == ["decode", "auto", "peak_memory", "profile", "train"]
+    assert set(quick) | set(full) == set(gpu_run.STAGE_NAMES)
     assert [stage.name for stage in gpu_run.selected_stages(["train", "profile"], [], quick=False)] == [
         "profile",
         "train",
     ]
+    # Within the device time: 15 minutes in all, of which about a minute to start the machine and carry the files.
+    for name, kind in (("quick", True), ("full", False)):
+        stages = gpu_run.selected_stages(None, [], quick=kind)
+        limits = [gpu_run.QUICK_LIMITS[stage.name] if kind else stage.timeout["cuda"] for stage in stages]
+        assert sum(limits) <= gpu_run.DEADLINES[name], (name, limits)
+    assert gpu_run.DEADLINES["quick"] + gpu_run.DEADLINES["full"] + 60 <= 15 * 60
 
 
-def test_quick_profile_and_decode_on_the_cpu(tmp_path):
+def test_the_cuda_tests_collect_with_exactness_first():
+    # The tests stage's pytest, collecting only: every test marked `cuda` still collects here, in the order the stage
+    # runs them - the GPU path's exactness and fallbacks first, torch.compile last.
+    command = gpu_run.tests_command("cpu", Path("unused.json"))
+    collected = subprocess.run(
+        [*command[: command.index("-p")], "--collect-only", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    tests = [line for line in collected.stdout.splitlines() if "::" in line]
+    every = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert sorted(tests) == sorted(line for line in every.stdout.splitlines() if "::" in line)
+    assert tests[0].startswith(gpu_run.FIRST_TEST_FILE)
+    names = [test.split("::")[1].split("[")[0] for test in tests if test.startswith(gpu_run.FIRST_TEST_FILE)]
+    assert names[0] == "test_every_check_passes_on_this_device"
+    exactness = max(
+        names.index(name) for name in ("test_backends_equal_the_reference", "test_the_reported_case_is_exact")
+    )
+    assert exactness < names.index("test_flex_double_answers_as_the_compiled_kernel")
+    assert names[-2:] == [
+        "test_compiled_model_equals_the_eager_model",
+        "test_lengths_and_batches_compile_a_bounded_number_of_times",
+    ]
+
+
+def test_the_profile_attributes_the_time_to_the_gpu_path(cpu_run):
+    _, _, out = cpu_run
+    profile = read(out, "profile.json")
+    assert profile["git_commit"] and profile["layer"]["backend"] == "gpu-path"
+    (row,) = profile["rows"]
+    assert row["tokens"] == 1024 and row["wall_s"] > 0 and "error" not in row
+    # The time is found in the GPU path's own functions (the CPU stand-ins' kernels here), not left unattributed.
+    assert any("focus_hf/attention/gpu/" in line["where"] for line in row["by_focus_line"][:3])
+    assert row["top_cpu_ops"]
+    figures = read(out, "summary.json")["figures"]
+    assert any(entry["stage"] == "profile" and "where the time goes" in entry["figure"] for entry in figures)
+
+
+def test_quick_decode_on_the_cpu(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("OUT", None)
     command = [
@@ -140,19 +196,10 @@ def test_quick_profile_and_decode_on_the_cpu(tmp_path):
         str(tmp_path),
     ]
     finished = subprocess.run(
-        [*command, "--only", "profile", "decode"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        [*command, "--only", "decode"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
     assert [row["cache_len"] for row in read(tmp_path, "decode.json")] == [2048, 2048]  # the quick set's cache
-    profile = read(tmp_path, "profile.json")
-    assert profile["git_commit"] and profile["layer"]["backend"] == "gpu-path"
-    (row,) = profile["rows"]
-    assert row["tokens"] == 1024 and row["wall_s"] > 0 and "error" not in row
-    # The time is found in the GPU path's own functions (the CPU twin's kernels here), not left unattributed.
-    assert any("focus_hf/attention/gpu/" in line["where"] for line in row["by_focus_line"][:3])
-    assert row["top_cpu_ops"] and row["syncs"].get("aten::item", 0) >= 1
-    figures = read(tmp_path, "summary.json")["figures"]
-    assert any(entry["stage"] == "profile" and "where the time goes" in entry["figure"] for entry in figures)
 
 
 def write_json(folder: Path, name: str, data) -> None:

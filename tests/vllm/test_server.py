@@ -12,7 +12,7 @@ import pytest
 from hub_server import hub_server  # noqa: F401
 from vllm_engines import engine_env, transformers_greedy
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks" / "model"))
 from serving_stress import free_port, wait_until_up  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -13,7 +13,7 @@ import pytest
 from vllm_engines import engine_env
 
 pytestmark = pytest.mark.vllm
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "serving_stress.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "model" / "serving_stress.py"
 
 
 def test_concurrent_requests_get_their_tokens_alone(tmp_path, tiny_llama_dir, tiny_adapter):

@@ -7,10 +7,12 @@ a mask computed from the indices alone over the same blocks (`benchmarks/results
 `mask_costs`). Here each block of BAND_ROWS queries reads its band - the BAND_ROWS + w keys that end with its last
 query, one strided view of the keys - and its sample's sinks, gathered once; the mask is built once per chunk of
 blocks by broadcast comparisons of positions and groups, shared by every head, and attention is two batched matmuls
-and a softmax in float32. A sink inside a band is taken with the sinks only, so no pair counts twice.
+and a softmax in float32. A sink inside a band is taken with the sinks only, so no pair counts twice. Chunks of bands
+hold at most `budget.temporary_bytes` of float32 temporaries.
 
-Returns what `kernels.flex` returns for the window band: the output in the query's dtype and the natural-log log-sum-exp
-in float32, `NEG` with a zero output for a row without a visible key, ready for `merge.merge_heads`.
+Writes what `kernels.flex` returns for the window band into the call's output and log-sum-exp: the output in the query's
+dtype and the natural-log log-sum-exp in float32, `NEG` with a zero output for a row without a visible key, ready for
+`merge.merge_heads`.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from focus_hf.attention.gpu import budget
 from focus_hf.attention.gpu.kernels import NEG
 
 BAND_ROWS = 128  # queries per band
-# Bytes of float32 scores one chunk of bands may take (its other temporaries are of the same order).
-BAND_BYTES = 1 << 28
 
 
 def band_attention(
+    output: torch.Tensor,
+    lse: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -39,8 +42,9 @@ def band_attention(
     scaling: float,
     model_mask: Optional[torch.Tensor] = None,
     sink_slots: Optional[int] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The window band: output [batch, heads, q, dim] in the query's dtype and lse [batch, heads, q] in float32.
+) -> None:
+    """The window band, written into `output` [batch, heads, q, dim] (the query's dtype) and `lse` [batch, heads, q]
+    (float32): it is the first part to fill them.
 
     Args:
         query: [batch, heads, q, dim], the last q of the kv tokens.
@@ -71,11 +75,10 @@ def band_attention(
     band_group = _bands(key_groups, pad, offset, span)
     sinks = sink_states(key, value, valid, key_groups, key_sink, sink_slots)
 
-    output = query.new_empty(batch, heads, q_len, dim)
-    lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=query.device)
     expanded_mask = None if model_mask is None else model_mask[:, 0].expand(-1, q_len, kv_len)
-    per_band = batch * heads * BAND_ROWS * (span + sinks[0].shape[-1]) * 4
-    step = max(1, BAND_BYTES // per_band)
+    # A band's float32 temporaries: its scores and weights (their chunk's mask is smaller), its queries and output.
+    per_band = batch * heads * BAND_ROWS * (2 * (span + sinks[0].shape[-1]) + 2 * dim) * 4
+    step = budget.runs_of(bands, per_band, budget.temporary_bytes(query))
     for first in range(0, bands, step):
         chunk = slice(first, min(first + step, bands))
         rows = slice(chunk.start * BAND_ROWS, min(chunk.stop * BAND_ROWS, q_len))
@@ -99,7 +102,6 @@ def band_attention(
         part, part_lse = _attend(queries, band_keys, band_values, sinks, mask, scaling)
         output[:, :, rows] = part[:, :, : rows.stop - rows.start]
         lse[:, :, rows] = part_lse[:, :, : rows.stop - rows.start]
-    return output, lse
 
 
 def _bands(per_key: torch.Tensor, pad: tuple[int, int], offset: int, span: int) -> torch.Tensor:

@@ -4,8 +4,13 @@ A FlexAttention call reads, for each block of BLOCK queries, the key blocks its 
 partial with `mask_mod` applied pair by pair, those listed as full without it. The kernels take these lists on trust:
 torch's compiled CUDA kernel indexes them with strides it assumes, and a list outside the rules below returned wrong
 numbers in float32 and an illegal memory access in float16 (which ends every later CUDA call of the process), where
-torch's compiled CPU kernel refuses the narrow ones at compile time. So `check_block_lists` states the rules once, and
-the path runs it on every block mask before any kernel sees it:
+torch's compiled CPU kernel refuses the narrow ones at compile time. So the rules are stated once, here, and every
+block mask the path builds is held to them before any kernel sees it: rules 1-2 checked on the host
+(`check_block_lists(values=False)` in `GpuKernels.flex`, shapes only), rules 3-4 enforced on the device by clamping the
+values into range before the CUDA kernel's call (`enforce_block_lists` in `flex.cuda_flex`) - reading them would wait
+for the device, a sync per call that no CUDA graph can capture. A list that broke rule 3 or 4 would then read other
+blocks (wrong numbers, never a fault), which the tests and `verify` see: they check every rule's values on the lists
+as built (`check_block_lists`, `full_blocks_visible`, `mask_outside_lists`).
 
 1. **shape**: counts [batch, q_blocks] and indices [batch, q_blocks, width] with q_blocks = ceil(q_len / BLOCK)
    (the query-block dimension covers the queries) and width >= ceil(kv_len / BLOCK) (the key-block dimension covers
@@ -129,6 +134,17 @@ def check_block_lists(blocks: BlockLists, *, values: bool = True) -> None:
         raise _broken("shape", "full counts and full indices must be given together")
     if blocks.full_num_blocks is not None:
         _check_lists("full", blocks.full_num_blocks, blocks.full_indices, blocks, values)
+
+
+def enforce_block_lists(blocks: BlockLists) -> None:
+    """Rules 3-4 on the device, in place and without reading it: counts clamped to [0, min(width, key blocks)],
+    indices to [0, key blocks)."""
+    last = max(blocks.kv_blocks - 1, 0)
+    lists = [(blocks.kv_num_blocks, blocks.kv_indices), (blocks.full_num_blocks, blocks.full_indices)]
+    for counts, indices in lists:
+        if counts is not None:
+            counts.clamp_(0, min(indices.shape[-1], blocks.kv_blocks))
+            indices.clamp_(0, last)
 
 
 def listed_blocks(counts: torch.Tensor, indices: torch.Tensor, kv_blocks: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 `flex_attention` outside torch.compile is a dense reference (it applies `mask_mod` to every pair and ignores the
 block lists); compiled, it runs the block-sparse kernel. Three things go wrong with a plain
 `torch.compile(flex_attention)`: a block mask outside the kernel's contract gives wrong numbers or faults the GPU
-(checked first: `block_masks.check_block_lists`); every new captured number or mask function compiles again
+(held to it first: `block_masks`); every new captured number or mask function compiles again
 (`pair_rule` keeps one mask function whose closure holds only tensors, and lengths are dynamic here); and past
 torch's recompile limit (8 by default) torch.compile silently runs the function uncompiled. Compiled here with
 `fullgraph=True`, that last case raises for these functions alone, with no process-wide setting: a call then raises
@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists
+from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists, enforce_block_lists
 from focus_hf.errors import FocusRuntimeError
 
 
@@ -175,7 +175,9 @@ def _outside_the_model_graph(kind, query, key, value, blocks, scale, lengths, ba
 def cuda_flex(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockLists, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compiled FlexAttention kernel: raw output and log-sum-exp (-inf for rows without a visible key)."""
+    """The compiled FlexAttention kernel: raw output and log-sum-exp (-inf for rows without a visible key). The lists'
+    values are brought into the contract's range first, on the device (`block_masks.enforce_block_lists`)."""
+    enforce_block_lists(blocks)
     return run_compiled(call_kind(blocks), query, key, value, blocks, scale)
 
 

@@ -6,26 +6,30 @@ with a sink. Here each is one or a few calls of the kernels of `kernels`, with n
 
 - the own-group pass, own-group top-1 (every query probes its own key group only) in half precision: sorted by (sample,
   group, position), the tokens of one group of one sample are one sequence and the own-group pass is causal attention
-  inside each - a variable-length flash call per run of kv heads (`fold_own_groups`; unrouted tokens, group -1, are one
+  inside each - a variable-length flash call per run of heads (`fold_own_groups`; unrouted tokens, group -1, are one
   more group, each sample's padding one more sequence).
 - the own-group pass, any other routing (top_k > 1, a separate query router, adaptive probes, float32): keys sorted by
   (group, position) per sample and query entries - one per probed group - by (probed group, position). An entry sees a
   prefix of its group's sorted keys, so a block of 128 sorted entries reads one range of sorted key blocks, which the
   sort's offsets give (`sorted_range_blocks`); key blocks that every entry of a one-group block sees whole are listed as
-  full, read without a mask. One FlexAttention call (`fold_probed_groups`).
-- the window band, without a model's mask where the kernels run varlen in a dtype of float32's range: one sliding-window
-  flash call per run of kv heads, the probed groups, sinks and padding hidden by indicator columns appended to the head
-  dimension, and the sinks as one small product (`window`).
+  full, read without a mask. One FlexAttention call per run of heads (`fold_probed_groups`).
+- the window band, without a model's mask where the kernels run varlen in a dtype of float32's range: sliding-window
+  flash calls over chunks of rows, the probed groups, sinks and padding hidden by indicator columns appended to the
+  head dimension, and the sinks as a small product (`window`).
 - the window band otherwise: in plain torch (`bands`), in token order: each block of 128 queries against the keys of its
   window and the sinks, keeping those whose group the query does not probe and real (not padding). A FlexAttention call
   here spent its time reading the pattern pair by pair in its mask (`bands`' docstring has the H200's figures).
 
-The parts of a query are merged by log-sum-exp (`merge_heads`), a row without visible keys weighing 0. Costs (n tokens,
-K groups, top_k probes, window w): the own-group pass ~ top_k n^2 / 2K pairs, the window band ~ n (w + 2 * 128) pairs;
-memory beyond the output and its log-sum-exp: the sorted keys and values of one run of kv heads and its queries' part (a
-budget of VARLEN_BYTES), or for the FlexAttention path the sorted keys and the entries' queries and results (top_k times
-the queries), and block lists of one row per 128 queries; the window band's packed copies for the windowed call (a
-budget of `window.WINDOW_BYTES`) or its chunks of bands (`bands.BAND_BYTES` of scores).
+The parts write into the call's result, allocated once in its final layout [batch, q, heads, dim], and a float32
+log-sum-exp; each part after the first is merged by log-sum-exp (`merge_heads`), a row without visible keys weighing
+0. Costs (n tokens, K groups, top_k probes, window w): the own-group pass ~ top_k n^2 / 2K pairs, the window band
+~ n (w + 2 * 128) pairs. Memory beyond the inputs, the result and its log-sum-exp: each part's temporaries - sorted
+keys, values and queries of a run of heads, packed chunks of rows - within `budget.temporary_bytes`, a share of the
+result's size, and the block lists (one row per 128 queries) and per-token indices, small.
+
+Nothing is read from the device during a call (no sync) where the caller says whether queries probe their own group
+(`own_group`) and how many sinks there are (`sink_slots`), as a model's layer does: sequence lengths are bounded by the
+call's, block lists brought into range on the device (`block_masks`), and every decision taken from shapes.
 
 Exact by construction for every routing; what it assumes of the kernels is checked on each device by `verify`, which
 `hard` asks before this path runs.
@@ -37,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from focus_hf.attention.gpu import budget
 from focus_hf.attention.gpu.bands import band_attention
 from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists, blocks_of, run_lists
 from focus_hf.attention.gpu.kernels import GpuKernels
@@ -45,11 +50,6 @@ from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.gpu.pair_rule import NO_KEY, NO_QUERY, make_rule, padded, range_mask, rule_mask, token_rule
 from focus_hf.attention.gpu.window import window_attention, window_dtype
 
-# Bytes of the sorted copies one variable-length call of the own-group pass may take (keys, values, queries, its
-# result): the kv heads - past it, the query heads of one kv head - go in runs that fit, so that a 1M-token prefill
-# holds a fraction of a layer's states, not a second copy (at 1M tokens, 32 / 8 heads in bf16, 1 GiB runs measured 1.15x
-# dense SDPA's peak memory on an H200; 512 MiB takes one query head at a time there).
-VARLEN_BYTES = 1 << 29
 # The parts of the pattern a call takes (`pair_rule`): (near pairs of unprobed groups, pairs of probed groups).
 OWN_GROUP_PASS = (False, True)
 WHOLE_PATTERN = (True, True)
@@ -89,17 +89,21 @@ def gpu_sparse_attention(
         sink_slots: the most sinks any sample has (routing's `sink_tokens`), which sizes the window band's sink columns
             without reading the flags from the device (`bands.band_attention`); None: read.
     """
-    batch, _, q_len, _ = query.shape
+    batch, heads, q_len, dim = query.shape
     kv_len = key.shape[2]
     valid = key_valid
     if valid is None:
         valid = torch.ones(batch, kv_len, dtype=torch.bool, device=query.device)
+    # The result in its final layout from the start: the parts write [batch, heads, q, dim] views of it.
+    result = query.new_empty(batch, q_len, heads, dim)
+    output = result.transpose(1, 2)
+    lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=query.device)
     if model_mask is None and window_dtype(query.dtype) and kernels.runs_window(query.dtype):
         near = (query_groups, key_groups, key_sink, num_groups, window, scaling, kernels)
-        output, lse = window_attention(query, key, value, valid, *near, sink_slots=sink_slots)
+        window_attention(output, lse, query, key, value, valid, *near, sink_slots=sink_slots)
     else:
         near = (query_groups, key_groups, key_sink, window, scaling, model_mask)
-        output, lse = band_attention(query, key, value, valid, *near, sink_slots=sink_slots)
+        band_attention(output, lse, query, key, value, valid, *near, sink_slots=sink_slots)
     if own_group is None:
         own_group = not torch.compiler.is_compiling() and torch.equal(
             query_groups[..., 0], key_groups[:, kv_len - q_len :]
@@ -109,7 +113,7 @@ def gpu_sparse_attention(
     else:
         routing = (valid, query_groups, key_groups, num_groups, scaling, kernels, model_mask)
         fold_probed_groups(output, lse, query, key, value, *routing)
-    return output.transpose(1, 2).contiguous()
+    return result
 
 
 def pattern_attention(
@@ -183,7 +187,7 @@ def decode_from_paged_keys(
     step first brings up to date (`PagedKeys.update`). Returns [batch, 1, heads, dim]."""
     paged.update(key, value, key_groups, key_sink, key_valid, window)
     blocks = paged.decode_blocks(query_groups[:, 0], key_groups, key_sink, key.shape[2])
-    output, _ = kernels.flex(query, paged.keys, paged.values, blocks, scaling, check_values=paged.take_refiled())
+    output, _ = kernels.flex(query, paged.keys, paged.values, blocks, scaling)
     return output.transpose(1, 2).contiguous()
 
 
@@ -192,11 +196,6 @@ def key_segments(valid: torch.Tensor, key_groups: torch.Tensor, num_groups: int)
     num_groups + 1 for padding."""
     routed = torch.where(key_groups >= 0, key_groups, num_groups)
     return torch.where(valid, routed, num_groups + 1)
-
-
-def _max_length(counts: torch.Tensor, bound: int) -> int:
-    """The longest sequence (one sync) or, under torch.compile, `bound` (the kernel only needs an upper bound)."""
-    return bound if torch.compiler.is_compiling() else int(counts.max())
 
 
 def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -208,6 +207,20 @@ def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
     """int32 [N + 1] cumulative offsets of N sequence lengths."""
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
+
+
+def head_runs(query: torch.Tensor, kv_heads: int, per_kv_head: int, per_query_head: int) -> tuple[int, int]:
+    """(kv heads per run, query heads per run) of a part whose temporaries are `per_kv_head` bytes per kv head (its
+    sorted keys and values) and `per_query_head` per query head: every head at once where they fit the call's
+    `budget.temporary_bytes`, else one kv head at a time with as many of its query heads as fit and divide its query
+    heads (runs of one size: a FlexAttention call compiles once per head shape) - at least one."""
+    heads = query.shape[1]
+    per_kv = heads // kv_heads
+    limit = budget.temporary_bytes(query)
+    if kv_heads * (per_kv_head + per_kv * per_query_head) <= limit:
+        return kv_heads, heads
+    fit = budget.runs_of(per_kv, per_query_head, limit, fixed=per_kv_head)
+    return 1, max(size for size in range(1, fit + 1) if per_kv % size == 0)
 
 
 def fold_own_groups(
@@ -224,8 +237,9 @@ def fold_own_groups(
 ) -> None:
     """The own-group pass of own-group top-1 routing as variable-length causal attention, one sequence per (sample,
     segment), folded into `output` and `lse`. Queries are the last q tokens of each sequence, as the kernel's
-    bottom-right causal alignment needs. The kv heads go in runs whose sorted copies fit VARLEN_BYTES; a kv head that
-    alone does not fit takes its query heads in runs that do."""
+    bottom-right causal alignment needs. The kernel is given the call's lengths as bounds of its sequences' lengths
+    (those are on the device, and reading them would be a sync). The heads go in runs whose sorted copies fit
+    `budget.temporary_bytes` (`head_runs`)."""
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     per_kv = heads // kv_heads
@@ -237,35 +251,23 @@ def fold_own_groups(
     query_order = code[:, kv_len - q_len :].flatten().argsort()  # flat index sample * q + query
     key_counts = _counts(segment.flatten(), batch * segments)
     query_counts = _counts(segment[:, kv_len - q_len :].flatten(), batch * segments)
-    sequences = (
-        _offsets(query_counts),
-        _offsets(key_counts),
-        _max_length(query_counts, q_len),
-        _max_length(key_counts, kv_len),
-    )
+    sequences = (_offsets(query_counts), _offsets(key_counts), q_len, kv_len)
     unsort = torch.empty_like(query_order)
     unsort[query_order] = torch.arange(len(query_order), device=query.device)
     key_sample, key_token = key_order // kv_len, key_order % kv_len
     query_sample, query_token = query_order // q_len, query_order % q_len
     element = batch * dim * query.element_size()
-    per_kv_head = 2 * kv_len * element  # its sorted keys and values
-    per_query_head = 3 * q_len * element  # its sorted queries, their result, and the result back in token order
-    run = max(1, min(kv_heads, VARLEN_BYTES // (per_kv_head + per_kv * per_query_head)))
-    # A kv head past the budget on its own (about 600K tokens with 4 query heads per kv head) takes its query heads
-    # in smaller runs over one sorted copy of its keys.
-    query_run = run * per_kv if run > 1 else max(1, min(per_kv, (VARLEN_BYTES - per_kv_head) // per_query_head))
-    for first in range(0, kv_heads, run):
-        kv_run = slice(first, min(first + run, kv_heads))
-        sorted_keys, sorted_values = key[key_sample, kv_run, key_token], value[key_sample, kv_run, key_token]
-        for first_head in range(kv_run.start * per_kv, kv_run.stop * per_kv, query_run):
-            heads_run = slice(first_head, min(first_head + query_run, kv_run.stop * per_kv))
-            part, part_lse = kernels.varlen(
-                query[query_sample, heads_run, query_token],  # [Tq, heads of the run, dim]
-                sorted_keys,
-                sorted_values,
-                *sequences,
-                scaling,
-            )
+    # Per kv head its sorted keys and values; per query head its sorted queries, the kernel's result (where the kernel
+    # takes no GQA: assembled from one call per query head) and that result back in token order.
+    kv_run, query_run = head_runs(query, kv_heads, 2 * kv_len * element, 3 * q_len * element)
+    for first in range(0, kv_heads, kv_run):
+        kv_slice = slice(first, min(first + kv_run, kv_heads))
+        sorted_keys, sorted_values = key[key_sample, kv_slice, key_token], value[key_sample, kv_slice, key_token]
+        for first_head in range(kv_slice.start * per_kv, kv_slice.stop * per_kv, query_run):
+            heads_run = slice(first_head, min(first_head + query_run, kv_slice.stop * per_kv))
+            sorted_queries = query[query_sample, heads_run, query_token]  # [Tq, heads of the run, dim]
+            part, part_lse = kernels.varlen(sorted_queries, sorted_keys, sorted_values, *sequences, scaling)
+            del sorted_queries
             part = part[unsort].view(batch, q_len, -1, dim).transpose(1, 2)
             part_lse = part_lse[unsort].view(batch, q_len, -1).transpose(1, 2)
             merge_heads(output, lse, heads_run, part, part_lse)
@@ -323,6 +325,7 @@ def fold_probed_groups(
     disjoint). `model_mask`: as in `gpu_sparse_attention` (no block is then full)."""
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
+    per_kv = heads // kv_heads
     offset, top_k, device = kv_len - q_len, query_groups.shape[-1], query.device
     entries = q_len * top_k
     excluded = num_groups + 2  # padding queries and slots that repeat the first probe: no entry
@@ -361,17 +364,30 @@ def fold_probed_groups(
         mask_mod = rule_mask(rule)
         full_count = torch.zeros_like(full_count)
     blocks = BlockLists(count, indices, full_count, full_indices, mask_mod, entries, kv_len)
-    token_index = (entry_order // top_k)[:, None, :, None]
-    sorted_keys = key.gather(2, key_order[:, None, :, None].expand(batch, kv_heads, kv_len, dim))
-    sorted_values = value.gather(2, key_order[:, None, :, None].expand(batch, kv_heads, kv_len, dim))
-    part, part_lse = kernels.flex(
-        query.gather(2, token_index.expand(batch, heads, entries, dim)), sorted_keys, sorted_values, blocks, scaling
-    )
-    del sorted_keys, sorted_values
+    entry_token = entry_order // top_k
     unsort = torch.empty_like(entry_order)
     unsort.scatter_(1, entry_order, torch.arange(entries, device=device).expand(batch, -1))
     slots = unsort.view(batch, q_len, top_k)
-    for slot in range(top_k):
-        rows = slots[:, None, :, slot]  # [batch, 1, q]: where each query's entry of this slot lies
-        slot_part = part.gather(2, rows[..., None].expand(batch, heads, q_len, dim))
-        merge_heads(output, lse, slice(None), slot_part, part_lse.gather(2, rows.expand(batch, heads, q_len)))
+    element = batch * dim * query.element_size()
+    # Per kv head its sorted keys and values; per query head its entries' queries, then their result (top_k rows per
+    # query) with one slot's in token order.
+    per_query_head = (2 * entries + q_len) * element
+    kv_run, query_run = head_runs(query, kv_heads, 2 * kv_len * element, per_query_head)
+    # Advanced indexing, [batch, heads of a run, n, dim] and contiguous: torch's CPU `gather` allocates a temporary
+    # twice the size of its result besides it, which the CPU's accounting of the path's memory would count.
+    sample = torch.arange(batch, device=device)[:, None, None]
+    kv_index, query_index = (torch.arange(count, device=device)[None, :, None] for count in (kv_run, query_run))
+    key_order, entry_token = key_order[:, None], entry_token[:, None]
+    for first in range(0, kv_heads, kv_run):
+        sorted_keys, sorted_values = (states[sample, first + kv_index, key_order] for states in (key, value))
+        for first_head in range(first * per_kv, (first + kv_run) * per_kv, query_run):
+            heads_run = slice(first_head, first_head + query_run)
+            entry_queries = query[sample, first_head + query_index, entry_token]
+            part, part_lse = kernels.flex(entry_queries, sorted_keys, sorted_values, blocks, scaling)
+            del entry_queries
+            for slot in range(top_k):
+                rows = slots[:, None, :, slot]  # [batch, 1, q]: where each query's entry of this slot lies
+                slot_lse = part_lse.gather(2, rows.expand(batch, query_run, q_len))
+                merge_heads(output, lse, heads_run, part[sample, query_index, rows], slot_lse)
+            del part, part_lse
+        del sorted_keys, sorted_values

@@ -10,8 +10,8 @@ conversion is here, once, and `verify` checks it on every CUDA device and dtype 
 
 On CUDA: FlexAttention compiled (`flex`) and torch's `varlen_attn` (flash-attn's `flash_attn_varlen_func` when
 installed). On CPU: their CPU stand-ins (`cpu_standins`) - the same decomposition, exact and slow, for tests and
-`backend="gpu-path"`. Every block mask is checked against FlexAttention's contract (`block_masks`) before a kernel
-sees it.
+`backend="gpu-path"`. Every block mask is held to FlexAttention's contract (`block_masks`) before a kernel sees it,
+without reading the device.
 """
 
 from __future__ import annotations
@@ -67,23 +67,17 @@ class GpuKernels:
         return self.varlen_window and self.runs_varlen(dtype)
 
     def flex(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        blocks: BlockLists,
-        scale: float,
-        check_values: bool = True,
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockLists, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Block-sparse attention: output [B, H, L, D] (query dtype) and lse [B, H, L] (float32, NEG if empty).
-        `blocks` is held to FlexAttention's contract first: its shapes always, its values when `check_values` (a
-        decoding step whose lists did not change leaves them out)."""
+        `blocks` is held to FlexAttention's contract first (`block_masks`): its shapes, dtypes and layout here, on the
+        host; its values by the CUDA kernel's call, which brings them into range without reading them
+        (`flex.cuda_flex`)."""
         dim = query.shape[-1]
         padded = self.head_dims(dim)
         if padded != dim:
             query, key, value = (F.pad(states, (0, padded - dim)) for states in (query, key, value))
-        # Values are read outside torch.compile only (reading them would break the graph).
-        check_block_lists(blocks, values=check_values and not torch.compiler.is_compiling())
+        check_block_lists(blocks, values=False)
         output, lse = self.raw_flex(query, key, value, blocks, scale)
         return output[..., :dim], lse.float().clamp_min(NEG)
 
@@ -102,9 +96,8 @@ class GpuKernels:
         """Causal attention within each packed sequence: output [T, H, D] (query dtype) and lse [T, H] (float32);
         with `window` >= 0 a query sees only its own key and the `window` keys before it.
 
-        GQA (query head h reads kv head h // (H // KV)) where the kernel takes none: one call per position p in a kv
-        head's run of query heads, with query heads p, p + H / KV, ... against kv heads 0, 1, ... - no expanded copy
-        of the keys."""
+        GQA (query head h reads kv head h // (H // KV)) where the kernel takes none: one call per run of
+        `varlen_calls` - no expanded copy of the keys."""
         if self.raw_varlen is None:
             raise RuntimeError(f"{self.name} has no variable-length attention kernel")
         dim = query.shape[-1]
@@ -113,17 +106,26 @@ class GpuKernels:
             query, key, value = (F.pad(states, (0, padded - dim)) for states in (query, key, value))
         heads, kv_heads = query.shape[1], key.shape[1]
         arguments = (cu_seq_q, cu_seq_k, max_q, max_k, scale, window)
-        if heads == kv_heads or self.varlen_gqa:
+        runs = self.varlen_calls(heads, kv_heads)
+        if len(runs) == 1:
             output, lse = self.raw_varlen(query, key, value, *arguments)
             return output[..., :dim], lse.float().transpose(0, 1)
-        per_kv = heads // kv_heads
         output = query.new_empty(query.shape[0], heads, dim)
         lse = torch.empty(query.shape[0], heads, dtype=torch.float32, device=query.device)
-        for position in range(per_kv):
-            part, part_lse = self.raw_varlen(query[:, position::per_kv], key, value, *arguments)
-            output[:, position::per_kv] = part[..., :dim]
-            lse[:, position::per_kv] = part_lse.float().transpose(0, 1)
+        for heads_run in runs:
+            part, part_lse = self.raw_varlen(query[:, heads_run], key, value, *arguments)
+            output[:, heads_run] = part[..., :dim]
+            lse[:, heads_run] = part_lse.float().transpose(0, 1)
         return output, lse
+
+    def varlen_calls(self, heads: int, kv_heads: int) -> list[slice]:
+        """The query heads of each variable-length call over `kv_heads` kv heads: all at once where the kernel takes
+        GQA (or the heads match); else one call per position p in a kv head's run of query heads - query heads p,
+        p + H / KV, ... against kv heads 0, 1, ..."""
+        if heads == kv_heads or self.varlen_gqa:
+            return [slice(None)]
+        per_kv = heads // kv_heads
+        return [slice(position, None, per_kv) for position in range(per_kv)]
 
 
 def _power_of_two_from_16(dim: int) -> int:

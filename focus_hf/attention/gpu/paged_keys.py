@@ -60,7 +60,6 @@ class PagedKeys:
         self.window = window
         self.ring = -(-(window + FILE_EVERY) // PAGE) * PAGE  # holds every position not filed yet
         self.fresh = True  # nothing filed yet, or the copy must be rebuilt
-        self.refiled = True  # pages were filed since the last step's lists were checked (`take_refiled`)
         self.capacity = 0  # pages per sample
         self.keys: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
@@ -72,13 +71,6 @@ class PagedKeys:
     @property
     def slots(self) -> int:
         return self.ring + self.capacity * PAGE
-
-    def take_refiled(self) -> bool:
-        """Whether pages were filed (or the copy rebuilt) since the last call: a step's block lists change only then,
-        so only then are their values held to FlexAttention's contract - a check reads them, one device sync each,
-        which would weigh in every decoding step."""
-        refiled, self.refiled = self.refiled, False
-        return refiled
 
     def invalidate(self) -> None:
         """Rebuild at the next step (its cache changed other than by one appended key)."""
@@ -177,7 +169,9 @@ class PagedKeys:
         groups = key_groups[:, begin:end]
         owner = torch.where(key_sink[:, begin:end], self.num_groups, groups)
         owner = torch.where(key_valid[:, begin:end], owner, scratch_owner)
-        one_hot = torch.nn.functional.one_hot(owner, owners + 1)  # [batch, m, owners + 1]
+        # Each position's owner as a column of [batch, m, owners + 1]: a comparison (torch's one_hot reads the values'
+        # range from the device to check it, except on CUDA).
+        one_hot = (owner[..., None] == torch.arange(owners + 1, device=device)).long()
         rank = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1  # each position's rank among its owner's
         added = one_hot[..., :owners].sum(dim=1)  # [batch, owners]
         pages_before = -(-self.count // PAGE)
@@ -201,7 +195,6 @@ class PagedKeys:
         self.position[:, self.slots] = -1
         self.count += added
         self.pages_used += allocated.sum(dim=1)
-        self.refiled = True
         ring = self.position[:, : self.ring]
         ring.masked_fill_(ring < end, -1)  # filed now: read from the pages
 

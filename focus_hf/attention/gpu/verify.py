@@ -25,7 +25,8 @@ from focus_hf.attention.gpu.block_masks import BLOCK, check_block_lists, full_bl
 from focus_hf.attention.gpu.cpu_standins import varlen_attention_standin
 from focus_hf.attention.gpu.gpu_path import gpu_sparse_attention, pattern_attention
 from focus_hf.attention.gpu.kernels import NEG, GpuKernels, gpu_kernels, standin_flex, standin_kernels
-from focus_hf.attention.pattern import allowed_pairs
+from focus_hf.attention.gpu.window import window_attention
+from focus_hf.attention.pattern import allowed_pairs, probes
 from focus_hf.attention.reference import dense_attention
 
 # Largest absolute difference from the float64 answer a check accepts, by input dtype (outputs are O(1)).
@@ -322,10 +323,30 @@ def check_path(kernels: GpuKernels, config: Configuration, generator: torch.Gene
 
 
 def check_window(kernels: GpuKernels, config: Configuration, generator: torch.Generator) -> Optional[str]:
-    """The windowed varlen call the window band takes (`window`), where the kernels would take it."""
+    """The window band's calls (`window`), where the kernels would take them: the windowed varlen call, then the band
+    as a whole - its sliding-window call and its sinks' call over packed indicator columns - on a routed case (left
+    padding, sinks, queries after a cache) against the dense oracle of the band's pairs."""
     if not kernels.runs_window(config.dtype):
         return None
-    return check_varlen(kernels, config, generator, window=CASE_WINDOW)
+    failure = check_varlen(kernels, config, generator, window=CASE_WINDOW)
+    if failure:
+        return failure
+    length = BLOCK + 37
+    query, key, value, valid, query_groups, key_groups, sink, allowed = _routed_case(
+        generator, config, length, length - 30, 2, True
+    )
+    band = allowed & ~probes(query_groups, key_groups)  # the allowed pairs of unprobed groups: near ones and sinks
+    scale = config.head_dim**-0.5
+    output = torch.empty_like(query)
+    lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
+    routing = (query_groups, key_groups, sink, CASE_GROUPS, CASE_WINDOW, scale, kernels)
+    window_attention(output, lse, query, key, value, valid, *routing, sink_slots=CASE_SINKS)
+    expected = dense_attention(query.double(), key.double(), value.double(), band[:, None], scaling=scale)
+    rows = band.any(dim=-1) & valid[:, length - query.shape[2] :]
+    if not bool((lse.transpose(1, 2)[~band.any(dim=-1)] == NEG).all()):
+        return "the window band: a row without a pair of the band keeps a real log-sum-exp"
+    name = "the window band (windowed and sinks' varlen calls)"
+    return _differs(name, output.transpose(1, 2)[rows], expected[rows], TOLERANCE.get(config.dtype, 4e-2))
 
 
 CHECKS: tuple[Callable[..., Optional[str]], ...] = (check_masked_kernel, check_flex, check_varlen, check_path)

@@ -17,10 +17,11 @@ from tiny_models import VOCAB
 import focus_hf
 import focus_hf.attention.cpu.cpu_path as cpu_path
 import focus_hf.attention.gpu.bands as bands
+import focus_hf.attention.gpu.budget as budget
 import focus_hf.attention.gpu.gpu_path as gpu_path
-import focus_hf.attention.gpu.merge as merge
 import focus_hf.attention.gpu.paged_keys as paged_keys_module
 import focus_hf.attention.gpu.verify as verify
+import focus_hf.attention.gpu.window as window_module
 import focus_hf.attention.hard as hard
 from focus_hf.attention.backends import cuda_sdpa_kernel
 from focus_hf.attention.gpu.block_masks import BLOCK, BlockLists
@@ -49,8 +50,9 @@ def _fresh_verdicts():
 @given(cases(), st.booleans())
 def test_gpu_path_equals_dense_oracle(case, varlen_gqa):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(merge, "MERGE_ROWS", case["stream_rows"])
-        patch.setattr(gpu_path, "VARLEN_BYTES", case["own_group_rows"])  # kv heads in runs of one, or all at once
+        # Runs of one query head, of a few, or every head at once; the window band's rows in chunks of 3 to 4096.
+        use_budget(patch, {2: 1, 16: 1 << 13, 8192: 1 << 40}[case["own_group_rows"]])
+        patch.setattr(window_module, "MIN_CHUNK_ROWS", case["stream_rows"])
         patch.setattr(verify, "gpu_kernels", lambda device, backend="auto": standin_kernels(varlen_gqa))
         output, reference, rows = run_case(case, backend="gpu-path")
     assert output.shape == reference.shape
@@ -107,19 +109,19 @@ def test_own_group_top_1_runs_one_varlen_call_per_kv_head_run(monkeypatch):
     twin = standin_kernels()
 
     def counting(query, key, value, *rest):
-        if rest[-1] < 0:  # the own-group pass's causal calls (the window band's take the window)
+        if rest[-1] < 0 and rest[3] == 300:  # the own-group pass's calls: bounded by the call's 300 keys
             calls.append((query.shape[1], key.shape[1]))
         return twin.raw_varlen(query, key, value, *rest)
 
     kernels = GpuKernels("counting", twin.raw_flex, counting, False, twin.varlen_dtypes, twin.head_dims)
     arguments, expected, rows = sparse_case()
-    monkeypatch.setattr(gpu_path, "VARLEN_BYTES", 1)  # one kv head per run
+    use_budget(monkeypatch, 1)  # one query head per run
     output = gpu_path.gpu_sparse_attention(*arguments, kernels, own_group=True)
     torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
     # 2 kv heads x 3 query heads each, no GQA in the kernel: one call per query head, one kv head each.
     assert calls == [(1, 1)] * 6
     calls.clear()
-    monkeypatch.setattr(gpu_path, "VARLEN_BYTES", 1 << 40)
+    use_budget(monkeypatch, 1 << 40)
     gpu_path.gpu_sparse_attention(*arguments, kernels, own_group=True)
     assert calls == [(2, 2)] * 3  # both kv heads per call, one call per position in a kv head's run
 
@@ -129,7 +131,7 @@ def test_a_kv_head_past_the_budget_takes_its_query_heads_in_runs(monkeypatch):
     twin = standin_kernels(varlen_gqa=True)
 
     def counting(query, key, value, *rest):
-        if rest[-1] < 0:  # the own-group pass's causal calls (the window band's take the window)
+        if rest[-1] < 0 and rest[3] == 300:  # the own-group pass's calls: bounded by the call's 300 keys
             calls.append((query.shape[1], key.shape[1]))
         return twin.raw_varlen(query, key, value, *rest)
 
@@ -137,22 +139,32 @@ def test_a_kv_head_past_the_budget_takes_its_query_heads_in_runs(monkeypatch):
     arguments, expected, rows = sparse_case()  # batch 2, 6 / 2 heads, dim 8, 300 tokens, float32
     element = 2 * 8 * 4
     one_kv_head, one_query_head = 2 * 300 * element, 3 * 300 * element
-    monkeypatch.setattr(gpu_path, "VARLEN_BYTES", one_kv_head + 2 * one_query_head)  # 2 of a kv head's 3 query heads
+    # Runs of one size, dividing a kv head's 3 query heads: a budget for 2 of them takes them one at a time.
+    use_budget(monkeypatch, one_kv_head + 2 * one_query_head)
     output = gpu_path.gpu_sparse_attention(*arguments, kernels, own_group=True)
     torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
-    assert calls == [(2, 1), (1, 1)] * 2
+    assert calls == [(1, 1)] * 6
     calls.clear()
-    monkeypatch.setattr(gpu_path, "VARLEN_BYTES", one_kv_head + 3 * one_query_head)  # one whole kv head
+    use_budget(monkeypatch, one_kv_head + 3 * one_query_head)  # one whole kv head
     gpu_path.gpu_sparse_attention(*arguments, kernels, own_group=True)
     assert calls == [(3, 1)] * 2
+    calls.clear()
+    use_budget(monkeypatch, 2 * (one_kv_head + 3 * one_query_head))  # every head at once
+    gpu_path.gpu_sparse_attention(*arguments, kernels, own_group=True)
+    assert calls == [(6, 2)]
+
+
+def use_budget(monkeypatch, size):
+    """Every part of the GPU path gets `size` bytes of temporaries, whatever the call's size."""
+    monkeypatch.setattr(budget, "temporary_bytes", lambda query: size)
 
 
 def test_probed_routing_never_calls_varlen_for_the_own_group_pass():
     twin = standin_kernels()
 
     def refuse_causal(*args):
-        if args[-1] < 0:  # the window band's windowed calls are for every routing
-            raise AssertionError("varlen's causal calls are for own-group top-1 only")
+        if args[-1] < 0 and args[6] == 300:  # an own-group call, bounded by the call's 300 keys (the window band's
+            raise AssertionError("varlen's own-group calls are for own-group top-1 only")  # calls are for every routing
         return twin.raw_varlen(*args)
 
     kernels = GpuKernels("no causal varlen", twin.raw_flex, refuse_causal, False, twin.varlen_dtypes, twin.head_dims)
@@ -221,10 +233,11 @@ def test_bands_equal_the_window_band_by_its_definition(length, before, window, t
     if general:
         generator = torch.Generator().manual_seed(seed)
         model_mask = torch.rand(1, 1, q_len, length, generator=generator) > 0.3
+    output, lse = torch.empty_like(query), torch.empty(query.shape[:3])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bands, "BAND_BYTES", 1)  # one band per chunk
-        output, lse = bands.band_attention(
-            query, key, value, valid, query_groups, key_groups, sink, window, scaling, model_mask
+        use_budget(patch, 1)  # one band per chunk
+        bands.band_attention(
+            output, lse, query, key, value, valid, query_groups, key_groups, sink, window, scaling, model_mask
         )
     expected, expected_lse, seen = window_band_oracle(
         query, key, value, valid, query_groups, key_groups, sink, window, model_mask
@@ -242,8 +255,9 @@ def test_bands_take_a_sink_inside_the_window_once():
     value = torch.arange(4.0).view(1, 1, 4, 1).expand(1, 1, 4, 2).contiguous()
     sink = torch.tensor([[True, False, False, False]])
     groups = torch.tensor([[0, 1, 1, 1]])
-    output, lse = bands.band_attention(
-        query, key, value, torch.ones(1, 4, dtype=torch.bool), groups[..., None] + 5, groups, sink, 8, 1.0
+    output, lse = torch.empty_like(query), torch.empty(query.shape[:3])
+    bands.band_attention(
+        output, lse, query, key, value, torch.ones(1, 4, dtype=torch.bool), groups[..., None] + 5, groups, sink, 8, 1.0
     )
     # Equal scores: the last query sees 4 keys, each once.
     torch.testing.assert_close(lse[0, 0, -1], torch.log(torch.tensor(4.0)))

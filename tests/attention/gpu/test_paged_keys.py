@@ -158,30 +158,3 @@ def test_a_step_that_does_not_read_the_copy_has_it_rebuilt(monkeypatch):
         )
         expected = dense_attention(q, key[:, :, :n], value[:, :, :n], allowed[:, None], scaling=SCALING)
         torch.testing.assert_close(output, expected, atol=ATOL, rtol=0)
-
-
-def test_a_step_checks_its_lists_values_only_after_pages_were_filed(monkeypatch):
-    # Reading the lists' values costs a device sync per check: a step whose lists did not change skips it (its
-    # shapes are checked always).
-    monkeypatch.setattr(paged_keys, "FILE_EVERY", 4)
-    groups, window = 3, 6
-    query, key, value, query_groups, key_groups, valid, sink = decoding_case(3, 1, 120, groups, 1, 0, 2)
-    checked = []
-    twin = standin_kernels()
-    original = twin.flex
-
-    class Spy(GpuKernels):
-        def flex(self, *arguments, check_values=True):
-            checked.append(check_values)
-            return original(*arguments, check_values=check_values)
-
-    kernels = Spy(*(getattr(twin, field) for field in twin.__dataclass_fields__))
-    store = PagedKeys(groups, window)
-    for n in range(100, 110):
-        arguments = (key[:, :, :n], value[:, :, :n], valid[:, :n], query_groups[:, n - 1 : n])
-        decode_from_paged_keys(
-            query[:, :, n - 1 : n], *arguments, key_groups[:, :n], sink[:, :n], window, SCALING, store, kernels
-        )
-    filed = [paged_keys.filed_before(n, window) > paged_keys.filed_before(n - 1, window) for n in range(100, 110)]
-    assert checked == [True] + filed[1:]  # the first step builds the copy
-    assert 0 < sum(checked) < len(checked)

@@ -1,7 +1,6 @@
-"""The window band as one sliding-window call with group indicators (`gpu/window.py`) against a dense float64 oracle of
-the window band,
-on the CPU twin's kernels: the varlen double's window bounds are flash attention's (stated in the double and checked
-against the CUDA kernel by test_cuda.py and `verify` on every device)."""
+"""The window band as sliding-window calls with group indicators (`gpu/window.py`) against a dense float64 oracle of
+the window band, on the CPU stand-ins: the varlen stand-in's window bounds are flash attention's (stated in the stand-in
+and checked against the CUDA kernel by test_cuda.py and `verify` on every device)."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import focus_hf.attention.gpu.budget as budget
 import focus_hf.attention.gpu.gpu_path as gpu_path
 import focus_hf.attention.gpu.window as window_module
 from focus_hf.attention.gpu.cpu_standins import varlen_attention_standin
@@ -70,14 +70,17 @@ def window_cases(draw):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(window_cases(), st.booleans(), st.sampled_from([1, 1 << 40]))
-def test_window_band_equals_its_dense_oracle(case, varlen_gqa, budget):
+@given(window_cases(), st.booleans(), st.sampled_from([1, 7, 1 << 30]))
+def test_window_band_equals_its_dense_oracle(case, varlen_gqa, chunk_rows):
     states, groups, window, scaling, sinks = case
     query, key, value, valid, query_groups, key_groups, key_sink = states
+    output, lse = torch.empty_like(query), torch.empty(query.shape[:3])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(window_module, "WINDOW_BYTES", budget)  # one kv head per call, or all at once
-        output, lse = window_attention(
-            query, key, value, valid, query_groups, key_groups, key_sink, groups, window, scaling,
+        # Chunks of one row (the sinks too), of 7, or every row at once.
+        patch.setattr(budget, "temporary_bytes", lambda query: 1 if chunk_rows < 1 << 30 else chunk_rows)
+        patch.setattr(window_module, "MIN_CHUNK_ROWS", chunk_rows)
+        window_attention(
+            output, lse, query, key, value, valid, query_groups, key_groups, key_sink, groups, window, scaling,
             standin_kernels(varlen_gqa), sink_slots=sinks,
         )  # fmt: skip
     expected, expected_lse, magnitude = window_band_oracle(

@@ -41,10 +41,9 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from vllm_serving import ADAPTER, _prompts  # noqa: E402
+from vllm_serving import ADAPTER, _prompts  # this script's folder
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def prompt_lengths(count: int, shortest: int, longest: int) -> list[int]:
@@ -328,7 +327,7 @@ def main() -> int:
     prompts = _prompts(model_dir, lengths)
     record: dict = {
         "benchmark": "benchmarks/serving_stress.py",
-        "command": " ".join([interpreter(), "benchmarks/serving_stress.py", *sys.argv[1:]]),
+        "command": " ".join([interpreter(), "benchmarks/model/serving_stress.py", *sys.argv[1:]]),
         "note": args.note,
         "model": str(model_dir.name),
         "adapter": str(args.adapter.relative_to(ROOT)) if args.adapter.is_relative_to(ROOT) else str(args.adapter),
