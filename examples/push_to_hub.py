@@ -5,7 +5,7 @@
 
 The Hub is huggingface_hub's: https://huggingface.co unless HF_ENDPOINT (or --endpoint) names another one; log
 in first (`hf auth login`) or set HF_TOKEN. To try it without an account, against a local Hub-compatible server
-(e.g. the one in tests/hub_server.py, or any server speaking the Hub API):
+(e.g. the one in tests/support/hub_server.py, or any server speaking the Hub API):
 
     HF_ENDPOINT=http://127.0.0.1:8000 HF_TOKEN=hf_local python examples/push_to_hub.py --demo me/focus-demo
 

@@ -2,7 +2,7 @@ import os
 import sys
 from pathlib import Path
 
-# Telemetry would reach the real Hub; the Hub tests point the client at a local server (tests/hub_server.py).
+# Telemetry would reach the real Hub; the Hub tests point the client at a local server (tests/support/hub_server.py).
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # "auto" would time dense against sparse attention on first use (attention/crossover.py): results must not
 # depend on timings, so the suite uses the fixed default crossover; tests/attention/test_crossover.py fakes timers.
@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# The tests' helpers (tests/support/) are imported by module name from every test: `from tiny_models import ...`.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from tiny_models import tiny_model  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402

@@ -1,4 +1,5 @@
-"""The package layout's rules: no import cycle, the library never imports the CLI, light imports stay light."""
+"""The package layout's rules: no import cycle, the library never imports the CLI, light imports stay light; the
+tests' folders mirror the package's."""
 
 from __future__ import annotations
 
@@ -239,3 +240,30 @@ def test_every_package_folder_is_installed():
     listed = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {_module_name(path) for path in PACKAGE_ROOT.rglob("__init__.py")}
     assert folders - listed == set()
+
+
+TESTS_ROOT = REPO_ROOT / "tests"
+# Folders of tests/ that hold no tests: the helpers every test imports, files tests read, the kernels' C test driver.
+NOT_TEST_FOLDERS = {"support", "data", "csrc", "__pycache__"}
+
+
+def _test_tree_paths(pattern: str) -> list[Path]:
+    """Paths under tests/ outside NOT_TEST_FOLDERS and hidden folders, relative to tests/."""
+    paths = (path.relative_to(TESTS_ROOT) for path in sorted(TESTS_ROOT.rglob(pattern)))
+    return [path for path in paths if not any(part in NOT_TEST_FOLDERS or part.startswith(".") for part in path.parts)]
+
+
+def test_test_folders_mirror_the_package():
+    """Each folder of tests/ tests the package folder of the same path (tests/attention/cpu: focus_hf/attention/cpu);
+    the tests of focus_hf's root modules and of the whole project sit in tests/ itself."""
+    folders = [path for path in _test_tree_paths("*") if (TESTS_ROOT / path).is_dir()]
+    assert folders
+    assert [str(folder) for folder in folders if not (PACKAGE_ROOT / folder).is_dir()] == []
+
+
+def test_test_helpers_live_in_tests_support():
+    """A module of tests/ that is not a test file is a helper: it belongs in tests/support/, imported by name."""
+    python_files = _test_tree_paths("*.py")
+    assert python_files
+    helpers = [str(path) for path in python_files if path.name != "conftest.py" and not path.name.startswith("test_")]
+    assert helpers == []

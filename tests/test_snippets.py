@@ -4,7 +4,7 @@ progress bars.
 
 "Unreachable": HF_ENDPOINT points at a loopback server that answers every request with 503 and records it, so a
 snippet that asks the Hub anything fails the test even where the library swallows the error. The README's sharing
-snippet, which is about the Hub, runs against the loopback Hub of tests/hub_server.py instead.
+snippet, which is about the Hub, runs against the loopback Hub of tests/support/hub_server.py instead.
 
 The fast tests run on a tiny random-weight llama with a word-level tokenizer instead of SmolLM2, through the table
 `TINY` (each entry must occur in the page, so that the table cannot go stale, and is replaced verbatim); the

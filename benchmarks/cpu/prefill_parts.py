@@ -3,10 +3,10 @@
 One attention layer with `focus-hf bench`'s inputs and routing (9 / 3 heads, head dim 64, K=8, window 128, 4 sinks),
 the sparse path (`backend="sdpa"`) on one thread, each C call of the path timed in process CPU time:
 
-- the own-group pass (`native.prefill_segments`, `set_a` in the rows): the same-group pairs, whose count is exact
-  here (per query, the keys of its probed groups up to it);
-- the local part (`native.prefill_attention` from `partials.local_part`): the window's pairs of other groups;
-- the sink pairs (`native.sink_pairs`), and the rest (the group sort, Python, the output's conversion);
+- the own-group pass (`native_prefill.prefill_segments`, `set_a` in the rows): the same-group pairs, whose count is
+  exact here (per query, the keys of its probed groups up to it);
+- the local part (`native_prefill.prefill_attention` from `partials.local_part`): the window's pairs of other groups;
+- the sink pairs (`native_prefill.sink_pairs`), and the rest (the group sort, Python, the output's conversion);
 
 against dense causal SDPA on the same inputs, as nanoseconds per visible (query, key) pair and query head; and the
 same sparse path on torch operations alone (`native.torch_path`, what "auto" runs where it is the faster), so that

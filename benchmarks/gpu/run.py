@@ -9,7 +9,7 @@ target it is held against: `TARGETS`).
 |---------------|--------------------|------------------------------------------------------------------------------|
 | tests         | tests.json         | pytest -m cuda on the test files that mention CUDA: the tests marked `cuda`  |
 |               |                    | (they skip without CUDA; each fails if a call fell back to the reference),   |
-|               |                    | tests/attention/test_cuda.py first, exactness and fallbacks first in it      |
+|               |                    | tests/attention/gpu/test_cuda.py first, exactness and fallbacks first in it  |
 | attention     | attention.json     | benchmarks/gpu/layer_prefill.py: one Llama-shaped layer, 32/8 heads, d 64,   |
 |               |                    | K=8, w=128, top-1 and top-2, 64K-1M tokens, dense timed in the same run      |
 | decode        | decode.json        | focus-hf bench --decode: one step against a 256K and a 1M cache, vs dense    |
@@ -33,7 +33,7 @@ set writes at most 6 files with summary.json. Every Focus row of the stage files
 verify's verdicts, the calls that fell back to the reference path, FlexAttention's compilations); summary.json gathers
 them under `gpu_path`, and a figure whose calls fell back meets no target: it is not a Focus figure. `--device cpu`
 runs every stage at small sizes in float32 with a quarter of the heads (a check of the script, which
-tests/test_gpu_script.py runs; its figures say nothing about GPUs).
+tests/benchmarking/test_gpu_script.py runs; its figures say nothing about GPUs).
 
     python benchmarks/gpu/run.py [--device cuda|cpu] [--quick] [--out DIR] [--only STAGE ...] [--skip STAGE ...]
                                  [--deadline SECONDS] [--timeout STAGE=SECONDS ...]
@@ -81,7 +81,7 @@ class Stage:
     full: bool = False  # part of the full set: the second of them (on the CPU the default is every stage)
 
 
-FIRST_TEST_FILE = "tests/attention/test_cuda.py"
+FIRST_TEST_FILE = "tests/attention/gpu/test_cuda.py"
 
 
 def cuda_test_files() -> list[str]:

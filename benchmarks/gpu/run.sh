@@ -17,7 +17,8 @@
 #      of 390 s, the full set: `... bash benchmarks/gpu/run.sh`. The results are written to $OUT/gpu/ where $OUT is
 #      set (4 and 5 stage files, each with summary.json).
 #
-# HERE, TO CHECK THE SCRIPT (no GPU; small sizes, float32, every stage; tests/test_gpu_script.py runs this):
+# HERE, TO CHECK THE SCRIPT (no GPU; small sizes, float32, every stage; tests/benchmarking/test_gpu_script.py runs
+# this):
 #          bash benchmarks/gpu/run.sh --device cpu --out /tmp/gpu-check
 #
 # Options (all but --bootstrap / --no-bootstrap go to run.py): --device cuda|cpu, --quick, --out DIR (default $OUT/gpu when

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.cpu.native import prefill_attention
+from focus_hf.attention.cpu.native_prefill import prefill_attention
 from focus_hf.errors import BackendUnavailableError, FocusConfigError
 
 FLASH_INSTALL_HINT = "pip install flash-attn"

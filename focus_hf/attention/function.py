@@ -21,7 +21,8 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
-from focus_hf.attention.cpu.native import attend_runs, prefill_attention
+from focus_hf.attention.cpu.native_decode import attend_runs
+from focus_hf.attention.cpu.native_prefill import prefill_attention
 from focus_hf.attention.gpu.paged_keys import PagedKeys
 from focus_hf.attention.hard import hard_attention
 from focus_hf.attention.paths import path_platform

@@ -45,8 +45,8 @@ def probed_bits(query_groups: torch.Tensor) -> torch.Tensor:
 def pattern_bits(
     query_groups: torch.Tensor, key_groups: torch.Tensor, key_sink: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group rule of the pattern as int32 bits (`native.prefill_attention`): query i may see key j from afar iff
-    bits[i] & key_bits[j] is not 0. A key has its group's bit (a sink every bit), a query those of the groups it
+    """The group rule of the pattern as int32 bits (`native_prefill.prefill_attention`): query i may see key j from afar
+    iff bits[i] & key_bits[j] is not 0. A key has its group's bit (a sink every bit), a query those of the groups it
     probes [..., q, top_k]; group -1 (not routed yet) is bit 31, so that such queries and keys see each other as
     `probes` says. For at most BITS_MAX_GROUPS groups. Returns ([..., q], [..., kv])."""
     key_bits = torch.where(key_sink, -1, group_bits(key_groups))
@@ -59,9 +59,9 @@ def local_bits(
     key_sink: Optional[torch.Tensor],
     sinks_done: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bits for the local part (`native.prefill_attention(local=True)`): query i and key j share a bit iff j's group
-    is among i's probed groups, or j is a sink and `sinks_done[i]` (its sink pairs were taken by the own-group pass) -
-    exactly the window pairs the local part leaves out. For at most LOCAL_BITS_MAX_GROUPS groups."""
+    """Bits for the local part (`native_prefill.prefill_attention(local=True)`): query i and key j share a bit iff j's
+    group is among i's probed groups, or j is a sink and `sinks_done[i]` (its sink pairs were taken by the own-group
+    pass) - exactly the window pairs the local part leaves out. For at most LOCAL_BITS_MAX_GROUPS groups."""
     query_bits, key_bits = probed_bits(query_groups), group_bits(key_groups)
     if key_sink is not None and sinks_done is not None:
         query_bits = query_bits | torch.where(sinks_done, SINK_BIT, 0)

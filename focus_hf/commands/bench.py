@@ -255,7 +255,7 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
     import torch.nn.functional as F
 
     from focus_hf.attention.cpu.grouped_keys import one_step_behind
-    from focus_hf.attention.cpu.native import serves
+    from focus_hf.attention.cpu.native_decode import serves
     from focus_hf.attention.hard import forget_fallbacks, hard_attention
     from focus_hf.attention.pattern import FocusPattern, probes
 
@@ -318,7 +318,8 @@ def decode_length(args: argparse.Namespace, cache_len: int, device: torch.device
         others = meter()
     rows = []
     positions = torch.arange(cache_len, device=device)
-    # What the group-sorted copy's attention runs on: the C kernel of `attention/cpu/native.py`, or torch operations.
+    # What the group-sorted copy's attention runs on: the C kernel of `attention/cpu/native_decode.py`, or torch
+    # operations.
     native = device.type == "cpu" and serves(dtype, args.heads, args.kv_heads, args.head_dim)
     decode_kernel = "FlexAttention (paged copy)" if gpu_path else "C" if native else "torch"
     for (compiled, dense_times, focus_times), top_k in itertools.product(timings, args.top_k):

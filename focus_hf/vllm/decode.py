@@ -1,8 +1,8 @@
 """A decoding step of Focus read straight from vLLM's paged KV cache: only the keys the pattern lets the query see.
 
 One query's pattern is a set of keys (its window, the sinks, the keys of the groups it probes), so its attention is
-plain attention over that set. The C kernel `native.paged_decode` evaluates the pattern from the side cache's groups
-slot by slot as it walks the request's blocks, and reads keys and values where vLLM stored them: scores only for
+plain attention over that set. The C kernel `native_decode.paged_decode` evaluates the pattern from the side cache's
+groups slot by slot as it walks the request's blocks, and reads keys and values where vLLM stored them: scores only for
 the pieces of a block that hold a visible key, values only of visible keys, nothing gathered or copied. Dense kv
 heads read every key. Where the kernel cannot run (no C compiler, another dtype), the step picks the set with
 `pattern.allowed_pairs`, gathers it and runs torch - the same result.
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.cpu.native import attend_runs, paged_decode
+from focus_hf.attention.cpu.native_decode import attend_runs, paged_decode
 from focus_hf.attention.pattern import allowed_pairs
 
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from focus_hf.attention.cpu.native import route_token
+from focus_hf.attention.cpu.native_decode import route_token
 from focus_hf.attention.routing import causal_sinkhorn, token_groups
 from focus_hf.errors import FocusRuntimeError
 
@@ -85,8 +85,8 @@ class SideCache:
         probe_mass: Optional[float],
     ) -> torch.Tensor:
         """Route a request's newest token (at `position`, after the one before it) from this cache and record it here:
-        the operations `routing.route_tokens` runs on one token, in one C call (`native.route_token`), or in torch
-        where the kernel cannot run. Returns the groups it probes [top_k].
+        the operations `routing.route_tokens` runs on one token, in one C call (`native_decode.route_token`), or in
+        torch where the kernel cannot run. Returns the groups it probes [top_k].
 
         Args:
             key_scores, query_scores: float32 [K] the token's router scores (query_scores None: no query router).

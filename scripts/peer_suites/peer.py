@@ -6,7 +6,7 @@ it does. Subcommands:
 - ``transformers TEST_FILE --work DIR``: transformers' ``tests/peft_integration/test_peft_integration.py``
   (``TEST_FILE``, fetched by hand: transformers' source distribution ships no tests). Builds tiny random models,
   a tokenizer and Focus adapters at the Hub ids the file names, serves them from a loopback Hub
-  (``tests/hub_server.py``) into a Hugging Face cache under ``DIR/hf_home``, then runs the substituted file with
+  (``tests/support/hub_server.py``) into a Hugging Face cache under ``DIR/hf_home``, then runs the substituted file with
   ``HF_HUB_OFFLINE=1`` and ``RUN_SLOW=1`` (the file is marked slow), and classifies the results.
 - ``peft SDIST --work DIR``: ``tests/test_decoder_models.py``, ``tests/test_config.py`` and ``tests/test_auto.py``
   of PEFT's source distribution (``pip download peft==X --no-binary :all: --no-deps``). The tiny models and
@@ -182,8 +182,8 @@ def build_transformers_repos(stage: Path) -> dict[str, dict[str, Path]]:
 
 
 def fill_hub_cache(repos: dict[str, dict[str, Path]], hf_home: Path) -> None:
-    """Upload each folder to a loopback Hub (tests/hub_server.py) and download every revision into the cache."""
-    sys.path.insert(0, str(REPO / "tests"))
+    """Upload each folder to a loopback Hub (tests/support/hub_server.py) and download every revision into the cache."""
+    sys.path.insert(0, str(REPO / "tests" / "support"))
     from hub_server import LocalHub, loopback_only_client, patch_hub_constants
 
     with LocalHub() as hub, patch_hub_constants(hub.endpoint, hf_home), loopback_only_client():

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from test_fast import focus_llama
+from attention_cases import focus_llama
 from tiny_models import VOCAB
 
 import focus_hf

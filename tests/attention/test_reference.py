@@ -7,10 +7,10 @@ from unittest import mock
 
 import pytest
 import torch
+from attention_cases import padding, random_routing, states
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import get_peft_model
-from test_fast import padding, random_routing, states
 from tiny_models import VOCAB, tiny_model
 
 import focus_hf

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("reference_memory_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER = REPO_ROOT / "tests" / "support" / "reference_memory_worker.py"
 GIB = 1 << 30
 
 

@@ -291,9 +291,9 @@ def test_adaptive_probes_are_the_fewest_best_groups_reaching_the_mass(groups, to
 def test_the_one_call_routing_of_a_decoding_token_equals_route_tokens(
     groups, iterations, history, top_k, mass, query_router, sharpness, seed
 ):
-    """`native.route_token` (csrc/routing.c), the vLLM decoding step's routing, against `route_tokens` on the same
-    token after the same history: the same groups, the same column sums within float32 rounding."""
-    from focus_hf.attention.cpu import native
+    """`native_decode.route_token` (csrc/routing.c), the vLLM decoding step's routing, against `route_tokens` on the
+    same token after the same history: the same groups, the same column sums within float32 rounding."""
+    from focus_hf.attention.cpu import native, native_decode
 
     assert native.native_kernels() is not None, "the C kernels must build on this machine (cc on the PATH)"
     top_k = min(top_k, groups)
@@ -311,7 +311,7 @@ def test_the_one_call_routing_of_a_decoding_token_equals_route_tokens(
         sink_tokens=0, query_scores=query_scores, probe_mass=mass,
     )  # fmt: skip
     columns = state.column_lse.reshape(-1).clone()
-    result = native.route_token(
+    result = native_decode.route_token(
         scores[0, history], None if query_scores is None else query_scores[0, 0], columns, columns, top_k, mass
     )
     assert result is not None

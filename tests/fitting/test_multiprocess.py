@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "multiprocess_worker.py"
+WORKER = ROOT / "tests" / "support" / "multiprocess_worker.py"
 EXAMPLE = ROOT / "examples" / "train_with_trainer.py"
 # Two processes sum their gradients in another order than one process does: float32 rounding, which AdamW's
 # normalised steps carry into the routers (measured: at most 1.0e-6 after 4 steps of the LM objective, 9e-8 after 6

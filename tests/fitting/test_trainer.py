@@ -1,7 +1,7 @@
 """Training (Trainer-based, routers only), perplexity evaluation and the train / eval commands.
 
 Fast tests use a 2-layer random llama saved to a temporary folder with a word-level tokenizer, and a small text
-file. `focus-hf demo` runs end to end on the real default model in tests/test_cli_output.py.
+file. `focus-hf demo` runs end to end on the real default model in tests/commands/test_cli_output.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""End-to-end tests of focus_hf.hub against the real huggingface_hub client and a loopback Hub (tests/hub_server.py).
+"""End-to-end tests of focus_hf.hub against the real huggingface_hub client and a loopback Hub
+(tests/support/hub_server.py).
 
 No network beyond 127.0.0.1: the `hub_server` fixture points huggingface_hub at the local server and isolates
 HF_HOME; the adapters here are hand-made folders (a FOCUS config + a small safetensors file), independent of the

@@ -124,8 +124,8 @@ def test_offline_load_from_cache(pushed, hub_server, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     out = tmp_path / "out.pt"
     child = subprocess.run(
-        [sys.executable, "-c", _OFFLINE_CHILD, str(REPO_ROOT / "tests"), REPO, str(tmp_path / "ids.pt"), str(out),
-         "", first.oid],
+        [sys.executable, "-c", _OFFLINE_CHILD, str(REPO_ROOT / "tests" / "support"), REPO, str(tmp_path / "ids.pt"),
+         str(out), "", first.oid],
         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-4000:]

@@ -15,7 +15,7 @@ import focus_hf
 import focus_hf.attention.cpu.cpu_path as cpu_path
 import focus_hf.attention.cpu.grouped_keys as grouped_keys
 import focus_hf.attention.function as function
-from focus_hf.attention.cpu import native
+from focus_hf.attention.cpu import native_decode
 from focus_hf.tuner.layer import FocusLayer
 
 SEQ = 64
@@ -249,8 +249,8 @@ def test_generate_reading_the_copy_equals_recomputation(architecture, options):
 )
 def test_steps_in_the_c_decoding_kernel_equal_a_forward_without_cache(options):
     """head_dim 16 (the tiny models' 12 is not a size the kernel takes): the steps' attention runs in the C kernel
-    (`attention/cpu/native.py`) - routed heads over their groups and window, dense heads over the whole cache."""
-    if not native.serves(torch.float32, 4, 2, 16):
+    (`attention/cpu/native_decode.py`) - routed heads over their groups and window, dense heads over the whole cache."""
+    if not native_decode.serves(torch.float32, 4, 2, 16):
         pytest.skip("no C compiler to build the decoding kernel with")
     torch.manual_seed(0)
     config = CONFIGS["llama"]()
@@ -263,11 +263,11 @@ def test_steps_in_the_c_decoding_kernel_equal_a_forward_without_cache(options):
     served = []
 
     def recorded(query, runs, scale):
-        served.append((len(runs), native.attend_runs(query, runs, scale)))
+        served.append((len(runs), native_decode.attend_runs(query, runs, scale)))
         return served[-1][1]
 
     def recorded_step(*args):
-        status = native.grouped_step(*args)
+        status = native_decode.grouped_step(*args)
         served.append(("step", status if isinstance(status, torch.Tensor) else None))
         return status
 

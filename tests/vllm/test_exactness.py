@@ -7,7 +7,7 @@ import random
 
 import pytest
 from conftest import REAL_ADAPTER
-from engines import assert_same_continuations, run_engine, transformers_greedy
+from vllm_engines import assert_same_continuations, run_engine, transformers_greedy
 
 pytestmark = pytest.mark.vllm
 

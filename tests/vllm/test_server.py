@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from engines import engine_env, transformers_greedy
 from hub_server import hub_server  # noqa: F401
+from vllm_engines import engine_env, transformers_greedy
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks" / "model"))
 from serving_stress import free_port, wait_until_up  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engines import engine_env
+from vllm_engines import engine_env
 
 pytestmark = pytest.mark.vllm
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "model" / "serving_stress.py"

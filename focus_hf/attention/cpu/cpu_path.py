@@ -55,9 +55,10 @@ merge depends on, so `attention.focus_attention_forward` sends calls that need g
 Costs (n tokens, K groups, window w, top-k probes): the own-group pass ~ k n^2 / 2K (+ n PROBE_CHUNK / 2 on the
 staircases), the window band ~ n (w + partials.LOCAL_BLOCK); memory: the float32 output and log-sum-exp, one segment's
 keys and one block of STREAM_ROWS queries' partial results - on CPU in float32 and bfloat16 the output, 4 bytes per key
-(the sorted keys), one block's log-sum-exp and entries and one packing buffer (`native.packing_scratch`): less than
-dense SDPA adds to its output at 128K tokens. A decoding step reads ~ k n / K + w keys; the group-sorted copy it reads
-them from holds the routed heads' distant keys and values a second time (off with `set_routing(decode_copy=False)`).
+(the sorted keys), one block's log-sum-exp and entries and one packing buffer (`native_prefill.packing_scratch`): less
+than dense SDPA adds to its output at 128K tokens. A decoding step reads ~ k n / K + w keys; the group-sorted copy it
+reads them from holds the routed heads' distant keys and values a second time (off with
+`set_routing(decode_copy=False)`).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ import torch.nn.functional as F
 
 from focus_hf.attention.backends import Kernel
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
-from focus_hf.attention.cpu.native import SEGMENT_SLAB_KEYS, packing_scratch, prefill_attention
+from focus_hf.attention.cpu.native_prefill import SEGMENT_SLAB_KEYS, packing_scratch, prefill_attention
 from focus_hf.attention.cpu.partials import (
     few_query_attention,
     gather_tokens,
@@ -145,7 +146,7 @@ def sparse_attention(
         and `lse` [batch, end - begin, heads], which hold their own-group pass (`sinks_done` [batch, end - begin]: the
         rows whose sink pairs rode there, or None), STREAM_ROWS queries at a time: each block's partial result is folded
         in before the next is computed, so that only one block's is held beside the output. `scratch`:
-        `native.packing_scratch` for the C kernel's calls."""
+        `native_prefill.packing_scratch` for the C kernel's calls."""
         # The queries that may have sink pairs left: the own-group pass did those of the queries it marks.
         sink_end = end
         if sinks_done is not None:  # padding queries' outputs are meaningless: no sink pass for them

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from focus_hf.attention.cpu.native import (
+from focus_hf.attention.cpu.native_decode import (
     STEP_APPENDED,
     STEP_FULL,
     STEP_UNROUTED,
@@ -51,7 +51,7 @@ class GroupedKeys:
         self.num_groups = num_groups
         self.filled = 0  # positions taken in (each appended to its group's buffer, or left out as padding)
         self.sinks = 0  # sinks at the front of every buffer
-        # The buffers as the C kernel reads them (`native.grouped_step`), which appends to them too.
+        # The buffers as the C kernel reads them (`native_decode.grouped_step`), which appends to them too.
         self.tables = GroupTables(num_groups)
         self.counts = self.tables.counts  # filled slots of each buffer, sinks included
         self.keys: list[Optional[torch.Tensor]] = [None] * num_groups
@@ -152,7 +152,7 @@ class GroupedKeys:
         top_k]) and the window, rows `filled` .. n - 1. Returns [heads, dim], or None where the step cannot be served
         exactly (a probe or the key not routed yet; nothing is taken in then).
 
-        One call of the C kernel (`native.grouped_step`) where it takes the step; otherwise, and for a sink, the
+        One call of the C kernel (`native_decode.grouped_step`) where it takes the step; otherwise, and for a sink, the
         same in Python."""
         position = self.filled
         arguments = (key_groups, key_sink, key_valid, query_groups, scale)
@@ -223,10 +223,10 @@ class GroupedKeys:
         """One query [heads, dim] over the distant keys of `groups` (distinct; sinks counted once) and the window: rows
         window_start .. of the sample's cached keys/values [kv_heads, n, dim]. Returns [heads, dim].
 
-        The CPU kernel (`native.attend_runs`) reads the groups' buffers and the window where they lie, as spans (no
-        tensor views: per step they cost more than the kernel's work at short caches). Otherwise the window is copied
-        behind the first group's keys, into free slots of its buffer (the next append overwrites them), so that the
-        first group and the window are one run of keys: with one group the step is one attention call. Scores of
+        The CPU kernel (`native_decode.attend_runs`) reads the groups' buffers and the window where they lie, as spans
+        (no tensor views: per step they cost more than the kernel's work at short caches). Otherwise the window is
+        copied behind the first group's keys, into free slots of its buffer (the next append overwrites them), so that
+        the first group and the window are one run of keys: with one group the step is one attention call. Scores of
         several parts share one float32 softmax."""
         first = groups[0]
         count = self.counts[first]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_hf.attention.backends import Kernel
-from focus_hf.attention.cpu.native import prefill_attention, sink_pairs
+from focus_hf.attention.cpu.native_prefill import prefill_attention, sink_pairs
 from focus_hf.attention.pattern import LOCAL_BITS_MAX_GROUPS, local_bits, pair_distance, probes
 
 # Queries per block of the local part. Each query reads LOCAL_BLOCK + window keys, so smaller blocks waste less,
@@ -159,8 +159,8 @@ def local_part(
     group bits (`pattern.local_bits`) as it goes, with no mask to build (the sparse path, K=8 top-1 at 4K tokens,
     alternating in one process: 63.4 -> 60.1 ms), and folds it straight into `into` (float32 output [batch, q, heads,
     dim] and lse [batch, q, heads] of the other parts), if given: it then returns None (`scratch`:
-    `native.packing_scratch`, for the packed keys). Elsewhere queries go in blocks of LOCAL_BLOCK; block t reads the
-    keys from `window` before its first query to its last, as overlapping strided views of the keys (no per-block
+    `native_prefill.packing_scratch`, for the packed keys). Elsewhere queries go in blocks of LOCAL_BLOCK; block t reads
+    the keys from `window` before its first query to its last, as overlapping strided views of the keys (no per-block
     copies), under a mask built here.
     """
     batch, heads, q_len, dim = query.shape

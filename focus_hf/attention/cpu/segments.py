@@ -3,9 +3,10 @@
 `partials.probe_part` sorts keys and query entries into segments (sample, group) with tensor operations and holds every
 query's partial result and log-sum-exp at once. Here the sorts are counting sorts in C (csrc/segments.c) that write only
 their int32 results, and the own-group pass is folded into the output one block of queries at a time
-(`native.prefill_segments`), so that beside its output a call holds the sorted keys (4 bytes per token), one block's
-entries and one block's log-sum-exp: a 128K prefill then adds no more to the output than dense SDPA does (whose kernel
-holds a log-sum-exp of every query). `cpu_path.sparse_attention` folds the window band into each block before the next.
+(`native_prefill.prefill_segments`), so that beside its output a call holds the sorted keys (4 bytes per token), one
+block's entries and one block's log-sum-exp: a 128K prefill then adds no more to the output than dense SDPA does (whose
+kernel holds a log-sum-exp of every query). `cpu_path.sparse_attention` folds the window band into each block before the
+next.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from typing import Optional
 
 import torch
 
-from focus_hf.attention.cpu.native import NativeKernels, address, prefill_kernels, prefill_segments, strides
+from focus_hf.attention.cpu.native import NativeKernels
+from focus_hf.attention.cpu.native_prefill import address, prefill_kernels, prefill_segments, strides
 
 
 @dataclass
 class SegmentKeys:
-    """Keys sorted into segments (s = sample * K + group) for `native.prefill_segments`, and what the query blocks
-    need from them; `fold` runs the blocks in order.
+    """Keys sorted into segments (s = sample * K + group) for `native_prefill.prefill_segments`, and what the query
+    blocks need from them; `fold` runs the blocks in order.
 
     Attributes:
         key_token: int32 token (sample * kv + position) of each sorted key; a segment's riders come first (with
@@ -124,8 +126,8 @@ class SegmentKeys:
     ) -> Optional[torch.Tensor]:
         """Fold the own-group pass of query rows start .. end - 1 (of query [batch, heads, q, dim]; blocks in order)
         into float32 `output` [batch, end - start, heads, dim] and `lse` [batch, end - start, heads] (`scratch`:
-        `native.packing_scratch`). Returns bool [batch, end - start] marking the queries whose sink pairs rode here, or
-        None where no sink rides."""
+        `native_prefill.packing_scratch`). Returns bool [batch, end - start] marking the queries whose sink pairs rode
+        here, or None where no sink rides."""
         batch, kv_len = self.key_groups.shape
         q_len, top_k = self.probe_groups.shape[1], self.probe_groups.shape[2]
         rows = end - start

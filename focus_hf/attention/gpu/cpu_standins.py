@@ -3,7 +3,7 @@
 The GPU path (`gpu_path`) is built from kernels that only run on CUDA, and the conventions it depends on - what a row
 without any visible key returns, the log-sum-exp's base and layout, which blocks of a FlexAttention block mask are
 read - are the kernels' own. Each stand-in below reproduces one kernel's conventions in plain float64 torch, as
-measured on the kernel (and re-checked on every CUDA machine by `verify` and tests/attention/test_cuda.py), so that
+measured on the kernel (and re-checked on every CUDA machine by `verify` and tests/attention/gpu/test_cuda.py), so that
 CI runs the GPU path's logic exactly on the CPU. They are slow (dense scores, one pass per segment) and meant for
 tests and for `backend="gpu-path"` on CPU.
 

@@ -2,7 +2,7 @@
 argument, each printed as a JSON line with the peak resident memory it added (Linux: the peak is reset before each
 forward). `whole` runs the call in one chunk, as the reference path did before it was chunked.
 
-    OMP_NUM_THREADS=1 python tests/attention/reference_memory_worker.py hard:8192 hard:32768 soft:32768 hard:8192:whole
+    OMP_NUM_THREADS=1 python tests/support/reference_memory_worker.py hard:8192 hard:32768 soft:32768 hard:8192:whole
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ from unittest import mock
 import psutil
 import torch
 from peft import get_peft_model
+from tiny_models import COMMON, VOCAB  # beside this file, on sys.path when it runs as a script
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for the tiny models
-from tiny_models import COMMON, VOCAB  # noqa: E402
-
-import focus_hf  # noqa: E402
-import focus_hf.attention.reference as reference  # noqa: E402
+import focus_hf
+import focus_hf.attention.reference as reference
 
 
 def reset_peak() -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from focus_hf.attention.cpu import native
+from focus_hf.attention.cpu import native, native_decode, native_prefill
 
 needs_kernel = pytest.mark.skipif(native.native_kernels() is None, reason="no C compiler to build the kernel with")
 FLOAT_MIN = torch.finfo(torch.float32).min
@@ -54,7 +54,7 @@ def test_prefill_kernel_takes_large_scores(magnitude, rule):
     into = None
     if rule == "merge":  # folded into a partial result whose lse is far below the new one's
         into = (torch.zeros(1, query.shape[1], queries, query.shape[3]), torch.full((1, query.shape[1], queries), -5.0))
-    result = native.prefill_attention(
+    result = native_prefill.prefill_attention(
         query, key, value, causal=True, scale=0.125, first=first, query_bits=query_bits, key_bits=key_bits,
         window=16, into=into,
     )  # fmt: skip
@@ -70,7 +70,9 @@ def test_prefill_kernel_takes_large_scores(magnitude, rule):
 @pytest.mark.parametrize("magnitude", MAGNITUDES)
 def test_decoding_kernel_takes_large_scores(magnitude):
     query, key, value = _inputs(magnitude, queries=1, keys=5000)  # over PARALLEL_ROWS: pieces merged
-    output = native.attend_runs(query[0, :, 0], [(key[0], value[0], 0, 3000), (key[0], value[0], 4000, 1000)], 0.125)
+    output = native_decode.attend_runs(
+        query[0, :, 0], [(key[0], value[0], 0, 3000), (key[0], value[0], 4000, 1000)], 0.125
+    )
     assert output is not None
     visible = torch.zeros(1, 5000, dtype=torch.bool)
     visible[:, :3000] = visible[:, 4000:] = True
@@ -89,7 +91,7 @@ def test_paged_decoding_kernel_takes_large_scores(magnitude):
     key_cache = key[0].view(kv_heads, blocks, block_size, dim).transpose(0, 1).transpose(2, 3).contiguous()
     value_cache = value[0].view(kv_heads, blocks, block_size, dim).transpose(0, 1).contiguous()
     groups = torch.randint(0, 4, (blocks * block_size,), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
-    output = native.paged_decode(
+    output = native_decode.paged_decode(
         query[0, :, 0], key_cache.transpose(2, 3), value_cache, torch.arange(blocks, dtype=torch.int32), blocks *
         block_size, groups, 4, torch.tensor([1]), torch.tensor([1, 0], dtype=torch.uint8), 4, 64, 0.125,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """The GPU path (`focus_hf.attention.gpu.gpu_path`), run on the CPU through the CPU stand-ins of its CUDA kernels
 (`cpu_standins`), whose conventions are those of the CUDA kernels - checked here against torch's own kernels where
-they run on the CPU, and on CUDA by tests/attention/test_cuda.py and `verify`."""
+they run on the CPU, and on CUDA by tests/attention/gpu/test_cuda.py and `verify`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from functools import partial
 
 import pytest
 import torch
+from attention_cases import ATOL, BASE_CASE, SCALING, cases, focus_llama, random_routing, run_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fast import ATOL, BASE_CASE, SCALING, cases, focus_llama, random_routing, run_case
 from tiny_models import VOCAB
 
 import focus_hf

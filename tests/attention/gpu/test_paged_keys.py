@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_cases import ATOL, SCALING, focus_llama, random_routing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fast import ATOL, SCALING, random_routing
-from test_stock import focus_llama
 from tiny_models import VOCAB
 
 import focus_hf

@@ -1,5 +1,5 @@
-"""The CPU prefill kernel (`native.prefill_attention`, csrc/prefill.c): many queries over many keys - causal, on a
-staircase or unordered; with the Focus pattern or the fast path's local part evaluated from group bits - against a
+"""The CPU prefill kernel (`native_prefill.prefill_attention`, csrc/prefill.c): many queries over many keys - causal,
+on a staircase or unordered; with the Focus pattern or the fast path's local part evaluated from group bits - against a
 float64 softmax over the pairs the rule allows (`pattern.allowed_pairs`, `pattern.probes`), in float32 and in
 bfloat16 (float32 sums; exact within bfloat16's rounding of the softmax weights and of the output)."""
 
@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import focus_hf.attention.cpu.native as native
+import focus_hf.attention.cpu.native_prefill as native_prefill
 from focus_hf.attention.backends import cpu_kernel
 from focus_hf.attention.pattern import LOCAL_BITS_MAX_GROUPS, allowed_pairs, local_bits, pattern_bits, probes
 
@@ -105,7 +106,7 @@ def test_prefill_equals_a_float64_softmax_over_the_allowed_pairs(
     held = torch.randn(batch, length, heads, dim, generator=generator).transpose(1, 2)
     held_lse = torch.randn(batch, length, heads, generator=generator).transpose(1, 2) * 3
     held_lse = held_lse.masked_fill(torch.rand(batch, heads, length, generator=generator) < 0.3, FLOAT_MIN)
-    result = native.prefill_attention(
+    result = native_prefill.prefill_attention(
         query,
         key,
         value,
@@ -145,7 +146,7 @@ def test_causal_unmasked_cpu_calls_run_in_the_kernel_and_equal_torch(monkeypatch
     query = torch.randn(1, 6, 300, 64, generator=generator)
     key, value = (torch.randn(1, 2, 300, 64, generator=generator) for _ in range(2))
     calls = []
-    real = native.prefill_attention
+    real = native_prefill.prefill_attention
     monkeypatch.setattr(
         "focus_hf.attention.backends.prefill_attention", lambda *a, **k: calls.append(k) or real(*a, **k)
     )
@@ -182,4 +183,4 @@ def test_prefill_calls_it_does_not_take_return_none(change):
     key = torch.randn(1, change.get("kv_heads", 2), 20, dim).to(dtype)
     if change.get("strided_rows"):
         key = torch.randn(1, 2, 20, dim * 2)[..., ::2]
-    assert native.prefill_attention(query, key, key, causal=True, scale=0.1) is None
+    assert native_prefill.prefill_attention(query, key, key, causal=True, scale=0.1) is None

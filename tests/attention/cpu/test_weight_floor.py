@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from focus_hf.attention.cpu import native
+from focus_hf.attention.cpu import native, native_prefill
 
 needs_kernel = pytest.mark.skipif(native.native_kernels() is None, reason="no C compiler to build the kernel with")
 HUGE = 1e38  # the far key's value: a weight of 2^-130 times it is 0.07, well above float32's resolution of 1
@@ -41,7 +41,7 @@ def test_weights_below_the_floor_are_zero_and_above_it_count(log2_weight, flush)
     query, key, value = _two_keys(log2_weight)
     torch.set_flush_denormal(flush)  # the calling thread's mode (torch's default is not to flush)
     try:
-        result = native.prefill_attention(query, key, value, causal=False, scale=1.0)
+        result = native_prefill.prefill_attention(query, key, value, causal=False, scale=1.0)
     finally:
         torch.set_flush_denormal(False)
     assert result is not None

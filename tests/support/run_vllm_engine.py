@@ -1,6 +1,6 @@
 """Runs vLLM's offline engine on a job and prints the results as JSON (one process per engine, as a user runs it).
 
-    python tests/vllm/run_engine.py JOB.json
+    python tests/support/run_vllm_engine.py JOB.json
 
 JOB: {"model": folder, "engine": {LLM keyword arguments}, "calls": [[prompt token ids, ...], ...], "max_tokens": n}.
 Each call is one `LLM.generate` over its prompts (greedy, the sampled token's log-probability kept); later calls

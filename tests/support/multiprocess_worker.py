@@ -1,7 +1,7 @@
 """One process of a multi-process training test: runs `focus-hf train ARGS` (`cli`) or a training script
 (`script PATH ARGS`), then writes the routers this process ended with to `$FOCUS_TEST_DUMP/rank<RANK>.safetensors`.
 
-Launched as `python -m torch.distributed.run --nproc_per_node 2 tests/multiprocess_worker.py ...` (or plainly,
+Launched as `python -m torch.distributed.run --nproc_per_node 2 tests/support/multiprocess_worker.py ...` (or plainly,
 for the one-process reference) by tests/fitting/test_multiprocess.py.
 """
 

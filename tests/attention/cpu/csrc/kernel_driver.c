@@ -1,6 +1,6 @@
 /* The CPU kernels checked by themselves, without Python: `focus_prefill` (prefill.c) and `focus_decode` (decode.c)
    against a float64 softmax computed here, on the same inputs on every target (a fixed generator). Built and run by
-   tests/attention/test_cross_builds.py for the host and for aarch64 (under qemu-aarch64), so that a target's vector
+   tests/attention/cpu/test_cross_builds.py for the host and for aarch64 (under qemu-aarch64), so that a target's vector
    width and register tiles (vectors.h) are checked where no such processor is at hand.
 
    Prints each case's largest error (|kernel - reference| / max(1, |reference|), outputs and log-sum-exps) and the

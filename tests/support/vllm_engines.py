@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-RUNNER = Path(__file__).with_name("run_engine.py")
+RUNNER = Path(__file__).with_name("run_vllm_engine.py")
 # The CPU engine's KV cache, in GiB (vLLM sizes it from this variable on CPU): small, the tests' prompts are short.
 KV_CACHE_GIB = "1"
 

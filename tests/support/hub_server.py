@@ -40,7 +40,7 @@ Private repos answer 401 "RepoNotFound" to requests without a bearer token (any 
 
 Use it through the ``hub_server`` pytest fixture below, which also points ``huggingface_hub`` at the server
 (see :func:`patch_hub_constants` for which constants and why), isolates HF_HOME (cache, token) in a temp dir
-and blocks any non-loopback request. ``tests/conftest.py`` puts ``tests/`` on ``sys.path``, so a test module
+and blocks any non-loopback request. ``tests/conftest.py`` puts ``tests/support/`` on ``sys.path``, so a test module
 (or ``tests/conftest.py``, to share it with every module) enables the fixture with::
 
     from hub_server import hub_server  # noqa: F401

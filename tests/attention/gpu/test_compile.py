@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_stock import focus_llama
+from attention_cases import focus_llama
 from tiny_models import VOCAB
 from transformers import AttentionInterface, DynamicCache
 

@@ -290,7 +290,7 @@ def test_compiled_model_equals_the_eager_model():
 
 def test_lengths_and_batches_compile_a_bounded_number_of_times():
     # The inductor kernels of the GPU path over many lengths and batch sizes in one process: compiled for the new
-    # dtype and probe count, not for each length (see tests/attention/test_flex_contract.py for the CPU count).
+    # dtype and probe count, not for each length (see tests/attention/gpu/test_flex_contract.py for the CPU count).
     torch._dynamo.reset()
     model = focus_model(torch.bfloat16, 2)
     focus_hf.set_routing(model, "hard", backend="sdpa")

@@ -17,11 +17,11 @@ import contextlib
 
 import pytest
 import torch
+from attention_cases import ATOL, BASE_CASE, SCALING, cases, run_case
 from flex_kernels import CompiledCalls, compiled_cpu_kernels, dynamo_kernels, eager_kernels, strict_twin
 from hypothesis import HealthCheck, given, settings
-from test_fast import ATOL, BASE_CASE, SCALING, cases, run_case
+from test_gpu_path import allowed_of, sparse_case
 from test_paged_keys import decoding_steps
-from test_stock import allowed_of, sparse_case
 from tiny_models import VOCAB
 
 import focus_hf

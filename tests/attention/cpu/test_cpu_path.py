@@ -1,5 +1,5 @@
-"""The fast hard-mode attention (`focus_hf.attention.cpu.cpu_path`) against the dense oracle, and the backends at model
-level."""
+"""The CPU path of hard attention (`focus_hf.attention.cpu.cpu_path`) against the dense oracle, and the backends at
+model level."""
 
 from __future__ import annotations
 
@@ -9,154 +9,35 @@ from unittest import mock
 
 import pytest
 import torch
+from attention_cases import (
+    ATOL,
+    BASE_CASE,
+    BF16_VALUE_BOUND,
+    SCALING,
+    cases,
+    focus_llama,
+    padding,
+    random_routing,
+    run_case,
+    states,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from peft import get_peft_model
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB
 
 import focus_hf
 import focus_hf.attention.cpu.cpu_path as cpu_path
 import focus_hf.attention.cpu.native as native
+import focus_hf.attention.cpu.native_prefill as native_prefill
 import focus_hf.attention.cpu.partials as partials
-import focus_hf.attention.hard as hard
 import focus_hf.attention.pattern as pattern
 from focus_hf.attention.backends import BackendUnavailableError, cpu_kernel, flash_attn_function
 from focus_hf.attention.cpu.segments import SegmentKeys
 from focus_hf.attention.crossover import CROSSOVER_ENV
-from focus_hf.attention.pattern import FocusPattern, allowed_pairs
-from focus_hf.attention.reference import dense_attention
+from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.routing import TokenRouting
 from focus_hf.benchmarking.layer import allowed_pair_count
 from focus_hf.cli import main as cli_main
-
-ATOL = 1e-4
-SCALING = 0.3
-
-
-def random_routing(generator, batch, seq, num_groups, top_k, skew, separate=False, adaptive=False):
-    """Query groups [batch, seq, top_k] (distinct, best first) and key groups [batch, seq].
-
-    Key groups are the queries' best groups, or with `separate` drawn on their own (a separate query router, whose
-    probes need not include the token's own group). skew "one" puts every token's best group on group 0; "some"
-    leaves groups without keys. `adaptive` leaves some later slots unprobed (they repeat the first group, as
-    adaptive probing writes them).
-    """
-    scores = torch.rand(batch, seq, num_groups, generator=generator)
-    if skew == "one":
-        scores[..., 0] += 2.0
-    elif skew == "some":
-        scores[..., : max(1, num_groups // 2)] += 1.0
-    query_groups = scores.argsort(dim=-1, descending=True)[..., :top_k]
-    if adaptive:
-        unprobed = torch.rand(batch, seq, top_k, generator=generator) < 0.5
-        unprobed[..., 0] = False
-        query_groups = torch.where(unprobed, query_groups[..., :1], query_groups)
-    if separate:
-        return query_groups, torch.randint(num_groups, (batch, seq), generator=generator)
-    return query_groups, query_groups[..., 0]
-
-
-def padding(batch, seq, side, pad):
-    valid = torch.ones(batch, seq, dtype=torch.bool)
-    if side == "left":
-        valid[0, :pad] = False
-    elif side == "right":
-        valid[0, seq - pad :] = False
-    return valid
-
-
-def states(generator, batch, heads, seq, dim, token_major):
-    """Random states [batch, heads, seq, dim], laid out as projections (token-major) or as a KV cache."""
-    if token_major:
-        return torch.randn(batch, seq, heads, dim, generator=generator).transpose(1, 2)
-    return torch.randn(batch, heads, seq, dim, generator=generator)
-
-
-@st.composite
-def cases(draw):
-    seq = draw(st.sampled_from([1, 2, 3, 5, 7, 13, 31, 37, 61, 64, 97, 101, 127, 131]))
-    num_groups = draw(st.integers(1, 6))
-    q_len = draw(st.sampled_from(["all", "one", "few", "many"]))
-    q_len = {"all": seq, "one": 1, "few": min(seq, 5), "many": min(seq, max(1, seq - 7))}[q_len]
-    side = draw(st.sampled_from(["none", "left", "right"]))
-    return dict(
-        seq=seq,
-        q_len=q_len,
-        batch=draw(st.integers(1, 3)),
-        kv_heads=draw(st.integers(1, 2)),
-        gqa=draw(st.sampled_from([1, 3, 4])),
-        dim=draw(st.sampled_from([4, 8, 16])),  # 16: the C prefill kernel takes it
-        num_groups=num_groups,
-        top_k=draw(st.integers(1, num_groups)),
-        window=draw(st.integers(0, 40)),
-        sinks=draw(st.integers(0, 4)),
-        side=side,
-        pad=draw(st.integers(1, max(1, seq - 1))) if side != "none" else 0,
-        skew=draw(st.sampled_from(["none", "one", "some"])),
-        token_major=draw(st.booleans()),
-        local_block=draw(st.sampled_from([1, 4, 16, 64])),
-        probe_chunk=draw(st.sampled_from([1, 5, 256])),
-        stream_rows=draw(st.sampled_from([3, 16, 4096])),
-        own_group_rows=draw(st.sampled_from([2, 16, 8192])),
-        split_min_keys=draw(st.sampled_from([1, 8, 1024])),
-        causal_chunk=draw(st.sampled_from([1, 6, 4096])),
-        lead_max_keys=draw(st.sampled_from([0, 3, 16])),
-        direct_gather=draw(st.sampled_from([0, 4096])),
-        separate=draw(st.booleans()),
-        adaptive=draw(st.booleans()),
-        dense_masked=draw(st.booleans()),
-        seed=draw(st.integers(0, 2**16)),
-    )
-
-
-# bfloat16 cases keep their values within this bound, which bounds the error of the weights' rounding (below).
-BF16_VALUE_BOUND = 4.0
-
-
-def run_case(case, backend="sdpa", mask_is_padding=True, extra_mask=None):
-    """Fast attention and the dense oracle (float64 on the same inputs) on one case; returns (cpu_path, reference, rows
-    to compare). The case's "dtype" (default float32) is the inputs'; a float32 case gets the reference in float32."""
-    generator = torch.Generator().manual_seed(case["seed"])
-    batch, seq, q_len = case["batch"], case["seq"], case["q_len"]
-    heads = case["kv_heads"] * case["gqa"]
-    query = states(generator, batch, heads, q_len, case["dim"], case["token_major"])
-    key = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
-    value = states(generator, batch, case["kv_heads"], seq, case["dim"], case["token_major"])
-    dtype = case.get("dtype", torch.float32)
-    if dtype != torch.float32:
-        value = value.clamp(-BF16_VALUE_BOUND, BF16_VALUE_BOUND)
-    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    query_groups, key_groups = random_routing(
-        generator,
-        batch,
-        seq,
-        case["num_groups"],
-        case["top_k"],
-        case["skew"],
-        case.get("separate", False),
-        case.get("adaptive", False),
-    )
-    valid = padding(batch, seq, case["side"], case["pad"])
-    sink = valid & (valid.cumsum(dim=1) - 1 < case["sinks"])
-    positions = torch.arange(seq)
-    query_positions = positions[seq - q_len :]
-    model_mask = None
-    if case["side"] != "none" or extra_mask is not None:
-        model_mask = (query_positions[:, None] >= positions[None, :])[None, None] & valid[:, None, None, :]
-        if extra_mask is not None:
-            model_mask = model_mask & extra_mask
-    allowed = allowed_pairs(
-        query_groups[:, seq - q_len :], key_groups, sink, query_positions, positions, case["window"]
-    )
-    allowed = allowed[:, None] if model_mask is None else allowed[:, None] & model_mask
-    # float64 on the same values: a bfloat16 result is then off by its own rounding only
-    reference = dense_attention(query.double(), key.double(), value.double(), allowed, scaling=SCALING)
-    groups = (query_groups[:, seq - q_len :], key_groups, sink, case["num_groups"], case["window"])
-    pattern = FocusPattern(*groups, model_mask=model_mask, mask_is_padding=mask_is_padding)
-    output = hard.hard_attention(query, key, value, pattern, scaling=SCALING, backend=backend)
-    # Padding queries may output anything finite.
-    return output, reference if dtype != torch.float32 else reference.float(), valid[:, seq - q_len :]
-
 
 # Found by hypothesis: the torch path's merged bfloat16 parts put one output 0.0149 off, where the output's and the
 # weights' rounding alone allow 0.0130 (the same inputs through one dense SDPA call: 0.0016).
@@ -172,7 +53,7 @@ MERGED_PARTS_CASE = json.loads(
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(), st.sampled_from([torch.float32, torch.bfloat16]))
 @example(case=MERGED_PARTS_CASE, dtype=torch.bfloat16)
-def test_fast_equals_dense_oracle(case, dtype):
+def test_cpu_path_equals_dense_oracle(case, dtype):
     # "auto" below its crossover runs the one dense masked call.
     crossover = {CROSSOVER_ENV: str(10**9)} if case["dense_masked"] else {}
     with (
@@ -196,25 +77,6 @@ def test_fast_equals_dense_oracle(case, dtype):
     if dtype == torch.bfloat16:
         tolerance += 2**-8 * float(reference.abs().max()) + (2**-9 + 2**-8) * BF16_VALUE_BOUND
     torch.testing.assert_close(output[rows].double(), reference[rows].double(), atol=tolerance, rtol=0)
-
-
-BASE_CASE = dict(
-    seq=97,
-    q_len=97,
-    batch=2,
-    kv_heads=2,
-    gqa=3,
-    dim=8,
-    num_groups=5,
-    top_k=2,
-    window=9,
-    sinks=3,
-    side="left",
-    pad=11,
-    skew="none",
-    token_major=True,
-    seed=3,
-)
 
 
 @pytest.mark.parametrize("q_len", [97, 40, 5, 1], ids=["prefill", "chunk-after-cache", "few-after-cache", "decode"])
@@ -355,7 +217,7 @@ def test_own_group_pass_in_the_kernel_equals_the_chunked_torch_path(
     sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
     probe_groups = probe_groups[:, seq - q_len :]  # a view with the strides of the router's wider tensor
     arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
-    with mock.patch.object(native, "SEGMENT_SLAB_KEYS", slab_keys):
+    with mock.patch.object(native_prefill, "SEGMENT_SLAB_KEYS", slab_keys):
         output, lse, done = kernel_own_group_pass(arguments, block_rows, riders=top_k == 1)
     chunked, chunked_lse, chunked_done = partials.probe_part(*arguments)
     assert (done is None) == (chunked_done is None) and (done is None or torch.equal(done, chunked_done))
@@ -396,7 +258,7 @@ def test_own_group_pass_shares_a_scratch_buffer_sized_for_its_packed_values(dtyp
     # call must not matter
     kernels = native.native_kernels()
     assert kernels is not None
-    float32 = native.PREFILL_TYPES[torch.float32]
+    float32 = native_prefill.PREFILL_TYPES[torch.float32]
     attention_words, segments_words = (kernels.packed_words(512, 32, float32, segments) for segments in (0, 1))
     assert segments_words == 2 * attention_words
     generator = torch.Generator().manual_seed(4)
@@ -407,9 +269,9 @@ def test_own_group_pass_shares_a_scratch_buffer_sized_for_its_packed_values(dtyp
     valid = padding(batch, seq, "left", 20)
     sink = valid & (valid.cumsum(dim=1) - 1 < 2)
     arguments = (query, key, value, valid, probe_groups, key_groups, num_groups, SCALING, cpu_kernel, sink)
-    with mock.patch.object(native, "SEGMENT_SLAB_KEYS", 64):  # several slabs per segment, one buffer
+    with mock.patch.object(native_prefill, "SEGMENT_SLAB_KEYS", 64):  # several slabs per segment, one buffer
         plain, plain_lse, _ = kernel_own_group_pass(arguments, seq, riders=True)
-        scratch = native.packing_scratch(dtype, 2, 32, (1, native.SEGMENT_SLAB_KEYS, True))
+        scratch = native_prefill.packing_scratch(dtype, 2, 32, (1, native_prefill.SEGMENT_SLAB_KEYS, True))
         shared, shared_lse, _ = kernel_own_group_pass(arguments, seq, riders=True, scratch=scratch.fill_(float("nan")))
     assert not scratch.isnan().all()  # the call packed into it: it was large enough
     torch.testing.assert_close(shared, plain, atol=0, rtol=0)
@@ -497,10 +359,10 @@ def test_sink_slots_list_each_samples_sinks_in_order():
 def test_prefill_calls_share_a_scratch_buffer_and_ignore_one_too_small():
     generator = torch.Generator().manual_seed(2)
     query, key, value = (torch.randn(2, h, 150, 32, generator=generator) for h in (4, 2, 2))
-    plain = native.prefill_attention(query, key, value, causal=True, scale=SCALING)
-    for scratch in (native.packing_scratch(torch.float32, 2, 32, (2, 150, False)), torch.empty(10)):
+    plain = native_prefill.prefill_attention(query, key, value, causal=True, scale=SCALING)
+    for scratch in (native_prefill.packing_scratch(torch.float32, 2, 32, (2, 150, False)), torch.empty(10)):
         scratch.fill_(float("nan"))  # what a buffer holds before a call must not matter
-        shared = native.prefill_attention(query, key, value, causal=True, scale=SCALING, scratch=scratch)
+        shared = native_prefill.prefill_attention(query, key, value, causal=True, scale=SCALING, scratch=scratch)
         torch.testing.assert_close(shared, plain, atol=0, rtol=0)
 
 
@@ -629,11 +491,6 @@ def test_probes_every_group_only_when_all_groups_are_probed():
 # --- model level: every backend gives the reference's logits and greedy tokens ---
 
 BACKENDS = ["reference", "sdpa", "auto"]
-
-
-def focus_llama(top_k):
-    config = focus_hf.FocusConfig(num_groups=4, group_dim=8, window=8, top_k=top_k, sink_tokens=2)
-    return get_peft_model(tiny_model("llama"), config).eval()
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

@@ -17,7 +17,7 @@ import torch
 import focus_hf.attention.crossover as crossover
 from focus_hf.attention.cpu import build, native
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROCESSES = 4
 
 
@@ -73,11 +73,11 @@ def environment(cache: Path, **extra: str) -> dict:
 # Loads the kernels (building them where the cache has none) and prints one call's result.
 KERNEL_USER = """
 import torch
-from focus_hf.attention.cpu import native
+from focus_hf.attention.cpu import native, native_decode
 kernels = native.native_kernels()
 assert kernels is not None, "no kernels"
 query, keys = torch.ones(4, 32), torch.linspace(-1, 1, 2 * 70 * 32).reshape(2, 70, 32)
-print(kernels.build_id, float(native.attend_runs(query, [(keys, keys)], 0.2).sum()))
+print(kernels.build_id, float(native_decode.attend_runs(query, [(keys, keys)], 0.2).sum()))
 """
 
 

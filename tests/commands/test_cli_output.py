@@ -1,5 +1,5 @@
 """Every `focus-hf` command prints only what its user can act on: nothing on stderr but progress bars and focus_hf's
-own messages (no Python warning, no other package's log line: tests/output_checks.py), with the test extras
+own messages (no Python warning, no other package's log line: tests/support/output_checks.py), with the test extras
 installed (torchao and bitsandbytes report kernels they cannot load when imported).
 
 The commands run in a child process with Python's default warning filters (what a user's shell shows), not under
@@ -23,7 +23,7 @@ from card_checks import check_rendered_card
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from output_checks import CHILD_PRELUDE, STDERR_LOG_ENV, python_warnings, unrequested_lines
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DRIVER = CHILD_PRELUDE + """
 import json, sys
 from focus_hf.cli import main
@@ -42,7 +42,7 @@ def current_umask() -> int:
 
 def run_cli(commands: list[list[str]], env: dict[str, str], log: Path) -> subprocess.CompletedProcess:
     """Run `focus-hf` once per argument list, in one child process with the default warning filters; the child
-    writes what wrote each piece of its stderr to `log` (tests/output_checks.py)."""
+    writes what wrote each piece of its stderr to `log` (tests/support/output_checks.py)."""
     env = {key: value for key, value in env.items() if key != "PYTHONWARNINGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env[STDERR_LOG_ENV] = str(log)

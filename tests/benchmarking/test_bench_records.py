@@ -19,6 +19,7 @@ from focus_hf.benchmarking import records, timing
 from focus_hf.cli import main as cli_main
 from focus_hf.commands import bench
 
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SMALL = ["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--window", "16"]
 
 
@@ -157,7 +158,7 @@ def test_cuda_peak_memory_is_the_allocators_peak(tmp_path):
 
 
 def test_capped_runs_name_every_cap_of_their_level_and_rows_record_them():
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cpu" / "capped.py"
+    script = BENCHMARKS / "cpu" / "capped.py"
     spec = importlib.util.spec_from_file_location("capped", script)
     capped = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(capped)
@@ -184,18 +185,17 @@ def test_capped_runs_name_every_cap_of_their_level_and_rows_record_them():
 
 def test_benchmark_scripts_import_the_library_without_path_tricks():
     # The scripts import focus_hf.benchmarking as installed; none edits sys.path to reach a neighbour.
-    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
-    scripts = sorted(benchmarks.rglob("*.py"))
+    scripts = sorted(BENCHMARKS.rglob("*.py"))
     assert scripts
-    assert [path.relative_to(benchmarks) for path in scripts if "sys.path" in path.read_text(encoding="utf-8")] == []
-    script = benchmarks / "model" / "prefill.py"
-    assert records.repository_of(str(script)) == benchmarks.parent
+    assert [path.relative_to(BENCHMARKS) for path in scripts if "sys.path" in path.read_text(encoding="utf-8")] == []
+    script = BENCHMARKS / "model" / "prefill.py"
+    assert records.repository_of(str(script)) == BENCHMARKS.parent
     command = records.script_command(str(script), ["--seq-lens", "1024"])
     assert command == "python benchmarks/model/prefill.py --seq-lens 1024"
 
 
 def test_a_machines_file_gathers_its_runs_by_name(tmp_path):
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "machine_results.py"
+    script = BENCHMARKS / "machine_results.py"
     spec = importlib.util.spec_from_file_location("machine_results", script)
     machine_results = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(machine_results)

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 import focus_hf.attention.cpu.build as build
 import focus_hf.attention.cpu.grouped_keys as grouped_keys
 import focus_hf.attention.cpu.native as native
+import focus_hf.attention.cpu.native_decode as native_decode
+import focus_hf.attention.cpu.native_prefill as native_prefill
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys
 
 needs_kernel = pytest.mark.skipif(native.native_kernels() is None, reason="no C compiler to build the kernel with")
@@ -63,7 +65,7 @@ def test_runs_equal_a_float64_softmax(kv_heads, sharing, dim, lengths, offset, m
     scale = dim**-0.5
     # The same rows as views, or as spans of the buffers they lie in (read in place)
     given = [(keys._base, values._base, offset, keys.shape[1]) for keys, values in runs] if spans else runs
-    output = native.attend_runs(query, given, scale)
+    output = native_decode.attend_runs(query, given, scale)
     assert output is not None and output.shape == query.shape and output.dtype == dtype
     # Float32 rounds a logit to ~1e-7 of its size: at magnitude 30 (logits near 100) any float32 softmax is off by
     # ~1e-5 (torch's own: 1.4e-5 on one drawn case, where this kernel's AVX2 build gave 2.3e-5).
@@ -79,7 +81,7 @@ def test_long_calls_split_among_threads_equal_a_float64_softmax(dim, dtype):
     generator = torch.Generator().manual_seed(dim)
     query = torch.randn(9, dim, generator=generator).to(dtype) * 3
     runs = [cache_slice(generator, 3, length, dim, 2, dtype) for length in (2000, 1, 1024, 700)]
-    output = native.attend_runs(query, runs, dim**-0.5)
+    output = native_decode.attend_runs(query, runs, dim**-0.5)
     assert output is not None
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(output.double(), oracle(query, runs, dim**-0.5), atol=tolerance, rtol=tolerance)
@@ -195,7 +197,7 @@ def test_fused_steps_equal_the_python_steps(monkeypatch, dtype):
     results, copies, fused = {}, {}, []
 
     def counted(*args):
-        status = native.grouped_step(*args)
+        status = native_decode.grouped_step(*args)
         fused.append(isinstance(status, torch.Tensor))
         return status
 
@@ -240,14 +242,14 @@ def test_a_fused_step_refuses_flags_it_would_misread(flags):
     }
 
     def status():
-        return native.grouped_step(
-            torch.randn(2, 16), native.GroupTables(groups), 0, key, key.clone(), 0, 5, **arguments, scale=0.25
+        return native_decode.grouped_step(
+            torch.randn(2, 16), native_decode.GroupTables(groups), 0, key, key.clone(), 0, 5, **arguments, scale=0.25
         )
 
-    assert status() == native.STEP_FULL  # read: group 0 of a copy with no buffers yet
+    assert status() == native_decode.STEP_FULL  # read: group 0 of a copy with no buffers yet
     name = {"sink": "key_sink", "valid": "key_valid", "groups": "key_groups", "probes": "query_groups"}[flags]
     arguments[name] = arguments[name].to(torch.int32)
-    assert status() == native.STEP_REFUSED
+    assert status() == native_decode.STEP_REFUSED
 
 
 @needs_kernel
@@ -275,8 +277,8 @@ def test_calls_it_does_not_take_return_none(change):
     runs = [(keys, keys)]
     if change.get("mismatched_runs"):
         runs += [(torch.randn(1, 10, dim), torch.randn(1, 10, dim)), (torch.randn(2, 4, dim // 2),) * 2]
-        assert native.attend_runs(query, runs[::2], 0.1) is None
-    assert native.attend_runs(query, runs, 0.1) is None
+        assert native_decode.attend_runs(query, runs[::2], 0.1) is None
+    assert native_decode.attend_runs(query, runs, 0.1) is None
 
 
 def test_turned_off_by_the_environment(monkeypatch):
@@ -284,7 +286,10 @@ def test_turned_off_by_the_environment(monkeypatch):
     native.built_kernels.cache_clear()
     try:
         assert native.native_kernels() is None
-        assert native.attend_runs(torch.randn(2, 16), [(torch.randn(1, 3, 16), torch.randn(1, 3, 16))], 0.25) is None
+        assert (
+            native_decode.attend_runs(torch.randn(2, 16), [(torch.randn(1, 3, 16), torch.randn(1, 3, 16))], 0.25)
+            is None
+        )
     finally:
         monkeypatch.delenv(native.NATIVE_ENV)
         native.built_kernels.cache_clear()
@@ -355,11 +360,11 @@ def test_other_build_targets_give_the_same_results(monkeypatch, tmp_path, script
     generator = torch.Generator().manual_seed(4)
     try:
         query, keys = torch.randn(4, 32), torch.randn(2, 70, 32)
-        output = native.attend_runs(query, [(keys, keys)], 0.2)
+        output = native_decode.attend_runs(query, [(keys, keys)], 0.2)
         prefills = {}
         for dtype in (torch.float32, torch.bfloat16):
             states = [torch.randn(2, heads, 150, 32, generator=generator).to(dtype) for heads in (6, 2, 2)]
-            prefills[dtype] = states, native.prefill_attention(*states, causal=True, scale=0.2)
+            prefills[dtype] = states, native_prefill.prefill_attention(*states, causal=True, scale=0.2)
         record = native.build_record()
     finally:
         native.built_kernels.cache_clear()

@@ -2,7 +2,7 @@
 no call reads the device (on CUDA each read is a sync, which a CUDA graph cannot capture), a call's operators do not
 grow with its length or its groups, and its peak memory stays within 1.1x of one flash SDPA call's, the same at every
 length. The kernels are the accounting stand-ins of CUDA's (their outputs, nothing computed): the exact path is
-tested against the dense reference elsewhere (test_stock.py, test_window.py, test_paged_keys.py)."""
+tested against the dense reference elsewhere (test_gpu_path.py, test_window.py, test_paged_keys.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import focus_hf.attention.gpu.budget as budget
 import focus_hf.attention.gpu.paged_keys as paged_keys
 import focus_hf.attention.gpu.window as window_module
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("host_operations", ROOT / "benchmarks" / "gpu" / "host_operations.py")
 host_operations = sys.modules.setdefault("host_operations", importlib.util.module_from_spec(_spec))
 if not hasattr(host_operations, "main"):

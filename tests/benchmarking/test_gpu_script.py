@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # benchmarks/gpu/run.py, by path: a plain `import run` could return another folder's run.py.
 _spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu" / "run.py")
 gpu_run = sys.modules["gpu_run"] = importlib.util.module_from_spec(_spec)  # registered first: it holds a dataclass

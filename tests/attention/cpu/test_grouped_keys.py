@@ -4,9 +4,9 @@ dense oracle, step after step on one copy (generate() with the copy: tests/tuner
 from __future__ import annotations
 
 import torch
+from attention_cases import ATOL, SCALING, random_routing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fast import ATOL, SCALING, random_routing
 
 import focus_hf.attention.hard as hard
 from focus_hf.attention.cpu.grouped_keys import GroupedKeys, one_step_behind

@@ -14,7 +14,7 @@ from tiny_models import VOCAB, tiny_model
 
 import focus_hf
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_benchmark(path: str):
