@@ -1,4 +1,4 @@
-/* One decoding token's routing, the kernel of `focus_hf.attention.cpu.native.route_token`.
+/* One decoding token's routing, the kernel of `focus_hf.attention.cpu.native_decode.route_token`.
 
    The operations `routing.causal_sinkhorn` runs on one token in probability space (`_one_token_sinkhorn`, float64)
    and `routing.token_groups` then runs on its result (float32), in one call: a decoding step routes one token in
