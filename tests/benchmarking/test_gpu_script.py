@@ -136,7 +136,7 @@ def test_the_sets_fit_what_the_device_tool_brings_back():
     quick = [stage.name for stage in gpu_run.selected_stages(None, [], quick=True)]
     assert len(full) + 1 <= 8 and len(quick) + 1 <= 8
     assert quick == ["tests", "attention", "decode", "model_prefill"]
-    assert full == ["pieces", "decode", "auto", "peak_memory", "profile", "train"]
+    assert full == ["decode", "auto", "peak_memory", "profile", "train", "pieces"]
     assert set(quick) | set(full) == set(gpu_run.STAGE_NAMES)
     assert [stage.name for stage in gpu_run.selected_stages(["train", "profile"], [], quick=False)] == [
         "profile",
