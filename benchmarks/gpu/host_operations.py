@@ -280,6 +280,14 @@ def gpu_path_on(kernels) -> Iterator[None]:
 # --- the calls ------------------------------------------------------------------------------------------------------
 
 
+def layer_args(**changes: Any) -> argparse.Namespace:
+    """The options of `main` for the benchmark's layer (32 / 8 heads of 64, K 8, w 128, 4 sinks, bfloat16, top-1 and
+    top-2), with `changes`: what `prefill_rows`, `decode_rows` and `memory_rows` take."""
+    options = dict(heads=32, kv_heads=8, head_dim=64, groups=8, window=128, sinks=4, top_k=[1, 2])
+    options.update(dtype="bfloat16", varlen_gqa=False)
+    return argparse.Namespace(**{**options, **changes})
+
+
 def layer_case(args: argparse.Namespace, tokens: int):
     """`benchmarking.layer.make_case`'s inputs for the layer of `args`: random states, routing by causal Sinkhorn."""
     from focus_hf.benchmarking.layer import make_case

@@ -10,6 +10,11 @@ after a warm-up (Focus at the full length, so that kernels compiled per shape ar
 on). The peak GPU memory torch allocates during each call is recorded (torch.cuda.max_memory_allocated after a
 reset).
 
+`--one-piece-rows default 1048576` times every top-k once per setting of FOCUS_HF_GPU_ONE_PIECE_ROWS, set for each
+Focus call in turn in this one process (the GPU path reads it per call, `focus_hf.attention.gpu.budget`): "default"
+leaves it unset (pieces past 32768 query rows), a number of rows sets it (at least the length: one piece). Every row
+says its setting (`one_piece_rows`) and whether its call ran in pieces (`in_pieces`), against the same dense calls.
+
     python benchmarks/gpu/layer_prefill.py --lengths 4096 16384 65536 262144 1048576 \\
         --out benchmarks/results/attention_gpu.json
 
@@ -25,15 +30,45 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
+from focus_hf.attention.gpu import budget
 from focus_hf.benchmarking.records import error_text, write_json
 
 # Lengths from which the repeats drop to 2 (dense at 1M tokens takes ~11 s a call on an H100).
 LONG = 131072
+DEFAULT_SETTING = "default"  # --one-piece-rows: FOCUS_HF_GPU_ONE_PIECE_ROWS unset
+
+
+def piece_setting(value: str) -> str:
+    """A --one-piece-rows value: "default", or a whole number of query rows >= 0."""
+    if value != DEFAULT_SETTING and not value.isdigit():
+        raise argparse.ArgumentTypeError(f"takes {DEFAULT_SETTING!r} or a whole number of query rows, not {value!r}")
+    return value
+
+
+def in_pieces(tokens: int, setting: str) -> bool:
+    """Whether the GPU path runs a prefill of `tokens` tokens (batch 1) in pieces under `setting`."""
+    with one_piece_rows(setting):
+        return tokens > budget.one_piece_rows()
+
+
+@contextlib.contextmanager
+def one_piece_rows(setting: str):
+    """FOCUS_HF_GPU_ONE_PIECE_ROWS as `setting` says inside the block (unset for "default"), as it was after it."""
+    before = os.environ.pop(budget.ONE_PIECE_ROWS_ENV, None)
+    if setting != DEFAULT_SETTING:
+        os.environ[budget.ONE_PIECE_ROWS_ENV] = setting
+    try:
+        yield
+    finally:
+        os.environ.pop(budget.ONE_PIECE_ROWS_ENV, None)
+        if before is not None:
+            os.environ[budget.ONE_PIECE_ROWS_ENV] = before
 
 
 def timing_row(tokens: int, dense: list[tuple[float, int]], focus: list[tuple[float, int]]) -> dict:
@@ -105,7 +140,17 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per length (2 from 128K tokens on)")
     parser.add_argument(
-        "--backend", choices=("auto", "sdpa", "flash", "reference"), help="Focus backend (default: flash or sdpa)"
+        "--backend",
+        choices=("auto", "sdpa", "flash", "gpu-path", "reference"),
+        help="Focus backend (default: flash or sdpa)",
+    )
+    parser.add_argument(
+        "--one-piece-rows",
+        type=piece_setting,
+        nargs="+",
+        default=[DEFAULT_SETTING],
+        help="settings of FOCUS_HF_GPU_ONE_PIECE_ROWS to time every top-k with, in turn: 'default' (unset) or query "
+        "rows",
     )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bf16 on CUDA, else fp32")
@@ -144,15 +189,16 @@ def main() -> int:
             device, lambda: dense_forward(torch.zeros(1, 256, dtype=torch.long, device=device))
         )
 
-    def run(n: int, top_k: int | None) -> tuple[float, int | None]:
-        """One prefill of n random tokens, dense (top_k None) or Focus: (seconds, peak allocated bytes)."""
+    def run(n: int, top_k: int | None, setting: str = DEFAULT_SETTING) -> tuple[float, int | None]:
+        """One prefill of n random tokens, dense (top_k None) or Focus under FOCUS_HF_GPU_ONE_PIECE_ROWS `setting`:
+        (seconds, peak allocated bytes)."""
         ids = torch.randint(0, config.vocab_size, (1, n), device=device)
         if top_k is not None:
             focus_hf.set_routing(model, "hard", top_k=top_k, backend=backend)
         synchronize()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        with torch.no_grad(), dense_context() if top_k is None else contextlib.nullcontext():
+        with torch.no_grad(), dense_context() if top_k is None else one_piece_rows(setting):
             start = time.perf_counter()
             if top_k is None:
                 dense_forward(ids)
@@ -184,8 +230,9 @@ def main() -> int:
             "sink_tokens": focus_config.sink_tokens,
             "routers": "random init (causal Sinkhorn balances the groups)",
         },
-        "timing": "best of the repeats; dense and every top-k alternate within each repeat; CUDA synchronised "
-        "before and after every call",
+        "timing": "best of the repeats; dense and every top-k (and setting of FOCUS_HF_GPU_ONE_PIECE_ROWS) alternate "
+        "within each repeat; CUDA synchronised before and after every call",
+        "one_piece_rows_settings": args.one_piece_rows,
         "rows": [],
     }
     print(f"{result['device']}: dense {dense_impl} ({dense_kernel}), Focus backend {backend}", flush=True)
@@ -194,26 +241,29 @@ def main() -> int:
     for n in args.lengths:
         forget_fallbacks()  # each row counts its own length's fallbacks: a row with any is not a Focus figure
         repeats = 2 if n >= LONG else args.repeats
-        times: dict[int | None, list[tuple[float, int | None]]] = {None: [], **{k: [] for k in args.top_k}}
+        focus_calls = [(top_k, setting) for top_k in args.top_k for setting in args.one_piece_rows]
+        times: dict[tuple | None, list[tuple[float, int | None]]] = {None: [], **{call: [] for call in focus_calls}}
         try:
-            for top_k in args.top_k:  # warm-up at the full length: what is compiled per shape is compiled here
-                run(n, top_k)
+            for call in focus_calls:  # warm-up at the full length: what is compiled per shape is compiled here
+                run(n, *call)
             run(min(n, 65536), None)
             for _ in range(repeats):
-                for top_k in times:
-                    times[top_k].append(run(n, top_k))
+                for call in times:
+                    times[call].append(run(n, None) if call is None else run(n, *call))
         except Exception as error:  # noqa: BLE001 - one length failing must not lose the others
-            for top_k in args.top_k:
-                result["rows"].append({"tokens": n, "top_k": top_k, "error": error_text(error)})
+            for top_k, setting in focus_calls:
+                row = {"tokens": n, "top_k": top_k, "one_piece_rows": setting, "in_pieces": in_pieces(n, setting)}
+                row["error"] = error_text(error)
+                result["rows"].append(row)
             print(json.dumps(result["rows"][-1]), flush=True)
             write_json(out, result)
             if cuda:
                 torch.cuda.empty_cache()
             continue
-        for top_k in args.top_k:
-            result["rows"].append(
-                {**timing_row(n, times[None], times[top_k]), "top_k": top_k, "gpu_path": path_record()}
-            )
+        for top_k, setting in focus_calls:
+            row = {**timing_row(n, times[None], times[top_k, setting]), "top_k": top_k}
+            row.update(one_piece_rows=setting, in_pieces=in_pieces(n, setting), gpu_path=path_record())
+            result["rows"].append(row)
             print(json.dumps(result["rows"][-1]), flush=True)
         write_json(out, result)
     write_json(out, result)

@@ -12,6 +12,9 @@ target it is held against: `TARGETS`).
 |               |                    | tests/attention/gpu/test_cuda.py first, exactness and fallbacks first in it  |
 | attention     | attention.json     | benchmarks/gpu/layer_prefill.py: one Llama-shaped layer, 32/8 heads, d 64,   |
 |               |                    | K=8, w=128, top-1 and top-2, 64K-1M tokens, dense timed in the same run      |
+| pieces        | pieces.json        | the same layer at 64K, top-1 and top-2, the GPU path in pieces (the default  |
+|               |                    | past 32768 query rows) and in one piece (FOCUS_HF_GPU_ONE_PIECE_ROWS set     |
+|               |                    | high), in one process against the same dense calls: time and peak memory     |
 | decode        | decode.json        | focus-hf bench --decode: one step against a 256K and a 1M cache, vs dense    |
 |               |                    | SDPA; eager in the quick set, eager and compiled in the full set             |
 | model_prefill | model_prefill.json | benchmarks/gpu/model_prefill.py --weights random: SmolLM2-135M's             |
@@ -27,9 +30,21 @@ target it is held against: `TARGETS`).
 | train         | train.json         | benchmarks/gpu/train_check.py: focus-hf train --objective distill, bf16      |
 
 Within 15 minutes of GPU time in all (start-up included), two runs measure every figure of the GPU targets:
-`--quick` first (tests, attention, decode eager, model_prefill: within 420 s), then the full set (auto, decode eager
-and compiled, peak_memory, profile, train: within 330 s); `--deadline` changes either, `--only` runs any stages. Each
-set writes at most 6 files with summary.json. Every Focus row of the stage files records what ran it (`gpu_path`:
+`--quick` first (tests, attention, decode eager, model_prefill: within 420 s), then the full set (decode eager
+and compiled, auto, peak_memory, profile, train, pieces: within 330 s); `--deadline` changes either, `--only` runs
+any stages. Each set writes at most 7 files with summary.json.
+
+The pieces stage answers what the pieces cost in time beside what they save in memory; it runs last in the full set,
+with whatever time the stages of the targets left it, up to 50 s (`--only pieces` runs it alone). Its rows should take
+about 45 s: the attention stage's run at 64K-1M took 127 s on an H200 (commit e9ee7e1), of which its calls at 256K
+and 1M take about 80 s by their own times, leaving about 45 s for the process's start, `verify`, FlexAttention's
+compilation and 64K; each timed call at 64K takes under 0.1 s (dense 0.068 s, Focus 0.044 s / 0.072 s). One-piece
+calls that need FlexAttention compilations of their own (20-30 s cold) may not fit, and then its rows are lost (they
+are written once every repeat has run). Its time comes from auto (now 1K-64K: 90 -> 80 s; it took 40-59 s at
+1K-256K), profile (60 -> 50 s) and train (30 -> 20 s; it took 14-17 s), so that the full set's limits add up to its
+deadline.
+
+Every Focus row of the stage files records what ran it (`gpu_path`:
 verify's verdicts, the calls that fell back to the reference path, FlexAttention's compilations); summary.json gathers
 them under `gpu_path`, and a figure whose calls fell back meets no target: it is not a Focus figure. `--device cpu`
 runs every stage at small sizes in float32 with a quarter of the heads (a check of the script, which
@@ -130,6 +145,21 @@ def attention_command(device: str, path: Path, quick: bool = False) -> list[str]
     return [*command, "--top-k", "1", "2", *extra, "--out", str(path)]
 
 
+# FOCUS_HF_GPU_ONE_PIECE_ROWS for the pieces stage's one-piece calls: above any of its lengths.
+ONE_PIECE = str(1 << 20)
+
+
+def pieces_command(device: str, path: Path, quick: bool = False) -> list[str]:
+    """64K tokens in pieces (the default) and in one piece on CUDA; on the CPU 1K tokens, whose default is one piece,
+    in pieces with the setting 0, on the CPU stand-ins of the GPU path's kernels."""
+    command = [sys.executable, "benchmarks/gpu/layer_prefill.py", "--device", device, *HEADS[device]]
+    if device == "cuda":
+        command += ["--lengths", "65536", "--repeats", "5", "--one-piece-rows", "default", ONE_PIECE]
+    else:
+        command += ["--lengths", "1024", "--repeats", "1", "--one-piece-rows", "default", "0", "--backend", "gpu-path"]
+    return [*command, "--top-k", "1", "2", "--out", str(path)]
+
+
 def bench(device: str, path: Path, *options: str) -> list[str]:
     dtype = "bfloat16" if device == "cuda" else "float32"
     command = [sys.executable, "-m", "focus_hf.cli", "bench", "--device", device, "--dtype", dtype]
@@ -190,10 +220,13 @@ STAGES = [
     Stage("model_prefill", "model_prefill.json", model_prefill_command, {"cuda": 60, "cpu": 150}, quick=True),
     # "auto" measures its crossover against flash SDPA first (1K-64K, top-1 and top-2: FlexAttention's compilation and
     # up to GPU_BUDGET_S of timed calls each), then runs the lengths.
-    Stage("auto", "auto.json", auto_command, {"cuda": 90, "cpu": 150}, full=True),
+    Stage("auto", "auto.json", auto_command, {"cuda": 80, "cpu": 150}, full=True),
     Stage("peak_memory", "peak_memory.json", peak_memory_command, {"cuda": 50, "cpu": 90}, full=True),
-    Stage("profile", "profile.json", profile_command, {"cuda": 60, "cpu": 120}, full=True),
-    Stage("train", "train.json", train_command, {"cuda": 30, "cpu": 120}, full=True),
+    Stage("profile", "profile.json", profile_command, {"cuda": 50, "cpu": 120}, full=True),
+    Stage("train", "train.json", train_command, {"cuda": 20, "cpu": 120}, full=True),
+    # Last in the full set, with the time the target stages left: the GPU path at 64K in pieces and in one piece, a
+    # diagnosis of the 64K figures rather than a target (the module docstring).
+    Stage("pieces", "pieces.json", pieces_command, {"cuda": 50, "cpu": 150}, full=True),
 ]
 # Measured on an H200 (benchmarks/results/gpu/): every stage process first compiles FlexAttention for its calls
 # (about 20-30 s cold); the CUDA tests took 5-28 s each, 32 of them (a verdict per configuration is now shared by
@@ -300,7 +333,7 @@ def gpu_path_summary(out: Path) -> dict:
     verdicts: dict[str, str] = {}
     calls: dict[str, int] = {}
     compilations: dict[str, dict] = {}
-    for stage in ("attention", "auto", "decode", "peak_memory", "model_prefill"):
+    for stage in ("attention", "pieces", "auto", "decode", "peak_memory", "model_prefill"):
         data = load(out / f"{stage}.json")
         rows = data.get("rows", []) if isinstance(data, dict) else data if isinstance(data, list) else []
         for row in rows:
@@ -342,6 +375,31 @@ def peak_target(top_k: int, tokens: int) -> Optional[tuple[str, float]]:
     return ("<=", 1.10) if tokens == 1048576 or (tokens == 65536 and top_k == 1) else None
 
 
+def prefill_figures(out: Path, stage: str) -> list[dict]:
+    """The figures of a stage run by layer_prefill.py (attention, pieces): time and peak memory per row, against the
+    dense calls of the same run. The pieces stage's say whether the call ran in pieces, and its setting of
+    FOCUS_HF_GPU_ONE_PIECE_ROWS (`one_piece_rows`); both settings are held to the attention stage's targets."""
+    data = load(out / f"{stage}.json")
+    rows = []
+    for row in data.get("rows", []) if isinstance(data, dict) else []:
+        label = f"top-{row['top_k']} prefill {tokens_label(row['tokens'])}"
+        if stage == "pieces":
+            label += " in pieces" if row.get("in_pieces") else " one piece"
+        setting = {"one_piece_rows": row["one_piece_rows"]} if stage == "pieces" else {}
+        if "error" in row:
+            rows.append({**figure(stage, label, None, row["error"], None, ""), **setting})
+            continue
+        target = TARGETS.get(("attention", row["top_k"], row["tokens"]))
+        rows.append(figure(stage, label, row["dense_s"], row["focus_s"], row["speedup"], "s", target, row))
+        rows[-1].update(setting)
+        if row.get("peak_ratio") is not None:
+            dense, focus = row["dense_peak_bytes"] / 2**20, row["focus_peak_bytes"] / 2**20
+            target = peak_target(row["top_k"], row["tokens"])
+            rows.append(figure(stage, label + " peak", dense, focus, row["peak_ratio"], "MiB", target, row))
+            rows[-1].update(setting)
+    return rows
+
+
 def figures(out: Path, cuda: bool) -> list[dict]:
     """Every figure of the stage files in `out`, each with its ratio against the dense baseline of the same run."""
     rows: list[dict] = []
@@ -352,18 +410,7 @@ def figures(out: Path, cuda: bool) -> list[dict]:
         bad = sum(counts.get(key, 0) for key in ("failed", "error", "collection error"))
         ok = counts.get("passed", 0) > 0 and bad == 0 and tests.get("finished", False)
         rows.append(figure("tests", "pytest -m cuda", None, summary, None, "", ("all pass", ok)))
-    attention = load(out / "attention.json")
-    for row in attention.get("rows", []) if isinstance(attention, dict) else []:
-        label = f"top-{row['top_k']} prefill {tokens_label(row['tokens'])}"
-        if "error" in row:
-            rows.append(figure("attention", label, None, row["error"], None, ""))
-            continue
-        target = TARGETS.get(("attention", row["top_k"], row["tokens"]))
-        rows.append(figure("attention", label, row["dense_s"], row["focus_s"], row["speedup"], "s", target, row))
-        if row.get("peak_ratio") is not None:
-            dense, focus = row["dense_peak_bytes"] / 2**20, row["focus_peak_bytes"] / 2**20
-            target = peak_target(row["top_k"], row["tokens"])
-            rows.append(figure("attention", label + " peak", dense, focus, row["peak_ratio"], "MiB", target, row))
+    rows += prefill_figures(out, "attention") + prefill_figures(out, "pieces")
     for stage in ("auto", "decode"):
         data = load(out / f"{stage}.json")
         for row in data if isinstance(data, list) else []:
@@ -474,6 +521,8 @@ def print_table(rows: list[dict], stages: dict[str, dict]) -> None:
         )
         met = {None: "-", True: "yes", False: "NO"}[row["meets_target"]]
         name = row["figure"] + (f" [{row['chose']}]" if row.get("chose") else "")
+        if "one_piece_rows" in row:
+            name += f" [FOCUS_HF_GPU_ONE_PIECE_ROWS {row['one_piece_rows']}]"
         lines.append((row["stage"], name, number(row["dense"]), number(row["focus"]), ratio, row["unit"]))
         lines[-1] += (target_text, met)
     widths = [max(len(str(line[i])) for line in [header, *lines]) for i in range(len(header))]

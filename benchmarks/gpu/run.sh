@@ -2,8 +2,9 @@
 # Every GPU check in two runs: the CUDA tests (exactness first), the attention benchmark (64K-1M tokens, top-1 and
 # top-2, dense in the same run), decoding against a 256K and a 1M cache (eager; then eager and compiled), model-level
 # bf16 prefill with SmolLM2-135M's architecture (random weights, the committed adapter's settings) at 128K, `auto`
-# from 1K to 64K, peak memory at 64K and 1M, a profile at 4K and 64K (wall against device time), and a short
-# `focus-hf train` distillation on CUDA. Stages, files and figures: benchmarks/gpu/run.py's docstring and README.md.
+# from 1K to 64K, peak memory at 64K and 1M, a profile at 4K and 64K (wall against device time), a short
+# `focus-hf train` distillation on CUDA, and last the layer at 64K with the GPU path in pieces and in one piece
+# (FOCUS_HF_GPU_ONE_PIECE_ROWS). Stages, files and figures: benchmarks/gpu/run.py's docstring and README.md.
 #
 # ON A GPU MACHINE WITHOUT INTERNET ACCESS, within 15 minutes of GPU time in all (start-up included) and at most 10
 # minutes per command: two runs, --quick (within 420 s), then the full set (within 330 s).
@@ -15,7 +16,7 @@
 #      (a copy of the working tree has no .git: the variable records the commit measured): the CUDA tests, prefill at
 #      64K-1M, eager decoding and the model at 128K within 420 s. Then at once (the machine still warm), with a limit
 #      of 390 s, the full set: `... bash benchmarks/gpu/run.sh`. The results are written to $OUT/gpu/ where $OUT is
-#      set (4 and 5 stage files, each with summary.json).
+#      set (4 and 6 stage files, each with summary.json).
 #
 # HERE, TO CHECK THE SCRIPT (no GPU; small sizes, float32, every stage; tests/benchmarking/test_gpu_script.py runs
 # this):

@@ -89,6 +89,12 @@ GPU_PROFILE_AFTER = "benchmarks/results/gpu/chunked-scan/profile.json"
 GPU_QUICK = "benchmarks/results/gpu/quick-456c31e/summary.json"
 GPU_PROFILE_QUICK = "benchmarks/results/gpu/quick-456c31e/profile.json"
 GPU_WINDOW = "benchmarks/results/gpu/window-e9ee7e1/summary.json"
+# The GPU path's host operations and peak memory, counted on the CPU (benchmarks/gpu/host_operations.py): before the
+# prefill ran in pieces past 32768 query rows, and after; the *-64k files hold the prefill at 32K and 64K.
+HOST_OPERATIONS = {
+    name: f"benchmarks/results/gpu/host-operations/{name}.json"
+    for name in ("before", "after", "before-64k", "after-64k")
+}
 DEMO_RUN = "benchmarks/results/demo_run.json"  # benchmarks/model/demo_run.py: `focus-hf demo` timed from a fresh cache
 
 AS_SAVED = "focus as saved top-1, w=512, 18 dense heads, dense below 2048"  # the committed adapter's rows
@@ -343,6 +349,18 @@ def _history(path: str) -> str:
     return times(pick(path, seq_len=16384, top_k=1, dtype="bfloat16")["speedup"])
 
 
+def _host_operations(when: str, field: str, top_k: int = 1) -> Callable[[], str]:
+    """A 64K prefill's figure in the CPU accounting of the GPU path, `when` "before" or "after" the pieces: its peak
+    memory over flash SDPA's, or a count of its prefill row (launches, kernel calls)."""
+
+    def figure() -> str:
+        if field == "peak_ratio":
+            return times(pick(HOST_OPERATIONS[when], call="peak memory", tokens=65536, top_k=top_k)[field])
+        return count(pick(HOST_OPERATIONS[f"{when}-64k"], call="prefill", tokens=65536, top_k=top_k)[field])
+
+    return figure
+
+
 def _gpu_targets() -> str:
     judged = [row for row in load(GPU_SUMMARY)["figures"] if row.get("meets_target") is not None]
     return f"{sum(row['meets_target'] for row in judged)} of {len(judged)}"
@@ -381,6 +399,15 @@ FIGURES: dict[str, Callable[[], str]] = {
     "gpu.window.top2_64k": _gpu_ratio("attention", "top-2 prefill 64K", GPU_WINDOW),
     "gpu.window.peak_top2_1m": _gpu_ratio("attention", "top-2 prefill 1M peak", GPU_WINDOW),
     "gpu.quick.range_mask_256k": lambda: times(_range_mask_over_floor(GPU_PROFILE_QUICK, 262144)),
+    # the GPU path at 64K before and after it ran in pieces, counted on the CPU
+    **{
+        f"gpu.pieces.{field}_{when}_top{top_k}_64k": _host_operations(when, field, top_k)
+        for field in ("peak_ratio", "launches", "kernel_calls")
+        for when in ("before", "after")
+        for top_k in (1, 2)
+    },
+    "gpu.pieces.before_commit": lambda: load(HOST_OPERATIONS["before-64k"])["git_commit"][:7],
+    "gpu.pieces.after_commit": lambda: load(HOST_OPERATIONS["after-64k"])["git_commit"][:7],
     # what changed the speed, for the changelog: the same figure before and after a change, each from its own run
     "history.xeon_bf16_vectors_16k": lambda: _history(f"{XEON_MACHINE}#attention_parts_native_before-amx-tiles"),
     "history.xeon_bf16_tiles_16k": lambda: _history(f"{XEON_MACHINE}#attention_parts_native"),

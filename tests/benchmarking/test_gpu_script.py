@@ -20,8 +20,8 @@ _spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / 
 gpu_run = sys.modules["gpu_run"] = importlib.util.module_from_spec(_spec)  # registered first: it holds a dataclass
 _spec.loader.exec_module(gpu_run)
 
-STAGE_FILES = ["tests.json", "attention.json", "auto.json", "decode.json", "peak_memory.json", "model_prefill.json"]
-STAGE_FILES += ["train.json", "profile.json"]
+STAGE_FILES = ["tests.json", "attention.json", "pieces.json", "auto.json", "decode.json", "peak_memory.json"]
+STAGE_FILES += ["model_prefill.json", "train.json", "profile.json"]
 PROVENANCE = ("device", "git_commit", "command", "date")
 
 
@@ -89,6 +89,20 @@ def test_stage_files_hold_the_measurements(cpu_run):
         assert row["speedup"] == pytest.approx(row["dense_s"] / row["focus_s"])
         assert row["dense_peak_bytes"] is None  # no GPU memory to measure on the CPU, and none is made up
 
+    pieces = read(out, "pieces.json")
+    assert pieces["focus_backend"] == "gpu-path" and pieces["one_piece_rows_settings"] == ["default", "0"]
+    # Every top-k once per setting, each saying its setting and whether it ran in pieces (1K: one piece by default).
+    assert [(row["top_k"], row["one_piece_rows"], row["in_pieces"]) for row in pieces["rows"]] == [
+        (1, "default", False),
+        (1, "0", True),
+        (2, "default", False),
+        (2, "0", True),
+    ]
+    for row in pieces["rows"]:
+        assert row["tokens"] == 1024 and row["speedup"] == pytest.approx(row["dense_s"] / row["focus_s"])
+        assert row["gpu_path"]["paths"] == {"gpu-sparse": 8} and not row["gpu_path"]["fallback_calls"]
+    assert len({row["dense_s"] for row in pieces["rows"]}) == 1  # against the same dense calls
+
     auto = read(out, "auto.json")
     assert [(row["seq_len"], row["top_k"], row["backend"]) for row in auto] == [
         (1024, 1, "auto"),
@@ -122,7 +136,7 @@ def test_the_sets_fit_what_the_device_tool_brings_back():
     quick = [stage.name for stage in gpu_run.selected_stages(None, [], quick=True)]
     assert len(full) + 1 <= 8 and len(quick) + 1 <= 8
     assert quick == ["tests", "attention", "decode", "model_prefill"]
-    assert full == ["decode", "auto", "peak_memory", "profile", "train"]
+    assert full == ["decode", "auto", "peak_memory", "profile", "train", "pieces"]
     assert set(quick) | set(full) == set(gpu_run.STAGE_NAMES)
     assert [stage.name for stage in gpu_run.selected_stages(["train", "profile"], [], quick=False)] == [
         "profile",
@@ -235,6 +249,15 @@ def test_summary_holds_figures_against_the_targets(tmp_path):
     ]
     attention[1].update(dense_peak_bytes=100 * 2**20, focus_peak_bytes=105 * 2**20, peak_ratio=1.05)
     write_json(tmp_path, "attention.json", {"rows": attention})
+    pieces = [
+        {"tokens": 65536, "top_k": 1, "one_piece_rows": "default", "in_pieces": True, "dense_s": 1.0, "focus_s": 0.5},
+        {"tokens": 65536, "top_k": 1, "one_piece_rows": "1048576", "in_pieces": False, "dense_s": 1.0, "focus_s": 0.3},
+        {"tokens": 65536, "top_k": 2, "one_piece_rows": "1048576", "in_pieces": False, "error": "OutOfMemoryError"},
+    ]
+    for row in pieces[:2]:
+        row.update(speedup=row["dense_s"] / row["focus_s"], dense_peak_bytes=100 * 2**20, peak_ratio=None)
+    pieces[0].update(focus_peak_bytes=107 * 2**20, peak_ratio=1.07)
+    write_json(tmp_path, "pieces.json", {"rows": pieces})
     decode = [
         {"cache_len": 262144, "top_k": 1, "dense_s": 2e-4, "focus_s": 1e-4},
         # Fast, but its Focus calls fell back to the reference path: not a Focus figure.
@@ -255,6 +278,16 @@ def test_summary_holds_figures_against_the_targets(tmp_path):
     assert rows["attention", "top-1 prefill 1M"]["meets_target"] is True
     assert rows["attention", "top-1 prefill 1M peak"]["ratio"] == pytest.approx(1.05)
     assert rows["attention", "top-2 prefill 1M"]["ratio"] is None  # an error is shown, not a figure
+    # The pieces stage: both settings held to the 64K target, each row naming its setting.
+    assert rows["pieces", "top-1 prefill 64K in pieces"]["meets_target"] is False  # 2x < 2.5x
+    assert rows["pieces", "top-1 prefill 64K one piece"]["ratio"] == pytest.approx(1 / 0.3)
+    assert rows["pieces", "top-1 prefill 64K one piece"]["meets_target"] is True
+    assert rows["pieces", "top-1 prefill 64K one piece"]["one_piece_rows"] == "1048576"
+    assert rows["pieces", "top-1 prefill 64K in pieces peak"]["ratio"] == pytest.approx(1.07)
+    assert rows["pieces", "top-1 prefill 64K in pieces peak"]["meets_target"] is True  # <= 1.1x
+    assert rows["pieces", "top-1 prefill 64K in pieces peak"]["one_piece_rows"] == "default"
+    assert ("pieces", "top-1 prefill 64K one piece peak") not in rows  # no peak measured: none shown
+    assert rows["pieces", "top-2 prefill 64K one piece"]["focus"].startswith("OutOfMemoryError")
     assert rows["decode", "top-1 cache 256K"]["ratio"] == pytest.approx(2.0)
     assert rows["decode", "top-1 cache 256K"]["unit"] == "ms" and rows["decode", "top-1 cache 256K"]["meets_target"]
     assert rows["decode", "top-1 cache 1M"]["ratio"] == pytest.approx(7.0)  # above its 4x target, but:

@@ -7,25 +7,48 @@ its rows in runs whose temporaries fit `temporary_bytes`, a share of the output'
 the same at every length (benchmarks/results/gpu/host-operations/ has it at 32 / 8 heads).
 
 A short call runs each part in one piece instead: its time is made of launches, which pieces multiply, and its
-temporaries (about 20 KiB per query row at 32 / 8 heads of 64 in bfloat16) are small in absolute terms.
+temporaries (about 20 KiB per query row at 32 / 8 heads of 64 in bfloat16) are small in absolute terms. Where pieces
+start is `FOCUS_HF_GPU_ONE_PIECE_ROWS` (query rows, default `ONE_PIECE_ROWS`), read at every call: set high, every
+call runs in one piece (less launching, more memory).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
 # Temporaries of one part at a time, as a share of the call's output (the queries' size).
 TEMPORARY_SHARE = 1 / 6
-# Calls of at most this many query rows (batch x queries) run each part in one piece.
+# Calls of at most this many query rows (batch x queries) run each part in one piece, unless ONE_PIECE_ROWS_ENV
+# says otherwise.
 ONE_PIECE_ROWS = 32768
+ONE_PIECE_ROWS_ENV = "FOCUS_HF_GPU_ONE_PIECE_ROWS"
+
+
+def one_piece_rows() -> int:
+    """The most query rows (batch x queries) a call may have and still run each part in one piece:
+    FOCUS_HF_GPU_ONE_PIECE_ROWS where set (an integer >= 0; 0 puts every call in pieces), else ONE_PIECE_ROWS."""
+    value = os.environ.get(ONE_PIECE_ROWS_ENV, "").strip()
+    if not value:
+        return ONE_PIECE_ROWS
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(
+            f"{ONE_PIECE_ROWS_ENV} must be a whole number of query rows >= 0 (default {ONE_PIECE_ROWS}), not "
+            f"{value!r}; unset it for the default"
+        )
+    return rows
 
 
 def temporary_bytes(query: torch.Tensor) -> int:
     """The bytes of temporaries one part of the GPU path may hold at once for a call with these queries [batch, heads,
-    q, dim]: unbounded up to ONE_PIECE_ROWS query rows, else TEMPORARY_SHARE of the output."""
-    if query.shape[0] * query.shape[2] <= ONE_PIECE_ROWS:
+    q, dim]: unbounded up to `one_piece_rows()` query rows, else TEMPORARY_SHARE of the output."""
+    if query.shape[0] * query.shape[2] <= one_piece_rows():
         return sys.maxsize
     return int(query.numel() * query.element_size() * TEMPORARY_SHARE)
 

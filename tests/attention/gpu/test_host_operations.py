@@ -6,7 +6,6 @@ tested against the dense reference elsewhere (test_gpu_path.py, test_window.py, 
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -28,11 +27,7 @@ if not hasattr(host_operations, "main"):
 BEFORE = ROOT / "benchmarks" / "results" / "gpu" / "host-operations" / "before.json"
 
 
-def layer(**changes) -> argparse.Namespace:
-    """The benchmark's layer (benchmarks/gpu/layer_prefill.py: 32 / 8 heads of 64, K 8, w 128, 4 sinks, bfloat16)."""
-    options = dict(heads=32, kv_heads=8, head_dim=64, groups=8, window=128, sinks=4, top_k=[1, 2])
-    options.update(dtype="bfloat16", varlen_gqa=False)
-    return argparse.Namespace(**{**options, **changes})
+layer = host_operations.layer_args  # the benchmark's layer (layer_prefill.py's), with changes
 
 
 @pytest.fixture
