@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": compare(runs["base"], runs["head"]),
     }
     for row in result["rows"]:
-        described = ", ".join(f"{k} {v}" for k, v in row["row"].items() if k in ("seq_len", "top_k", "decode"))
+        described = ", ".join(f"{k} {v}" for k, v in row["row"].items() if k in ("seq_len", "cache_len", "top_k"))
         ratios = ", ".join(f"{name} {value:.3f}" for name, value in row["head_over_base"].items() if name in RATIOS)
         log(f"{described}: head / base {ratios}")
     write_json(args.out, result)
