@@ -66,7 +66,8 @@ def compare(base_runs: list[list[dict]], head_runs: list[list[dict]]) -> list[di
     keys = {row_key(row, names) for run in base_runs for row in run}
     head_keys = {row_key(row, names) for run in head_runs for row in run}
     if keys != head_keys:
-        differing = sorted({name for key in keys ^ head_keys for name, _ in key if len({dict(k)[name] for k in keys ^ head_keys}) > 1})
+        apart = keys ^ head_keys
+        differing = sorted({name for key in apart for name, _ in key if len({dict(k)[name] for k in apart}) > 1})
         raise ValueError(
             f"the base's and the head's rows differ (in {', '.join(differing) or 'number'}): the command does not mean "
             "the same on both commits"
