@@ -69,11 +69,16 @@ def test_default_model_loads_and_caches(tmp_path_factory):
         )
         assert "hi" in prompt
 
+    weights, cached_weights = model.state_dict(), cached_model.state_dict()
+    assert weights.keys() == cached_weights.keys()
+    assert all(torch.equal(weights[name], cached_weights[name]) for name in weights)
     inputs = cached_tokenizer(text, return_tensors="pt")
     with torch.no_grad():
         logits = model(**inputs).logits
         cached_logits = cached_model(**inputs).logits
-    assert torch.equal(logits, cached_logits)
+    # Not bit for bit: a process's first float32 forward sometimes rounds differently from every later one, in plain
+    # transformers too (about 3e-3 in these logits); a config the cache lost (rope, tied embeddings) changes far more.
+    torch.testing.assert_close(logits, cached_logits, rtol=0, atol=1e-2)
 
 
 def test_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path):
