@@ -16,11 +16,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
+from hub_adapters import REPO, fake_adapter_folder, folder_state
 from hub_server import LoopbackOnlyError, hub_server  # noqa: F401  (hub_server: pytest fixture)
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
-from safetensors.torch import save_file
 
 from focus_hf.hub import (
     AdapterFolderError,
@@ -33,7 +32,6 @@ from focus_hf.hub import (
     validate_repo_id,
 )
 
-REPO = "focus-test/tiny-focus"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ADAPTER_FILES = ["README.md", "adapter_config.json", "adapter_model.safetensors", "attention_map.html",
                  "heads.png", "routing_stats.json"]  # fmt: skip
@@ -48,36 +46,6 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def make_adapter(folder: Path, *, seed: int = 0, peft_type: str = "FOCUS") -> Path:
-    """A fake Focus adapter folder: config, a couple of tensors, a model card and interpretability files."""
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": peft_type, "base_model_name_or_path": "tiny/base", "num_groups": 4, "task_type": "CAUSAL_LM"}
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    generator = torch.Generator().manual_seed(seed)
-    save_file(
-        {
-            "base_model.model.layers.0.self_attn.focus_proj.weight": torch.randn(4, 8, generator=generator),
-            "base_model.model.layers.0.self_attn.focus_centroids": torch.randn(4, 2, generator=generator),
-        },
-        str(folder / "adapter_model.safetensors"),
-    )
-    (folder / "README.md").write_text("---\nlibrary_name: peft\ntags:\n- focus\n---\n# Tiny Focus adapter\n")
-    (folder / "routing_stats.json").write_text(json.dumps({"seed": seed, "groups": [1, 2, 3, 4]}))
-    (folder / "heads.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
-    (folder / "attention_map.html").write_text("<html><body>routing</body></html>")
-    (folder / "notes.txt").write_text("not part of the adapter, must not be uploaded")
-    return folder
-
-
-def folder_state(folder: Path) -> dict[str, tuple[str, int]]:
-    """Every file's sha256 and mtime, to prove a folder was left untouched."""
-    return {
-        p.relative_to(folder).as_posix(): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
 def assert_same_files(pulled: Path, source: Path, names=ADAPTER_FILES) -> None:
     """`pulled` holds exactly the files `names` of `source` (and, pulled into a folder, the pull's hidden record)."""
     assert sorted(p.name for p in pulled.iterdir() if p.is_file() and not p.name.startswith(".")) == sorted(names)
@@ -87,7 +55,7 @@ def assert_same_files(pulled: Path, source: Path, names=ADAPTER_FILES) -> None:
 
 @pytest.fixture
 def adapter(tmp_path: Path) -> Path:
-    return make_adapter(tmp_path / "adapter")
+    return fake_adapter_folder(tmp_path / "adapter")
 
 
 # --- repo ids -----------------------------------------------------------------------------------
@@ -202,8 +170,8 @@ def test_push_then_pull_round_trip(hub_server, adapter, tmp_path):
 
 
 def test_repush_creates_new_commit_and_old_revision_stays_pullable(hub_server, tmp_path):
-    v1 = make_adapter(tmp_path / "v1", seed=1)
-    v2 = make_adapter(tmp_path / "v2", seed=2)
+    v1 = fake_adapter_folder(tmp_path / "v1", seed=1)
+    v2 = fake_adapter_folder(tmp_path / "v2", seed=2)
     first = push_adapter(v1, REPO)
     second = push_adapter(v2, REPO, commit_message="Retrain")
     assert second.oid != first.oid and hub_server.head(REPO) == second.oid
@@ -230,7 +198,7 @@ def test_push_to_branch_and_pull_request(hub_server, adapter, tmp_path):
     with pytest.raises(NotAFocusAdapterError, match="no adapter_config.json"):
         pull_adapter(REPO, cache_dir=tmp_path / "c")  # main only has .gitattributes
 
-    pr = push_adapter(make_adapter(tmp_path / "v2", seed=5), REPO, create_pr=True)
+    pr = push_adapter(fake_adapter_folder(tmp_path / "v2", seed=5), REPO, create_pr=True)
     assert pr.pr_revision == "refs/pr/1" and pr.pr_url.endswith(f"{REPO}/discussions/1")
     assert "adapter_config.json" not in hub_server.list_files(REPO, "main")  # main untouched
     assert pull_adapter(REPO, revision="refs/pr/1", cache_dir=tmp_path / "c").name == pr.oid
@@ -275,11 +243,11 @@ _OFFLINE_CHILD = textwrap.dedent(
 
 
 def test_offline_pull_from_cache(hub_server, tmp_path):
-    v1 = make_adapter(tmp_path / "v1", seed=1)
+    v1 = fake_adapter_folder(tmp_path / "v1", seed=1)
     first = push_adapter(v1, REPO)
     pull_adapter(REPO)  # online, into the fixture's HF_HOME cache (what the child process will use)
     pull_adapter(REPO, revision=first.oid)
-    push_adapter(make_adapter(tmp_path / "v2", seed=2), REPO)  # the Hub moves on; the cache still has v1
+    push_adapter(fake_adapter_folder(tmp_path / "v2", seed=2), REPO)  # the Hub moves on; the cache still has v1
     n_requests = len(hub_server.requests)
 
     child = subprocess.run(
@@ -323,7 +291,7 @@ def test_offline_pull_from_cache(hub_server, tmp_path):
 
 
 def test_server_error_mid_push_is_clear_and_leaves_folder_untouched(hub_server, adapter):
-    push_adapter(make_adapter(adapter.parent / "v0", seed=9), REPO)
+    push_adapter(fake_adapter_folder(adapter.parent / "v0", seed=9), REPO)
     head = hub_server.head(REPO)
     before = folder_state(adapter)
 
@@ -368,7 +336,7 @@ def _upload_raw(hub_server, files: dict[str, bytes]) -> None:
 
 
 def test_repo_without_focus_config_is_refused(hub_server, tmp_path):
-    lora = make_adapter(tmp_path / "lora", peft_type="LORA")
+    lora = fake_adapter_folder(tmp_path / "lora", peft_type="LORA")
     weights = (lora / "adapter_model.safetensors").read_bytes()
     _upload_raw(hub_server, {"adapter_config.json": (lora / "adapter_config.json").read_bytes(),
                              "adapter_model.safetensors": weights})  # fmt: skip
@@ -442,8 +410,8 @@ def test_push_refuses_incomplete_folder(hub_server, adapter, missing):
 
 def test_push_refuses_non_focus_config_and_broken_weights(hub_server, tmp_path):
     with pytest.raises(AdapterFolderError, match="peft_type 'LORA'"):
-        push_adapter(make_adapter(tmp_path / "lora", peft_type="LORA"), REPO)
-    broken = make_adapter(tmp_path / "broken")
+        push_adapter(fake_adapter_folder(tmp_path / "lora", peft_type="LORA"), REPO)
+    broken = fake_adapter_folder(tmp_path / "broken")
     data = (broken / "adapter_model.safetensors").read_bytes()
     (broken / "adapter_model.safetensors").write_bytes(data[:-10])
     with pytest.raises(AdapterFolderError, match="truncated or padded"):

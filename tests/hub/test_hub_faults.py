@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hub_adapters import REPO, fake_adapter_folder, folder_state
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from huggingface_hub import constants
 from peft import PeftModel
-from test_hub import REPO, folder_state, make_adapter
 from tiny_models import assert_unmodified, ids, snapshot, tiny_model
 from tiny_models import make_adapter as make_loadable_adapter
 
@@ -24,9 +24,9 @@ WEIGHTS = "adapter_model.safetensors"
 
 
 def test_push_cut_mid_upload_leaves_the_repo_as_it_was(hub_server, tmp_path):
-    push_adapter(make_adapter(tmp_path / "v0", seed=0), REPO)
+    push_adapter(fake_adapter_folder(tmp_path / "v0", seed=0), REPO)
     head, commits = hub_server.head(REPO), hub_server.commit_count(REPO)
-    folder = make_adapter(tmp_path / "v1", seed=1)
+    folder = fake_adapter_folder(tmp_path / "v1", seed=1)
     before = folder_state(folder)
     hub_server.drop_connection("commit", after_bytes=200)  # part of the commit's body arrives, then nothing
     with pytest.raises(HubPushError, match=f"Nothing was committed: {REPO}@main is still at {head}") as refused:
@@ -40,9 +40,9 @@ def test_push_cut_mid_upload_leaves_the_repo_as_it_was(hub_server, tmp_path):
 
 
 def test_push_whose_answer_is_lost_is_complete_in_one_commit_and_says_so(hub_server, tmp_path):
-    push_adapter(make_adapter(tmp_path / "v0", seed=0), REPO)
+    push_adapter(fake_adapter_folder(tmp_path / "v0", seed=0), REPO)
     head = hub_server.head(REPO)
-    folder = make_adapter(tmp_path / "v1", seed=1)
+    folder = fake_adapter_folder(tmp_path / "v1", seed=1)
     hub_server.drop_connection("commit", after_apply=True)  # the commit lands; the connection drops before the answer
     with pytest.raises(HubPushError, match="The commit landed all the same") as refused:
         push_adapter(folder, REPO)
@@ -54,7 +54,7 @@ def test_push_whose_answer_is_lost_is_complete_in_one_commit_and_says_so(hub_ser
 
 
 def test_pull_cut_mid_download_resumes_and_completes(hub_server, tmp_path):
-    folder = make_adapter(tmp_path / "adapter")
+    folder = fake_adapter_folder(tmp_path / "adapter")
     push_adapter(folder, REPO)
     hub_server.drop_connection("resolve", after_bytes=300, path=WEIGHTS)
     pulled = pull_adapter(REPO, local_dir=tmp_path / "out", cache_dir=tmp_path / "cache")

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from hub_adapters import REPO, fake_adapter_folder
 from hub_server import hub_server  # noqa: F401  (pytest fixture)
 from huggingface_hub import HfApi
-from test_hub import REPO, make_adapter
 
 from focus_hf.hub import AdapterFolderError, NotAFocusAdapterError, plan_push, pull_adapter, push_adapter
 from focus_hf.hub.cards import section
@@ -27,7 +27,7 @@ PYPROJECT = PACKAGE.parent / "pyproject.toml"
 
 
 def test_repush_keeps_files_the_folder_lacks_unless_asked_to_delete_them(hub_server, tmp_path, caplog):  # noqa: F811
-    folder = make_adapter(tmp_path / "adapter", seed=1)
+    folder = fake_adapter_folder(tmp_path / "adapter", seed=1)
     push_adapter(folder, REPO)
     (folder / "heads.png").unlink()
     (folder / "routing_stats.json").unlink()
@@ -46,9 +46,9 @@ def test_repush_keeps_files_the_folder_lacks_unless_asked_to_delete_them(hub_ser
 
 
 def test_pull_into_a_folder_an_earlier_pull_wrote_updates_only_its_own_files(hub_server, tmp_path):  # noqa: F811
-    old = make_adapter(tmp_path / "old", seed=1)
+    old = fake_adapter_folder(tmp_path / "old", seed=1)
     first = push_adapter(old, REPO)
-    new = make_adapter(tmp_path / "new", seed=2)
+    new = fake_adapter_folder(tmp_path / "new", seed=2)
     (new / "heads.png").unlink()
     push_adapter(new, REPO, delete=True)
     out = tmp_path / "out"
@@ -64,7 +64,7 @@ USER_FILES = {"package.json": b'{"name": "site"}', "tsconfig.json": b"{}", "logo
 
 
 def test_pull_into_a_folder_holding_unrelated_files_deletes_none(hub_server, tmp_path):  # noqa: F811
-    push_adapter(make_adapter(tmp_path / "adapter"), REPO)
+    push_adapter(fake_adapter_folder(tmp_path / "adapter"), REPO)
     project = tmp_path / "project"
     project.mkdir()
     for name, data in USER_FILES.items():
@@ -82,12 +82,12 @@ def test_pull_into_a_folder_holding_unrelated_files_deletes_none(hub_server, tmp
 
 
 def test_push_without_a_readme_keeps_the_one_edited_on_the_hub(hub_server, tmp_path):  # noqa: F811
-    folder = make_adapter(tmp_path / "adapter")
+    folder = fake_adapter_folder(tmp_path / "adapter")
     push_adapter(folder, REPO)
     edited = b"---\nlibrary_name: peft\n---\n# Edited on the Hub\n"
     HfApi().upload_file(path_or_fileobj=edited, path_in_repo="README.md", repo_id=REPO)
     (folder / "README.md").unlink()
-    make_adapter(tmp_path / "v2", seed=3)
+    fake_adapter_folder(tmp_path / "v2", seed=3)
     (folder / "adapter_model.safetensors").write_bytes((tmp_path / "v2" / "adapter_model.safetensors").read_bytes())
     push_adapter(folder, REPO)
     assert hub_server.get_file(REPO, "adapter_model.safetensors") == (folder / "adapter_model.safetensors").read_bytes()
@@ -95,7 +95,7 @@ def test_push_without_a_readme_keeps_the_one_edited_on_the_hub(hub_server, tmp_p
 
 
 def test_push_of_a_new_card_keeps_what_was_written_on_the_hub(hub_server, tmp_path, caplog):  # noqa: F811
-    folder = make_adapter(tmp_path / "adapter")
+    folder = fake_adapter_folder(tmp_path / "adapter")
     (folder / "README.md").write_text(
         "---\nlibrary_name: peft\n---\n\n" + section("usage", "# Tiny adapter\n\nold figures") + "\n## Notes\n"
     )
@@ -115,7 +115,7 @@ def test_push_of_a_new_card_keeps_what_was_written_on_the_hub(hub_server, tmp_pa
 
 
 def test_push_refuses_symlinks_out_of_the_folder(hub_server, tmp_path):  # noqa: F811
-    folder = make_adapter(tmp_path / "adapter")
+    folder = fake_adapter_folder(tmp_path / "adapter")
     secret = tmp_path / "secret.json"
     secret.write_text('{"token": "hf_secret"}')
     (folder / "stats.json").symlink_to(secret)

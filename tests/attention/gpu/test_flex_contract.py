@@ -19,9 +19,8 @@ import pytest
 import torch
 from attention_cases import ATOL, BASE_CASE, SCALING, cases, run_case
 from flex_kernels import CompiledCalls, compiled_cpu_kernels, dynamo_kernels, eager_kernels, strict_twin
+from gpu_path_cases import allowed_of, decoding_steps, sparse_case
 from hypothesis import HealthCheck, given, settings
-from test_gpu_path import allowed_of, sparse_case
-from test_paged_keys import decoding_steps
 from tiny_models import VOCAB
 
 import focus_hf

@@ -10,6 +10,7 @@ from functools import partial
 import pytest
 import torch
 from attention_cases import ATOL, BASE_CASE, SCALING, cases, focus_llama, random_routing, run_case
+from gpu_path_cases import allowed_of, sparse_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import VOCAB
@@ -32,7 +33,6 @@ from focus_hf.attention.gpu.cpu_standins import (
     varlen_attention_standin,
 )
 from focus_hf.attention.gpu.kernels import NEG, GpuKernels, standin_kernels
-from focus_hf.attention.pattern import allowed_pairs
 from focus_hf.attention.reference import dense_attention
 
 
@@ -60,28 +60,6 @@ def test_gpu_path_equals_dense_oracle(case, varlen_gqa):
     torch.testing.assert_close(output[rows], reference[rows], atol=ATOL, rtol=0)
 
 
-def sparse_case(
-    length=300, q_len=300, top_k=1, separate=False, groups=4, window=16, sinks=3, pad=20, seed=1, dtype=None
-):
-    """Inputs of `gpu_path.gpu_sparse_attention` and the dense oracle's output on them."""
-    generator = torch.Generator().manual_seed(seed)
-    batch, heads, kv_heads, dim = 2, 6, 2, 8
-    query = torch.randn(batch, q_len, heads, dim, generator=generator).transpose(1, 2)
-    key = torch.randn(batch, length, kv_heads, dim, generator=generator).transpose(1, 2)
-    value = torch.randn(batch, length, kv_heads, dim, generator=generator).transpose(1, 2)
-    query_groups, key_groups = random_routing(generator, batch, length, groups, top_k, "none", separate)
-    valid = torch.ones(batch, length, dtype=torch.bool)
-    valid[0, :pad] = False
-    sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
-    positions = torch.arange(length)
-    query_groups = query_groups[:, length - q_len :]
-    allowed = allowed_pairs(query_groups, key_groups, sink, positions[length - q_len :], positions, window)
-    allowed = allowed & (positions[length - q_len :, None] >= positions)[None] & valid[:, None, :]
-    expected = dense_attention(query, key, value, allowed[:, None], scaling=SCALING)
-    arguments = (query, key, value, valid, query_groups, key_groups, sink, groups, window, SCALING)
-    return arguments, expected, valid[:, length - q_len :]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("top_k, separate", [(1, False), (2, False), (1, True), (3, True)])
 def test_every_routing_and_dtype(dtype, top_k, separate):
@@ -94,14 +72,6 @@ def test_every_routing_and_dtype(dtype, top_k, separate):
     expected = dense_attention(*(state.float() for state in states), allowed_of(arguments), scaling=SCALING)
     tolerance = ATOL if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(output.float()[rows], expected[rows], atol=tolerance, rtol=0)
-
-
-def allowed_of(arguments):
-    query, key, value, valid, query_groups, key_groups, sink, groups, window, _ = arguments
-    q_len, length = query.shape[2], key.shape[2]
-    positions = torch.arange(length)
-    allowed = allowed_pairs(query_groups, key_groups, sink, positions[length - q_len :], positions, window)
-    return (allowed & (positions[length - q_len :, None] >= positions)[None] & valid[:, None, :])[:, None]
 
 
 def test_own_group_top_1_runs_one_varlen_call_per_kv_head_run(monkeypatch):

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from attention_cases import ATOL, SCALING, focus_llama, random_routing
+from attention_cases import ATOL, SCALING, focus_llama
+from gpu_path_cases import decoding_case, decoding_steps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import VOCAB
@@ -20,59 +20,6 @@ from focus_hf.attention.gpu.kernels import GpuKernels, standin_kernels
 from focus_hf.attention.gpu.paged_keys import PAGE, PagedKeys
 from focus_hf.attention.pattern import FocusPattern, allowed_pairs
 from focus_hf.attention.reference import dense_attention
-
-
-def decoding_case(seed, batch, length, groups, top_k, pad, sinks, separate=False, skew="some"):
-    generator = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim = 4, 2, 8
-    query = torch.randn(batch, length, heads, dim, generator=generator).transpose(1, 2)
-    key = torch.randn(batch, kv_heads, length, dim, generator=generator)  # a KV cache is head-major
-    value = torch.randn(batch, kv_heads, length, dim, generator=generator)
-    query_groups, key_groups = random_routing(generator, batch, length, groups, top_k, skew, separate, adaptive=True)
-    valid = torch.ones(batch, length, dtype=torch.bool)
-    valid[0, :pad] = False
-    sink = valid & (valid.cumsum(dim=1) - 1 < sinks)
-    return query, key, value, query_groups, key_groups, valid, sink
-
-
-def decoding_steps(
-    kernels,
-    steps,
-    rebuilt,
-    length,
-    seed=1,
-    batch=2,
-    groups=4,
-    top_k=2,
-    window=16,
-    file_every=8,
-    pad=30,
-    sinks=3,
-    separate=True,
-):
-    """One-query steps through the paged copy at the cache lengths `steps` (filing every `file_every` positions; the
-    copy invalidated before the lengths in `rebuilt`, as after a multi-token call), each against the dense oracle."""
-    query, key, value, query_groups, key_groups, valid, sink = decoding_case(
-        seed, batch, length, groups, top_k, pad, sinks, separate
-    )
-    positions = torch.arange(length)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(paged_keys, "FILE_EVERY", file_every)
-        store = PagedKeys(groups, window)
-        for n in steps:
-            if n in rebuilt:
-                store.invalidate()
-            q = query[:, :, n - 1 : n]
-            arguments = (key[:, :, :n], value[:, :, :n], valid[:, :n], query_groups[:, n - 1 : n])
-            routing = (key_groups[:, :n], sink[:, :n], window, SCALING)
-            output = decode_from_paged_keys(q, *arguments, *routing, store, kernels)
-            allowed = allowed_pairs(
-                query_groups[:, n - 1 : n], key_groups[:, :n], sink[:, :n], positions[n - 1 : n], positions[:n], window
-            )
-            allowed = allowed & valid[:, None, :n]
-            expected = dense_attention(q, key[:, :, :n], value[:, :, :n], allowed[:, None], scaling=SCALING)
-            real = valid[:, n - 1]
-            torch.testing.assert_close(output[real], expected[real], atol=ATOL, rtol=0)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
